@@ -1,0 +1,665 @@
+"""Trace a ``score_mod`` or ``mask_mod`` into an :mod:`flexc.ir` graph.
+
+The mod is called once with proxy objects standing in for ``score``, ``b``, ``h``, ``q_idx`` and
+``kv_idx``. Python operators on proxies build graph nodes; torch functions and tensor methods are
+intercepted by a :class:`~torch.overrides.TorchFunctionMode` while the mod runs. Tensors the mod
+captures (closures, globals, defaults, ``functools.partial`` arguments) become buffer parameters
+the moment a proxy indexes them or meets them in arithmetic. Anything that would make the graph
+depend on a concrete value (``if``, ``bool()``, ``int()``, ``.item()``) raises :class:`TraceError`
+with the offending line and a fix.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import ir
+
+SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
+SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_MOD_ARGS = ("b", "h", "q_idx", "kv_idx")
+
+_FLEXC_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+class TraceError(TypeError):
+    """A mod cannot be traced: the message names the mod, the line, and the fix."""
+
+
+# ---- public API ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class TracedMod:
+    """A traced mod: its graph, the tensors it captured, and where it came from.
+
+    ``key`` is the structural cache key: it depends on the graph and on each captured tensor's
+    dtype and rank, never on tensor values, so re-creating a closure over new data reuses kernels.
+    """
+
+    kind: str  # "score_mod" or "mask_mod"
+    root: ir.Node
+    buffers: tuple  # captured tensors, indexed by the buffer nodes' slot
+    buffer_names: tuple
+    name: str
+    fn: Callable
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.root)
+
+    @property
+    def arg_names(self) -> tuple:
+        return SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
+
+    def __str__(self) -> str:
+        return ir.format_expr(self.root, self.buffer_names)
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {self.name}: {self}>"
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        """Evaluate on (broadcastable) tensors, in the mod's own argument order."""
+        from .evaluate import evaluate
+
+        return evaluate(self, **dict(zip(self.arg_names, args)))
+
+
+def mod_kind(fn: Callable) -> str:
+    """``"score_mod"`` for 5 positional parameters without defaults, ``"mask_mod"`` for 4 (torch's rule)."""
+    if not callable(fn):
+        raise TypeError(f"expected a score_mod or mask_mod function, got {type(fn).__name__} {fn!r}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise TraceError(f"cannot read the signature of {_mod_name(fn)}: {e}") from None
+    positional = [
+        p for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    if len(positional) == 5:
+        return SCORE_MOD
+    if len(positional) == 4:
+        return MASK_MOD
+    raise TraceError(
+        f"{_mod_name(fn)}{_def_site(fn)} takes {len(positional)} positional parameters without "
+        f"defaults; expected 5 for a score_mod (score, b, h, q_idx, kv_idx) or 4 for a mask_mod "
+        f"(b, h, q_idx, kv_idx). Fix: give extra parameters default values or bind them with "
+        f"functools.partial."
+    )
+
+
+def trace(fn: Callable, kind: str | None = None) -> TracedMod:
+    """Trace ``fn`` once with proxies and return its :class:`TracedMod`.
+
+    ``kind`` (``"score_mod"``/``"mask_mod"``) is inferred from the arity when omitted. Raises
+    :class:`TraceError` for code that cannot become a graph.
+
+    >>> print(trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx))
+    q_idx >= kv_idx
+    """
+    if isinstance(fn, TracedMod):
+        return fn
+    actual = mod_kind(fn)
+    if kind is not None and kind != actual:
+        raise TraceError(
+            f"expected a {kind} but {_mod_name(fn)}{_def_site(fn)} is a {actual} "
+            f"({len(SCORE_MOD_ARGS if actual == SCORE_MOD else MASK_MOD_ARGS)} positional parameters). "
+            f"Fix: pass a {kind} taking ({', '.join(SCORE_MOD_ARGS if kind == SCORE_MOD else MASK_MOD_ARGS)})."
+        )
+    tracer = _Tracer(fn, actual)
+    return tracer.run()
+
+
+# ---- the tracer ---------------------------------------------------------------------------
+
+class _Tracer:
+    def __init__(self, fn: Callable, kind: str):
+        self.fn, self.kind = fn, kind
+        self.buffers: list[torch.Tensor] = []
+        self._slots: dict[int, int] = {}
+
+    def run(self) -> TracedMod:
+        names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
+        proxies = [Proxy(ir.input_(n), self) for n in names]
+        with _TraceMode(self):
+            out = self.fn(*proxies)
+        root = self.to_node(out, what="the return value")
+        if self.kind == MASK_MOD and root.kind != ir.BOOL:
+            self.fail(
+                f"a mask_mod must return a bool, but {_mod_name(self.fn)} returns a {root.kind} "
+                f"value: {ir.format_expr(root)}",
+                "return a comparison such as `q_idx >= kv_idx`; to change scores write a score_mod",
+                site=_def_site(self.fn),
+            )
+        if self.kind == SCORE_MOD and root.kind == ir.BOOL:
+            self.fail(
+                f"a score_mod must return a number, but {_mod_name(self.fn)} returns a bool: "
+                f"{ir.format_expr(root)}",
+                "to mask, return `torch.where(cond, score, -float('inf'))` or write a mask_mod",
+                site=_def_site(self.fn),
+            )
+        if self.kind == SCORE_MOD and root.kind == ir.INT:
+            root = ir.cast(root, "float32", ir.FLOAT)
+        return TracedMod(self.kind, root, tuple(self.buffers), _buffer_names(self.fn, self.buffers),
+                         _mod_name(self.fn), self.fn)
+
+    # -- errors --
+    def fail(self, what: str, fix: str, site: str | None = None) -> None:
+        site = site if site is not None else _user_site()
+        raise TraceError(f"cannot trace {self.kind} {_mod_name(self.fn)}{site}: {what}.\nFix: {fix}.")
+
+    # -- operands --
+    def buffer_node(self, t: torch.Tensor) -> ir.Node:
+        slot = self._slots.get(id(t))
+        if slot is None:
+            slot = len(self.buffers)
+            self._slots[id(t)] = slot
+            self.buffers.append(t)
+        return ir.buffer(slot, str(t.dtype).removeprefix("torch."), t.dim(), _dtype_kind(t.dtype))
+
+    def to_node(self, x: Any, what: str = "an operand") -> ir.Node:
+        if isinstance(x, _PartialLoad):
+            self.fail(
+                f"captured tensor {x.describe()} is indexed with {len(x.indices)} of its {x.ndim} "
+                f"dimensions, which leaves a tensor, not a scalar",
+                "index every dimension, e.g. `bias[h, q_idx, kv_idx]` for a 3-D bias",
+            )
+        if isinstance(x, Proxy):
+            return x.node
+        if isinstance(x, (bool, int, float)):
+            if isinstance(x, float) and math.isnan(x):
+                self.fail("a NaN constant", "use a finite number or -inf")
+            return ir.const(x)
+        if hasattr(x, "dtype") and hasattr(x, "item") and not isinstance(x, torch.Tensor):  # numpy scalar
+            return ir.const(x.item())
+        if isinstance(x, torch.Tensor):
+            if x.dim() != 0:
+                self.fail(
+                    f"{what} is a captured tensor of shape {list(x.shape)} used whole; a mod works "
+                    f"on one (b, h, q_idx, kv_idx) element at a time",
+                    "index it with the mod's arguments, e.g. `bias[h, q_idx]`",
+                )
+            return ir.load(self.buffer_node(x), ())
+        self.fail(f"{what} has unsupported type {type(x).__name__}", "use tensors, Python numbers or the mod's arguments")
+
+    def wrap(self, node: ir.Node) -> "Proxy":
+        return Proxy(node, self)
+
+    # -- indexing a captured tensor --
+    def index(self, base: Any, key: Any) -> Any:
+        if isinstance(base, _PartialLoad):
+            tensor, indices = base.tensor, list(base.indices)
+        else:
+            tensor, indices = base, []
+        keys = list(key) if isinstance(key, tuple) else [key]
+        if any(k is Ellipsis for k in keys):
+            pos = keys.index(Ellipsis)
+            fill = tensor.dim() - len(indices) - (len(keys) - 1)
+            keys[pos:pos + 1] = [slice(None)] * max(fill, 0)
+        for k in keys:
+            dim = len(indices)
+            if dim >= tensor.dim():
+                self.fail(
+                    f"captured tensor {_describe(tensor)} is indexed with {len(indices) + 1}+ indices but "
+                    f"has {tensor.dim()} dimensions",
+                    f"index it with exactly {tensor.dim()} indices",
+                )
+            if isinstance(k, Proxy):
+                if k.node.kind == ir.FLOAT:
+                    self.fail(f"captured tensor {_describe(tensor)} is indexed with a float value {k.node}",
+                              "convert the index with `.long()` or use `//` instead of `/`")
+                if k.node.kind == ir.BOOL:
+                    self.fail(f"captured tensor {_describe(tensor)} is indexed with a bool value {k.node}",
+                              "use torch.where(cond, a, b) to choose between values")
+                indices.append(k.node)
+            elif isinstance(k, bool) or k is None:
+                self.fail(f"captured tensor {_describe(tensor)} is indexed with {k!r}", "index with integers or the mod's arguments")
+            elif isinstance(k, int) or (isinstance(k, torch.Tensor) and k.dim() == 0 and not k.is_floating_point()):
+                size = tensor.shape[dim]
+                i = int(k)
+                if not -size <= i < size:
+                    self.fail(f"index {i} is out of range for dimension {dim} of captured tensor {_describe(tensor)}",
+                              "use an index inside the tensor")
+                indices.append(ir.const(i % size))
+            elif isinstance(k, slice):
+                picked = range(tensor.shape[dim])[k]
+                if len(picked) != 1:
+                    self.fail(
+                        f"the slice {_slice_text(k)} on dimension {dim} of captured tensor {_describe(tensor)} "
+                        f"selects {len(picked)} elements; the result must be a scalar",
+                        "slice the tensor outside the mod, or index that dimension with an integer",
+                    )
+                indices.append(ir.const(picked[0]))
+            else:
+                self.fail(f"captured tensor {_describe(tensor)} is indexed with a {type(k).__name__}",
+                          "index with integers, slices of one element, or the mod's arguments")
+        if len(indices) < tensor.dim():
+            return _PartialLoad(tensor, tuple(indices), self)
+        return self.wrap(ir.load(self.buffer_node(tensor), tuple(indices)))
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return ir.BOOL
+    return ir.FLOAT if dtype.is_floating_point else ir.INT
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"(shape {list(t.shape)}, {str(t.dtype).removeprefix('torch.')})"
+
+
+def _slice_text(s: slice) -> str:
+    parts = ["" if v is None else str(v) for v in (s.start, s.stop, s.step)]
+    return ":".join(parts[:2] if s.step is None else parts)
+
+
+class _PartialLoad:
+    """A captured tensor indexed in fewer dimensions than it has (``bias[h]`` before ``[q_idx]``)."""
+
+    def __init__(self, tensor: torch.Tensor, indices: tuple, tracer: _Tracer):
+        self.tensor, self.indices, self.tracer = tensor, indices, tracer
+
+    @property
+    def ndim(self) -> int:
+        return self.tensor.dim()
+
+    def describe(self) -> str:
+        return _describe(self.tensor)
+
+    def __getitem__(self, key):
+        return self.tracer.index(self, key)
+
+    def _misuse(self, *args, **kwargs):
+        self.tracer.to_node(self)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _misuse
+    __bool__ = __lt__ = __le__ = __gt__ = __ge__ = __and__ = __or__ = _misuse
+
+
+# ---- proxies ------------------------------------------------------------------------------
+
+def _binop(op: str, reverse: bool = False):
+    def method(self: "Proxy", other: Any) -> "Proxy":
+        t = self.tracer
+        a, b = self.node, t.to_node(other)
+        if reverse:
+            a, b = b, a
+        return t.wrap(_binary(t, op, a, b))
+
+    method.__name__ = f"__{'r' if reverse else ''}{op}__"
+    return method
+
+
+def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
+    if op in ir.LOGIC_OPS and ir.FLOAT in (a.kind, b.kind):
+        t.fail(f"`{ir._SYMBOLS[op]}` on a float value ({a} {ir._SYMBOLS[op]} {b})",
+               "use `&`, `|`, `^` on comparisons (bools) or integer indices")
+    return ir.binary(op, a, b)
+
+
+class Proxy:
+    """Stands in for one scalar of a mod (``score``, ``q_idx``, or anything computed from them)."""
+
+    __slots__ = ("node", "tracer")
+
+    def __init__(self, node: ir.Node, tracer: _Tracer):
+        self.node, self.tracer = node, tracer
+
+    def __repr__(self) -> str:
+        return f"Proxy({self.node})"
+
+    __hash__ = object.__hash__
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        tracer = next(a.tracer for a in _flatten((args, kwargs)) if isinstance(a, (Proxy, _PartialLoad)))
+        return _dispatch(tracer, func, args, kwargs or {})
+
+    __add__, __radd__ = _binop("add"), _binop("add", True)
+    __sub__, __rsub__ = _binop("sub"), _binop("sub", True)
+    __mul__, __rmul__ = _binop("mul"), _binop("mul", True)
+    __truediv__, __rtruediv__ = _binop("truediv"), _binop("truediv", True)
+    __floordiv__, __rfloordiv__ = _binop("floordiv"), _binop("floordiv", True)
+    __mod__, __rmod__ = _binop("mod"), _binop("mod", True)
+    __pow__, __rpow__ = _binop("pow"), _binop("pow", True)
+    __and__, __rand__ = _binop("and"), _binop("and", True)
+    __or__, __ror__ = _binop("or"), _binop("or", True)
+    __xor__, __rxor__ = _binop("xor"), _binop("xor", True)
+    __eq__, __ne__ = _binop("eq"), _binop("ne")
+    __lt__, __le__ = _binop("lt"), _binop("le")
+    __gt__, __ge__ = _binop("gt"), _binop("ge")
+
+    def __neg__(self):
+        if self.node.kind == ir.BOOL:
+            self.tracer.fail(f"unary minus on a bool value ({self.node})", "use `~` to negate a condition")
+        return self.tracer.wrap(ir.unary("neg", self.node))
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return self.tracer.wrap(ir.unary("abs", self.node))
+
+    def __invert__(self):
+        if self.node.kind == ir.FLOAT:
+            self.tracer.fail(f"`~` on a float value ({self.node})", "use `~` on a comparison, or `-` to negate a number")
+        return self.tracer.wrap(ir.unary("not", self.node))
+
+    # -- things that would need a concrete value --
+    def _concrete(self, how: str, fix: str):
+        self.tracer.fail(
+            f"{how} needs a concrete value, but `{self.node}` is symbolic (it is traced once for "
+            f"all positions)", fix)
+
+    def __bool__(self):
+        self._concrete(
+            "Python control flow (`if`, `while`, `and`, `or`, `not`, `bool()`, a conditional expression "
+            "or builtin min/max) on a traced value",
+            "use `&`, `|`, `~` instead of `and`, `or`, `not`, and `torch.where(cond, a, b)` instead of `if`; "
+            "use torch.minimum/torch.maximum instead of min/max",
+        )
+
+    def __int__(self):
+        self._concrete("int()", "keep the value symbolic: use `//` for integer division and `.long()` to convert")
+
+    def __float__(self):
+        self._concrete("float() or a `math` function", "use the torch function instead, e.g. torch.exp, torch.sqrt, or `.float()`")
+
+    def __index__(self):
+        self._concrete("using a traced value as a Python index or length",
+                       "index captured tensors directly, e.g. `bias[q_idx]`, not Python lists or range()")
+
+    def __iter__(self):
+        self._concrete("iterating over a traced value", "a traced value is a scalar; there is nothing to iterate")
+
+    def __len__(self):
+        self._concrete("len()", "a traced value is a scalar")
+
+    def __getitem__(self, key):
+        self.tracer.fail(f"indexing the traced scalar `{self.node}`", "index captured tensors, not the mod's arguments")
+
+    def __setitem__(self, key, value):
+        self.tracer.fail("assigning into a traced value", "compute a new value instead")
+
+    def __getattr__(self, name: str):
+        method = _METHODS.get(name)
+        if method is None:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            self.tracer.fail(f"the tensor method `.{name}()` is not supported by flexc's tracer",
+                             f"use one of: {', '.join(sorted(_METHODS))}")
+        return functools.partial(method, self.tracer, self)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {ir.BOOL: torch.bool, ir.INT: torch.int64, ir.FLOAT: torch.float32}[self.node.kind]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([])
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def dim(self) -> int:
+        return 0
+
+
+def _flatten(x: Any):
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flatten(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flatten(y)
+    else:
+        yield x
+
+
+# ---- torch functions and tensor methods ---------------------------------------------------
+
+_UNARY_FUNCS = {n: n for n in ("abs", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh",
+                               "sigmoid", "sin", "cos", "floor", "ceil", "sign")}
+_UNARY_FUNCS.update(neg="neg", negative="neg", logical_not="not", bitwise_not="not", absolute="abs",
+                    expit="sigmoid")
+_BINARY_FUNCS = {
+    "add": "add", "sub": "sub", "subtract": "sub", "mul": "mul", "multiply": "mul",
+    "true_divide": "truediv", "floor_divide": "floordiv", "remainder": "mod", "pow": "pow",
+    "minimum": "min", "maximum": "max", "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor",
+    "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
+    "greater_equal": "ge", "greater": "gt", "less_equal": "le", "less": "lt", "not_equal": "ne",
+    "__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "truediv", "__div__": "truediv",
+    "__floordiv__": "floordiv", "__mod__": "mod", "__pow__": "pow", "__and__": "and", "__or__": "or",
+    "__xor__": "xor", "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt",
+    "__ge__": "ge",
+}
+_REVERSED_FUNCS = {"__radd__": "add", "__rsub__": "sub", "rsub": "sub", "__rmul__": "mul",
+                   "__rtruediv__": "truediv", "__rdiv__": "truediv", "__rfloordiv__": "floordiv",
+                   "__rmod__": "mod", "__rpow__": "pow", "__rand__": "and", "__ror__": "or", "__rxor__": "xor"}
+_LOGICAL_FUNCS = {"logical_and": "and", "logical_or": "or", "logical_xor": "xor"}
+_CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64, "bool": torch.bool}
+
+
+def _cast(t: _Tracer, x: Any, dtype: torch.dtype) -> "Proxy":
+    node = t.to_node(x)
+    kind = _dtype_kind(dtype)
+    name = str(dtype).removeprefix("torch.")
+    if kind == ir.BOOL and node.kind != ir.BOOL:
+        return t.wrap(ir.binary("ne", node, ir.const(0)))
+    return t.wrap(ir.cast(node, name, kind))
+
+
+def _as_bool(t: _Tracer, x: Any) -> ir.Node:
+    node = t.to_node(x)
+    return node if node.kind == ir.BOOL else ir.binary("ne", node, ir.const(0))
+
+
+def _clamp(t: _Tracer, x: Any, min: Any = None, max: Any = None) -> "Proxy":
+    node = t.to_node(x)
+    if min is not None:
+        node = ir.binary("max", node, t.to_node(min))
+    if max is not None:
+        node = ir.binary("min", node, t.to_node(max))
+    return t.wrap(node)
+
+
+def _where(t: _Tracer, cond: Any, x: Any, y: Any) -> "Proxy":
+    c = t.to_node(cond)
+    if c.kind != ir.BOOL:
+        t.fail(f"torch.where's condition `{c}` is a {c.kind}, not a bool", "pass a comparison such as `q_idx >= kv_idx`")
+    return t.wrap(ir.where(c, t.to_node(x), t.to_node(y)))
+
+
+def _div(t: _Tracer, x: Any, y: Any, rounding_mode: str | None = None) -> "Proxy":
+    a, b = t.to_node(x), t.to_node(y)
+    if rounding_mode is None:
+        return t.wrap(ir.binary("truediv", a, b))
+    if rounding_mode == "floor":
+        return t.wrap(ir.binary("floordiv", a, b))
+    t.fail(f"torch.div with rounding_mode={rounding_mode!r}", "use rounding_mode='floor' (or `//`), or plain `/`")
+
+
+def _full(t: _Tracer, value: Any, dtype: torch.dtype | None = None, like: Any = None) -> "Proxy":
+    node = t.to_node(value)
+    if dtype is None and like is not None:
+        dtype = like.dtype if isinstance(like, (Proxy, torch.Tensor)) else None
+    return _cast(t, t.wrap(node), dtype) if dtype is not None else t.wrap(node)
+
+
+def _method_table() -> dict[str, Callable]:
+    table: dict[str, Callable] = {}
+    for name, op in _UNARY_FUNCS.items():
+        table[name] = functools.partial(lambda op, t, x: t.wrap(ir.unary(op, t.to_node(x))), op)
+    for name, op in _BINARY_FUNCS.items():
+        table[name] = functools.partial(lambda op, t, x, y: t.wrap(_binary(t, op, t.to_node(x), t.to_node(y))), op)
+    for name, op in _REVERSED_FUNCS.items():
+        table[name] = functools.partial(lambda op, t, x, y: t.wrap(_binary(t, op, t.to_node(y), t.to_node(x))), op)
+    for name, op in _LOGICAL_FUNCS.items():
+        table[name] = functools.partial(lambda op, t, x, y: t.wrap(ir.binary(op, _as_bool(t, x), _as_bool(t, y))), op)
+    table["logical_not"] = lambda t, x: t.wrap(ir.unary("not", _as_bool(t, x)))
+    for name, dtype in _CASTS.items():
+        table[name] = functools.partial(lambda dtype, t, x: _cast(t, x, dtype), dtype)
+    table["to"] = lambda t, x, dtype=None, *a, **k: _cast(t, x, k.get("dtype", dtype)) if isinstance(k.get("dtype", dtype), torch.dtype) else x
+    table["type_as"] = lambda t, x, other: _cast(t, x, other.dtype)
+    table["clamp"] = table["clip"] = _clamp
+    table["clamp_min"] = lambda t, x, min: _clamp(t, x, min=min)
+    table["clamp_max"] = lambda t, x, max: _clamp(t, x, max=max)
+    table["where"] = lambda t, x, cond, y: _where(t, cond, x, y)  # tensor method order: x.where(cond, y)
+    table["div"] = table["divide"] = table["__truediv__"] = _div
+    table["square"] = lambda t, x: t.wrap(ir.binary("mul", t.to_node(x), t.to_node(x)))
+    table["reciprocal"] = lambda t, x: t.wrap(ir.binary("truediv", ir.const(1.0), t.to_node(x)))
+    table["new_ones"] = lambda t, x, size=(), dtype=None, **k: _full(t, 1, dtype, x)
+    table["new_zeros"] = lambda t, x, size=(), dtype=None, **k: _full(t, 0, dtype, x)
+    table["new_full"] = lambda t, x, size, value, dtype=None, **k: _full(t, value, dtype, x)
+    table["new_tensor"] = lambda t, x, value, dtype=None, **k: _full(t, value, dtype)
+    table["detach"] = table["clone"] = table["contiguous"] = lambda t, x, *a, **k: x
+    for name in ("item", "tolist", "numpy", "cpu", "cuda"):
+        table[name] = functools.partial(lambda name, t, x, *a, **k: t.fail(
+            f"`.{name}()` on a traced value needs a concrete value",
+            "keep the value symbolic: index captured tensors with it or compare it directly"), name)
+    return table
+
+
+_METHODS = _method_table()
+# torch.* functions that take a proxy; looked up by name and mapped to the method table above.
+_TORCH_FUNCS = dict(_METHODS)
+_TORCH_FUNCS["where"] = _where
+_TORCH_FUNCS.update(
+    ones_like=lambda t, x, dtype=None, **k: _full(t, 1, dtype, x),
+    zeros_like=lambda t, x, dtype=None, **k: _full(t, 0, dtype, x),
+    full_like=lambda t, x, value, dtype=None, **k: _full(t, value, dtype, x),
+)
+
+
+def _dispatch(tracer: _Tracer, func: Callable, args: tuple, kwargs: dict) -> Any:
+    name = getattr(func, "__name__", repr(func))
+    if name == "__getitem__" and isinstance(args[0], torch.Tensor):
+        return tracer.index(args[0], args[1])
+    if name in ("__setitem__", "index_put_", "index_put") or (name.endswith("_") and not name.endswith("__")):
+        tracer.fail(f"`{name}` mutates a tensor inside the mod", "mods must be pure: compute new values instead of writing into captured tensors")
+    handler = _TORCH_FUNCS.get(name)
+    if handler is None:
+        tracer.fail(f"torch function `{name}` is not supported by flexc's tracer",
+                    "rewrite the mod with supported operations: arithmetic, comparisons, &, |, ~, torch.where, "
+                    "abs/exp/exp2/log/log2/sqrt/rsqrt/tanh/sigmoid/sin/cos/floor/ceil/sign/clamp/minimum/maximum")
+    return handler(tracer, *args, **kwargs)
+
+
+class _TraceMode(TorchFunctionMode):
+    """Routes torch calls that touch a proxy into the graph; forbids mutating captured tensors."""
+
+    def __init__(self, tracer: _Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
+            return _dispatch(self.tracer, func, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "__setitem__" or (name.endswith("_") and not name.endswith("__") and args
+                                     and isinstance(args[0], torch.Tensor)):
+            self.tracer.fail(f"`{name}` mutates a tensor inside the mod",
+                             "mods must be pure: compute new values instead of writing into captured tensors")
+        return func(*args, **kwargs)
+
+
+# ---- names and places ---------------------------------------------------------------------
+
+def _mod_name(fn: Callable) -> str:
+    if isinstance(fn, functools.partial):
+        return f"partial({_mod_name(fn.func)})"
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _code_of(fn: Callable):
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    if code is None and hasattr(fn, "__call__"):
+        code = getattr(getattr(fn, "__call__"), "__code__", None)
+    return code
+
+
+def _def_site(fn: Callable) -> str:
+    code = _code_of(fn)
+    return f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+
+
+def _user_site() -> str:
+    """`` (file:line)\\n    source`` of the innermost frame outside flexc and torch: the mod's own line."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_FLEXC_DIR) and not path.startswith(_TORCH_DIR) and "functools" not in path:
+            import linecache
+
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            return f" ({frame.f_code.co_filename}:{frame.f_lineno})" + (f"\n    {line}\n" if line else "")
+        frame = frame.f_back
+    return ""
+
+
+def _buffer_names(fn: Callable, buffers: list) -> tuple:
+    """Names for captured tensors, found in the mod's closures, defaults, partial args and globals."""
+    found: dict[int, str] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int = 0) -> None:
+        if depth > 6 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, functools.partial):
+            for i, a in enumerate(obj.args):
+                note(f"arg{i}", a, depth)
+            for k, a in (obj.keywords or {}).items():
+                note(k, a, depth)
+            visit(obj.func, depth + 1)
+            return
+        code = getattr(obj, "__code__", None)
+        if code is None:
+            return
+        for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
+            try:
+                note(name, cell.cell_contents, depth)
+            except ValueError:  # empty cell
+                pass
+        params = list(inspect.signature(obj).parameters.values()) if callable(obj) else []
+        for p in params:
+            if p.default is not p.empty:
+                note(p.name, p.default, depth)
+        globs = getattr(obj, "__globals__", {})
+        for name in code.co_names:
+            if name in globs:
+                note(name, globs[name], depth)
+
+    def note(name: str, value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), name)
+        elif callable(value) and not isinstance(value, type) and not inspect.ismodule(value):
+            visit(value, depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                if callable(v):
+                    visit(v, depth + 1)
+
+    visit(fn)
+    names, used = [], set()
+    for slot, t in enumerate(buffers):
+        name = found.get(id(t), f"buf{slot}")
+        if name in used:
+            name = f"{name}_{slot}"
+        used.add(name)
+        names.append(name)
+    return tuple(names)
