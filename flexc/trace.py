@@ -202,7 +202,7 @@ class _Tracer:
             tensor, indices = base, []
         keys = list(key) if isinstance(key, tuple) else [key]
         if any(k is Ellipsis for k in keys):
-            pos = keys.index(Ellipsis)
+            pos = next(i for i, k in enumerate(keys) if k is Ellipsis)  # not .index(): Proxy == builds a node
             fill = tensor.dim() - len(indices) - (len(keys) - 1)
             keys[pos:pos + 1] = [slice(None)] * max(fill, 0)
         for k in keys:
