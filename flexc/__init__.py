@@ -2,5 +2,8 @@
 from .ir import Node
 from .trace import TraceError, TracedMod, trace
 from .evaluate import evaluate, evaluate_grid
+from .mask_mods import and_masks, noop_mask, not_mask, or_masks
+from .block_mask import BlockMask, create_block_mask, create_mask
 
-__all__ = ["Node", "TraceError", "TracedMod", "trace", "evaluate", "evaluate_grid"]
+__all__ = ["Node", "TraceError", "TracedMod", "trace", "evaluate", "evaluate_grid",
+           "BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "not_mask", "noop_mask"]

@@ -1,0 +1,522 @@
+"""``BlockMask`` and the functions that build masks: ``create_block_mask`` and ``create_mask``.
+
+The layout is torch 2.13's, name for name, so tensors and habits move between the two libraries:
+per ``(b, h, q_block)`` row, ``kv_num_blocks`` counts the partial tiles (the kernel runs the mask_mod
+there) and ``kv_indices`` lists their kv-block columns, valid entries first; ``full_kv_*`` do the
+same for tiles where every element is allowed (the kernel skips the mask_mod); the ``q_*`` tables
+are the transposes that backward passes walk. Tiles in neither table are never visited.
+
+``create_block_mask`` never builds the dense ``[B, H, Q_LEN, KV_LEN]`` mask. It traces the
+mask_mod, lets analysis decide what tiles it can (:func:`_classify_tiles`), and evaluates only the
+remaining tiles exactly, a bounded batch at a time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .mask_mods import noop_mask
+from .tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_ordered,
+                    evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
+from .trace import MASK_MOD, TracedMod, mod_kind, trace
+
+DEFAULT_BLOCK_SIZE = 128
+
+_TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+_TENSOR_ATTRS = _TABLE_NAMES + ("dq_write_order", "dq_write_order_full", "dq_kv_order")
+
+
+def _sliced_mask_mod_error(b, h, q_idx, kv_idx):
+    """Stands in for the mask_mod of a sliced BlockMask, whose block rows no longer start at 0."""
+    raise RuntimeError(
+        "this mask_mod belongs to a sliced BlockMask: slicing with [] renumbers batches, heads or "
+        "query blocks, so the original mask_mod no longer describes it. Fix: set "
+        "`sliced.mask_mod` from the original BlockMask's mask_mod, adjusted for the slice "
+        "(for example with a q_idx offset).")
+
+
+# ---- argument checking ----------------------------------------------------------------------
+
+def _positive_int(where: str, name: str, value: Any, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+            value = int(value)
+        else:
+            expected = "a positive int or None" if allow_none else "a positive int"
+            raise TypeError(f"{where}: {name} must be {expected}, got {type(value).__name__} {value!r}.")
+    if value <= 0:
+        raise ValueError(f"{where}: {name} must be positive, got {value}. Fix: pass a length or "
+                         f"size of at least 1{' (or None to broadcast)' if allow_none else ''}.")
+    return value
+
+
+def _block_sizes(where: str, BLOCK_SIZE: Any) -> tuple[int, int]:
+    if isinstance(BLOCK_SIZE, (tuple, list)):
+        if len(BLOCK_SIZE) != 2:
+            raise ValueError(f"{where}: BLOCK_SIZE must be an int or a (Q_BLOCK, KV_BLOCK) pair, got "
+                             f"{len(BLOCK_SIZE)} values {tuple(BLOCK_SIZE)!r}.")
+        return (_positive_int(where, "BLOCK_SIZE[0] (the q block)", BLOCK_SIZE[0]),
+                _positive_int(where, "BLOCK_SIZE[1] (the kv block)", BLOCK_SIZE[1]))
+    size = _positive_int(where, "BLOCK_SIZE", BLOCK_SIZE)
+    return size, size
+
+
+def _resolve_device(device: Any, traced: TracedMod) -> torch.device:
+    """``device``, else the device of the tensors the mod captured, else the current accelerator,
+    else the CPU. (torch picks the accelerator even when the mod's tensors live elsewhere, which
+    then fails; following the captured tensors builds the mask where its data is.)"""
+    if device is not None:
+        return torch.device(device)
+    devices = {t.device for t in traced.buffers}
+    if len(devices) == 1:
+        return devices.pop()
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return torch.device(accelerator) if accelerator is not None else torch.device("cpu")
+
+
+def _check_captured_sizes(where: str, traced: TracedMod, extents: dict[str, tuple[str, int]]) -> None:
+    """Reject sizes a captured tensor cannot serve, e.g. ``B=4`` with ``doc_ids[b, q_idx]`` of 2 rows.
+
+    Only direct indexing by a mod argument is checked; computed indices are left to evaluation.
+    """
+    for node in traced.root.walk():
+        if node.op != "load":
+            continue
+        slot = node.args[0].attr[0]
+        tensor = traced.buffers[slot]
+        for dim, index in enumerate(node.args[1:]):
+            if index.op != "input" or index.attr not in extents:
+                continue
+            arg, extent = extents[index.attr]
+            size = tensor.shape[dim]
+            if extent > size:
+                name = traced.buffer_names[slot] if slot < len(traced.buffer_names) else f"buf{slot}"
+                raise ValueError(
+                    f"{where}: {arg}={extent}, but {traced.name} indexes the captured tensor `{name}` "
+                    f"(shape {list(tensor.shape)}) with `{index.attr}` in dimension {dim}, which has only "
+                    f"{size} entries. Fix: pass {arg}={size} or less"
+                    f"{' (None broadcasts as 1)' if arg in ('B', 'H') else ''}, or capture a tensor sized for "
+                    f"{arg}={extent}.")
+
+
+def _trace_as(where: str, mod: Callable, kinds: tuple[str, ...]) -> TracedMod:
+    if isinstance(mod, TracedMod):
+        traced = mod
+    else:
+        if not callable(mod):
+            raise TypeError(f"{where}: expected a mask_mod function (b, h, q_idx, kv_idx), got "
+                            f"{type(mod).__name__} {mod!r}.")
+        kind = mod_kind(mod)
+        if kind not in kinds:
+            raise TypeError(
+                f"{where}: mask_mod must be a mask_mod (b, h, q_idx, kv_idx) -> bool, but "
+                f"{getattr(mod, '__name__', mod)!r} is a score_mod (score, b, h, q_idx, kv_idx). Fix: "
+                f"write the condition as a mask_mod, or use create_mask(score_mod, ...) for a dense mask.")
+        traced = trace(mod, kind=kind)
+    if traced.kind not in kinds:
+        raise TypeError(f"{where}: expected a mask_mod, got a traced {traced.kind} {traced.name}.")
+    return traced
+
+
+# ---- the BlockMask --------------------------------------------------------------------------
+
+class BlockMask:
+    """A block-sparse attention mask in torch 2.13's layout (see the module docstring).
+
+    Build one with :func:`create_block_mask`, :meth:`from_kv_blocks` or :meth:`from_torch`. All
+    tables are int32 with leading batch dims ``[B, H]``; ``BLOCK_SIZE`` is ``(Q_BLOCK, KV_BLOCK)``
+    and ``seq_lengths`` is ``(Q_LEN, KV_LEN)``. ``full_*`` tables are None when full tiles are not
+    kept apart; ``q_*`` tables are None when not computed.
+    """
+
+    def __init__(self, seq_lengths: tuple[int, int], kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
+                 full_kv_num_blocks: torch.Tensor | None, full_kv_indices: torch.Tensor | None,
+                 q_num_blocks: torch.Tensor | None, q_indices: torch.Tensor | None,
+                 full_q_num_blocks: torch.Tensor | None, full_q_indices: torch.Tensor | None,
+                 BLOCK_SIZE: tuple[int, int] = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE),
+                 mask_mod: Callable = noop_mask, *, dq_write_order: torch.Tensor | None = None,
+                 dq_write_order_full: torch.Tensor | None = None, dq_kv_order: torch.Tensor | None = None,
+                 dq_kv_order_spt: bool | None = None) -> None:
+        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() < 2:
+            raise ValueError(f"BlockMask: kv_indices must be a tensor with at least 2 dims [..., nQ, nKV], "
+                             f"got {kv_indices if not isinstance(kv_indices, torch.Tensor) else list(kv_indices.shape)}.")
+        if not isinstance(kv_num_blocks, torch.Tensor):
+            raise TypeError(f"BlockMask: kv_num_blocks must be a tensor, got {type(kv_num_blocks).__name__}.")
+        pairs = {"full_kv": (full_kv_num_blocks, full_kv_indices), "full_q": (full_q_num_blocks, full_q_indices)}
+        for prefix, (num, idx) in pairs.items():
+            if (num is None) != (idx is None):
+                raise ValueError(f"BlockMask: {prefix}_num_blocks and {prefix}_indices must be given together "
+                                 f"or both be None.")
+        if dq_write_order_full is not None and dq_write_order is None:
+            raise ValueError("BlockMask: dq_write_order_full requires dq_write_order.")
+        self.seq_lengths = tuple(seq_lengths)
+        self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
+        self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
+        self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
+        self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
+        self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
+        self.dq_kv_order, self.dq_kv_order_spt = dq_kv_order, dq_kv_order_spt
+        self.BLOCK_SIZE = tuple(BLOCK_SIZE)
+        self.mask_mod = mask_mod
+
+    # -- construction --
+    @classmethod
+    def from_kv_blocks(cls, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
+                       full_kv_num_blocks: torch.Tensor | None = None, full_kv_indices: torch.Tensor | None = None,
+                       BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE, mask_mod: Callable | None = None,
+                       seq_lengths: tuple[int, int] | None = None, compute_q_blocks: bool = True, *,
+                       dq_write_order: torch.Tensor | None = None, dq_write_order_full: torch.Tensor | None = None,
+                       dq_kv_order: torch.Tensor | bool | None = None) -> "BlockMask":
+        """A BlockMask from kv tables you computed; the q tables are derived (as torch does).
+
+        ``seq_lengths`` defaults to the tables' extent in blocks times the block size.
+        """
+        where = "BlockMask.from_kv_blocks"
+        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() < 2:
+            raise ValueError(f"{where}: kv_indices must be a tensor with at least 2 dims [..., nQ, nKV].")
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError(f"{where}: full_kv_num_blocks and full_kv_indices must be given together or "
+                             f"both be None.")
+        if kv_num_blocks.shape != kv_indices.shape[:-1]:
+            raise ValueError(f"{where}: kv_num_blocks has shape {list(kv_num_blocks.shape)} but kv_indices "
+                             f"{list(kv_indices.shape)}; expected kv_num_blocks to be kv_indices.shape[:-1].")
+        block = _block_sizes(where, BLOCK_SIZE)
+        if dq_kv_order is not None and not isinstance(dq_kv_order, (bool, torch.Tensor)):
+            raise TypeError(f"{where}: dq_kv_order must be a bool, a tensor or None, got {type(dq_kv_order).__name__}.")
+        q_tables: tuple = (None, None, None, None)
+        if compute_q_blocks:
+            q_num, q_idx = transpose_ordered(kv_num_blocks, kv_indices)
+            full_q = (transpose_ordered(full_kv_num_blocks, full_kv_indices)
+                      if full_kv_num_blocks is not None else (None, None))
+            q_tables = (q_num, q_idx, *full_q)
+        if seq_lengths is None:
+            seq_lengths = (kv_indices.shape[-2] * block[0], kv_indices.shape[-1] * block[1])
+        return cls(tuple(seq_lengths), kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                   *q_tables, BLOCK_SIZE=block, mask_mod=mask_mod if mask_mod is not None else noop_mask,
+                   dq_write_order=dq_write_order, dq_write_order_full=dq_write_order_full,
+                   dq_kv_order=dq_kv_order if isinstance(dq_kv_order, torch.Tensor) else None,
+                   dq_kv_order_spt=dq_kv_order if isinstance(dq_kv_order, bool) else None)
+
+    @classmethod
+    def from_torch(cls, block_mask: Any) -> "BlockMask":
+        """The same mask as flexc's BlockMask; tables are shared, not copied."""
+        if not all(hasattr(block_mask, name) for name in _TENSOR_ATTRS + ("seq_lengths", "BLOCK_SIZE", "mask_mod")):
+            raise TypeError(f"BlockMask.from_torch: expected a torch.nn.attention.flex_attention.BlockMask, "
+                            f"got {type(block_mask).__name__}.")
+        tables = {name: getattr(block_mask, name) for name in _TENSOR_ATTRS}
+        return cls(block_mask.seq_lengths, **tables, BLOCK_SIZE=block_mask.BLOCK_SIZE,
+                   mask_mod=_mask_mod_from_torch(block_mask.mask_mod),
+                   dq_kv_order_spt=getattr(block_mask, "dq_kv_order_spt", None))
+
+    def to_torch(self) -> Any:
+        """The same mask as torch's BlockMask (needs torch's FlexAttention); tables are shared."""
+        try:
+            from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+        except ImportError as e:  # pragma: no cover - torch without FlexAttention
+            raise RuntimeError(f"BlockMask.to_torch needs torch.nn.attention.flex_attention: {e}") from None
+        tables = {name: getattr(self, name) for name in _TENSOR_ATTRS}
+        return TorchBlockMask(self.seq_lengths, **tables, BLOCK_SIZE=self.BLOCK_SIZE,
+                              mask_mod=_mask_mod_to_torch(self.mask_mod), dq_kv_order_spt=self.dq_kv_order_spt)
+
+    # -- views --
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(*batch_dims, Q_LEN, KV_LEN)``, e.g. ``(B, H, Q_LEN, KV_LEN)``."""
+        return tuple(self.kv_indices.shape[:-2]) + tuple(self.seq_lengths)
+
+    def numel(self) -> int:
+        """Elements of the logical mask, ignoring sparsity."""
+        return math.prod(self.shape)
+
+    def to_dense(self) -> torch.Tensor:
+        """int32 ``[..., nQ, nKV]``: 1 for every tile that is computed (partial or full)."""
+        dense = ordered_to_dense(self.kv_num_blocks, self.kv_indices, self.kv_indices.shape[-1])
+        if self.full_kv_num_blocks is not None:
+            dense = dense | ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices,
+                                             self.full_kv_indices.shape[-1])
+        return dense
+
+    def sparsity(self) -> float:
+        """Percentage of the mask's elements that lie in skipped tiles.
+
+        Exact for any lengths: a ragged edge tile counts only its in-range elements, so the result
+        stays in [0, 100] (torch counts whole tiles and goes negative for ragged lengths).
+        """
+        total = self.numel()
+        if total == 0:
+            return 0.0
+        dense = self.to_dense().to(torch.int64)
+        (q_block, kv_block), (q_len, kv_len) = self.BLOCK_SIZE, self.seq_lengths
+        starts_q = torch.arange(dense.shape[-2], device=dense.device) * q_block
+        starts_kv = torch.arange(dense.shape[-1], device=dense.device) * kv_block
+        rows = (q_len - starts_q).clamp(0, q_block)
+        cols = (kv_len - starts_kv).clamp(0, kv_block)
+        computed = int((dense * rows[:, None] * cols[None, :]).sum())
+        return 100.0 * (1.0 - computed / total)
+
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """An ASCII picture per (batch, head), as torch draws it.
+
+        Each cell covers a group of tiles: ``██`` every tile computed, ``░░`` some, two spaces none.
+        ``grid_size`` caps the cells per side (-1: one cell per tile); ``limit`` caps the pictures.
+        """
+        dense = self.to_dense().cpu()
+        *batch_dims, rows, cols = dense.shape
+        if grid_size == -1 or grid_size == (-1, -1):
+            max_rows, max_cols = rows, cols
+        elif isinstance(grid_size, int):
+            max_rows = max_cols = grid_size
+        else:
+            max_rows, max_cols = grid_size
+        row_step, col_step = max(1, cdiv(rows, max(1, max_rows))), max(1, cdiv(cols, max(1, max_cols)))
+        pictures = []
+        for count, index in enumerate(_product(batch_dims)):
+            if count == limit:
+                pictures += ["...", "To print out more, set BlockMask.to_string(limit=N)",
+                             "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
+                break
+            pictures.append(f"{index}\n" + _draw(dense[index], row_step, col_step))
+        return "\n".join(pictures)
+
+    def __str__(self) -> str:
+        return (f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n"
+                f"{self.to_string().strip()}\n)")
+
+    def __repr__(self) -> str:
+        def shape_of(t):
+            return t.shape if t is not None else None
+
+        lines = [f"    {name}={shape_of(getattr(self, name))}," for name in _TABLE_NAMES]
+        name = getattr(self.mask_mod, "__name__", self.mask_mod)
+        return ("BlockMask(\n" + "\n".join(lines) + f"\n    BLOCK_SIZE={self.BLOCK_SIZE},\n    shape={self.shape},"
+                f"\n    sparsity={self.sparsity():.2f}%,\n    mask_mod={name}\n)")
+
+    def as_tuple(self, flatten: bool = True) -> tuple:
+        """torch's 17-field tuple (lengths, 8 tables, 4 dQ-order fields, block sizes, mask_mod);
+        with ``flatten=False`` the lengths and block sizes stay pairs (15 fields)."""
+        lengths = tuple(self.seq_lengths) if flatten else (tuple(self.seq_lengths),)
+        blocks = tuple(self.BLOCK_SIZE) if flatten else (tuple(self.BLOCK_SIZE),)
+        return (*lengths, *(getattr(self, n) for n in _TABLE_NAMES), self.dq_write_order,
+                self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt, *blocks, self.mask_mod)
+
+    # -- derived masks --
+    def __getitem__(self, index: Any) -> "BlockMask":
+        """Select batches, heads and query-block rows; integer indices keep their dim (as torch).
+
+        The result's mask_mod raises when called: its rows are renumbered, so the original mod no
+        longer describes it. Reattach an adjusted mod if the kernel needs one.
+        """
+        if self.dq_kv_order is not None:
+            raise NotImplementedError("BlockMask.__getitem__: slicing a mask with a tensor dq_kv_order is not "
+                                      "supported; build the sliced mask with from_kv_blocks instead.")
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 3:
+            raise IndexError(f"BlockMask.__getitem__: at most 3 indices (batch, head, q-block row), got {len(index)}.")
+        padded = (*index, slice(None), slice(None), slice(None))[:3]
+        sizes = self.kv_num_blocks.shape[:3]
+        index = tuple(_keep_dim(i, n) for i, n in zip(padded, sizes))
+        full = ((self.full_kv_num_blocks[index], self.full_kv_indices[index])
+                if self.full_kv_num_blocks is not None else (None, None))
+        sliced = BlockMask.from_kv_blocks(self.kv_num_blocks[index], self.kv_indices[index], *full,
+                                          BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_sliced_mask_mod_error,
+                                          seq_lengths=self.seq_lengths, compute_q_blocks=self.q_indices is not None)
+        sliced.dq_kv_order_spt = self.dq_kv_order_spt
+        return sliced
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """The upper-left ``new_q_len x new_kv_len`` corner, keeping the mask_mod (torch's private helper).
+
+        Tiles outside the new extent are dropped from every row. (torch 2.13 only crops the tables
+        and recounts, which can keep a dropped tile valid when a row has blocks past the new edge.)
+        """
+        new_q_len = _positive_int("BlockMask._adjust", "new_q_len", new_q_len)
+        new_kv_len = _positive_int("BlockMask._adjust", "new_kv_len", new_kv_len)
+        if self.dq_kv_order is not None:
+            raise NotImplementedError("BlockMask._adjust: masks with a tensor dq_kv_order are not supported.")
+        rows, cols = cdiv(new_q_len, self.BLOCK_SIZE[0]), cdiv(new_kv_len, self.BLOCK_SIZE[1])
+
+        def crop(num, idx):
+            if num is None:
+                return None, None
+            dense = ordered_to_dense(num, idx, idx.shape[-1])[..., :rows, :cols]
+            return dense_to_ordered(dense)
+
+        adjusted = BlockMask.from_kv_blocks(*crop(self.kv_num_blocks, self.kv_indices),
+                                            *crop(self.full_kv_num_blocks, self.full_kv_indices),
+                                            BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+                                            seq_lengths=(new_q_len, new_kv_len),
+                                            compute_q_blocks=self.q_indices is not None)
+        adjusted.dq_kv_order_spt = self.dq_kv_order_spt
+        return adjusted
+
+    def to(self, device: torch.device | str) -> "BlockMask":
+        """A new BlockMask with every table on ``device``."""
+        moved = {n: (t.to(device) if isinstance(t, torch.Tensor) else t)
+                 for n, t in ((n, getattr(self, n)) for n in _TENSOR_ATTRS)}
+        return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+                         dq_kv_order_spt=self.dq_kv_order_spt)
+
+
+def _keep_dim(i: Any, n: int) -> Any:
+    """An int index as a length-1 slice, so indexing keeps the dim (torch's BlockMask rule)."""
+    if isinstance(i, bool) or not isinstance(i, int):
+        return i
+    if not -n <= i < n:
+        raise IndexError(f"BlockMask index {i} is out of range for a dimension of size {n}.")
+    i = i + n if i < 0 else i
+    return slice(i, i + 1)
+
+
+def _product(dims: Sequence[int]):
+    if not dims:
+        yield ()
+        return
+    for i in range(dims[0]):
+        for rest in _product(dims[1:]):
+            yield (i, *rest)
+
+
+def _draw(dense: torch.Tensor, row_step: int, col_step: int) -> str:
+    """Rows of 2-character cells; each cell summarises a row_step x col_step group of tiles."""
+    rows, cols = dense.shape
+    r, c = cdiv(rows, row_step), cdiv(cols, col_step)
+    pad = (0, c * col_step - cols, 0, r * row_step - rows)
+    # Pad with 0 to ask "any computed?" and with 1 to ask "all computed?" over each group.
+    some = torch.nn.functional.pad(dense, pad, value=0).view(r, row_step, c, col_step).amax(dim=(1, 3))
+    every = torch.nn.functional.pad(dense, pad, value=1).view(r, row_step, c, col_step).amin(dim=(1, 3))
+    chars = [["█" if a else ("░" if s else " ") for s, a in zip(srow, arow)]
+             for srow, arow in zip(some.tolist(), every.tolist())]
+    return "".join("".join(ch * 2 for ch in line) + "\n" for line in chars)
+
+
+def _mask_mod_to_torch(mod: Callable) -> Callable:
+    from torch.nn.attention import flex_attention as tfa
+
+    return {noop_mask: tfa.noop_mask, _sliced_mask_mod_error: tfa._sliced_mask_mod_error}.get(mod, mod)
+
+
+def _mask_mod_from_torch(mod: Callable) -> Callable:
+    try:
+        from torch.nn.attention import flex_attention as tfa
+    except ImportError:  # pragma: no cover
+        return mod
+    return {tfa.noop_mask: noop_mask, tfa._sliced_mask_mod_error: _sliced_mask_mod_error}.get(mod, mod)
+
+
+# ---- building masks ---------------------------------------------------------------------------
+
+def _classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
+                    device: torch.device, analytic: bool) -> torch.Tensor:
+    """Initial tile classes, int8 ``[B, H, nQ, nKV]``: EMPTY=0, UNDECIDED=1, FULL=2.
+
+    The single place where analysis plugs in: with ``analytic`` it may decide tiles without
+    per-element work (a tile is FULL only if proven all-True over its in-range elements, EMPTY
+    only if proven all-False). UNDECIDED tiles are then evaluated exactly. Without analysis
+    every tile is UNDECIDED.
+    """
+    nq, nkv = cdiv(Q_LEN, Q_BLOCK), cdiv(KV_LEN, KV_BLOCK)
+    return torch.full((B, H, nq, nkv), UNDECIDED, dtype=torch.int8, device=device)
+
+
+def _resolve_undecided(traced: TracedMod, classes: torch.Tensor, Q_LEN: int, KV_LEN: int, Q_BLOCK: int,
+                       KV_BLOCK: int) -> torch.Tensor:
+    """Final classes EMPTY/PARTIAL/FULL: exact evaluation of every UNDECIDED tile."""
+    undecided = classes == UNDECIDED
+    # A mod that ignores b (or h) gives the same tile for every b: evaluate it once.
+    if not reads_input(traced, "b"):
+        undecided = undecided.any(dim=0, keepdim=True)
+    if not reads_input(traced, "h"):
+        undecided = undecided.any(dim=1, keepdim=True)
+    coords = undecided.nonzero()
+    exact = torch.zeros(undecided.shape, dtype=torch.int8, device=classes.device)
+    if coords.shape[0]:
+        try:
+            exact[tuple(coords.T)] = evaluate_tiles(traced, coords, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK)
+        except IndexError as e:
+            raise ValueError(
+                f"create_block_mask: evaluating {traced.name} indexed a captured tensor out of range for "
+                f"B={classes.shape[0]}, H={classes.shape[1]}, Q_LEN={Q_LEN}, KV_LEN={KV_LEN}: {e}. Fix: pass "
+                f"sizes that match the tensors the mask_mod captures.") from e
+    classes = torch.where(classes == UNDECIDED, exact.expand_as(classes), classes)
+    # torch pads ragged edge tiles with False, so they are never FULL, whatever analysis proved.
+    ragged = ragged_tiles(Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, classes.device)
+    return torch.where((classes == FULL) & ragged, torch.tensor(PARTIAL, dtype=torch.int8), classes)
+
+
+def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      device: Any = None, BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                      _compile: bool = False, separate_full_blocks: bool = True,
+                      compute_dq_write_order: bool = False, dq_kv_order: bool = True, *,
+                      _analytic: bool = True) -> BlockMask:
+    """Build the :class:`BlockMask` of ``mask_mod`` over ``[B, H, Q_LEN, KV_LEN]`` (torch's signature).
+
+    ``B``/``H`` None broadcast (size 1). ``BLOCK_SIZE`` is an int or ``(Q_BLOCK, KV_BLOCK)``.
+    ``device`` None means: the device of the tensors the mod captures, else the current accelerator,
+    else the CPU. Tiles are EMPTY (skipped), FULL (every element allowed; kept in ``full_kv_*``
+    when ``separate_full_blocks``) or partial; a ragged edge tile is never FULL, as in torch.
+    Memory stays bounded: the dense mask is never built. ``_analytic=False`` turns off the tile
+    analysis and evaluates every tile exactly (for testing the analysis). ``_compile`` is accepted
+    for compatibility and ignored: flexc needs no compilation for this.
+
+    >>> bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 256, 256)
+    >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
+    ([[[1, 1]]], [[[0, 1]]])
+    """
+    where = "create_block_mask"
+    traced = _trace_as(where, mask_mod, (MASK_MOD,))
+    B = _positive_int(where, "B", B, allow_none=True) or 1
+    H = _positive_int(where, "H", H, allow_none=True) or 1
+    Q_LEN = _positive_int(where, "Q_LEN", Q_LEN)
+    KV_LEN = _positive_int(where, "KV_LEN", KV_LEN)
+    Q_BLOCK, KV_BLOCK = _block_sizes(where, BLOCK_SIZE)
+    if not isinstance(separate_full_blocks, bool):
+        raise TypeError(f"{where}: separate_full_blocks must be a bool, got {separate_full_blocks!r}.")
+    if not isinstance(dq_kv_order, bool):
+        raise ValueError(f"{where}: dq_kv_order must be a bool, got {type(dq_kv_order).__name__}.")
+    if compute_dq_write_order:
+        raise NotImplementedError(f"{where}: compute_dq_write_order=True (deterministic dQ metadata for torch's "
+                                  f"FLASH backend) is not supported by flexc; pass False.")
+    _check_captured_sizes(where, traced, {"b": ("B", B), "h": ("H", H), "q_idx": ("Q_LEN", Q_LEN),
+                                          "kv_idx": ("KV_LEN", KV_LEN)})
+    device = _resolve_device(device, traced)
+
+    classes = _classify_tiles(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, _analytic)
+    classes = classes.to(device=device, dtype=torch.int8).expand(B, H, *classes.shape[-2:])
+    classes = _resolve_undecided(traced, classes, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK)
+
+    if separate_full_blocks:
+        partial, full = classes == PARTIAL, classes == FULL
+    else:
+        partial, full = classes != EMPTY, None
+    kv_tables = dense_to_ordered(partial)
+    q_tables = dense_to_ordered(partial.transpose(-2, -1))
+    full_kv = dense_to_ordered(full) if full is not None else (None, None)
+    full_q = dense_to_ordered(full.transpose(-2, -1)) if full is not None else (None, None)
+    return BlockMask((Q_LEN, KV_LEN), *kv_tables, *full_kv, *q_tables, *full_q,
+                     BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
+
+
+def create_mask(mod_fn: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                device: Any = None) -> torch.Tensor:
+    """The dense bool ``[B, H, Q_LEN, KV_LEN]`` mask of a mask_mod, or of a score_mod (allowed where
+    the score_mod of a zero score is not -inf), as torch's ``create_mask``.
+
+    Evaluated in query chunks, so only the result itself is dense. ``device`` as in
+    :func:`create_block_mask`.
+    """
+    where = "create_mask"
+    if not callable(mod_fn):
+        raise TypeError(f"{where}: mod_fn must be a mask_mod or score_mod function, got {type(mod_fn).__name__}.")
+    traced = trace(mod_fn)
+    B = _positive_int(where, "B", B, allow_none=True) or 1
+    H = _positive_int(where, "H", H, allow_none=True) or 1
+    Q_LEN = _positive_int(where, "Q_LEN", Q_LEN)
+    KV_LEN = _positive_int(where, "KV_LEN", KV_LEN)
+    _check_captured_sizes(where, traced, {"b": ("B", B), "h": ("H", H), "q_idx": ("Q_LEN", Q_LEN),
+                                          "kv_idx": ("KV_LEN", KV_LEN)})
+    return dense_mask(traced, B, H, Q_LEN, KV_LEN, _resolve_device(device, traced))
