@@ -4,6 +4,8 @@ from .trace import TraceError, TracedMod, trace
 from .evaluate import evaluate, evaluate_grid
 from .mask_mods import and_masks, noop_mask, not_mask, or_masks
 from .block_mask import BlockMask, create_block_mask, create_mask
+from .attention import AuxOutput, AuxRequest, flex_attention
 
 __all__ = ["Node", "TraceError", "TracedMod", "trace", "evaluate", "evaluate_grid",
-           "BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "not_mask", "noop_mask"]
+           "BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "not_mask", "noop_mask",
+           "flex_attention", "AuxRequest", "AuxOutput"]

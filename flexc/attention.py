@@ -1,0 +1,155 @@
+"""``flex_attention``: the drop-in for ``torch.nn.attention.flex_attention.flex_attention``.
+
+The call validates its inputs, traces the mods once (:func:`flexc.trace`), picks a forward backend
+from :data:`BACKENDS`, and wraps it in a ``torch.autograd.Function`` whose backward is the torch
+block-sparse path (:func:`flexc.backends.torch_cpu.torch_backward`), so every backend trains.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from . import validate
+from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
+from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
+
+
+class AuxRequest(NamedTuple):
+    """Extra outputs to return: ``lse`` (logsumexp per query row) and ``max_scores`` (row maxima)."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """Extra outputs: fp32 ``[B, Hq, L]`` tensors, or None when not requested."""
+
+    lse: torch.Tensor | None = None
+    max_scores: torch.Tensor | None = None
+
+
+# Forward backends by kernel_options["BACKEND"] name. Signature:
+#   forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse)
+#     -> (out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] float32 natural log, or None if not need_lse)
+# score_mod/mask_mod are TracedMod or None; block_mask is a BlockMask (flexc or torch) or None
+# (everything allowed). "TORCH" is the CPU block-sparse path; the Triton backend adds "TRITON".
+BACKENDS: dict[str, Callable] = {"TORCH": torch_forward}
+
+
+def _choose_backend(options: dict, device: torch.device) -> str:
+    name = options["BACKEND"]
+    if name == "AUTO":
+        name = "TRITON" if device.type == "cuda" and _triton_available() else "TORCH"
+    if name == "TRITON" and not _triton_available():
+        raise ValueError("flex_attention: kernel_options['BACKEND']='TRITON' but no Triton backend is available "
+                         "(flexc.backends.triton_backend did not register one). Fix: use 'TORCH' or 'AUTO'.")
+    return name
+
+
+def _triton_available() -> bool:
+    if "TRITON" not in BACKENDS:
+        try:  # registers itself on import once it exists
+            from .backends import triton_backend  # noqa: F401
+        except ImportError:
+            return False
+    return "TRITON" in BACKENDS
+
+
+def _grad_slots(score_mod: TracedMod | None) -> tuple[int, ...]:
+    """Slots of the score_mod's captured float tensors that require grad."""
+    if score_mod is None:
+        return ()
+    return tuple(i for i, t in enumerate(score_mod.buffers) if t.is_floating_point() and t.requires_grad)
+
+
+class _FlexAttentionFunction(torch.autograd.Function):
+    """Forward on the chosen backend; backward recomputes scores per query row on the torch path."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, forward, score_mod, mask_mod, block_mask, scale, options, slots, *grad_buffers):
+        out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse = ctx.saved_tensors
+        score_mod, mask_mod, block_mask, scale, slots = ctx.mods
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod,
+                                               mask_mod, block_mask, scale, slots)
+        return (dq, dk, dv, None, None, None, None, None, None, None, *buf_grads)
+
+
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   score_mod: Callable | None = None, block_mask: Any = None, scale: float | None = None,
+                   enable_gqa: bool = False, return_lse: bool = False, kernel_options: dict | None = None,
+                   *, return_aux: AuxRequest | None = None):
+    """Attention with a programmable score and a block-sparse mask, with torch 2.13's semantics.
+
+    Args:
+        query: ``[B, Hq, L, E]``. key: ``[B or 1, Hkv, S, E]``. value: ``[B or 1, Hkv, S, Ev]``.
+            fp16, bf16, fp32 or fp64, one dtype and device.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled score
+            ``q.k * scale`` before masking; ``h`` is the query head. Captured float tensors that
+            require grad receive gradients (0-d scalars and repeated lookups included).
+        block_mask: a BlockMask from ``flexc.create_block_mask`` or torch's; ``None`` allows all.
+            Its ``seq_lengths`` must be ``(L, S)``; its batch/heads must be 1 or match the input.
+        scale: default ``1/sqrt(E)``.
+        enable_gqa: allow ``Hq`` a multiple of ``Hkv``; query head ``h`` reads key head ``h // (Hq // Hkv)``.
+        return_lse: also return the logsumexp (prefer ``return_aux``).
+        kernel_options: torch's keys are accepted; ``BACKEND`` picks ``"TORCH"`` (CPU block-sparse,
+            the default on CPU), ``"TRITON"`` (default on CUDA) or ``"AUTO"``.
+        return_aux: ``AuxRequest(lse=True, max_scores=True)`` to get an :class:`AuxOutput`.
+
+    Returns:
+        ``out [B, Hq, L, Ev]`` in the query's dtype; with ``return_lse`` also ``lse``, with
+        ``return_aux`` also an :class:`AuxOutput`. lse is natural-log, fp32, ``[B, Hq, L]``. A query
+        row with nothing allowed gets output 0, lse ``-inf`` and zero gradients.
+
+    Example:
+        >>> causal = flexc.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
+        >>> out = flexc.flex_attention(q, k, v, block_mask=causal)
+    """
+    validate.check_tensors(query, key, value, enable_gqa)
+    validate.check_flags(enable_gqa, return_lse, return_aux)
+    validate.check_mod(score_mod)
+    validate.check_block_mask(block_mask, query, key)
+    scale = validate.check_scale(scale, query)
+    options = validate.check_kernel_options(kernel_options)
+    backend = _choose_backend(options, query.device)
+
+    traced_score = trace(score_mod, SCORE_MOD) if score_mod is not None else None
+    mask_fn = getattr(block_mask, "mask_mod", None)
+    traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
+    want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
+    want_max = bool(return_aux is not None and return_aux.max_scores)
+
+    slots = _grad_slots(traced_score)
+    needs_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad or bool(slots))
+    max_scores = None
+    if want_max and backend != "TORCH":
+        raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
+                         f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
+    if needs_grad:
+        forward = BACKENDS[backend]
+        grad_buffers = [traced_score.buffers[i] for i in slots]
+        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, traced_score, traced_mask,
+                                                block_mask, scale, options, slots, *grad_buffers)
+        if want_max:
+            with torch.no_grad():
+                max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale)[2]
+    elif want_max:
+        out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale)
+    else:
+        out, lse = BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options, want_lse)
+
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)
+    if return_lse:
+        return out, lse
+    return out

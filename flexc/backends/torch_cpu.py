@@ -1,0 +1,312 @@
+"""The block-sparse torch backend: forward and backward of flex attention with plain torch ops.
+
+For each query block row it visits only the key blocks the BlockMask lists, scores them with one
+batched matmul over every head that shares the row's block list, applies the score_mod
+everywhere and the mask_mod only on partial blocks (both evaluated from the traced IR on index
+tensors for exactly those positions), and merges chunks of keys with an online softmax. Working
+memory is a few chunks of scores, never ``L x S``.
+
+GQA runs without copying keys: the ``G`` query heads that share a key head are stacked as rows,
+so ``q [B, Hkv, G*r, E] @ k^T [B, Hkv, E, c]`` scores all of them at once, and the same memory
+read as ``[B, Hq, r, c]`` is what the mods see.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..evaluate import evaluate
+from ..trace import TracedMod
+from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
+
+# Scores of one chunk hold about this many elements (2 MiB in fp32): small enough to stay in
+# cache and keep peak memory near SDPA's, large enough that matmuls are not tiny.
+CHUNK_ELEMENTS = 1 << 19
+MAX_ROWS = 128
+# Above this many partial spans in one chunk the mask is evaluated once over the whole chunk.
+_MAX_PARTIAL_SPANS = 4
+_NEG_INF = float("-inf")
+
+
+# ---- groups of heads that share one block-mask table -------------------------------------
+
+@dataclass(frozen=True)
+class _Group:
+    """Query batches/heads that read the same BlockMask entry ``(bm, hm)``, and their key batches/heads.
+
+    Within a group, query head ``j`` uses key head ``j // G`` (all slices, so tensors are views).
+    """
+
+    b: slice
+    kb: slice
+    qh: slice
+    kvh: slice
+    G: int
+    bm: int
+    hm: int
+
+
+def _groups(B: int, Bkv: int, Hq: int, Hkv: int, Bm: int, Hm: int) -> list[_Group]:
+    G = Hq // Hkv
+    batches = [(slice(0, B), 0)] if Bm == 1 else [(slice(bm, B, Bm), bm) for bm in range(Bm)]
+    if Hm == 1:
+        heads = [(slice(0, Hq), slice(0, Hkv), G, 0)]
+    else:  # the table differs per head: one query head per group (broadcast by modulo like torch)
+        heads = [(slice(h, h + 1), slice(h // G, h // G + 1), 1, h % Hm) for h in range(Hq)]
+    out = []
+    for b, bm in batches:
+        kb = slice(0, 1) if Bkv == 1 else b
+        for qh, kvh, g, hm in heads:
+            out.append(_Group(b, kb, qh, kvh, g, bm, hm))
+    return out
+
+
+def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int) -> list[tuple[_Group, list[Row]]]:
+    tables = read_tables(block_mask, L, S)
+    plans = []
+    cache: dict[tuple, list[Row]] = {}
+    for g in _groups(B, Bkv, Hq, Hkv, tables.batch, tables.heads):
+        n_heads = len(range(Hq)[g.qh]) * len(range(B)[g.b])
+        rows = min(MAX_ROWS, max(tables.block_size[0], 1))
+        # at least one key block's worth of columns, even for many heads
+        cols = max(CHUNK_ELEMENTS // (n_heads * rows), min(tables.block_size[1], 128), 16)
+        key = (g.bm, g.hm, rows, cols)
+        if key not in cache:
+            cache[key] = row_plan(tables, g.bm, g.hm, L, S, rows, cols)
+        plans.append((g, cache[key]))
+    return plans
+
+
+# ---- the mods ----------------------------------------------------------------------------
+
+def _inputs_read(mod: TracedMod) -> frozenset:
+    return frozenset(n.attr for n in mod.root.walk() if n.op == "input")
+
+
+def _is_true(mod: TracedMod | None) -> bool:
+    return mod is None or (mod.root.op == "const" and mod.root.attr is True)
+
+
+class _Mods:
+    """Evaluates the traced mods for one group on index tensors of exactly the visited positions."""
+
+    def __init__(self, score_mod: TracedMod | None, mask_mod: TracedMod | None, g: _Group,
+                 B: int, Hq: int, L: int, S: int, device: torch.device):
+        self.score_mod = score_mod
+        self.mask_mod = None if _is_true(mask_mod) else mask_mod
+        self.score_reads = _inputs_read(score_mod) if score_mod is not None else frozenset()
+        self.mask_reads = _inputs_read(self.mask_mod) if self.mask_mod is not None else frozenset()
+        self.b = torch.arange(B, device=device)[g.b].view(-1, 1, 1, 1)
+        self.h = torch.arange(Hq, device=device)[g.qh].view(1, -1, 1, 1)
+        self.q_pos = torch.arange(L, device=device)
+        self.kv_pos = torch.arange(S, device=device)
+
+    def _index(self, reads: frozenset, q0: int, q1: int, kv: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = {"b": self.b, "h": self.h, "q_idx": self.q_pos[q0:q1].view(1, 1, -1, 1), "kv_idx": kv.view(1, 1, 1, -1)}
+        return {name: values[name] for name in reads if name in values}
+
+    def score(self, s4: torch.Tensor, q0: int, q1: int, kv: torch.Tensor, buffers: Sequence | None = None) -> torch.Tensor:
+        """The score_mod applied to raw scores ``s4 [b, h, r, c]`` (result may broadcast)."""
+        args = self._index(self.score_reads, q0, q1, kv)
+        if "score" in self.score_reads:
+            args["score"] = s4
+        return evaluate(self.score_mod, buffers=buffers, **args)
+
+    def blocked(self, chunk: Chunk, q0: int, q1: int, kv: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        """``(offset, length, not_allowed)`` for the chunk's partial columns; empty when none need masking."""
+        if self.mask_mod is None or not chunk.partial:
+            return []
+        if len(chunk.partial) <= _MAX_PARTIAL_SPANS:
+            out = []
+            for off, n in chunk.partial:
+                allowed = evaluate(self.mask_mod, **self._index(self.mask_reads, q0, q1, kv[off:off + n]))
+                out.append((off, n, allowed.logical_not()))
+            return out
+        allowed = evaluate(self.mask_mod, **self._index(self.mask_reads, q0, q1, kv))
+        full_cols = torch.ones(chunk.n_cols, dtype=torch.bool, device=kv.device)
+        for off, n in chunk.partial:
+            full_cols[off:off + n] = False
+        return [(0, chunk.n_cols, (allowed | full_cols).logical_not())]
+
+
+def _fill(t: torch.Tensor, blocked: list, value: float) -> None:
+    for off, n, not_allowed in blocked:
+        t[..., off:off + n].masked_fill_(not_allowed, value)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- forward -----------------------------------------------------------------------------
+
+def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
+                  scale: float, kernel_options: dict | None = None, need_lse: bool = True,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention forward: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``."""
+    out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False)
+    return out, (lse if need_lse else None)
+
+
+def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True):
+    """:func:`torch_forward` that also returns the row maxima of the masked, modded scores."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    work = _work_dtype(query.dtype)
+    out = torch.zeros(B, Hq, L, Ev, dtype=query.dtype, device=query.device)
+    lse = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device)
+    row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
+    with torch.no_grad():
+        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S):
+            mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
+            for row in rows:
+                _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
+    return out, lse, row_max
+
+
+def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: float, work: torch.dtype) -> torch.Tensor:
+    """``q * scale`` for rows ``[q0, q1)`` of the group, as ``[Bg, Hkv_g, G*r, E]`` (a fresh tensor)."""
+    q = query[g.b, g.qh, q0:q1]
+    q = q.to(work) * scale
+    Bg, Hg, r, E = q.shape
+    return q.view(Bg, Hg // g.G, g.G * r, E)
+
+
+def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work):
+    q0, q1 = row.q0, row.q1
+    qb = _scaled_query_rows(query, g, q0, q1, scale, work)
+    Bg, Hkvg, Gr, _ = qb.shape
+    Hqg, r = Hkvg * g.G, q1 - q0
+    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    m = l = acc = None
+    for chunk in row.chunks:
+        kv = chunk_kv_index(chunk, mods.kv_pos)
+        kc = chunk_rows(k_g, chunk).to(work)
+        vc = chunk_rows(v_g, chunk).to(work)
+        s = torch.matmul(qb, kc.transpose(-1, -2))  # [Bg, Hkv_g, G*r, c]
+        s4 = s.view(Bg, Hqg, r, chunk.n_cols)
+        if mods.score_mod is not None:
+            modded = mods.score(s4, q0, q1, kv)
+            if modded is not s4:
+                s4.copy_(modded)  # broadcasts and casts into the buffer we own
+        _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
+        m_new = s4.amax(-1, keepdim=True)
+        if m is not None:
+            m_new = torch.maximum(m, m_new)
+        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp(-inf - 0) = 0
+        s4.sub_(m_safe).exp_()
+        p_sum = s4.sum(-1, keepdim=True)
+        pv = torch.matmul(s, vc).view(Bg, Hqg, r, -1)
+        if m is None:
+            l, acc = p_sum, pv
+        else:
+            alpha = (m - m_safe).exp_()
+            l.mul_(alpha).add_(p_sum)
+            acc.mul_(alpha).add_(pv)
+        m = m_new
+    acc.div_(torch.where(l == 0, 1.0, l))  # fully masked rows: acc is 0, output 0
+    out[g.b, g.qh, q0:q1] = acc
+    m_safe = m.masked_fill(m == _NEG_INF, 0.0)
+    lse[g.b, g.qh, q0:q1] = torch.where(l > 0, m_safe + torch.log(l), _NEG_INF).squeeze(-1)
+    if row_max is not None:
+        row_max[g.b, g.qh, q0:q1] = m.squeeze(-1)
+
+
+# ---- backward ----------------------------------------------------------------------------
+
+def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: TracedMod | None,
+                   mask_mod: TracedMod | None, block_mask: Any, scale: float,
+                   grad_slots: Sequence[int] = ()):
+    """Gradients ``(dq, dk, dv, buffer_grads)`` of block-sparse attention, recomputed per query row.
+
+    ``grad_slots`` are the score_mod buffer slots that need gradients; ``buffer_grads`` follows
+    their order. ``grad_lse`` may be None. Rows with ``lse == -inf`` (fully masked) get zero gradients.
+    """
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, _ = value.shape
+    work = _work_dtype(query.dtype)
+    dq = torch.zeros(query.shape, dtype=work, device=query.device)
+    dk = torch.zeros(key.shape, dtype=work, device=query.device)
+    dv = torch.zeros(value.shape, dtype=work, device=query.device)
+    buffers = list(score_mod.buffers) if score_mod is not None else []
+    leaves = []
+    for slot in grad_slots:
+        buffers[slot] = buffers[slot].detach().requires_grad_()
+        leaves.append(buffers[slot])
+    buf_grads = [torch.zeros_like(t) for t in leaves]
+    # delta = rowsum(dO * out) - dLSE: the softmax Jacobian's correction, as in the flash backward
+    delta = (grad_out.to(work) * out.to(work)).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(work).unsqueeze(-1)
+    lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
+    with torch.no_grad():
+        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S):
+            mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
+            for row in rows:
+                _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves,
+                              buf_grads, g, row, mods, scale, work, Bkv == 1 and B > 1)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), buf_grads
+
+
+def _add_rows(acc_rows: torch.Tensor, chunk: Chunk, update: torch.Tensor) -> None:
+    """``acc_rows[..., chunk positions, :] += update`` for a chunk that may span several ranges."""
+    off = 0
+    for start, end in chunk.spans:
+        acc_rows[..., start:end, :] += update[..., off:off + end - start, :]
+        off += end - start
+
+
+def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
+                  g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool):
+    q0, q1 = row.q0, row.q1
+    qb = _scaled_query_rows(query, g, q0, q1, scale, work)
+    Bg, Hkvg, Gr, E = qb.shape
+    Hqg, r = Hkvg * g.G, q1 - q0
+    dob = grad_out[g.b, g.qh, q0:q1].to(work)
+    dob_g = dob.reshape(Bg, Hkvg, Gr, -1)
+    delta_r = delta[g.b, g.qh, q0:q1]
+    lse_r = lse_safe[g.b, g.qh, q0:q1]
+    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    dk_g, dv_g = dk[g.kb, g.kvh], dv[g.kb, g.kvh]
+    dq_r = torch.zeros(Bg, Hkvg, Gr, E, dtype=work, device=query.device)
+    for chunk in row.chunks:
+        kv = chunk_kv_index(chunk, mods.kv_pos)
+        kc = chunk_rows(k_g, chunk).to(work)
+        vc = chunk_rows(v_g, chunk).to(work)
+        s4 = torch.matmul(qb, kc.transpose(-1, -2)).view(Bg, Hqg, r, chunk.n_cols)
+        blocked = mods.blocked(chunk, q0, q1, kv)
+        post = None
+        if mods.score_mod is not None:
+            if "score" in mods.score_reads:
+                s4.requires_grad_()
+            with torch.enable_grad():
+                post = mods.score(s4, q0, q1, kv, buffers).expand(s4.shape)
+            p = torch.empty_like(s4).copy_(post.detach())
+        else:
+            p = s4
+        _fill(p, blocked, _NEG_INF)
+        p.sub_(lse_r).exp_()  # softmax probabilities from the saved logsumexp
+        p_g = p.view(Bg, Hkvg, Gr, -1)
+        dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
+        dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
+        ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
+        if post is not None:
+            wrt = ([s4] if s4.requires_grad else []) + leaves
+            grads = torch.autograd.grad(post, wrt, ds, allow_unused=True) if post.requires_grad and wrt else [None] * len(wrt)
+            for i, gb in enumerate(grads[len(wrt) - len(leaves):]):
+                if gb is not None:
+                    buf_grads[i] += gb
+            ds = grads[0] if s4.requires_grad else None
+        if ds is not None:
+            ds = ds.contiguous()
+            _fill(ds, blocked, 0.0)  # masked entries never reach the output, whatever the mod's slope
+            ds_g = ds.view(Bg, Hkvg, Gr, -1)
+            dq_r.add_(torch.matmul(ds_g, kc), alpha=scale)
+            dk_c = torch.matmul(ds_g.transpose(-1, -2), qb)
+            _add_rows(dk_g, chunk, dk_c.sum(0, keepdim=True) if sum_kv_batch else dk_c)
+        _add_rows(dv_g, chunk, dv_c.sum(0, keepdim=True) if sum_kv_batch else dv_c)
+    dq[g.b, g.qh, q0:q1] = dq_r.view(Bg, Hqg, r, E)

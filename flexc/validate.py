@@ -1,0 +1,153 @@
+"""Input checks for :func:`flexc.flex_attention`, run before any work.
+
+Each check raises ``TypeError`` (wrong kind of object) or ``ValueError`` (right kind, wrong value)
+naming the argument, what was expected, what was given, and how to fix it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
+
+# torch 2.13's documented FlexKernelOptions keys (each may also carry a fwd_/bwd_ prefix).
+KNOWN_OPTIONS = frozenset({
+    "num_warps", "num_stages", "BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
+    "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
+    "FORCE_USE_FLEX_ATTENTION", "USE_TMA", "kpack", "matrix_instr_nonkdim", "waves_per_eu",
+})
+
+
+def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
+    """Shapes, dtypes and devices of query ``[B,Hq,L,E]``, key ``[B,Hkv,S,E]``, value ``[B,Hkv,S,Ev]``."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flex_attention: `{name}` must be a torch.Tensor, got {type(t).__name__}. "
+                            f"Fix: pass a tensor of shape [batch, heads, length, head_dim].")
+        if t.dim() != 4:
+            raise ValueError(f"flex_attention: `{name}` must be 4-D [batch, heads, length, head_dim], got "
+                             f"{t.dim()}-D shape {tuple(t.shape)}. Fix: reshape it, e.g. add a batch "
+                             f"dimension with `.unsqueeze(0)`.")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"flex_attention: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, "
+                            f"float32, float64. Fix: convert it with `.float()` or `.to(torch.bfloat16)`.")
+        if t.is_nested:
+            raise TypeError(f"flex_attention: `{name}` is a nested tensor; expected a dense tensor. "
+                            f"Fix: pad the sequences and mask the padding with a mask_mod.")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"flex_attention: query, key and value must share a dtype, got {query.dtype}, "
+                         f"{key.dtype}, {value.dtype}. Fix: convert them to one dtype, e.g. `key.to(query.dtype)`.")
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"flex_attention: query, key and value must be on one device, got {query.device}, "
+                         f"{key.device}, {value.device}. Fix: move them with `.to(query.device)`.")
+    B, Hq, L, E = query.shape
+    Bk, Hkv, S, Ek = key.shape
+    Bv, Hv, Sv, _ = value.shape
+    if Ek != E:
+        raise ValueError(f"flex_attention: `key` head dim must equal query's (E={E}), got {Ek} "
+                         f"(query {tuple(query.shape)}, key {tuple(key.shape)}). Fix: project both to the same head dim.")
+    if Sv != S:
+        raise ValueError(f"flex_attention: `value` length must equal key's (S={S}), got {Sv} "
+                         f"(key {tuple(key.shape)}, value {tuple(value.shape)}). Fix: pass one value row per key row.")
+    if (Bv, Hv) != (Bk, Hkv):
+        raise ValueError(f"flex_attention: `value` batch and heads must equal key's ({Bk}, {Hkv}), got ({Bv}, {Hv}). "
+                         f"Fix: key and value must come from the same [batch, heads] layout.")
+    if Bk not in (B, 1):
+        raise ValueError(f"flex_attention: `key`/`value` batch must equal query's (B={B}) or be 1 (broadcast), "
+                         f"got {Bk}. Fix: expand or slice key/value to batch {B}.")
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError(f"flex_attention: query has Hq={Hq} heads but key/value have Hkv={Hkv}; expected "
+                             f"equal heads when enable_gqa=False. Fix: pass enable_gqa=True for grouped-query attention.")
+        if Hkv == 0 or Hq % Hkv != 0:
+            raise ValueError(f"flex_attention: with enable_gqa=True, query heads (Hq={Hq}) must be a multiple of "
+                             f"key/value heads (Hkv={Hkv}). Fix: choose Hkv dividing Hq.")
+
+
+def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
+    """A flexc or torch BlockMask built for exactly ``(L, S)`` and no more batches/heads than the input."""
+    if block_mask is None:
+        return
+    needed = ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "seq_lengths")
+    if not all(hasattr(block_mask, a) for a in needed):
+        raise TypeError(f"flex_attention: `block_mask` must be a BlockMask (flexc's or torch's), got "
+                        f"{type(block_mask).__name__}. Fix: build one with flexc.create_block_mask(mask_mod, B, H, L, S).")
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    lengths = tuple(int(x) for x in block_mask.seq_lengths)
+    if lengths != (L, S):
+        raise ValueError(f"flex_attention: `block_mask` was built for (Q_LEN, KV_LEN)={lengths} but the inputs have "
+                         f"(L, S)=({L}, {S}). Fix: rebuild it with create_block_mask(mask_mod, B, H, {L}, {S}), or, "
+                         f"if it is larger, crop it with block_mask._adjust({L}, {S}) (keeps the upper-left corner; "
+                         f"right only for masks that do not depend on the total length).")
+    Bm, Hm = block_mask.kv_num_blocks.shape[:2]
+    if Bm not in (1, B):
+        raise ValueError(f"flex_attention: `block_mask` has batch {Bm}; expected 1 (broadcast) or the query's "
+                         f"batch {B}. Fix: build it with B=None (broadcast) or B={B}.")
+    if Hm not in (1, Hq):
+        raise ValueError(f"flex_attention: `block_mask` has {Hm} heads; expected 1 (broadcast) or the query's "
+                         f"{Hq} heads. Fix: build it with H=None (broadcast) or H={Hq}.")
+    if block_mask.kv_num_blocks.device != query.device:
+        raise ValueError(f"flex_attention: `block_mask` is on {block_mask.kv_num_blocks.device} but the inputs are on "
+                         f"{query.device}. Fix: `block_mask.to({str(query.device)!r})`.")
+
+
+def check_scale(scale: Any, query: torch.Tensor) -> float:
+    """The softmax scale: ``1/sqrt(E)`` by default, else a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.requires_grad:
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"flex_attention: `scale` must be a number (float) or None, got {type(scale).__name__} "
+                        f"{scale!r}. Fix: pass e.g. scale=1/math.sqrt(head_dim), or None for that default.")
+    if not math.isfinite(scale):
+        raise ValueError(f"flex_attention: `scale` must be finite, got {scale}. Fix: pass a finite float or None.")
+    return float(scale)
+
+
+def check_kernel_options(kernel_options: Any) -> dict:
+    """A copy of ``kernel_options`` with known keys only and ``BACKEND`` upper-cased ("AUTO" by default)."""
+    if kernel_options is None:
+        return {"BACKEND": "AUTO"}
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"flex_attention: `kernel_options` must be a dict or None, got {type(kernel_options).__name__}. "
+                        f"Fix: pass e.g. {{'BACKEND': 'TORCH'}}.")
+    options = dict(kernel_options)
+    for name in options:
+        base = name[4:] if isinstance(name, str) and name.startswith(("fwd_", "bwd_")) else name
+        if name != "BACKEND" and base not in KNOWN_OPTIONS:
+            raise ValueError(f"flex_attention: unknown kernel_options key {name!r}; expected BACKEND or one of "
+                             f"{sorted(KNOWN_OPTIONS)} (optionally prefixed fwd_/bwd_). Fix: remove or correct the key.")
+    backend = options.get("BACKEND", "AUTO")
+    if not isinstance(backend, str) or backend.upper() not in BACKEND_NAMES:
+        raise ValueError(f"flex_attention: kernel_options['BACKEND'] must be one of {list(BACKEND_NAMES)}, got "
+                         f"{backend!r}. Fix: use 'TORCH' for the CPU block-sparse path, 'TRITON' for generated "
+                         f"kernels, or 'AUTO'.")
+    options["BACKEND"] = backend.upper()
+    return options
+
+
+def check_flags(enable_gqa: Any, return_lse: Any, return_aux: Any) -> None:
+    """``enable_gqa``/``return_lse`` are bools; ``return_aux`` is an AuxRequest and excludes return_lse."""
+    for name, flag in (("enable_gqa", enable_gqa), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"flex_attention: `{name}` must be a bool, got {type(flag).__name__} {flag!r}. "
+                            f"Fix: pass True or False.")
+    if return_aux is not None:
+        if not (hasattr(return_aux, "lse") and hasattr(return_aux, "max_scores")):
+            raise TypeError(f"flex_attention: `return_aux` must be an AuxRequest or None, got "
+                            f"{type(return_aux).__name__}. Fix: pass flexc.AuxRequest(lse=True).")
+        if return_lse:
+            raise ValueError("flex_attention: pass either return_lse=True or return_aux, not both; got both. "
+                             "Fix: use return_aux=AuxRequest(lse=True) alone.")
+
+
+def check_mod(score_mod: Any) -> None:
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"flex_attention: `score_mod` must be a function (score, b, h, q_idx, kv_idx) -> score or "
+                        f"None, got {type(score_mod).__name__}. Fix: pass a callable.")
