@@ -10,8 +10,10 @@ with the offending line and a fix.
 """
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
+import linecache
 import math
 import os
 import sys
@@ -90,8 +92,8 @@ def mod_kind(fn: Callable) -> str:
     if len(positional) == 4:
         return MASK_MOD
     raise TraceError(
-        f"{_mod_name(fn)}{_def_site(fn)} takes {len(positional)} positional parameters without "
-        f"defaults; expected 5 for a score_mod (score, b, h, q_idx, kv_idx) or 4 for a mask_mod "
+        f"cannot trace {_mod_name(fn)}{_def_site(fn)}: it takes {len(positional)} positional "
+        f"parameters without defaults; expected 5 for a score_mod (score, b, h, q_idx, kv_idx) or 4 for a mask_mod "
         f"(b, h, q_idx, kv_idx). Fix: give extra parameters default values or bind them with "
         f"functools.partial."
     )
@@ -106,17 +108,17 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
     >>> print(trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx))
     q_idx >= kv_idx
     """
-    if isinstance(fn, TracedMod):
-        return fn
-    actual = mod_kind(fn)
+    actual = fn.kind if isinstance(fn, TracedMod) else mod_kind(fn)
     if kind is not None and kind != actual:
+        source = fn.fn if isinstance(fn, TracedMod) else fn
         raise TraceError(
-            f"expected a {kind} but {_mod_name(fn)}{_def_site(fn)} is a {actual} "
+            f"cannot trace {_mod_name(source)}{_def_site(source)}: expected a {kind} but it is a {actual} "
             f"({len(SCORE_MOD_ARGS if actual == SCORE_MOD else MASK_MOD_ARGS)} positional parameters). "
             f"Fix: pass a {kind} taking ({', '.join(SCORE_MOD_ARGS if kind == SCORE_MOD else MASK_MOD_ARGS)})."
         )
-    tracer = _Tracer(fn, actual)
-    return tracer.run()
+    if isinstance(fn, TracedMod):
+        return fn
+    return _Tracer(fn, actual).run()
 
 
 # ---- the tracer ---------------------------------------------------------------------------
@@ -126,26 +128,29 @@ class _Tracer:
         self.fn, self.kind = fn, kind
         self.buffers: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}
+        self._site: tuple[str, str] | None = None  # overrides the error location once the mod returned
 
     def run(self) -> TracedMod:
         names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
         proxies = [Proxy(ir.input_(n), self) for n in names]
         with _TraceMode(self):
             out = self.fn(*proxies)
+        # the mod has returned: problems with its result point at its return statement
+        self._site = _return_site(self.fn)
+        if out is None:
+            self.fail("it returned None", "add a `return` statement with the mask or score")
         root = self.to_node(out, what="the return value")
         if self.kind == MASK_MOD and root.kind != ir.BOOL:
             self.fail(
-                f"a mask_mod must return a bool, but {_mod_name(self.fn)} returns a {root.kind} "
-                f"value: {ir.format_expr(root)}",
+                f"a mask_mod must return a bool, but {_mod_name(self.fn)} returns "
+                f"{'an' if root.kind == ir.INT else 'a'} {root.kind} value: {ir.format_expr(root)}",
                 "return a comparison such as `q_idx >= kv_idx`; to change scores write a score_mod",
-                site=_def_site(self.fn),
             )
         if self.kind == SCORE_MOD and root.kind == ir.BOOL:
             self.fail(
                 f"a score_mod must return a number, but {_mod_name(self.fn)} returns a bool: "
                 f"{ir.format_expr(root)}",
                 "to mask, return `torch.where(cond, score, -float('inf'))` or write a mask_mod",
-                site=_def_site(self.fn),
             )
         if self.kind == SCORE_MOD and root.kind == ir.INT:
             root = ir.cast(root, "float32", ir.FLOAT)
@@ -153,9 +158,13 @@ class _Tracer:
                          _mod_name(self.fn), self.fn)
 
     # -- errors --
-    def fail(self, what: str, fix: str, site: str | None = None) -> None:
-        site = site if site is not None else _user_site()
-        raise TraceError(f"cannot trace {self.kind} {_mod_name(self.fn)}{site}: {what}.\nFix: {fix}.")
+    def fail(self, what: str, fix: str) -> None:
+        """Raise a TraceError naming the mod, the offending ``file:line`` and its source, and the fix."""
+        where, source = self._site if self._site is not None else _user_site()
+        text = f"cannot trace {self.kind} {_mod_name(self.fn)}{where}: {what}."
+        if source:
+            text += f"\n    {source}"
+        raise TraceError(f"{text}\nFix: {fix}.")
 
     # -- operands --
     def buffer_node(self, t: torch.Tensor) -> ir.Node:
@@ -209,9 +218,10 @@ class _Tracer:
             dim = len(indices)
             if dim >= tensor.dim():
                 self.fail(
-                    f"captured tensor {_describe(tensor)} is indexed with {len(indices) + 1}+ indices but "
-                    f"has {tensor.dim()} dimensions",
-                    f"index it with exactly {tensor.dim()} indices",
+                    f"captured tensor {_describe(tensor)} is indexed with more indices than its "
+                    f"{tensor.dim()} dimension{'s' if tensor.dim() != 1 else ''}",
+                    f"index it with exactly {tensor.dim()} "
+                    f"{'index' if tensor.dim() == 1 else 'indices'}, one per dimension",
                 )
             if isinstance(k, Proxy):
                 if k.node.kind == ir.FLOAT:
@@ -395,8 +405,12 @@ class Proxy:
         if method is None:
             if name.startswith("__"):
                 raise AttributeError(name)
+            if name.endswith("_"):
+                self.tracer.fail(f"`.{name}()` mutates a value inside the mod",
+                                 f"mods must be pure: use the out-of-place form `.{name[:-1]}()`")
+            public = sorted(n for n in _METHODS if not n.startswith("_"))
             self.tracer.fail(f"the tensor method `.{name}()` is not supported by flexc's tracer",
-                             f"use one of: {', '.join(sorted(_METHODS))}")
+                             f"use one of: {', '.join(public)}")
         return functools.partial(method, self.tracer, self)
 
     @property
@@ -477,7 +491,7 @@ def _clamp(t: _Tracer, x: Any, min: Any = None, max: Any = None) -> "Proxy":
 def _where(t: _Tracer, cond: Any, x: Any, y: Any) -> "Proxy":
     c = t.to_node(cond)
     if c.kind != ir.BOOL:
-        t.fail(f"torch.where's condition `{c}` is a {c.kind}, not a bool", "pass a comparison such as `q_idx >= kv_idx`")
+        t.fail(f"torch.where's condition `{c}` is {'an' if c.kind == ir.INT else 'a'} {c.kind}, not a bool", "pass a comparison such as `q_idx >= kv_idx`")
     return t.wrap(ir.where(c, t.to_node(x), t.to_node(y)))
 
 
@@ -597,18 +611,33 @@ def _def_site(fn: Callable) -> str:
     return f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
 
 
-def _user_site() -> str:
-    """`` (file:line)\\n    source`` of the innermost frame outside flexc and torch: the mod's own line."""
+def _site_of(filename: str, lineno: int) -> tuple[str, str]:
+    return f" ({filename}:{lineno})", linecache.getline(filename, lineno).strip()
+
+
+def _user_site() -> tuple[str, str]:
+    """`` (file:line)`` and source text of the innermost frame outside flexc and torch: the mod's line."""
     frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_FLEXC_DIR) and not path.startswith(_TORCH_DIR) and "functools" not in path:
-            import linecache
-
-            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-            return f" ({frame.f_code.co_filename}:{frame.f_lineno})" + (f"\n    {line}\n" if line else "")
+        if not path.startswith(_FLEXC_DIR + os.sep) and not path.startswith(_TORCH_DIR + os.sep) \
+                and os.path.basename(path) != "functools.py":
+            return _site_of(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
-    return ""
+    return "", ""
+
+
+def _return_site(fn: Callable) -> tuple[str, str]:
+    """The mod's return statement when it has exactly one, else its ``def`` line."""
+    code = _code_of(fn)
+    if code is None:
+        return "", ""
+    lines = {
+        ins.positions.lineno for ins in dis.get_instructions(code)
+        if ins.opname in ("RETURN_VALUE", "RETURN_CONST") and getattr(ins, "positions", None)
+        and ins.positions.lineno
+    }
+    return _site_of(code.co_filename, lines.pop() if len(lines) == 1 else code.co_firstlineno)
 
 
 def _buffer_names(fn: Callable, buffers: list) -> tuple:
