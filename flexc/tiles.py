@@ -19,9 +19,10 @@ EMPTY, UNDECIDED, FULL = 0, 1, 2
 PARTIAL = 1  # after exact evaluation no tile is undecided; 1 then means "mixed"
 
 # Elements evaluated per batch of tiles. The largest intermediates are int64 index differences,
-# so one batch needs roughly 8 bytes x this many, i.e. about 32 MiB: small against the 1 GiB goal
-# at L=16384, large enough that Python overhead per batch stays negligible.
-DEFAULT_MAX_ELEMENTS = 1 << 22
+# about 8 MiB per batch at this size: small against the 1 GiB goal at L=16384, and small enough
+# that the allocator reuses its memory between batches (larger batches were slower here, paying
+# for fresh pages each time) while Python overhead per batch stays negligible.
+DEFAULT_MAX_ELEMENTS = 1 << 20
 
 
 def cdiv(a: int, b: int) -> int:
