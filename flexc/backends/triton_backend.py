@@ -1,0 +1,408 @@
+"""The generated-Triton forward backend: kernel cache, launcher, and ``kernel_source``.
+
+:func:`triton_forward` is registered as ``BACKENDS["TRITON"]`` in :mod:`flexc.attention`. It picks
+tile sizes, finds (or generates, writes to the cache directory and imports) the kernel for the
+mods' *structure*, and launches it on the BlockMask's tables. CUDA tensors run the compiled
+kernel; CPU tensors run the same source through Triton's interpreter, switched on with
+``triton.knobs.runtime.interpret`` while the module is imported (no environment variable).
+
+New captured-tensor values, sequence lengths and batch sizes reuse the cached kernel: they are
+kernel arguments, never part of the source. :func:`cache_info` counts hits and misses.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
+                               padded_head_dim)
+from ..trace import MASK_MOD, SCORE_MOD, TracedMod, trace
+
+_FORWARD_OPTIONS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+class CacheInfo(NamedTuple):
+    """Kernel cache counters: ``misses`` is how many kernels were generated and compiled."""
+
+    hits: int
+    misses: int
+    size: int
+
+
+class _Kernel(NamedTuple):
+    generated: GeneratedForward
+    fn: Any  # the imported @triton.jit kernel (an InterpretedFunction under the interpreter)
+    path: str
+
+
+_cache: dict[tuple, _Kernel] = {}
+_stats = {"hits": 0, "misses": 0}
+_cache_lock = threading.Lock()
+# Triton's interpreter patches triton.language globally while a kernel runs: one at a time.
+_interpreter_lock = threading.Lock()
+
+
+def cache_info() -> CacheInfo:
+    """``CacheInfo(hits, misses, size)`` of the generated-kernel cache (a miss generates and compiles)."""
+    with _cache_lock:
+        return CacheInfo(_stats["hits"], _stats["misses"], len(_cache))
+
+
+def cache_clear() -> None:
+    """Forget every cached kernel and reset the counters (files in the cache directory stay)."""
+    with _cache_lock:
+        _cache.clear()
+        _stats["hits"] = _stats["misses"] = 0
+
+
+def cache_dir() -> str:
+    """Where generated sources are written: ``$FLEXC_CACHE_DIR``, else ``~/.cache/flexc/kernels``."""
+    candidates = [os.environ.get("FLEXC_CACHE_DIR"), os.path.join(os.path.expanduser("~"), ".cache", "flexc", "kernels"),
+                  os.path.join(tempfile.gettempdir(), f"flexc-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}")]
+    for path in candidates:
+        if not path:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise RuntimeError("flexc: no writable directory for generated kernels; set FLEXC_CACHE_DIR to one.")
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+def default_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: str) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a dtype and head dims.
+
+    On CUDA these are torch's Hopper defaults; under the interpreter each tile costs a fixed
+    overhead plus its size; 64 x 64 was fastest at L = 256 (16: 0.9 s, 32: 0.27 s, 64: 0.08 s).
+    """
+    if target == "interpreter":
+        return 64, 64, 4, 1
+    d = max(padded_head_dim(head_dim), padded_head_dim(v_head_dim))
+    if dtype in (torch.float32, torch.float64):
+        return (128, 32, 3, 4) if d <= 64 else (32, 64, 3, 4) if d <= 128 else (32, 32, 3, 4)
+    return (128, 128, 3, 4) if d <= 64 else (128, 64, 3, 8) if d <= 128 else (64, 32, 3, 4)
+
+
+def _forward_options(kernel_options: dict | None) -> dict:
+    """The forward-pass options: ``fwd_X`` overrides ``X``; ``bwd_`` keys are not ours."""
+    options: dict = {}
+    for name, value in (kernel_options or {}).items():
+        if name in _FORWARD_OPTIONS:
+            options.setdefault(name, value)
+    for name, value in (kernel_options or {}).items():
+        if isinstance(name, str) and name.startswith("fwd_") and name[4:] in _FORWARD_OPTIONS:
+            options[name[4:]] = value
+    return options
+
+
+def _check_int_option(name: str, value: Any, power_of_2: bool, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"flexc: kernel_options[{name!r}] must be an int, got {type(value).__name__} {value!r}. "
+                        f"Fix: pass e.g. {name}=64.")
+    if value < minimum or (power_of_2 and value & (value - 1)):
+        what = f"a power of two >= {minimum}" if power_of_2 else f">= {minimum}"
+        raise ValueError(f"flexc: kernel_options[{name!r}] must be {what}, got {value}. Fix: use e.g. "
+                         f"{max(minimum, 64) if power_of_2 else max(minimum, 2)}.")
+    return value
+
+
+def resolve_config(kernel_options: dict | None, dtype: torch.dtype, head_dim: int, v_head_dim: int,
+                   q_block_size: int, kv_block_size: int | None, target: str) -> tuple[int, int, int, int]:
+    """Tiles and launch options: the user's ``kernel_options`` over :func:`default_config`.
+
+    The BlockMask's block sizes must be multiples of ``BLOCK_M``/``BLOCK_N`` (as torch requires);
+    a default that does not divide them is halved, a user's choice raises ``ValueError``.
+    ``kv_block_size=None`` means no BlockMask.
+    """
+    options = _forward_options(kernel_options)
+    block_m, block_n, warps, stages = default_config(dtype, head_dim, v_head_dim, target)
+    chosen = {}
+    for name, minimum, pow2 in (("BLOCK_M", 16, True), ("BLOCK_N", 16, True), ("num_warps", 1, True), ("num_stages", 1, False)):
+        if name in options:
+            chosen[name] = _check_int_option(name, options[name], pow2, minimum)
+    block_m, block_n = chosen.get("BLOCK_M", block_m), chosen.get("BLOCK_N", block_n)
+    for tile_name, block_size, what in (("BLOCK_M", q_block_size, "query (Q)"), ("BLOCK_N", kv_block_size, "key (KV)")):
+        if block_size is None:
+            continue
+        tile = block_m if tile_name == "BLOCK_M" else block_n
+        if block_size % tile:
+            if tile_name in chosen:
+                raise ValueError(
+                    f"flexc: the BlockMask's {what} block size {block_size} must be a multiple of "
+                    f"kernel_options[{tile_name!r}]={tile}. Fix: pass a {tile_name} dividing {block_size} "
+                    f"(e.g. {_largest_pow2_divisor(block_size, tile)}) or build the BlockMask with a "
+                    f"BLOCK_SIZE that is a multiple of {tile}.")
+            tile = _largest_pow2_divisor(block_size, tile)
+            if tile < 16:
+                raise ValueError(
+                    f"flexc: the BlockMask's {what} block size {block_size} must be a multiple of 16 for the "
+                    f"Triton kernel. Fix: build the BlockMask with BLOCK_SIZE a multiple of 16 (e.g. 128).")
+            if tile_name == "BLOCK_M":
+                block_m = tile
+            else:
+                block_n = tile
+    return block_m, block_n, chosen.get("num_warps", warps), chosen.get("num_stages", stages)
+
+
+def _largest_pow2_divisor(n: int, at_most: int) -> int:
+    tile = at_most
+    while tile > 1 and n % tile:
+        tile //= 2
+    return tile
+
+
+def _target(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "interpreter"
+    if device.type == "cuda":
+        return "cuda"
+    raise ValueError(f"flexc: the Triton backend runs on CUDA tensors (compiled) or CPU tensors (interpreted), "
+                     f"got tensors on {device}. Fix: move them with .cuda() or .cpu(), or use BACKEND='TORCH'.")
+
+
+def _fp32_precision(target: str) -> str:
+    if target == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _block_sizes(block_mask: Any) -> tuple[int, int]:
+    size = block_mask.BLOCK_SIZE
+    if isinstance(size, int):
+        return size, size
+    return int(size[0]), int(size[1])
+
+
+def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
+              v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None, target: str,
+              need_lse: bool, has_full_blocks: bool = True) -> ForwardSpec:
+    """The :class:`ForwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask."""
+    if block_size is None:
+        block_m, block_n, warps, stages = resolve_config(kernel_options, dtype, head_dim, v_head_dim, NO_BLOCK_MASK,
+                                                         None, target)
+        q_block, kv_block, mask_mod, has_full_blocks = NO_BLOCK_MASK, block_n, None, True
+    else:
+        q_block, kv_block = block_size
+        block_m, block_n, warps, stages = resolve_config(kernel_options, dtype, head_dim, v_head_dim, q_block,
+                                                         kv_block, target)
+    return ForwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, block_m, block_n,
+                       warps, stages, has_full_blocks, need_lse, target, _fp32_precision(target))
+
+
+# ---- the kernel cache ---------------------------------------------------------------------
+
+def _import_source(source: str, target: str) -> tuple[Any, str]:
+    """Write ``source`` to the cache directory and import it; return its kernel and file path."""
+    import triton
+
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    name = f"flexc_kernel_{digest}"
+    path = os.path.join(cache_dir(), name + ".py")
+    if not os.path.exists(path) or open(path).read() != source:
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    if target == "interpreter":
+        runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if runtime is None or not hasattr(runtime, "scope"):
+            raise RuntimeError(f"flexc: running the Triton kernel on CPU needs triton.knobs.runtime (Triton >= 3.4), "
+                               f"found Triton {triton.__version__}. Fix: upgrade Triton, or use BACKEND='TORCH' on CPU.")
+        with runtime.scope():
+            runtime.interpret = True  # @triton.jit now builds InterpretedFunctions
+            spec.loader.exec_module(module)
+    else:
+        spec.loader.exec_module(module)
+    sys.modules.setdefault(name, module)
+    return getattr(module, KERNEL_NAME), path
+
+
+def get_kernel(spec: ForwardSpec) -> _Kernel:
+    """The compiled kernel for ``spec``: from the cache, or generated, written and imported."""
+    key = spec.key()
+    with _cache_lock:
+        kernel = _cache.get(key)
+        if kernel is not None:
+            _stats["hits"] += 1
+            return kernel
+        generated = generate_forward(spec)
+        fn, path = _import_source(generated.source, spec.target)
+        kernel = _Kernel(generated, fn, path)
+        _cache[key] = kernel
+        _stats["misses"] += 1
+        return kernel
+
+
+def source_for(spec: ForwardSpec) -> str:
+    """The source that runs for ``spec`` (the cached one if compiled already); compiles nothing."""
+    with _cache_lock:
+        kernel = _cache.get(spec.key())
+    return kernel.generated.source if kernel is not None else generate_forward(spec).source
+
+
+# ---- launching ----------------------------------------------------------------------------
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tables(block_mask: Any, spec: ForwardSpec, S: int, device: torch.device) -> list[torch.Tensor]:
+    """``[partial counts, partial indices, (full counts, full indices)]`` as contiguous int32."""
+    if block_mask is None:
+        n = max(1, _cdiv(S, spec.kv_block_size))
+        return [torch.zeros((1, 1, 1), dtype=torch.int32, device=device),
+                torch.zeros((1, 1, 1, n), dtype=torch.int32, device=device),
+                torch.full((1, 1, 1), _cdiv(S, spec.kv_block_size), dtype=torch.int32, device=device),
+                torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n)]
+    names = ["kv_num_blocks", "kv_indices"] + (["full_kv_num_blocks", "full_kv_indices"] if spec.has_full_blocks else [])
+    tables = [getattr(block_mask, n).to(device=device, dtype=torch.int32).contiguous() for n in names]
+    if spec.has_full_blocks and (tables[2].shape != tables[0].shape or tables[3].shape != tables[1].shape):
+        raise ValueError(f"flexc: the BlockMask's full-block tables {tuple(tables[2].shape)}/{tuple(tables[3].shape)} "
+                         f"must have the shapes of its partial tables {tuple(tables[0].shape)}/{tuple(tables[1].shape)}. "
+                         f"Fix: build it with create_block_mask or BlockMask.from_kv_blocks.")
+    return tables
+
+
+def _buffer_arguments(traced: TracedMod | None, params, device: torch.device) -> list:
+    args: list = []
+    if traced is None:
+        return args
+    for p in params:
+        t = traced.buffers[p.slot]
+        if p.what == "ptr":
+            if t.device != device:
+                raise ValueError(f"flexc: {traced.kind} {traced.name} captured tensor "
+                                 f"{traced.buffer_names[p.slot]!r} is on {t.device} but the inputs are on {device}. "
+                                 f"Fix: create it on {device} (e.g. `.to('{device}')`).")
+            t = t.detach()
+            args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
+        elif p.what == "stride":
+            args.append(t.stride(p.dim))
+        else:
+            args.append(t.shape[p.dim])
+    return args
+
+
+def _empty_like_query(query: torch.Tensor, v_head_dim: int) -> torch.Tensor:
+    """The output ``[B, Hq, L, Ev]`` laid out in memory in the query's dimension order."""
+    B, H, L, _ = query.shape
+    order = sorted(range(4), key=lambda d: -query.stride(d))
+    if order == [0, 1, 2, 3]:
+        return torch.empty((B, H, L, v_head_dim), dtype=query.dtype, device=query.device)
+    return torch.empty_permuted((B, H, L, v_head_dim), order, dtype=query.dtype, device=query.device)
+
+
+def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the kernel for ``spec`` on these tensors; the mods supply the captured-tensor values."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    device = query.device
+    out = _empty_like_query(query, Ev)
+    lse = torch.empty((B, Hq, L), dtype=torch.float32, device=device) if spec.output_lse else None
+    if out.numel() == 0 or S == 0:  # nothing to attend to: every row is fully masked
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+    if B * Hq > 65535 and spec.target == "cuda":
+        raise ValueError(f"flexc: batch x heads = {B * Hq} exceeds the 65535 programs per grid axis. "
+                         f"Fix: split the batch into chunks.")
+    kernel = get_kernel(spec)
+    tables = _tables(block_mask, spec, S, device)
+    Bm, Hm, nQ = tables[0].shape
+    nKV = tables[1].shape[-1]
+    if spec.q_block_size != NO_BLOCK_MASK and nQ < _cdiv(L, spec.q_block_size):
+        raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
+                         f"{_cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
+    buffers = (_buffer_arguments(score_mod, kernel.generated.score_params, device)
+               + _buffer_arguments(mask_mod, kernel.generated.mask_params, device))
+    stride_kb = key.stride(0) if Bkv == B else 0
+    stride_vb = value.stride(0) if Bkv == B else 0
+    args = [query, key, value, out] + ([lse] if lse is not None else []) + tables + buffers + [
+        float(scale), L, S, Hq, Hq // Hkv,
+        *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *out.stride()]
+    if lse is not None:
+        args += [lse.stride(0), lse.stride(1)]
+    args += [Bm, Hm, nQ, nKV]
+    constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
+                     KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
+                     HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
+                     V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
+    grid = (_cdiv(L, spec.block_m), B * Hq)
+    if spec.target == "interpreter":
+        with _interpreter_lock:
+            kernel.fn[grid](*args, **constants)
+    else:
+        with torch.cuda.device(device):
+            kernel.fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
+    return out, lse
+
+
+def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                   mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
+                   need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``"TRITON"`` forward backend: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``.
+
+    Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
+    (block sizes against tiles, devices of captured tensors).
+    """
+    target = _target(query.device)
+    block_size = _block_sizes(block_mask) if block_mask is not None else None
+    has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
+    spec = make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], block_size, kernel_options,
+                     target, need_lse, has_full)
+    return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
+
+
+def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
+                  block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
+                  kernel_options: dict | None = None, *, return_lse: bool = False) -> str:
+    """The exact Triton source :func:`flexc.flex_attention` runs for these arguments.
+
+    Takes ``flex_attention``'s arguments; ``return_lse=True`` (or training, which needs the
+    logsumexp) selects the variant that also writes it. Nothing is compiled.
+
+    >>> print(flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=causal))  # doctest: +SKIP
+    """
+    from .. import validate
+
+    validate.check_tensors(query, key, value, enable_gqa)
+    validate.check_mod(score_mod)
+    validate.check_block_mask(block_mask, query, key)
+    validate.check_scale(scale, query)
+    options = validate.check_kernel_options(kernel_options)
+    traced_score = trace(score_mod, SCORE_MOD) if score_mod is not None else None
+    mask_fn = getattr(block_mask, "mask_mod", None)
+    traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
+    block_size = _block_sizes(block_mask) if block_mask is not None else None
+    has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
+    spec = make_spec(traced_score, traced_mask, query.dtype, query.shape[-1], value.shape[-1], block_size, options,
+                     _target(query.device), return_lse, has_full)
+    return source_for(spec)
+
+
+def _register() -> None:
+    from .. import attention
+
+    attention.BACKENDS.setdefault("TRITON", triton_forward)
+
+
+_register()
+
+__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "default_config", "get_kernel", "kernel_source",
+           "launch", "make_spec", "resolve_config", "source_for", "triton_forward"]

@@ -1,0 +1,381 @@
+"""Generate the forward attention kernel for one pair of traced mods.
+
+The kernel follows torch's FlexAttention template: one program per (query tile, batch x head)
+walks the BlockMask's *partial* key blocks (score_mod and mask_mod) and then its *full* key blocks
+(score_mod only) through the index tables, so empty blocks are never visited; scores go through an
+online softmax in fp32 with ``exp2``. Everything the generator knows (block sizes, head dims,
+dtypes, the mods) is written into the source, which opens with a comment saying what it computes.
+
+:class:`ForwardSpec` is everything that shapes the source; its :meth:`ForwardSpec.key` is the
+kernel cache key. :func:`generate_forward` returns the source and the parameter plan the launcher
+follows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..trace import TracedMod
+from .printer import HELPERS, BufferParam, RenderedMod, python_literal, render_mod
+
+KERNEL_NAME = "flex_attention_forward"
+RCP_LN2 = 1.4426950408889634  # 1 / ln(2): scores move to base 2 so the softmax can use exp2
+LN2 = 0.6931471805599453
+NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row covers every query
+
+_TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+       torch.float64: "tl.float64"}
+# Parameter stems the kernel itself uses; a captured tensor with one of these names is renamed.
+_RESERVED = {"query", "key", "value", "out", "lse", "partial_block_counts", "partial_block_indices",
+             "full_block_counts", "full_block_indices", "block_counts", "block_indices"}
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def padded_head_dim(d: int) -> int:
+    """Head dims are padded to a power of two, at least 16 (tl.dot's smallest tile)."""
+    return max(16, next_power_of_2(d))
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """What one generated forward kernel is specialised for.
+
+    ``q_block_size``/``kv_block_size`` are the BlockMask's block sizes (``NO_BLOCK_MASK`` and
+    ``block_n`` when there is none); ``block_m``/``block_n`` the kernel's tiles, which divide them.
+    ``target`` is ``"cuda"`` or ``"interpreter"`` (Triton's CPU interpreter).
+    """
+
+    score_mod: TracedMod | None
+    mask_mod: TracedMod | None
+    dtype: torch.dtype
+    head_dim: int
+    v_head_dim: int
+    q_block_size: int
+    kv_block_size: int
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    has_full_blocks: bool = True
+    output_lse: bool = True
+    target: str = "cuda"
+    fp32_precision: str = "ieee"
+
+    def key(self) -> tuple:
+        """The kernel cache key: the mods' structure, never their captured values or lengths."""
+        return (
+            self.score_mod.key if self.score_mod is not None else None,
+            self.mask_mod.key if self.mask_mod is not None else None,
+            self.dtype, self.head_dim, self.v_head_dim, self.q_block_size, self.kv_block_size,
+            self.block_m, self.block_n, self.num_warps, self.num_stages, self.has_full_blocks,
+            self.output_lse, self.target, self.fp32_precision,
+        )
+
+
+@dataclass(frozen=True)
+class GeneratedForward:
+    """A generated kernel: its source, and the captured-tensor parameters of each mod in order."""
+
+    source: str
+    kernel_name: str
+    score_params: tuple[BufferParam, ...]
+    mask_params: tuple[BufferParam, ...]
+
+
+def _stems(traced: TracedMod | None, taken: set[str], suffix: str) -> dict[int, str]:
+    """Parameter stems for a mod's captured tensors: their names, made unique in the kernel."""
+    stems: dict[int, str] = {}
+    if traced is None:
+        return stems
+    for slot, name in enumerate(traced.buffer_names):
+        stem = name if name.isidentifier() and not name.startswith("_") else f"buf{slot}"
+        if stem in taken or stem in _RESERVED:
+            stem = f"{stem}_{suffix}"
+        while stem in taken or stem in _RESERVED:
+            stem = f"{stem}_{slot}"
+        taken.add(stem)
+        stems[slot] = stem
+    return stems
+
+
+def _render(spec: ForwardSpec) -> tuple[RenderedMod | None, RenderedMod | None]:
+    taken: set[str] = set()
+    score = mask = None
+    if spec.score_mod is not None:
+        score = render_mod(spec.score_mod, "score_mod", _stems(spec.score_mod, taken, "score"))
+    if spec.mask_mod is not None:
+        mask = render_mod(spec.mask_mod, "mask_mod", _stems(spec.mask_mod, taken, "mask"))
+        if mask.is_constant and mask.literal is True:
+            mask = None  # allows everything: nothing to apply
+    if score is not None and spec.score_mod.root.op == "input":
+        score = None  # the identity score_mod
+    return score, mask
+
+
+def _describe(traced: TracedMod | None, what: str) -> str:
+    if traced is None:
+        return f"#   {what:<9} none"
+    name = traced.name if traced.name != "<lambda>" else "lambda"
+    return f"#   {what:<9} {name}: {traced}"
+
+
+def generate_forward(spec: ForwardSpec) -> GeneratedForward:
+    """The Triton source of the forward kernel described by ``spec``."""
+    score, mask = _render(spec)
+    score_params = score.params if score is not None else ()
+    mask_params = mask.params if mask is not None else ()
+    helpers = set()
+    for r in (score, mask):
+        if r is not None:
+            helpers |= r.helpers
+
+    E, Ev = spec.head_dim, spec.v_head_dim
+    E_pad, Ev_pad = padded_head_dim(E), padded_head_dim(Ev)
+    tiles_per_block = spec.kv_block_size // spec.block_n
+    q_blocks = "none (every key is allowed)" if spec.q_block_size == NO_BLOCK_MASK else \
+        f"{spec.q_block_size} x {spec.kv_block_size} (query x key)"
+    dtype_name = str(spec.dtype).removeprefix("torch.")
+    widen = spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
+    acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
+
+    header = [
+        "# flexc forward attention kernel (generated; flexc.kernel_source() returns this text).",
+        _describe(spec.score_mod, "score_mod"),
+        _describe(spec.mask_mod, "mask_mod"),
+        f"#   dtype {dtype_name}; head dim {E} (padded to {E_pad}), value head dim {Ev} (padded to {Ev_pad})",
+        f"#   BlockMask blocks: {q_blocks}",
+        f"#   tiles: BLOCK_M={spec.block_m}, BLOCK_N={spec.block_n}; num_warps={spec.num_warps}, "
+        f"num_stages={spec.num_stages}; logsumexp output: {'yes' if spec.output_lse else 'no'}; "
+        f"target: {spec.target}",
+        "# One program per (query tile, batch x head). It visits the BlockMask's partial key blocks",
+        "# (score_mod, then mask_mod) and then its full key blocks (score_mod only); empty blocks are",
+        "# never visited. Softmax is online, in fp32, in base 2 (exp2).",
+    ]
+    if widen:
+        header.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
+        header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
+    lines = header + ["import triton", "import triton.language as tl", "", ""]
+    for name in sorted(helpers):
+        lines += [HELPERS[name], ""]
+    for r in (score, mask):
+        if r is not None:
+            lines += [r.source, ""]
+
+    lines += _attend_blocks(spec, score, mask, tiles_per_block, widen, acc_dtype)
+    lines += ["", ""]
+    lines += _kernel(spec, score, mask, widen, acc_dtype)
+    source = "\n".join(lines).rstrip() + "\n"
+    return GeneratedForward(source, KERNEL_NAME, score_params, mask_params)
+
+
+def _buffer_args(score: RenderedMod | None, mask: RenderedMod | None) -> list[str]:
+    names = []
+    for r in (score, mask):
+        if r is not None:
+            names += [p.name for p in r.params]
+    return names
+
+
+def _dot(a: str, b: str, spec: ForwardSpec, acc: str = "") -> str:
+    args = f"{a}, {b}" + (f", {acc}" if acc else "")
+    if spec.dtype == torch.float64:
+        return f"tl.dot({args}, input_precision=\"ieee\", out_dtype=tl.float64)"
+    if spec.dtype == torch.float32:
+        return f"tl.dot({args}, input_precision=\"{spec.fp32_precision}\")"
+    return f"tl.dot({args})"
+
+
+def _score_lines(spec: ForwardSpec, score: RenderedMod | None, indent: str) -> list[str]:
+    """Apply the score_mod to ``qk`` (the scaled scores of one tile)."""
+    if spec.score_mod is None or score is None:
+        return []
+    out = [f"{indent}# score_mod: {score.expression}"]
+    if score.is_constant:
+        out.append(f"{indent}qk = tl.full((BLOCK_M, BLOCK_N), {python_literal(float(score.literal))}, qk.dtype)")
+        return out
+    args = ", ".join(["qk", "b", "h", "q_idx", "kv_idx"] + [p.name for p in score.params])
+    call = f"score_mod({args})"
+    full_tile = "score" in score.reads or {"q_idx", "kv_idx"} <= score.reads
+    if full_tile:
+        out.append(f"{indent}qk = {call}.to(qk.dtype)")
+    else:  # the mod ignores the score and varies along at most one axis: broadcast it to the tile
+        out.append(f"{indent}qk = tl.full((BLOCK_M, BLOCK_N), 0.0, qk.dtype) + {call}")
+    return out
+
+
+def _mask_lines(spec: ForwardSpec, mask: RenderedMod | None, indent: str) -> list[str]:
+    if spec.mask_mod is None or mask is None:
+        return []
+    out = [f"{indent}# mask_mod: {mask.expression}"]
+    if mask.is_constant:  # always False here (always True was dropped)
+        out.append(f"{indent}qk = tl.full((BLOCK_M, BLOCK_N), float(\"-inf\"), qk.dtype)")
+        return out
+    args = ", ".join(["b", "h", "q_idx", "kv_idx"] + [p.name for p in mask.params])
+    out.append(f"{indent}qk = tl.where(mask_mod({args}), qk, float(\"-inf\"))")
+    return out
+
+
+def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: bool, acc_dtype: str) -> list[str]:
+    buffers = _buffer_args(score, mask)
+    params = [
+        "acc, l_i, m_i, q, b, h, q_idx,",
+        "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
+        "block_count_ptr, block_index_ptr, scale, KV_LEN,",
+    ]
+    if buffers:
+        params.append(", ".join(buffers) + ",")
+    params += [
+        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,",
+        "KV_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,",
+        "V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+    ]
+    k_mask = "kv_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if spec.head_dim != padded_head_dim(spec.head_dim) else "")
+    v_mask = "kv_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if spec.v_head_dim != padded_head_dim(spec.v_head_dim) else "")
+    widen_k = ".to(tl.float32)" if widen else ""
+    value_dtype = _TL[spec.dtype]
+    p_operand = f"p.to({value_dtype}).to(tl.float32)" if widen else f"p.to({value_dtype})"
+    if tiles_per_block == 1:
+        walk = [
+            "    for i in range(tl.load(block_count_ptr)):",
+            "        start_n = tl.load(block_index_ptr + i) * KV_BLOCK_SIZE  # the i-th listed key block",
+        ]
+    else:
+        walk = [
+            f"    # each BlockMask key block spans {tiles_per_block} tiles of BLOCK_N keys",
+            f"    for i in range(tl.load(block_count_ptr) * {tiles_per_block}):",
+            f"        kv_block = tl.load(block_index_ptr + i // {tiles_per_block})",
+            f"        start_n = kv_block * KV_BLOCK_SIZE + (i % {tiles_per_block}) * BLOCK_N",
+        ]
+    body = [
+        "@triton.jit",
+        "def attend_blocks(",
+        *("    " + p for p in params),
+        "):",
+        "    # Online softmax over the key tiles of the listed blocks: running row max m_i and row sum",
+        "    # l_i (base 2) and the unnormalised output acc.",
+        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
+        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *walk,
+        "        offs_n = start_n + tl.arange(0, BLOCK_N)",
+        "        kv_in_range = offs_n < KV_LEN",
+        f"        k = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen_k}",
+        f"        qk = {_dot('q', 'k', spec)} * scale",
+        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
+        *_score_lines(spec, score, "        "),
+    ]
+    masked = _mask_lines(spec, mask, "            ")
+    if masked:
+        body += ["        if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
+    body += [
+        "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
+        f"        qk = qk * {RCP_LN2}  # to base 2",
+        "        m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))",
+        "        # a row with nothing allowed yet keeps m == -inf; use 0 there so exp2 never sees -inf - -inf",
+        "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
+        "        alpha = tl.exp2(m_i - m_safe)",
+        "        p = tl.exp2(qk - m_safe[:, None])",
+        "        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)",
+        f"        v = tl.load(value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen_k}",
+        "        acc = acc * alpha[:, None]",
+        f"        acc = {_dot(p_operand, 'v', spec, 'acc')}",
+        "        m_i = m_new",
+        "    return acc, l_i, m_i",
+    ]
+    return body
+
+
+def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list[str]:
+    buffers = _buffer_args(score, mask)
+    params = [
+        "query_ptr, key_ptr, value_ptr, out_ptr," + (" lse_ptr," if spec.output_lse else ""),
+        "partial_block_counts_ptr, partial_block_indices_ptr,"
+        + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
+    ]
+    if buffers:
+        params.append(", ".join(buffers) + ",")
+    params += [
+        "scale, Q_LEN, KV_LEN, NUM_HEADS, GQA_GROUP,",
+        "stride_qb, stride_qh, stride_qm, stride_qd,",
+        "stride_kb, stride_kh, stride_kn, stride_kd,",
+        "stride_vb, stride_vh, stride_vn, stride_vd,",
+        "stride_ob, stride_oh, stride_om, stride_od,",
+    ]
+    if spec.output_lse:
+        params.append("stride_lb, stride_lh,")
+    params += [
+        "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
+        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
+        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+    ]
+    # Lengths and captured-tensor sizes/strides change with the input; Triton must not specialise
+    # on them, or every new length would compile again.
+    unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
+    q_mask = "q_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if spec.head_dim != padded_head_dim(spec.head_dim) else "")
+    o_mask = "q_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if spec.v_head_dim != padded_head_dim(spec.v_head_dim) else "")
+    common = [
+        "scale, KV_LEN,",
+    ]
+    tail = "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, " \
+           "V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"
+
+    def call(kind: str, full: bool) -> list[str]:
+        args = [
+            "acc, l_i, m_i, q, b, h, q_idx,",
+            "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
+            f"{kind}_block_counts_ptr + mask_row, {kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, " + common[0],
+        ]
+        if buffers:
+            args.append(", ".join(buffers) + ",")
+        args += [f"IS_FULL_BLOCKS={full}, " + tail]
+        return ["    acc, l_i, m_i = attend_blocks(", *("        " + a for a in args), "    )"]
+
+    body = [
+        f"@triton.jit(do_not_specialize={unspecialised!r})",
+        f"def {KERNEL_NAME}(",
+        *("    " + p for p in params),
+        "):",
+        "    q_tile = tl.program_id(0)",
+        "    batch_head = tl.program_id(1)",
+        "    b = batch_head // NUM_HEADS  # the batch index the mods see",
+        "    h = batch_head % NUM_HEADS  # the query head the mods see",
+        "    h_kv = h // GQA_GROUP  # grouped-query attention: GQA_GROUP query heads share a key head",
+        "    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
+        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        "    q_in_range = offs_m < Q_LEN",
+        "    q = tl.load(query_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,",
+        f"                mask={q_mask}, other=0.0){'.to(tl.float32)' if widen else ''}",
+        "    q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
+        "    # this tile's row of the BlockMask tables; their batch and heads broadcast by modulo",
+        "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M) // Q_BLOCK_SIZE",
+        "    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
+        "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh",
+        f"    m_i = tl.full((BLOCK_M,), float(\"-inf\"), {acc_dtype})",
+        f"    l_i = tl.full((BLOCK_M,), 0.0, {acc_dtype})",
+        f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})",
+        "    # 1. partial blocks: score_mod and mask_mod",
+        *call("partial", False),
+    ]
+    if spec.has_full_blocks:
+        body += ["    # 2. full blocks: score_mod only", *call("full", True)]
+    body += [
+        "    # a row that saw no allowed key has l_i == 0 and m_i == -inf: its output is 0 and its lse -inf",
+        "    l_safe = tl.where(l_i == 0.0, 1.0, l_i)",
+        "    out = acc / l_safe[:, None]",
+        "    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,",
+        f"             out.to(out_ptr.dtype.element_ty), mask={o_mask})",
+    ]
+    if spec.output_lse:
+        body += [
+            f"    lse = (m_i + tl.log2(l_safe)) * {LN2}  # natural log",
+            "    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m, lse.to(tl.float32), mask=q_in_range)",
+        ]
+    return body
+
+
+__all__ = ["ForwardSpec", "GeneratedForward", "KERNEL_NAME", "NO_BLOCK_MASK", "generate_forward",
+           "next_power_of_2", "padded_head_dim"]

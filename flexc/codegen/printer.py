@@ -1,0 +1,417 @@
+"""Print a traced mod as a ``@triton.jit`` function.
+
+:func:`render_mod` turns a :class:`~flexc.TracedMod` into the text of one Triton device function
+whose parameters are the mod's own arguments followed by one pointer (plus strides, plus sizes
+where an index may be negative) per captured tensor. The body keeps torch's semantics where Triton
+differs: integer ``//`` and ``%`` round like Python (Triton truncates), ``/`` on integers is true
+division, negative lookups count from the end, and math functions run in float32 (Triton's
+``tl.exp`` and friends accept fp32/fp64 only). Sub-expressions with no input are folded to
+literals, and a node used twice is computed once into a temporary ``t<k>``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import ir
+from ..evaluate import evaluate
+from ..trace import TracedMod
+
+# Python operator precedence (higher binds tighter); what decides where parentheses go.
+_ATOM, _POW, _UNARY, _MUL, _ADD, _BAND, _BXOR, _BOR, _CMP = 12, 11, 10, 9, 8, 6, 5, 4, 3
+_BINARY = {
+    "add": ("+", _ADD), "sub": ("-", _ADD), "mul": ("*", _MUL), "and": ("&", _BAND),
+    "or": ("|", _BOR), "xor": ("^", _BXOR), "eq": ("==", _CMP), "ne": ("!=", _CMP),
+    "lt": ("<", _CMP), "le": ("<=", _CMP), "gt": (">", _CMP), "ge": (">=", _CMP),
+}
+_MATH = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2", "sqrt": "tl.sqrt",
+         "rsqrt": "tl.rsqrt", "sin": "tl.sin", "cos": "tl.cos", "floor": "tl.floor", "ceil": "tl.ceil"}
+_TL_DTYPES = {
+    "float32": "tl.float32", "float64": "tl.float64", "float16": "tl.float16", "bfloat16": "tl.bfloat16",
+    "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8",
+    "bool": "tl.int1",
+}
+_WIDE_FLOATS = ("float32", "float64")
+_INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx")  # never negative inside the kernel
+
+# Device helpers the printed mods may call; each is emitted once, only when used.
+HELPERS = {
+    "py_floordiv": '''\
+@triton.jit
+def py_floordiv(a, b):
+    # integer a // b rounded toward -inf like Python and torch (Triton's // truncates toward 0)
+    quotient = a // b
+    remainder = a - quotient * b
+    return tl.where((remainder != 0) & ((remainder < 0) != (b < 0)), quotient - 1, quotient)
+''',
+    "py_mod": '''\
+@triton.jit
+def py_mod(a, b):
+    # integer a % b with the sign of b like Python and torch (Triton's % takes the sign of a)
+    remainder = a % b
+    return tl.where((remainder != 0) & ((remainder < 0) != (b < 0)), remainder + b, remainder)
+''',
+    "float_mod": '''\
+@triton.jit
+def float_mod(a, b):
+    # torch.remainder for floats: a - b * floor(a / b)
+    return a - b * tl.floor(a / b)
+''',
+    "wrap_index": '''\
+@triton.jit
+def wrap_index(index, size):
+    # a negative index counts from the end, as in torch indexing
+    return tl.where(index < 0, index + size, index)
+''',
+    "sigmoid": '''\
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+''',
+    "tanh": '''\
+@triton.jit
+def tanh(x):
+    # through exp(-2|x|), which never overflows
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+''',
+    "sign": '''\
+@triton.jit
+def sign(x):
+    return (x > 0).to(x.dtype) - (x < 0).to(x.dtype)
+''',
+    "float_pow": '''\
+@triton.jit
+def float_pow(a, b):
+    # torch.pow for floats: |a| ** b through exp2/log2, negative bases only with integer exponents
+    magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
+    b_is_int = b == tl.floor(b)
+    b_is_odd = b_is_int & (tl.floor(b * 0.5) * 2.0 != b)
+    signed = tl.where(b_is_odd, -magnitude, magnitude)
+    result = tl.where(a < 0, tl.where(b_is_int, signed, float("nan")), magnitude)
+    return tl.where(b == 0, 1.0, result)
+''',
+}
+
+
+@dataclass(frozen=True)
+class BufferParam:
+    """One kernel parameter that carries a captured tensor: its pointer, a stride or a size."""
+
+    name: str
+    slot: int
+    what: str  # "ptr", "stride" or "size"
+    dim: int = -1
+
+
+@dataclass(frozen=True)
+class RenderedMod:
+    """A mod printed as a Triton device function.
+
+    ``source`` is the ``@triton.jit`` function (empty when the mod folds to the constant
+    ``literal``); ``params`` are its captured-tensor parameters after the mod's own arguments;
+    ``helpers`` names the :data:`HELPERS` it calls; ``reads`` the mod inputs it uses.
+    """
+
+    fn_name: str
+    source: str
+    params: tuple[BufferParam, ...]
+    helpers: frozenset
+    reads: frozenset
+    literal: object = None
+    expression: str = ""
+
+    @property
+    def is_constant(self) -> bool:
+        return not self.source
+
+
+def python_literal(value: object) -> str:
+    """``value`` as Triton-compatible Python source (infinities as ``float("inf")``)."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, int):
+        return repr(value)
+    if math.isnan(value):
+        return 'float("nan")'
+    if math.isinf(value):
+        return 'float("-inf")' if value < 0 else 'float("inf")'
+    return repr(float(value))
+
+
+def _safe_name(name: str, slot: int) -> str:
+    return name if name.isidentifier() and not name.startswith("_") else f"buf{slot}"
+
+
+class _Printer:
+    def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str]):
+        self.traced = traced
+        self.prefix = buffer_prefix  # slot -> parameter stem, e.g. "alibi_slopes"
+        self.params: dict[tuple, BufferParam] = {}
+        self.helpers: set[str] = set()
+        self.lines: list[str] = []
+        self.text: dict[int, tuple[str, int]] = {}  # id(node) -> (source, precedence)
+        self.literal: dict[int, object] = {}
+        self.dtype: dict[int, str | None] = {}
+
+    # -- analysis --------------------------------------------------------------------------
+    def fold_constants(self, nodes: list[ir.Node]) -> None:
+        """Record the Python value of every sub-expression that reads no input or tensor."""
+        for n in nodes:
+            if n.op == "const":
+                self.literal[id(n)] = n.attr
+            elif n.op not in ("input", "buffer", "load") and n.args and all(id(a) in self.literal for a in n.args):
+                value = evaluate(n).item()
+                self.literal[id(n)] = bool(value) if n.kind == ir.BOOL else int(value) if n.kind == ir.INT else float(value)
+
+    def infer_dtypes(self, nodes: list[ir.Node]) -> None:
+        """Float dtype of each float node (None for weak Python floats and for ints/bools)."""
+        for n in nodes:
+            d: str | None = None
+            if n.kind == ir.FLOAT and id(n) not in self.literal:
+                if n.op == "input":
+                    d = "float32"
+                elif n.op == "load":
+                    d = n.args[0].attr[1]
+                elif n.op == "cast":
+                    d = n.attr
+                elif n.op in _MATH or n.op in ("sigmoid", "tanh", "truediv", "pow"):
+                    d = "float64" if any(self.dtype.get(id(a)) == "float64" for a in n.args) else "float32"
+                else:
+                    seen = {self.dtype.get(id(a)) for a in n.args[1:] if n.op == "where"} if n.op == "where" else \
+                        {self.dtype.get(id(a)) for a in n.args}
+                    seen.discard(None)
+                    if "float64" in seen:
+                        d = "float64"
+                    elif len(seen) == 1:
+                        d = seen.pop()
+                    else:
+                        d = "float32"
+            self.dtype[id(n)] = d
+
+    # -- parameters ------------------------------------------------------------------------
+    def param(self, slot: int, what: str, dim: int = -1) -> str:
+        stem = self.prefix[slot]
+        name = f"{stem}_ptr" if what == "ptr" else f"{stem}_{what}_{dim}"
+        self.params.setdefault((slot, what, dim), BufferParam(name, slot, what, dim))
+        return name
+
+    # -- printing --------------------------------------------------------------------------
+    def operand(self, n: ir.Node, min_prec: int) -> str:
+        text, prec = self.text[id(n)]
+        return f"({text})" if prec < min_prec else text
+
+    def as_float(self, n: ir.Node, min_prec: int = _ATOM) -> str:
+        """``n`` usable by tl.exp & co: float32 unless already fp32/fp64."""
+        if id(n) in self.literal:
+            return python_literal(float(self.literal[id(n)]))
+        if n.kind == ir.FLOAT and self.dtype.get(id(n)) in _WIDE_FLOATS:
+            return self.operand(n, min_prec)
+        return f"{self.operand(n, _ATOM)}.to(tl.float32)"
+
+    def as_number(self, n: ir.Node, min_prec: int) -> str:
+        """``n`` for arithmetic: bools become int32, as torch promotes them."""
+        if n.kind == ir.BOOL and id(n) not in self.literal:
+            return f"{self.operand(n, _ATOM)}.to(tl.int32)"
+        if n.kind == ir.BOOL:
+            return str(int(self.literal[id(n)]))
+        return self.operand(n, min_prec)
+
+    def render(self, n: ir.Node) -> tuple[str, int]:
+        op, args = n.op, n.args
+        if id(n) in self.literal:
+            value = self.literal[id(n)]
+            text = python_literal(value)
+            negative = not isinstance(value, bool) and isinstance(value, (int, float)) and value < 0 and "inf" not in text
+            return text, _UNARY if negative else _ATOM
+        if op == "input":
+            return n.attr, _ATOM
+        if op == "load":
+            return self.render_load(n), _ATOM
+        if op == "cast":
+            return f"{self.operand(args[0], _ATOM)}.to({_TL_DTYPES[n.attr]})", _ATOM
+        if op == "where":
+            return f"tl.where({self.operand(args[0], 0)}, {self.operand(args[1], 0)}, {self.operand(args[2], 0)})", _ATOM
+        if op in ("min", "max"):
+            fn = "tl.minimum" if op == "min" else "tl.maximum"
+            return f"{fn}({self.as_number(args[0], 0)}, {self.as_number(args[1], 0)})", _ATOM
+        if op in ("add", "sub", "mul"):
+            sym, prec = _BINARY[op]
+            return f"{self.as_number(args[0], prec)} {sym} {self.as_number(args[1], prec + 1)}", prec
+        if op in _BINARY:
+            sym, prec = _BINARY[op]
+            return f"{self.operand(args[0], prec + (1 if prec == _CMP else 0))} {sym} {self.operand(args[1], prec + 1)}", prec
+        if op == "truediv":  # true division, also of integers (torch gives float32)
+            a = self.operand(args[0], _MUL) if args[0].kind == ir.FLOAT else self.as_float(args[0], _MUL)
+            b = self.operand(args[1], _MUL + 1) if args[1].kind == ir.FLOAT else self.as_float(args[1], _MUL + 1)
+            return f"{a} / {b}", _MUL
+        if op in ("floordiv", "mod"):
+            return self.render_division(n), _ATOM
+        if op == "pow":
+            return self.render_pow(n)
+        if op == "neg":
+            return f"-{self.operand(args[0], _UNARY)}", _UNARY
+        if op == "not":
+            return f"~{self.operand(args[0], _UNARY)}", _UNARY
+        if op == "abs":
+            return (self.text[id(args[0])] if args[0].kind == ir.BOOL else (f"tl.abs({self.operand(args[0], 0)})", _ATOM))
+        if op in ("floor", "ceil") and args[0].kind != ir.FLOAT:
+            return self.text[id(args[0])]  # floor/ceil of an integer is the integer itself
+        if op in _MATH:
+            return f"{_MATH[op]}({self.as_float(args[0], 0)})", _ATOM
+        if op in ("sigmoid", "tanh"):
+            self.helpers.add(op)
+            return f"{op}({self.as_float(args[0], 0)})", _ATOM
+        if op == "sign":
+            if args[0].kind == ir.BOOL:
+                return self.text[id(args[0])]
+            self.helpers.add("sign")
+            return f"sign({self.operand(args[0], 0)})", _ATOM
+        raise NotImplementedError(f"flexc codegen: no Triton printing for IR op {op!r} in {self.traced!r}")
+
+    def render_load(self, n: ir.Node) -> str:
+        buf, indices = n.args[0], n.args[1:]
+        slot, dtype, _ = buf.attr
+        terms = []
+        for dim, index in enumerate(indices):
+            stride = self.param(slot, "stride", dim)
+            if id(index) in self.literal:
+                value = int(self.literal[id(index)])
+                if value != 0:
+                    terms.append(f"{value} * {stride}")
+                continue
+            if index.op == "input" and index.attr in _INDEX_INPUTS:
+                text = self.operand(index, _MUL)
+            else:
+                self.helpers.add("wrap_index")
+                text = f"wrap_index({self.operand(index, 0)}, {self.param(slot, 'size', dim)})"
+            terms.append(f"{text} * {stride}")
+        address = " + ".join([self.param(slot, "ptr")] + terms)
+        load = f"tl.load({address})"
+        # bool tensors travel as uint8 (Triton has no bool pointers on every version)
+        return f"({load} != 0)" if dtype == "bool" else load
+
+    def render_division(self, n: ir.Node) -> str:
+        a, b = n.args
+        if n.kind == ir.FLOAT:
+            if n.op == "floordiv":
+                return f"tl.floor({self.as_float(a, _MUL)} / {self.as_float(b, _MUL + 1)})"
+            self.helpers.add("float_mod")
+            return f"float_mod({self.as_float(a, 0)}, {self.as_float(b, 0)})"
+        helper = "py_floordiv" if n.op == "floordiv" else "py_mod"
+        self.helpers.add(helper)
+        return f"{helper}({self.as_number(a, 0)}, {self.as_number(b, 0)})"
+
+    def render_pow(self, n: ir.Node) -> tuple[str, int]:
+        base, exponent = n.args
+        e = self.literal.get(id(exponent))
+        if e is not None and float(e).is_integer() and 0 <= abs(int(e)) <= 8 and (n.kind == ir.FLOAT or e >= 0):
+            k = abs(int(e))
+            if k == 0:
+                return ("1.0" if n.kind == ir.FLOAT else "1"), _ATOM
+            x = self.as_number(base, _MUL + 1)
+            product = " * ".join([x] * k)
+            if e < 0:
+                return f"1.0 / ({product})" if k > 1 else f"1.0 / {x}", _MUL
+            return product, (_MUL if k > 1 else self.text[id(base)][1])
+        if e == 0.5 and n.kind == ir.FLOAT:
+            return f"tl.sqrt({self.as_float(base, 0)})", _ATOM
+        self.helpers.add("float_pow")
+        b = self.literal.get(id(base))
+        if b is not None and b > 0:
+            # a positive literal base: b ** x == exp2(x * log2(b))
+            return f"tl.exp2({self.as_float(exponent, _MUL)} * {python_literal(math.log2(b))})", _ATOM
+        if b is not None:
+            base_text = f"({python_literal(float(b))} + 0.0 * {self.as_float(exponent, _MUL)})"
+        else:
+            base_text = self.as_float(base, 0)
+        text = f"float_pow({base_text}, {self.as_float(exponent, 0)})"
+        if n.kind != ir.FLOAT:  # integer ** integer stays an integer, as in torch
+            text = f"tl.floor({text} + 0.5).to(tl.int64)"
+        return text, _ATOM
+
+
+def _pow_repeats(n: ir.Node, literal: dict) -> int:
+    """How many times an integer power repeats its base (so the base gets a temporary)."""
+    e = literal.get(id(n.args[1]))
+    if e is not None and float(e).is_integer() and 2 <= abs(int(e)) <= 8:
+        return abs(int(e))
+    return 1
+
+
+def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None) -> RenderedMod:
+    """Print ``traced`` as the Triton device function ``fn_name``.
+
+    ``buffer_stems`` names each captured tensor's parameters (slot -> stem); by default the mod's
+    own ``buffer_names``. The function takes the mod's arguments (``score, b, h, q_idx, kv_idx``
+    or ``b, h, q_idx, kv_idx``) then the captured-tensor parameters in ``RenderedMod.params``.
+    """
+    if buffer_stems is None:
+        buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
+    p = _Printer(traced, buffer_stems)
+    nodes = list(traced.root.walk())
+    p.fold_constants(nodes)
+    p.infer_dtypes(nodes)
+    reads = frozenset(n.attr for n in nodes if n.op == "input")
+    expression = str(traced)
+    if id(traced.root) in p.literal:
+        return RenderedMod(fn_name, "", (), frozenset(), reads, p.literal[id(traced.root)], expression)
+
+    uses: dict[int, int] = {}
+    for n in nodes:
+        if id(n) in p.literal:
+            continue
+        for a in n.args:
+            uses[id(a)] = uses.get(id(a), 0) + (_pow_repeats(n, p.literal) if n.op == "pow" and a is n.args[0] else 1)
+    body: list[str] = []
+    temps = 0
+    for n in nodes:
+        if n.op == "buffer":
+            continue
+        text, prec = p.render(n)
+        shared = uses.get(id(n), 0) > 1 and n.op not in ("input", "const") and id(n) not in p.literal
+        if shared and n is not traced.root:
+            name = f"t{temps}"
+            temps += 1
+            body.append(f"    {name} = {text}")
+            text, prec = name, _ATOM
+        p.text[id(n)] = (text, prec)
+
+    args = list(traced.arg_names) + [param.name for param in _ordered(p.params)]
+    comment = f"    # {fn_name}: {expression}"
+    source = "\n".join([
+        "@triton.jit",
+        f"def {fn_name}({', '.join(args)}):",
+        *_wrap_comment(comment),
+        *body,
+        f"    return {p.text[id(traced.root)][0]}",
+        "",
+    ])
+    return RenderedMod(fn_name, source, _ordered(p.params), frozenset(p.helpers), reads, None, expression)
+
+
+def _ordered(params: dict) -> tuple[BufferParam, ...]:
+    order = {"ptr": 0, "stride": 1, "size": 2}
+    return tuple(sorted(params.values(), key=lambda q: (q.slot, order[q.what], q.dim)))
+
+
+def _wrap_comment(line: str, width: int = 110) -> list[str]:
+    """Split a long ``# ...`` comment line over several lines."""
+    if len(line) <= width:
+        return [line]
+    indent = line[: len(line) - len(line.lstrip())] + "#   "
+    out, current = [], line
+    while len(current) > width:
+        cut = current.rfind(" ", 0, width)
+        if cut <= len(indent):
+            cut = width
+        out.append(current[:cut])
+        current = indent + current[cut:].lstrip()
+    out.append(current)
+    return out
+
+
+__all__ = ["HELPERS", "BufferParam", "RenderedMod", "python_literal", "render_mod"]
