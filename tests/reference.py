@@ -1,0 +1,47 @@
+"""A dense float64 attention reference for tests, independent of flexc.
+
+The mods are called directly on broadcast int64 index tensors (no tracing), the full ``[B, H, L, S]``
+score matrix is materialised, and softmax is written out explicitly, so autograd through this
+function gives reference gradients for q, k, v and any captured tensor.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def index_tensors(B: int, H: int, L: int, S: int):
+    """Broadcastable int64 ``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q [1,1,L,1]``, ``kv [1,1,1,S]``."""
+    return (torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
+            torch.arange(L).view(1, 1, L, 1), torch.arange(S).view(1, 1, 1, S))
+
+
+def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64):
+    """``(out, lse, max_scores)`` of flex attention in ``dtype``, by dense evaluation.
+
+    GQA (``Hq`` a multiple of ``Hkv``) and ``Bkv == 1`` broadcast follow torch's rules. Rows with no
+    allowed key give output 0, lse ``-inf`` and max ``-inf``; their gradients are 0.
+    """
+    B, Hq, L, E = q.shape
+    Bkv, Hkv, S, _ = k.shape
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    kk = k.to(dtype).repeat_interleave(G, dim=1).expand(B, Hq, S, E)
+    vv = v.to(dtype).repeat_interleave(G, dim=1).expand(B, Hq, S, v.shape[-1])
+    scores = (q.to(dtype) @ kk.transpose(-1, -2)) * scale
+    b, h, qi, kv = index_tensors(B, Hq, L, S)
+    if score_mod is not None:
+        scores = torch.broadcast_to(score_mod(scores, b, h, qi, kv), scores.shape).to(dtype)
+    if mask_mod is not None:
+        allowed = torch.broadcast_to(mask_mod(b, h, qi, kv), scores.shape)
+        scores = torch.where(allowed, scores, torch.tensor(-math.inf, dtype=dtype))
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    # the logsumexp of a dead row is computed on zeros so its backward stays finite
+    lse = torch.logsumexp(torch.where(dead, 0.0, scores), dim=-1, keepdim=True)
+    probs = torch.exp(scores - lse)  # exactly 0 at -inf entries
+    probs = torch.where(dead, 0.0, probs)
+    out = probs @ vv
+    lse = torch.where(dead, -math.inf, lse).squeeze(-1)
+    max_scores = scores.amax(dim=-1)
+    return out, lse, max_scores
