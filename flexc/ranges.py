@@ -39,8 +39,9 @@ EMPTY, UNDECIDED, FULL = 0, 1, 2
 # which leaves room for sums of a few such terms inside an affine form.
 _EXACT_LIMIT = float(2 ** 50)
 _INF = math.inf
-# Tiles analysed per chunk: bounds the temporaries (a float64 chunk is 16 MiB) whatever the length.
-_TILES_PER_CHUNK = 1 << 21
+# Tiles analysed per chunk: bounds the temporaries (bool chunks of 8 MiB) whatever the length, while
+# keeping chunks large enough that per-op overhead and fresh-page faults stay small.
+_TILES_PER_CHUNK = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q
     """
     _check_arguments(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK)
     device = torch.device(device)
-    analysis = _Analysis(traced, B, H, Q_LEN, KV_LEN, device)
+    sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
+    analysis = _Analysis(traced.root, traced.buffers, sizes, device)
     n_q, n_kv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
     out = torch.empty(B, H, n_q, n_kv, dtype=torch.int8, device=device)
     rows = max(1, _TILES_PER_CHUNK // max(1, B * H * n_kv))
@@ -94,11 +96,19 @@ def classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q
         q_lo = torch.arange(r0, r1, **f64) * Q_BLOCK
         q = IntRange(q_lo.view(1, 1, -1, 1), torch.clamp(q_lo + Q_BLOCK, max=Q_LEN).sub_(1).view(1, 1, -1, 1))
         verdict = analysis.root_range({"b": IntRange(b, b), "h": IntRange(h, h), "q_idx": q, "kv_idx": kv})
-        chunk = out[:, :, r0:r1]
-        # class = must + may: FULL = 2 (both), UNDECIDED = 1 (may only), EMPTY = 0
-        chunk.copy_(torch.as_tensor(verdict.may, device=device).expand(chunk.shape))
-        chunk.add_(torch.as_tensor(verdict.must, device=device).to(torch.int8))
+        _write_classes(out[:, :, r0:r1], verdict)
     return out
+
+
+def _write_classes(chunk: torch.Tensor, verdict: BoolRange) -> None:
+    """class = must + may: FULL = 2 (both), UNDECIDED = 1 (may only), EMPTY = 0."""
+    must = torch.as_tensor(verdict.must, device=chunk.device)
+    may = torch.as_tensor(verdict.may, device=chunk.device)
+    if must.shape == chunk.shape and may.shape == chunk.shape:
+        torch.add(may.view(torch.int8), must.view(torch.int8), out=chunk)  # one pass over the tiles
+    else:
+        chunk.copy_(may.expand(chunk.shape))
+        chunk.add_(must.to(torch.int8))
 
 
 def _check_arguments(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK) -> None:
@@ -117,12 +127,39 @@ def _check_arguments(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK) -> None:
 
 # ---- the analysis --------------------------------------------------------------------------
 
-class _Analysis:
-    """Range analysis of one traced mask for one call (sizes and captured tensor values)."""
+def range_over_box(expr: ir.Node, box: dict, buffers: tuple = (), sizes: dict | None = None) -> tuple:
+    """Bounds of one expression over one index box, as Python values (for tests and inspection).
 
-    def __init__(self, traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device):
-        self.root = traced.root
-        self.buffers = traced.buffers
+    ``box`` maps input names to inclusive ``(lo, hi)`` pairs; ``sizes`` maps them to the domain
+    sizes that bound wrap-around checks (default: ``hi + 1``). Returns ``(lo, hi)`` ints for an
+    integer expression (``-inf``/``inf`` when unknown), ``(must, may)`` bools for a bool one, and
+    None for a float one.
+
+    >>> from flexc import ir
+    >>> q, k = ir.input_("q_idx"), ir.input_("kv_idx")
+    >>> range_over_box(ir.binary("sub", q, k), {"q_idx": (10, 20), "kv_idx": (0, 5)})
+    (5, 20)
+    """
+    box = {name: box.get(name, (0, 0)) for name in ("b", "h", "q_idx", "kv_idx")}
+    sizes = sizes or {name: hi + 1 for name, (lo, hi) in box.items()}
+    analysis = _Analysis(expr, tuple(buffers), sizes, torch.device("cpu"))
+    inputs = {name: IntRange(torch.tensor(float(lo), dtype=torch.float64), torch.tensor(float(hi), dtype=torch.float64))
+              for name, (lo, hi) in box.items()}
+    value = analysis._value(expr, inputs, {})
+    if isinstance(value, BoolRange):
+        return bool(value.must), bool(value.may)
+    if isinstance(value, IntRange):
+        as_int = lambda x: int(float(x)) if math.isfinite(float(x)) else float(x)
+        return as_int(value.lo), as_int(value.hi)
+    return None
+
+
+class _Analysis:
+    """Range analysis of one expression for one call (domain sizes and captured tensor values)."""
+
+    def __init__(self, root: ir.Node, buffers: tuple, sizes: dict, device: torch.device):
+        self.root = root
+        self.buffers = buffers
         self.device = device
         self.opaque: set[int] = set()  # nodes whose value may wrap around: unknown everywhere
         self.opaque_nodes: list[ir.Node] = []
@@ -135,7 +172,7 @@ class _Analysis:
         self.whole_domain = True
         whole = lambda n: IntRange(torch.tensor(0.0, dtype=torch.float64), torch.tensor(float(n - 1), dtype=torch.float64))
         values: dict[int, Any] = {}
-        inputs = {"b": whole(B), "h": whole(H), "q_idx": whole(Q_LEN), "kv_idx": whole(KV_LEN)}
+        inputs = {name: whole(size) for name, size in sizes.items()}
         for node in self.root.walk():
             value = self._evaluate(node, inputs, values)
             if isinstance(value, IntRange):
