@@ -202,8 +202,11 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
 
 # ---- the kernel cache ---------------------------------------------------------------------
 
-def _import_source(source: str, target: str) -> tuple[Any, str]:
-    """Write ``source`` to the cache directory and import it; return its kernel and file path."""
+def import_source(source: str, target: str) -> tuple[Any, str]:
+    """Write ``source`` to the cache directory and import it as a module; return it and its path.
+
+    With ``target="interpreter"`` its ``@triton.jit`` functions run on CPU tensors.
+    """
     import triton
 
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
@@ -227,7 +230,7 @@ def _import_source(source: str, target: str) -> tuple[Any, str]:
     else:
         spec.loader.exec_module(module)
     sys.modules.setdefault(name, module)
-    return getattr(module, KERNEL_NAME), path
+    return module, path
 
 
 def get_kernel(spec: ForwardSpec) -> _Kernel:
@@ -239,8 +242,8 @@ def get_kernel(spec: ForwardSpec) -> _Kernel:
             _stats["hits"] += 1
             return kernel
         generated = generate_forward(spec)
-        fn, path = _import_source(generated.source, spec.target)
-        kernel = _Kernel(generated, fn, path)
+        module, path = import_source(generated.source, spec.target)
+        kernel = _Kernel(generated, getattr(module, KERNEL_NAME), path)
         _cache[key] = kernel
         _stats["misses"] += 1
         return kernel
@@ -404,5 +407,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "default_config", "get_kernel", "kernel_source",
+__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "default_config", "get_kernel", "import_source", "kernel_source",
            "launch", "make_spec", "resolve_config", "source_for", "triton_forward"]

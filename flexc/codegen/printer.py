@@ -73,10 +73,13 @@ def sigmoid(x):
     "tanh": '''\
 @triton.jit
 def tanh(x):
-    # through exp(-2|x|), which never overflows
+    # through exp(-2|x|), which never overflows; near 0 its Taylor series avoids cancellation
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+    t = tl.where(x < 0, -t, t)
+    x2 = x * x
+    series = x * (1.0 - x2 * (0.3333333333333333 - x2 * (0.13333333333333333 - x2 * 0.05396825396825397)))
+    return tl.where(tl.abs(x) < 0.1, series, t)
 ''',
     "sign": '''\
 @triton.jit
@@ -175,7 +178,7 @@ class _Printer:
                 if n.op == "input":
                     d = "float32"
                 elif n.op == "load":
-                    d = n.args[0].attr[1]
+                    d = n.args[0].attr[1] if n.args[0].attr[1] in _WIDE_FLOATS else "float32"
                 elif n.op == "cast":
                     d = n.attr
                 elif n.op in _MATH or n.op in ("sigmoid", "tanh", "truediv", "pow"):
@@ -291,6 +294,9 @@ class _Printer:
             terms.append(f"{text} * {stride}")
         address = " + ".join([self.param(slot, "ptr")] + terms)
         load = f"tl.load({address})"
+        if dtype in ("float16", "bfloat16"):
+            # computed in fp32, as Inductor does (Triton's interpreter has no 16-bit arithmetic)
+            return f"{load}.to(tl.float32)"
         # bool tensors travel as uint8 (Triton has no bool pointers on every version)
         return f"({load} != 0)" if dtype == "bool" else load
 
