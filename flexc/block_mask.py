@@ -420,6 +420,13 @@ def _classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, 
     every tile is UNDECIDED.
     """
     nq, nkv = cdiv(Q_LEN, Q_BLOCK), cdiv(KV_LEN, KV_BLOCK)
+    if analytic:
+        from .ranges import classify_tiles
+
+        # Analyse over b (or h) only where the mod reads it; the caller broadcasts the rest.
+        B = B if reads_input(traced, "b") else 1
+        H = H if reads_input(traced, "h") else 1
+        return classify_tiles(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
     return torch.full((B, H, nq, nkv), UNDECIDED, dtype=torch.int8, device=device)
 
 
