@@ -68,10 +68,15 @@ class _FlexAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, forward, score_mod, mask_mod, block_mask, scale, options, slots, *grad_buffers):
-        out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True)
+        if forward is torch_forward and query.dtype == torch.float64:
+            # keep the logsumexp in float64 for the backward; users get torch's float32
+            out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
+                                           need_max=False, lse_dtype=torch.float64)
+        else:
+            out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
-        return out, lse
+        return out, lse.float()
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):

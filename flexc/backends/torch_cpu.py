@@ -152,13 +152,17 @@ def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out, (lse if need_lse else None)
 
 
-def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True):
-    """:func:`torch_forward` that also returns the row maxima of the masked, modded scores."""
+def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True,
+                     lse_dtype=torch.float32):
+    """:func:`torch_forward` that also returns the row maxima of the masked, modded scores (or None).
+
+    ``lse_dtype`` lets the backward keep a float64 logsumexp for float64 inputs.
+    """
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     work = _work_dtype(query.dtype)
     out = torch.zeros(B, Hq, L, Ev, dtype=query.dtype, device=query.device)
-    lse = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device)
+    lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
     with torch.no_grad():
         for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S):
