@@ -5,7 +5,9 @@ from .evaluate import evaluate, evaluate_grid
 from .mask_mods import and_masks, noop_mask, not_mask, or_masks
 from .block_mask import BlockMask, create_block_mask, create_mask
 from .attention import AuxOutput, AuxRequest, flex_attention
+from .backends.triton_backend import cache_clear, cache_info, kernel_source
 
 __all__ = ["Node", "TraceError", "TracedMod", "trace", "evaluate", "evaluate_grid",
            "BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "not_mask", "noop_mask",
-           "flex_attention", "AuxRequest", "AuxOutput"]
+           "flex_attention", "AuxRequest", "AuxOutput",
+           "kernel_source", "cache_info", "cache_clear"]
