@@ -90,8 +90,8 @@ def default_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: s
         return 64, 64, 4, 1
     d = max(padded_head_dim(head_dim), padded_head_dim(v_head_dim))
     if dtype in (torch.float32, torch.float64):
-        return (128, 32, 3, 4) if d <= 64 else (32, 64, 3, 4) if d <= 128 else (32, 32, 3, 4)
-    return (128, 128, 3, 4) if d <= 64 else (128, 64, 3, 8) if d <= 128 else (64, 32, 3, 4)
+        return (128, 32, 4, 3) if d <= 64 else (32, 64, 4, 3) if d <= 128 else (32, 32, 4, 3)
+    return (128, 128, 4, 3) if d <= 64 else (128, 64, 8, 3) if d <= 128 else (64, 32, 4, 3)
 
 
 def _forward_options(kernel_options: dict | None) -> dict:

@@ -1,0 +1,106 @@
+"""The generated-kernel cache: keyed by the mods' structure, dtypes, head dims, block sizes and
+options, so new captured values, sequence lengths and batch sizes reuse one compiled kernel."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import flexc
+from flexc.backends import triton_backend
+from reference import dense_attention
+
+TRITON = {"BACKEND": "TRITON"}
+
+
+def make_mods(B: int, L: int, seed: int):
+    """An ALiBi score_mod and a document mask over freshly made captured tensors."""
+    g = torch.Generator().manual_seed(seed)
+    slopes = torch.rand(2, generator=g)
+    lengths = torch.randint(1, max(2, L // 2), (L,), generator=g)
+    document = torch.repeat_interleave(torch.arange(L), lengths)[:L]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+
+    return alibi, same_document
+
+
+def run(B, L, seed, dtype=torch.float32, return_lse=True):
+    alibi, same_document = make_mods(B, L, seed)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, 2, L, 16, generator=g).to(dtype) for _ in range(3))
+    block_mask = flexc.create_block_mask(same_document, B, None, L, L, device="cpu", BLOCK_SIZE=32)
+    out = flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, return_lse=return_lse,
+                               kernel_options=TRITON)
+    out = out[0] if return_lse else out
+    ref, _, _ = dense_attention(q, k, v, score_mod=alibi, mask_mod=same_document)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5 if dtype == torch.float32 else 3e-2, rtol=0)
+
+
+def test_new_captured_values_lengths_and_batch_sizes_compile_once():
+    flexc.cache_clear()
+    for B, L, seed in ((1, 64, 0), (2, 96, 1), (3, 50, 2), (1, 130, 3)):
+        run(B, L, seed)  # each call checks its answer, so the new captured values were used
+    info = flexc.cache_info()
+    assert (info.misses, info.hits, info.size) == (1, 3, 1)
+
+
+def test_new_structure_dtype_or_outputs_compile_again():
+    flexc.cache_clear()
+    run(1, 64, 0)
+    run(1, 64, 0, dtype=torch.bfloat16)
+    run(1, 64, 0, return_lse=False)
+    q = k = v = torch.randn(1, 2, 64, 16)
+    flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s * 0.5, kernel_options=TRITON)
+    flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s * 0.25, kernel_options=TRITON)  # constants differ
+    assert flexc.cache_info().misses == 5
+
+
+def test_concurrent_first_calls_compile_once():
+    flexc.cache_clear()
+    errors = []
+
+    def worker(seed):
+        try:
+            run(1, 64, seed)
+        except Exception as e:  # surfaced below with the failing thread's error
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    info = flexc.cache_info()
+    assert (info.misses, info.hits) == (1, 3)
+
+
+def test_kernel_source_is_the_cached_file_that_runs():
+    flexc.cache_clear()
+    alibi, same_document = make_mods(1, 64, 0)
+    q = k = v = torch.randn(1, 2, 64, 16)
+    block_mask = flexc.create_block_mask(same_document, 1, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, kernel_options=TRITON)
+    source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=block_mask)
+    assert flexc.cache_info().misses == 1  # kernel_source compiled nothing new
+    spec = triton_backend.make_spec(flexc.trace(alibi), flexc.trace(same_document), torch.float32, 16, 16,
+                                    (32, 32), None, "interpreter", False)
+    with open(triton_backend.get_kernel(spec).path) as f:
+        assert f.read() == source
+    assert source.startswith("# flexc forward attention kernel")
+    assert "#   score_mod alibi: score + slopes[h] * (kv_idx - q_idx)" in source
+    assert "#   mask_mod  same_document: (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)" in source
+    assert "slopes_ptr, slopes_stride_0" in source and "document_ptr, document_stride_0" in source
+
+
+def test_cache_directory_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXC_CACHE_DIR", str(tmp_path))
+    flexc.cache_clear()
+    run(1, 40, 5)
+    assert any(p.name.startswith("flexc_kernel_") and p.suffix == ".py" for p in tmp_path.iterdir())
