@@ -127,7 +127,12 @@ def evaluate_grid(mod: Any, B: int, H: int, Q_LEN: int, KV_LEN: int, device: Any
         n = min(rows, Q_LEN - q0)
         grid = index_grid(B, H, n, KV_LEN, device, q_start=q0)
         if traced.kind == SCORE_MOD:
-            s = score[:, :, q0:q0 + n] if score is not None else torch.zeros((), device=device)
+            if score is None:
+                s = torch.zeros((), device=device)
+            elif score.dim() >= 2 and score.shape[-2] == Q_LEN and Q_LEN > 1:
+                s = score[..., q0:q0 + n, :]
+            else:  # broadcast along queries (e.g. a 0-d or [.., 1, S] score)
+                s = score
             grid["score"] = s
         chunks.append(evaluate(traced, **grid).expand(B, H, n, KV_LEN))
     return torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0].contiguous()

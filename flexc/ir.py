@@ -9,6 +9,7 @@ closures that differ only in a captured tensor's contents produce the same graph
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Iterator
 
 BOOL, INT, FLOAT = "bool", "int", "float"
@@ -93,7 +94,10 @@ class Node:
         return iter(order)
 
 
-_table: dict[tuple, Node] = {}
+# Weak values: a node lives as long as someone (a TracedMod, a cache, a user node) holds it, so
+# traces with ever-new constants do not grow the table forever. A live node holds its operands,
+# so the operand ids inside its key stay valid for as long as the entry exists.
+_table: "weakref.WeakValueDictionary[tuple, Node]" = weakref.WeakValueDictionary()
 _table_lock = threading.Lock()
 
 
@@ -113,7 +117,7 @@ def make(op: str, args: tuple = (), attr: Any = None, kind: str | None = None) -
             node = _table.get(key)
             if node is None:
                 node = Node(op, tuple(args), attr, kind)
-                _table[key] = node  # the table keeps operands alive, so ids stay valid
+                _table[key] = node
     return node
 
 
@@ -196,8 +200,11 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
         if op == "const":
             v = n.attr
             if isinstance(v, float) and v in (float("inf"), float("-inf")):
-                return "-inf" if v < 0 else "inf"
-            return repr(v)
+                text = "-inf" if v < 0 else "inf"
+            else:
+                text = repr(v)
+            # `(-2) ** q_idx` and `(-3).to(...)` need parentheses; `q_idx * -3` does not
+            return f"({text})" if text.startswith("-") and parent_prec >= _PRECEDENCE["pow"] else text
         if op == "buffer":
             return name_of(n.attr[0])
         if op == "load":

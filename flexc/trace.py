@@ -372,10 +372,10 @@ class Proxy:
 
     def __bool__(self):
         self._concrete(
-            "Python control flow (`if`, `while`, `and`, `or`, `not`, `bool()`, a conditional expression "
-            "or builtin min/max) on a traced value",
+            "Python control flow (`if`, `while`, `and`, `or`, `not`, `bool()`, a conditional expression, "
+            "a chained comparison `a < b < c`, or builtin min/max) on a traced value",
             "use `&`, `|`, `~` instead of `and`, `or`, `not`, and `torch.where(cond, a, b)` instead of `if`; "
-            "use torch.minimum/torch.maximum instead of min/max",
+            "write `(a < b) & (b < c)` for a chained comparison; use torch.minimum/torch.maximum instead of min/max",
         )
 
     def __int__(self):
@@ -411,7 +411,20 @@ class Proxy:
             public = sorted(n for n in _METHODS if not n.startswith("_"))
             self.tracer.fail(f"the tensor method `.{name}()` is not supported by flexc's tracer",
                              f"use one of: {', '.join(public)}")
-        return functools.partial(method, self.tracer, self)
+        tracer = self.tracer
+        return lambda *args, **kwargs: _call_handler(tracer, name, method, (self, *args), kwargs)
+
+    def _unsupported_operator(symbol: str, fix: str):
+        def method(self, *args):
+            self.tracer.fail(f"the operator `{symbol}` is not supported on traced values", fix)
+        return method
+
+    __lshift__ = __rlshift__ = _unsupported_operator("<<", "multiply by a power of two instead")
+    __rshift__ = __rrshift__ = _unsupported_operator(">>", "floor-divide by a power of two (`//`) instead")
+    __matmul__ = __rmatmul__ = _unsupported_operator("@", "a traced value is a scalar: use `*`")
+    __divmod__ = __rdivmod__ = _unsupported_operator("divmod", "use `//` and `%` separately")
+    __round__ = _unsupported_operator("round()", "use torch.floor(x + 0.5) or torch.floor/torch.ceil")
+    del _unsupported_operator
 
     @property
     def dtype(self) -> torch.dtype:
@@ -424,6 +437,10 @@ class Proxy:
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    @property
+    def ndim(self) -> int:
+        return 0
 
     def dim(self) -> int:
         return 0
@@ -469,9 +486,29 @@ def _cast(t: _Tracer, x: Any, dtype: torch.dtype) -> "Proxy":
     node = t.to_node(x)
     kind = _dtype_kind(dtype)
     name = str(dtype).removeprefix("torch.")
+    if kind == ir.BOOL and node.op == "const":
+        return t.wrap(ir.const(bool(node.attr)))  # e.g. `b.new_ones((), dtype=torch.bool)` is just True
     if kind == ir.BOOL and node.kind != ir.BOOL:
         return t.wrap(ir.binary("ne", node, ir.const(0)))
     return t.wrap(ir.cast(node, name, kind))
+
+
+def _to(t: _Tracer, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """``x.to(dtype)``, ``x.to(other)``, ``x.to(device, dtype)``; device moves are no-ops here."""
+    for a in (*args, kwargs.get("dtype"), kwargs.get("other")):
+        if isinstance(a, torch.dtype):
+            return _cast(t, x, a)
+        if isinstance(a, (Proxy, torch.Tensor)):
+            return _cast(t, x, a.dtype)
+    return x
+
+
+def _masked_fill(t: _Tracer, x: Any, mask: Any, value: Any) -> "Proxy":
+    m = t.to_node(mask)
+    if m.kind != ir.BOOL:
+        t.fail(f"masked_fill's mask `{m}` is {'an' if m.kind == ir.INT else 'a'} {m.kind}, not a bool",
+               "pass a comparison such as `q_idx < kv_idx`")
+    return t.wrap(ir.where(m, t.to_node(value), t.to_node(x)))
 
 
 def _as_bool(t: _Tracer, x: Any) -> ir.Node:
@@ -524,7 +561,8 @@ def _method_table() -> dict[str, Callable]:
     table["logical_not"] = lambda t, x: t.wrap(ir.unary("not", _as_bool(t, x)))
     for name, dtype in _CASTS.items():
         table[name] = functools.partial(lambda dtype, t, x: _cast(t, x, dtype), dtype)
-    table["to"] = lambda t, x, dtype=None, *a, **k: _cast(t, x, k.get("dtype", dtype)) if isinstance(k.get("dtype", dtype), torch.dtype) else x
+    table["to"] = _to
+    table["masked_fill"] = _masked_fill
     table["type_as"] = lambda t, x, other: _cast(t, x, other.dtype)
     table["clamp"] = table["clip"] = _clamp
     table["clamp_min"] = lambda t, x, min: _clamp(t, x, min=min)
@@ -556,18 +594,38 @@ _TORCH_FUNCS.update(
 )
 
 
+_INPLACE_DUNDERS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
+                                              "and", "or", "xor", "lshift", "rshift", "matmul")}
+
+
+def _mutates(name: str) -> bool:
+    """``add_``, ``index_put_``, ``__setitem__``, ``__iadd__``...: torch's in-place naming."""
+    return (name in ("__setitem__", "index_put") or name in _INPLACE_DUNDERS
+            or (name.endswith("_") and not name.endswith("__")))
+
+
 def _dispatch(tracer: _Tracer, func: Callable, args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", repr(func))
     if name == "__getitem__" and isinstance(args[0], torch.Tensor):
         return tracer.index(args[0], args[1])
-    if name in ("__setitem__", "index_put_", "index_put") or (name.endswith("_") and not name.endswith("__")):
+    if _mutates(name):
         tracer.fail(f"`{name}` mutates a tensor inside the mod", "mods must be pure: compute new values instead of writing into captured tensors")
     handler = _TORCH_FUNCS.get(name)
     if handler is None:
         tracer.fail(f"torch function `{name}` is not supported by flexc's tracer",
                     "rewrite the mod with supported operations: arithmetic, comparisons, &, |, ~, torch.where, "
                     "abs/exp/exp2/log/log2/sqrt/rsqrt/tanh/sigmoid/sin/cos/floor/ceil/sign/clamp/minimum/maximum")
-    return handler(tracer, *args, **kwargs)
+    return _call_handler(tracer, name, handler, args, kwargs)
+
+
+def _call_handler(tracer: _Tracer, name: str, handler: Callable, args: tuple, kwargs: dict) -> Any:
+    try:
+        return handler(tracer, *args, **kwargs)
+    except TraceError:
+        raise
+    except TypeError as e:  # a signature mismatch: report it as the user's call, not flexc's internals
+        tracer.fail(f"`{name}` was called with arguments flexc does not support ({e})",
+                    f"call it as in the torch documentation with one value per operand, e.g. `torch.{name}(x, y)`")
 
 
 class _TraceMode(TorchFunctionMode):
@@ -582,8 +640,7 @@ class _TraceMode(TorchFunctionMode):
         if any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
             return _dispatch(self.tracer, func, args, kwargs)
         name = getattr(func, "__name__", "")
-        if name == "__setitem__" or (name.endswith("_") and not name.endswith("__") and args
-                                     and isinstance(args[0], torch.Tensor)):
+        if _mutates(name) and args and isinstance(args[0], torch.Tensor):
             self.tracer.fail(f"`{name}` mutates a tensor inside the mod",
                              "mods must be pure: compute new values instead of writing into captured tensors")
         return func(*args, **kwargs)

@@ -225,6 +225,11 @@ _VALUE_OPS = {
     "ones_like": lambda s, b, h, q, kv: s * torch.ones_like(s),
     "full_like": lambda s, b, h, q, kv: torch.full_like(s, 2.5) - s,
     "zeros_like_int": lambda s, b, h, q, kv: torch.zeros_like(q) + kv,
+    "masked_fill_method": lambda s, b, h, q, kv: s.masked_fill(q < kv, -float("inf")),
+    "torch_masked_fill": lambda s, b, h, q, kv: torch.masked_fill(s, kv % 3 == 0, 0.0),
+    "to_other_dtype": lambda s, b, h, q, kv: s + (q - kv).to(s),
+    "type_as": lambda s, b, h, q, kv: (q - kv).type_as(s) * s,
+    "negative_base_pow": lambda s, b, h, q, kv: (-2) ** (q % 4) + s,
 }
 
 
@@ -425,6 +430,29 @@ def test_printing_gives_readable_python(mod, text):
     assert str(flexc.trace(mod)) == text
 
 
+def test_noop_mask_written_like_torch_folds_to_true():
+    traced = flexc.trace(lambda b, h, q_idx, kv_idx: b.new_ones(size=(), dtype=torch.bool))
+    assert str(traced) == "True" and traced.root.op == "const"
+
+
+def test_negative_constant_base_keeps_its_parentheses():
+    text = str(flexc.trace(lambda s, b, h, q_idx, kv_idx: (-2) ** q_idx + s))
+    assert text == "(-2) ** q_idx + score"
+    assert eval(text.replace("q_idx", "3").replace("score", "0")) == (-2) ** 3  # printed text is valid Python
+
+
+def test_node_table_does_not_grow_with_discarded_traces():
+    import gc
+    from flexc import ir
+
+    gc.collect()
+    before = len(ir._table)
+    for window in range(300):
+        flexc.trace(generate_sliding_window(10_000 + window))
+    gc.collect()
+    assert len(ir._table) <= before + 10
+
+
 def test_integer_score_mod_prints_its_float_cast():
     assert str(flexc.trace(lambda s, b, h, q, kv: q - kv)) == "(q_idx - kv_idx).to(float32)"
 
@@ -454,6 +482,13 @@ def test_gradient_flows_to_captured_tensor():
     flexc.evaluate_grid(mod, 1, 2, 5, 7, score=score).sum().backward()
     expected = 2.0 * (1 - torch.tanh(score[0] + bias.detach()) ** 2)
     torch.testing.assert_close(bias.grad, expected)
+
+
+@pytest.mark.parametrize("score", [torch.tensor(0.5), torch.randn(1, 1, 1, 9)], ids=["0d", "one_row"])
+def test_evaluate_grid_broadcasts_a_score_without_query_rows(score):
+    mod = lambda s, b, h, q, kv: s + q - kv
+    got = flexc.evaluate_grid(mod, 1, 2, 6, 9, score=score, max_elements=2 * 9 * 2)  # 3 chunks
+    assert_same(got, direct_call(mod, 1, 2, 6, 9, score))
 
 
 def test_evaluate_names_a_missing_input():

@@ -196,6 +196,31 @@ def where_with_int_condition(score, b, h, q_idx, kv_idx):
     return torch.where(q_idx - kv_idx, score, 0.0)  # BAD
 
 
+def augmented_assignment_on_captured(score, b, h, q_idx, kv_idx):
+    VEC[q_idx] += 1.0  # BAD
+    return score
+
+
+def shift_operator(b, h, q_idx, kv_idx):
+    return (q_idx >> 4) == (kv_idx >> 4)  # BAD
+
+
+def round_builtin(score, b, h, q_idx, kv_idx):
+    return score + round(q_idx / 3)  # BAD
+
+
+def where_with_one_argument(b, h, q_idx, kv_idx):
+    return torch.where(q_idx > kv_idx)  # BAD
+
+
+def method_with_wrong_arguments(score, b, h, q_idx, kv_idx):
+    return score.clamp(0.0, 1.0, 2.0)  # BAD
+
+
+def chained_comparison(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx < kv_idx + 8  # BAD
+
+
 def nan_constant(score, b, h, q_idx, kv_idx):
     return score + float("nan")  # BAD
 
@@ -225,6 +250,12 @@ OTHER_CASES = [
     (and_on_float, ["`&` on a float", "comparisons"]),
     (where_with_int_condition, ["condition", "is an int", "comparison"]),
     (nan_constant, ["NaN constant", "finite"]),
+    (augmented_assignment_on_captured, ["`__setitem__` mutates", "pure"]),
+    (shift_operator, ["`>>` is not supported", "floor-divide"]),
+    (round_builtin, ["`round()` is not supported", "torch.floor"]),
+    (where_with_one_argument, ["`where` was called with arguments", "torch.where"]),
+    (method_with_wrong_arguments, ["`clamp` was called with arguments", "torch.clamp"]),
+    (chained_comparison, ["chained comparison", "(a < b) & (b < c)"]),
 ]
 
 
