@@ -22,8 +22,10 @@ from ..evaluate import evaluate
 from ..trace import TracedMod
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
 
-# Scores of one chunk hold about this many elements (2 MiB in fp32): small enough to stay in
-# cache and keep peak memory near SDPA's, large enough that matmuls are not tiny.
+# Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
+# cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
+# use chunks of a quarter of the output's size (but not under a quarter of this), so the working
+# memory stays a fraction of the output's.
 CHUNK_ELEMENTS = 1 << 19
 MAX_ROWS = 128
 # Above this many partial spans in one chunk the mask is evaluated once over the whole chunk.
@@ -64,15 +66,16 @@ def _groups(B: int, Bkv: int, Hq: int, Hkv: int, Bm: int, Hm: int) -> list[_Grou
     return out
 
 
-def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int) -> list[tuple[_Group, list[Row]]]:
+def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
     tables = read_tables(block_mask, L, S)
     plans = []
     cache: dict[tuple, list[Row]] = {}
+    budget = min(CHUNK_ELEMENTS, max(CHUNK_ELEMENTS // 4, B * Hq * L * Ev // 4))
     for g in _groups(B, Bkv, Hq, Hkv, tables.batch, tables.heads):
         n_heads = len(range(Hq)[g.qh]) * len(range(B)[g.b])
         rows = min(MAX_ROWS, max(tables.block_size[0], 1))
         # at least one key block's worth of columns, even for many heads
-        cols = max(CHUNK_ELEMENTS // (n_heads * rows), min(tables.block_size[1], 128), 16)
+        cols = max(budget // (n_heads * rows), min(tables.block_size[1], 128), 16)
         key = (g.bm, g.hm, rows, cols)
         if key not in cache:
             cache[key] = row_plan(tables, g.bm, g.hm, L, S, rows, cols)
@@ -165,7 +168,7 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
     with torch.no_grad():
-        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S):
+        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, value.shape[-1]):
             mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
             for row in rows:
                 _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
@@ -248,7 +251,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         delta = delta - grad_lse.to(work).unsqueeze(-1)
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
     with torch.no_grad():
-        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S):
+        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, value.shape[-1]):
             mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
             for row in rows:
                 _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves,
