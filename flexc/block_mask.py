@@ -20,6 +20,7 @@ import torch
 from .mask_mods import noop_mask
 from .tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_ordered,
                     evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
+from .ranges import MIXED
 from .trace import MASK_MOD, TracedMod, mod_kind, trace
 
 DEFAULT_BLOCK_SIZE = 128
@@ -421,12 +422,13 @@ def _classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, 
     """
     nq, nkv = cdiv(Q_LEN, Q_BLOCK), cdiv(KV_LEN, KV_BLOCK)
     if analytic:
-        from .ranges import classify_tiles
+        from .ranges import classify_tiles, mark_mixed_tiles
 
         # Analyse over b (or h) only where the mod reads it; the caller broadcasts the rest.
         B = B if reads_input(traced, "b") else 1
         H = H if reads_input(traced, "h") else 1
-        return classify_tiles(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
+        classes = classify_tiles(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device)
+        return mark_mixed_tiles(traced, classes, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK)
     return torch.full((B, H, nq, nkv), UNDECIDED, dtype=torch.int8, device=device)
 
 
@@ -450,9 +452,11 @@ def _resolve_undecided(traced: TracedMod, classes: torch.Tensor, Q_LEN: int, KV_
                 f"B={classes.shape[0]}, H={classes.shape[1]}, Q_LEN={Q_LEN}, KV_LEN={KV_LEN}: {e}. Fix: pass "
                 f"sizes that match the tensors the mask_mod captures.") from e
     classes = torch.where(classes == UNDECIDED, exact.expand_as(classes), classes)
-    # torch pads ragged edge tiles with False, so they are never FULL, whatever analysis proved.
+    # torch pads ragged edge tiles with False, so they are never FULL, whatever analysis proved;
+    # tiles that analysis proved mixed (MIXED) are PARTIAL.
     ragged = ragged_tiles(Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, classes.device)
-    return torch.where((classes == FULL) & ragged, torch.tensor(PARTIAL, dtype=torch.int8), classes)
+    demote = ((classes == FULL) & ragged) | (classes == MIXED)
+    return torch.where(demote, torch.tensor(PARTIAL, dtype=torch.int8), classes)
 
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,

@@ -34,6 +34,8 @@ from .range_tables import RangeMinMax
 from .trace import MASK_MOD, TracedMod
 
 EMPTY, UNDECIDED, FULL = 0, 1, 2
+# Set by mark_mixed_tiles: a tile proven to hold both allowed and masked elements (a PARTIAL tile).
+MIXED = 3
 
 # Integer bounds are float64: exact below 2**53. Nodes that may reach 2**50 are treated as unknown,
 # which leaves room for sums of a few such terms inside an affine form.
@@ -98,6 +100,42 @@ def classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q
         verdict = analysis.root_range({"b": IntRange(b, b), "h": IntRange(h, h), "q_idx": q, "kv_idx": kv})
         _write_classes(out[:, :, r0:r1], verdict)
     return out
+
+
+def mark_mixed_tiles(traced: TracedMod, classes: torch.Tensor, Q_LEN: int, KV_LEN: int, Q_BLOCK: int,
+                     KV_BLOCK: int, max_points: int = 1 << 22) -> torch.Tensor:
+    """Mark UNDECIDED tiles that are proven mixed as MIXED (3), in place, and return ``classes``.
+
+    The mask is evaluated at 9 points of each undecided tile (corners, edge midpoints, centre);
+    a tile where both an allowed and a masked point turn up is mixed, and needs no exact
+    evaluation. Most undecided tiles of affine masks (the diagonal of a causal mask, the edges of
+    a window) are settled this way at 9 evaluations instead of ``Q_BLOCK * KV_BLOCK``.
+    ``classes`` is int8 ``[B or 1, H or 1, nQ, nKV]``; a size-1 b or h dimension is evaluated at 0.
+    """
+    from .evaluate import evaluate
+
+    coords = (classes == UNDECIDED).nonzero()
+    if coords.shape[0] == 0:
+        return classes
+    device = classes.device
+    steps = torch.tensor([0.0, 0.5, 1.0], device=device)
+    for start in range(0, coords.shape[0], max(1, max_points // 9)):
+        c = coords[start:start + max(1, max_points // 9)]
+        q0, k0 = c[:, 2] * Q_BLOCK, c[:, 3] * KV_BLOCK
+        q_last = torch.clamp(q0 + Q_BLOCK, max=Q_LEN) - 1  # the in-range box only
+        k_last = torch.clamp(k0 + KV_BLOCK, max=KV_LEN) - 1
+        q = (q0[:, None] + ((q_last - q0)[:, None] * steps).long()).view(-1, 3, 1)
+        k = (k0[:, None] + ((k_last - k0)[:, None] * steps).long()).view(-1, 1, 3)
+        n = c.shape[0]
+        try:
+            allowed = evaluate(traced, b=c[:, 0].view(n, 1, 1), h=c[:, 1].view(n, 1, 1), q_idx=q, kv_idx=k)
+        except IndexError:  # sizes that do not fit the captured tensors: left to exact evaluation to report
+            return classes
+        allowed = allowed.to(torch.bool).expand(n, 3, 3).reshape(n, 9)
+        mixed = allowed.any(dim=1) & ~allowed.all(dim=1)
+        hit = c[mixed]
+        classes[tuple(hit.T)] = MIXED
+    return classes
 
 
 def _write_classes(chunk: torch.Tensor, verdict: BoolRange) -> None:

@@ -8,7 +8,7 @@ import torch
 
 import flexc
 from catalogue import mask_catalogue
-from flexc.ranges import EMPTY, FULL, UNDECIDED, classify_tiles
+from flexc.ranges import EMPTY, FULL, MIXED, UNDECIDED, classify_tiles, mark_mixed_tiles
 from test_ranges_properties import exact_classes
 
 SHAPES = [(2, 3, 100, 130, 16, 8), (1, 2, 256, 256, 32, 32), (2, 2, 77, 300, 16, 64)]
@@ -69,3 +69,6 @@ def test_causal_at_long_length_decides_all_but_the_diagonal_without_elements():
     assert int((classes == UNDECIDED).sum()) == n
     assert torch.equal(torch.diagonal(classes), torch.full((n,), UNDECIDED, dtype=torch.int8))
     assert int((classes == FULL).sum()) == n * (n - 1) // 2
+    # sampling proves every diagonal tile mixed: nothing is left for element-wise evaluation
+    marked = mark_mixed_tiles(traced, classes[None, None].clone(), L, L, block, block)[0, 0]
+    assert torch.equal(torch.diagonal(marked), torch.full((n,), MIXED, dtype=torch.int8))

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import flexc
-from flexc.ranges import EMPTY, FULL, UNDECIDED, classify_tiles
+from flexc.ranges import EMPTY, FULL, MIXED, UNDECIDED, classify_tiles, mark_mixed_tiles
 
 INPUTS = ("b", "h", "q_idx", "kv_idx")
 
@@ -137,6 +137,9 @@ def test_full_tiles_are_all_true_and_empty_tiles_all_false(data, seed, B, H, Q_L
     assert classes.shape == exact.shape and classes.dtype == torch.int8
     assert not ((classes == FULL) & (exact != FULL)).any(), str(traced)
     assert not ((classes == EMPTY) & (exact != EMPTY)).any(), str(traced)
+    marked = mark_mixed_tiles(traced, classes.clone(), Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK)
+    assert not ((marked == MIXED) & (exact != UNDECIDED)).any(), str(traced)
+    assert torch.equal(marked == MIXED, (classes == UNDECIDED) & (marked != UNDECIDED))
 
 
 def affine(data, unit_steps):
