@@ -413,12 +413,13 @@ def _mask_mod_from_torch(mod: Callable) -> Callable:
 
 def _classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
                     device: torch.device, analytic: bool) -> torch.Tensor:
-    """Initial tile classes, int8 ``[B, H, nQ, nKV]``: EMPTY=0, UNDECIDED=1, FULL=2.
+    """Initial tile classes, int8 ``[B, H, nQ, nKV]`` (or broadcastable to it): EMPTY=0,
+    UNDECIDED=1, FULL=2, MIXED=3.
 
     The single place where analysis plugs in: with ``analytic`` it may decide tiles without
     per-element work (a tile is FULL only if proven all-True over its in-range elements, EMPTY
-    only if proven all-False). UNDECIDED tiles are then evaluated exactly. Without analysis
-    every tile is UNDECIDED.
+    only if proven all-False, MIXED only if proven to hold both). UNDECIDED tiles are then
+    evaluated exactly. Without analysis every tile is UNDECIDED.
     """
     nq, nkv = cdiv(Q_LEN, Q_BLOCK), cdiv(KV_LEN, KV_BLOCK)
     if analytic:
