@@ -167,3 +167,23 @@ def test_validation_happens_before_tracing_or_work():
     with pytest.raises(ValueError):
         flexc.flex_attention(q, k, v[:, :, :5], score_mod=spy)
     assert calls == []
+
+
+def test_backend_dispatch_uses_the_registered_forward_and_trains_through_the_torch_backward(monkeypatch):
+    from flexc import attention
+    from flexc.backends.torch_cpu import torch_forward
+
+    calls = []
+
+    def fake_triton(*args):
+        calls.append(args[-1])  # need_lse
+        return torch_forward(*args)
+
+    monkeypatch.setitem(attention.BACKENDS, "TRITON", fake_triton)
+    q, k, v = (t.double().requires_grad_() for t in _qkv())
+    out = flexc.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
+    assert calls == [True]  # training always asks the forward for lse
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    flexc.flex_attention(q.detach(), k.detach(), v.detach())  # AUTO on CPU tensors: the torch path
+    assert calls == [True]
