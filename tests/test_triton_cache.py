@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flexc
+import flexc.codegen
 from flexc.backends import triton_backend
 from reference import dense_attention
 
@@ -104,3 +105,39 @@ def test_cache_directory_follows_the_environment(tmp_path, monkeypatch):
     flexc.cache_clear()
     run(1, 40, 5)
     assert any(p.name.startswith("flexc_kernel_") and p.suffix == ".py" for p in tmp_path.iterdir())
+
+
+def test_out_of_shared_memory_retries_with_smaller_tiles_and_remembers(monkeypatch):
+    """On a GPU, a launch that needs more shared memory than exists is retried with fewer stages,
+    then smaller tiles; the replacement is remembered for later calls and for kernel_source."""
+    from triton.runtime.errors import OutOfResources
+
+    flexc.cache_clear()
+    launched = []
+
+    class FakeKernel:
+        def __init__(self, spec):
+            self.generated = flexc.codegen.generate_forward(spec)
+            self.spec = spec
+            self.fn = self
+
+        def __getitem__(self, grid):
+            def run(*args, num_warps, num_stages, **constants):
+                launched.append((constants["BLOCK_M"], constants["BLOCK_N"], num_stages))
+                if num_stages > 1 or constants["BLOCK_N"] > 32:
+                    raise OutOfResources(300000, 232448, "shared memory")
+            return run
+
+    monkeypatch.setattr(triton_backend, "get_kernel", FakeKernel)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    spec = triton_backend.make_spec(None, None, torch.bfloat16, 64, 64, None, None, "cuda", False)
+    assert (spec.block_m, spec.block_n, spec.num_stages) == (128, 128, 3)
+    q = k = v = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="retrying with"):
+        triton_backend.launch(spec, q, k, v, None, None, None, 0.125)
+    assert launched == [(128, 128, 3), (128, 128, 2), (128, 128, 1), (128, 64, 2), (128, 64, 1), (128, 32, 2),
+                        (128, 32, 1)]
+    launched.clear()
+    triton_backend.launch(spec, q, k, v, None, None, None, 0.125)
+    assert launched == [(128, 32, 1)]  # straight to the configuration that fits
+    assert "BLOCK_M=128, BLOCK_N=32; num_warps=4, num_stages=1" in triton_backend.source_for(spec)

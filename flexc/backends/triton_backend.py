@@ -11,12 +11,14 @@ kernel arguments, never part of the source. :func:`cache_info` counts hits and m
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
 import sys
 import tempfile
 import threading
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -43,6 +45,8 @@ class _Kernel(NamedTuple):
 
 
 _cache: dict[tuple, _Kernel] = {}
+# spec key -> the smaller-tile spec that replaced it after the GPU ran out of shared memory
+_fallbacks: dict[tuple, ForwardSpec] = {}
 _stats = {"hits": 0, "misses": 0}
 _cache_lock = threading.Lock()
 # Triton's interpreter patches triton.language globally while a kernel runs: one at a time.
@@ -59,6 +63,7 @@ def cache_clear() -> None:
     """Forget every cached kernel and reset the counters (files in the cache directory stay)."""
     with _cache_lock:
         _cache.clear()
+        _fallbacks.clear()
         _stats["hits"] = _stats["misses"] = 0
 
 
@@ -249,8 +254,26 @@ def get_kernel(spec: ForwardSpec) -> _Kernel:
         return kernel
 
 
+def _smaller(spec: ForwardSpec) -> ForwardSpec | None:
+    """The next configuration to try when ``spec`` needs more shared memory than the GPU has."""
+    if spec.num_stages > 1:
+        return dataclasses.replace(spec, num_stages=spec.num_stages - 1)
+    if spec.block_n > 16:
+        return dataclasses.replace(spec, block_n=spec.block_n // 2, num_stages=2)
+    if spec.block_m > 16:
+        return dataclasses.replace(spec, block_m=spec.block_m // 2, num_stages=2)
+    return None
+
+
+def resolve_fallback(spec: ForwardSpec) -> ForwardSpec:
+    """``spec``, or the smaller configuration that replaced it after an out-of-resources launch."""
+    with _cache_lock:
+        return _fallbacks.get(spec.key(), spec)
+
+
 def source_for(spec: ForwardSpec) -> str:
     """The source that runs for ``spec`` (the cached one if compiled already); compiles nothing."""
+    spec = resolve_fallback(spec)
     with _cache_lock:
         kernel = _cache.get(spec.key())
     return kernel.generated.source if kernel is not None else generate_forward(spec).source
@@ -325,35 +348,56 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     if B * Hq > 65535 and spec.target == "cuda":
         raise ValueError(f"flexc: batch x heads = {B * Hq} exceeds the 65535 programs per grid axis. "
                          f"Fix: split the batch into chunks.")
-    kernel = get_kernel(spec)
+    spec = resolve_fallback(spec)
     tables = _tables(block_mask, spec, S, device)
     Bm, Hm, nQ = tables[0].shape
     nKV = tables[1].shape[-1]
     if spec.q_block_size != NO_BLOCK_MASK and nQ < _cdiv(L, spec.q_block_size):
         raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
                          f"{_cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
-    buffers = (_buffer_arguments(score_mod, kernel.generated.score_params, device)
-               + _buffer_arguments(mask_mod, kernel.generated.mask_params, device))
     stride_kb = key.stride(0) if Bkv == B else 0
     stride_vb = value.stride(0) if Bkv == B else 0
-    args = [query, key, value, out] + ([lse] if lse is not None else []) + tables + buffers + [
-        float(scale), L, S, Hq, Hq // Hkv,
-        *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *out.stride()]
+    shapes = [float(scale), L, S, Hq, Hq // Hkv,
+              *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *out.stride()]
     if lse is not None:
-        args += [lse.stride(0), lse.stride(1)]
-    args += [Bm, Hm, nQ, nKV]
-    constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
-                     KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
-                     HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
-                     V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
-    grid = (_cdiv(L, spec.block_m), B * Hq)
-    if spec.target == "interpreter":
-        with _interpreter_lock:
-            kernel.fn[grid](*args, **constants)
-    else:
-        with torch.cuda.device(device):
-            kernel.fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
-    return out, lse
+        shapes += [lse.stride(0), lse.stride(1)]
+    shapes += [Bm, Hm, nQ, nKV]
+    while True:
+        kernel = get_kernel(spec)
+        buffers = (_buffer_arguments(score_mod, kernel.generated.score_params, device)
+                   + _buffer_arguments(mask_mod, kernel.generated.mask_params, device))
+        args = [query, key, value, out] + ([lse] if lse is not None else []) + tables + buffers + shapes
+        constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
+                         KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
+                         HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
+                         V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
+        grid = (_cdiv(L, spec.block_m), B * Hq)
+        if spec.target == "interpreter":
+            with _interpreter_lock:
+                kernel.fn[grid](*args, **constants)
+            return out, lse
+        from triton.runtime.errors import OutOfResources
+
+        try:
+            with torch.cuda.device(device):
+                kernel.fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
+            return out, lse
+        except OutOfResources as e:
+            # e.g. a score_mod that loads whole [BLOCK_M, BLOCK_N] tiles of a captured tensor:
+            # pipelining them needs more shared memory than the default tiles leave.
+            smaller = _smaller(spec)
+            if smaller is None:
+                raise
+            warnings.warn(f"flexc: the kernel with BLOCK_M={spec.block_m}, BLOCK_N={spec.block_n}, "
+                          f"num_stages={spec.num_stages} needs more GPU resources than available ({e}); "
+                          f"retrying with BLOCK_M={smaller.block_m}, BLOCK_N={smaller.block_n}, "
+                          f"num_stages={smaller.num_stages}.", RuntimeWarning, stacklevel=3)
+            with _cache_lock:
+                for key, replaced in list(_fallbacks.items()):
+                    if replaced.key() == spec.key():
+                        _fallbacks[key] = smaller
+                _fallbacks[spec.key()] = smaller
+            spec = smaller
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
@@ -399,6 +443,56 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     return source_for(spec)
 
 
+_POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64",
+                  torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8",
+                  torch.uint8: "*u8", torch.bool: "*u8"}
+
+
+def compile_offline(spec: ForwardSpec, capability: int = 90, warp_size: int = 32) -> Any:
+    """Compile the CUDA kernel for ``spec`` to a cubin without a GPU (Triton's ptxas runs on CPU).
+
+    Checks that generated source is valid Triton for a given architecture (90 = Hopper) and
+    reports its shared memory (``.metadata.shared``). Integer arguments are typed i32.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if spec.target != "cuda":
+        raise ValueError(f"compile_offline: spec.target must be 'cuda', got {spec.target!r}. "
+                         f"Fix: build the spec with target 'cuda'.")
+    generated = generate_forward(spec)
+    module, _ = import_source(generated.source, "cuda")
+    fn = getattr(module, KERNEL_NAME)
+    constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
+                     KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
+                     HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
+                     V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
+    buffer_types = {}
+    for traced, params in ((spec.score_mod, generated.score_params), (spec.mask_mod, generated.mask_params)):
+        for p in params:
+            if p.what == "ptr":
+                buffer_types[p.name] = _POINTER_TYPES[traced.buffers[p.slot].dtype]
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in ("query_ptr", "key_ptr", "value_ptr", "out_ptr"):
+            signature[name] = _POINTER_TYPES[spec.dtype]
+        elif name == "lse_ptr":
+            signature[name] = "*fp32"
+        elif name in buffer_types:
+            signature[name] = buffer_types[name]
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32"  # the BlockMask tables
+        elif name == "scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", capability, warp_size),
+                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+
+
 def _register() -> None:
     from .. import attention
 
@@ -407,5 +501,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "default_config", "get_kernel", "import_source", "kernel_source",
-           "launch", "make_spec", "resolve_config", "source_for", "triton_forward"]
+__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
+           "launch", "make_spec", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]

@@ -189,6 +189,20 @@ def _dot(a: str, b: str, spec: ForwardSpec, acc: str = "") -> str:
     return f"tl.dot({args})"
 
 
+def _row_max(spec: ForwardSpec, x: str) -> str:
+    # Triton's interpreter, switched on after import, cannot call tl.max (a @jit function built at
+    # import); tl.reduce with the same combine function runs there, and as fast (numpy).
+    if spec.target == "interpreter":
+        return f"tl.reduce({x}, 1, tl.standard._elementwise_max)"
+    return f"tl.max({x}, 1)"
+
+
+def _row_sum(spec: ForwardSpec, x: str) -> str:
+    if spec.target == "interpreter":
+        return f"tl.reduce({x}, 1, tl.standard._sum_combine)"
+    return f"tl.sum({x}, 1)"
+
+
 def _score_lines(spec: ForwardSpec, score: RenderedMod | None, indent: str) -> list[str]:
     """Apply the score_mod to ``qk`` (the scaled scores of one tile)."""
     if spec.score_mod is None or score is None:
@@ -260,7 +274,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: 
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *walk,
-        "        offs_n = start_n + tl.arange(0, BLOCK_N)",
+        "        offs_n = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)",
         "        kv_in_range = offs_n < KV_LEN",
         f"        k = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen_k}",
         f"        qk = {_dot('q', 'k', spec)} * scale",
@@ -273,12 +287,12 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: 
     body += [
         "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
         f"        qk = qk * {RCP_LN2}  # to base 2",
-        "        m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))",
+        f"        m_new = tl.maximum(m_i, {_row_max(spec, 'qk')})",
         "        # a row with nothing allowed yet keeps m == -inf; use 0 there so exp2 never sees -inf - -inf",
         "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
         "        alpha = tl.exp2(m_i - m_safe)",
         "        p = tl.exp2(qk - m_safe[:, None])",
-        "        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)",
+        f"        l_i = l_i * alpha + {_row_sum(spec, 'p')}",
         f"        v = tl.load(value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen_k}",
         "        acc = acc * alpha[:, None]",
         f"        acc = {_dot(p_operand, 'v', spec, 'acc')}",
