@@ -31,6 +31,10 @@ MAX_ROWS = 128
 # Above this many partial spans in one chunk the mask is evaluated once over the whole chunk.
 _MAX_PARTIAL_SPANS = 4
 _NEG_INF = float("-inf")
+# Softmax runs in base 2: torch's exp2 on CPU is several times faster than exp, and exp is ~30x
+# slower still on inputs below -88 (masked and far-away scores), which exp2 handles at full speed.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 # ---- groups of heads that share one block-mask table -------------------------------------
@@ -184,8 +188,11 @@ def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: 
 
 
 def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work):
+    """One query row range: scores in log2 units (``s * log2(e)``), online softmax over its chunks."""
     q0, q1 = row.q0, row.q1
-    qb = _scaled_query_rows(query, g, q0, q1, scale, work)
+    # without a score_mod, fold log2(e) into the query so the matmul yields base-2 scores directly
+    has_mod = mods.score_mod is not None
+    qb = _scaled_query_rows(query, g, q0, q1, scale if has_mod else scale * LOG2E, work)
     Bg, Hkvg, Gr, _ = qb.shape
     Hqg, r = Hkvg * g.G, q1 - q0
     k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
@@ -196,31 +203,32 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         vc = chunk_rows(v_g, chunk).to(work)
         s = torch.matmul(qb, kc.transpose(-1, -2))  # [Bg, Hkv_g, G*r, c]
         s4 = s.view(Bg, Hqg, r, chunk.n_cols)
-        if mods.score_mod is not None:
+        if has_mod:
             modded = mods.score(s4, q0, q1, kv)
             if modded is not s4:
                 s4.copy_(modded)  # broadcasts and casts into the buffer we own
+            s4.mul_(LOG2E)
         _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
         m_new = s4.amax(-1, keepdim=True)
         if m is not None:
             m_new = torch.maximum(m, m_new)
-        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp(-inf - 0) = 0
-        s4.sub_(m_safe).exp_()
+        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
+        s4.sub_(m_safe).exp2_()
         p_sum = s4.sum(-1, keepdim=True)
         pv = torch.matmul(s, vc).view(Bg, Hqg, r, -1)
         if m is None:
             l, acc = p_sum, pv
         else:
-            alpha = (m - m_safe).exp_()
+            alpha = (m - m_safe).exp2_()
             l.mul_(alpha).add_(p_sum)
             acc.mul_(alpha).add_(pv)
         m = m_new
     acc.div_(torch.where(l == 0, 1.0, l))  # fully masked rows: acc is 0, output 0
     out[g.b, g.qh, q0:q1] = acc
     m_safe = m.masked_fill(m == _NEG_INF, 0.0)
-    lse[g.b, g.qh, q0:q1] = torch.where(l > 0, m_safe + torch.log(l), _NEG_INF).squeeze(-1)
+    lse[g.b, g.qh, q0:q1] = torch.where(l > 0, (m_safe + torch.log2(l)) * LN2, _NEG_INF).squeeze(-1)
     if row_max is not None:
-        row_max[g.b, g.qh, q0:q1] = m.squeeze(-1)
+        row_max[g.b, g.qh, q0:q1] = (m * LN2).squeeze(-1)
 
 
 # ---- backward ----------------------------------------------------------------------------
@@ -296,7 +304,7 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
         else:
             p = s4
         _fill(p, blocked, _NEG_INF)
-        p.sub_(lse_r).exp_()  # softmax probabilities from the saved logsumexp
+        p.sub_(lse_r).mul_(LOG2E).exp2_()  # softmax probabilities from the saved logsumexp
         p_g = p.view(Bg, Hkvg, Gr, -1)
         dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
         dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
