@@ -333,8 +333,8 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     common = [
         "scale, KV_LEN,",
     ]
-    tail = "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, " \
-           "V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"
+    tail = ["BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
+            "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"]
 
     def call(kind: str, full: bool) -> list[str]:
         args = [
@@ -344,7 +344,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         ]
         if buffers:
             args.append(", ".join(buffers) + ",")
-        args += [f"IS_FULL_BLOCKS={full}, " + tail]
+        args += [f"IS_FULL_BLOCKS={full},", *tail]
         return ["    acc, l_i, m_i = attend_blocks(", *("        " + a for a in args), "    )"]
 
     body = [
