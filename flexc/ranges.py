@@ -41,9 +41,9 @@ MIXED = 3
 # which leaves room for sums of a few such terms inside an affine form.
 _EXACT_LIMIT = float(2 ** 50)
 _INF = math.inf
-# Tiles analysed per chunk: bounds the temporaries (bool chunks of 8 MiB) whatever the length, while
-# keeping chunks large enough that per-op overhead and fresh-page faults stay small.
-_TILES_PER_CHUNK = 1 << 23
+# Tiles analysed per chunk: bounds the temporaries whatever the length, and keeps them in cache (much
+# faster on these machines than chunks of many MiB, which also pay fresh-page faults).
+_TILES_PER_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
