@@ -144,6 +144,13 @@ def _fill(t: torch.Tensor, blocked: list, value: float) -> None:
         t[..., off:off + n].masked_fill_(not_allowed, value)
 
 
+def _add_minus_inf(t: torch.Tensor, blocked: list) -> None:
+    """Mask finite scores by adding a 0/-inf bias: several times faster than a broadcast
+    masked_fill_, but only right when no score can be NaN or +inf (so not after a score_mod)."""
+    for off, n, not_allowed in blocked:
+        t[..., off:off + n].add_(torch.where(not_allowed, _NEG_INF, 0.0).to(t.dtype))
+
+
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -208,7 +215,9 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
             if modded is not s4:
                 s4.copy_(modded)  # broadcasts and casts into the buffer we own
             s4.mul_(LOG2E)
-        _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
+            _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
+        else:
+            _add_minus_inf(s4, mods.blocked(chunk, q0, q1, kv))
         m_new = s4.amax(-1, keepdim=True)
         if m is not None:
             m_new = torch.maximum(m, m_new)
