@@ -211,7 +211,8 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
             idx = ", ".join(fmt(a) for a in n.args[1:])
             return f"{fmt(n.args[0])}[{idx}]"
         if op == "cast":
-            return f"{fmt(n.args[0], 10)}.to({n.attr})"
+            inner = fmt(n.args[0], 10)
+            return f"({inner}).to({n.attr})" if n.args[0].op == "const" and inner[0] != "(" else f"{inner}.to({n.attr})"
         if op == "where":
             return f"where({fmt(n.args[0])}, {fmt(n.args[1])}, {fmt(n.args[2])})"
         if op in ("min", "max"):

@@ -486,8 +486,18 @@ def _cast(t: _Tracer, x: Any, dtype: torch.dtype) -> "Proxy":
     node = t.to_node(x)
     kind = _dtype_kind(dtype)
     name = str(dtype).removeprefix("torch.")
-    if kind == ir.BOOL and node.op == "const":
-        return t.wrap(ir.const(bool(node.attr)))  # e.g. `b.new_ones((), dtype=torch.bool)` is just True
+    # Constants with a default dtype stay Python constants (`b.new_ones((), dtype=torch.bool)` is
+    # True, `torch.full_like(q_idx, 7)` is 7): a Python number mixes with tensors as a 0-d tensor of
+    # the default dtype does (a float32 score rounds it the same way; `like=` a float64 score, the
+    # unrounded number is what torch would have used).
+    if node.op == "const" and dtype in (torch.bool, torch.int64, torch.float32):
+        value = node.attr
+        if dtype == torch.bool:
+            return t.wrap(ir.const(bool(value)))
+        if dtype == torch.int64 and not (isinstance(value, float) and not math.isfinite(value)):
+            return t.wrap(ir.const(int(value)))
+        if dtype == torch.float32:
+            return t.wrap(ir.const(float(value)))
     if kind == ir.BOOL and node.kind != ir.BOOL:
         return t.wrap(ir.binary("ne", node, ir.const(0)))
     return t.wrap(ir.cast(node, name, kind))
@@ -548,6 +558,16 @@ def _full(t: _Tracer, value: Any, dtype: torch.dtype | None = None, like: Any = 
     return _cast(t, t.wrap(node), dtype) if dtype is not None else t.wrap(node)
 
 
+def _min_max(op: str):
+    """``torch.min(a, b)`` / ``a.max(b)``: the elementwise two-operand form (as in HF's T5 buckets)."""
+    def handler(t: _Tracer, x: Any, other: Any = None, *rest: Any, **kwargs: Any) -> "Proxy":
+        if other is None or rest or kwargs or isinstance(other, bool):
+            t.fail(f"`{op}` with one operand is a reduction, which a scalar mod cannot do",
+                   f"compare two values with `torch.{op}imum(a, b)`")
+        return t.wrap(_binary(t, op, t.to_node(x), t.to_node(other)))
+    return handler
+
+
 def _method_table() -> dict[str, Callable]:
     table: dict[str, Callable] = {}
     for name, op in _UNARY_FUNCS.items():
@@ -562,6 +582,7 @@ def _method_table() -> dict[str, Callable]:
     for name, dtype in _CASTS.items():
         table[name] = functools.partial(lambda dtype, t, x: _cast(t, x, dtype), dtype)
     table["to"] = _to
+    table["min"], table["max"] = _min_max("min"), _min_max("max")
     table["masked_fill"] = _masked_fill
     table["type_as"] = lambda t, x, other: _cast(t, x, other.dtype)
     table["clamp"] = table["clip"] = _clamp

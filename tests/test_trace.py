@@ -230,6 +230,10 @@ _VALUE_OPS = {
     "to_other_dtype": lambda s, b, h, q, kv: s + (q - kv).to(s),
     "type_as": lambda s, b, h, q, kv: (q - kv).type_as(s) * s,
     "negative_base_pow": lambda s, b, h, q, kv: (-2) ** (q % 4) + s,
+    "torch_min_two_operands": lambda s, b, h, q, kv: torch.min(q - kv, torch.full_like(q - kv, 5)),
+    "method_max_two_operands": lambda s, b, h, q, kv: s.max(q * 0.1),
+    "full_like_int32": lambda s, b, h, q, kv: s + torch.full_like(q, 3, dtype=torch.int32),
+    "full_like_float_on_int": lambda s, b, h, q, kv: torch.full_like(q, 2.7) * kv,
 }
 
 
@@ -425,6 +429,9 @@ def test_score_and_mask_with_same_body_have_different_keys():
     (lambda score, b, h, q_idx, kv_idx: (score - (q_idx - kv_idx)) * 2, "(score - (q_idx - kv_idx)) * 2"),
     (lambda b, h, q_idx, kv_idx: torch.clamp(q_idx, 3, 60) - kv_idx > 0,
      "minimum(maximum(q_idx, 3), 60) - kv_idx > 0"),
+    (lambda score, b, h, q_idx, kv_idx: score + torch.full_like(q_idx, 3, dtype=torch.int32),
+     "score + (3).to(int32)"),
+    (lambda score, b, h, q_idx, kv_idx: torch.min(score, torch.full_like(score, 2.0)), "minimum(score, 2.0)"),
 ])
 def test_printing_gives_readable_python(mod, text):
     assert str(flexc.trace(mod)) == text

@@ -217,6 +217,10 @@ def method_with_wrong_arguments(score, b, h, q_idx, kv_idx):
     return score.clamp(0.0, 1.0, 2.0)  # BAD
 
 
+def reduction_max(score, b, h, q_idx, kv_idx):
+    return torch.max(score)  # BAD
+
+
 def chained_comparison(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx < kv_idx + 8  # BAD
 
@@ -255,6 +259,7 @@ OTHER_CASES = [
     (round_builtin, ["`round()` is not supported", "torch.floor"]),
     (where_with_one_argument, ["`where` was called with arguments", "torch.where"]),
     (method_with_wrong_arguments, ["`clamp` was called with arguments", "torch.clamp"]),
+    (reduction_max, ["`max` with one operand is a reduction", "torch.maximum"]),
     (chained_comparison, ["chained comparison", "(a < b) & (b < c)"]),
 ]
 
