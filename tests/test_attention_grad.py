@@ -173,3 +173,17 @@ def test_gradcheck_at_tiny_sizes():
         return flexc.flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, bias, scalar), eps=1e-6, atol=1e-7)
+
+
+def test_transposed_blhe_inputs_and_non_contiguous_grad_output():
+    """Inputs laid out [B, L, H, E] and transposed (the usual projection output) work both ways."""
+    g = torch.Generator().manual_seed(11)
+    make = lambda n, h, e: torch.randn(B, n, h, e, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    q, k, v = make(L, HQ, E), make(S, HKV, E), make(S, HKV, 6)
+    mask_mod, score_mod = MASKS["sliding_window_17"], SCORES["relative_position"]
+    bm = flexc.create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
+    ref, _, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    grad_out = torch.randn(B, L, HQ, 6, generator=g, dtype=torch.float64).transpose(1, 2)
+    _assert_grads_close(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out))

@@ -191,7 +191,7 @@ def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: 
     q = query[g.b, g.qh, q0:q1]
     q = q.to(work) * scale
     Bg, Hg, r, E = q.shape
-    return q.view(Bg, Hg // g.G, g.G * r, E)
+    return q.reshape(Bg, Hg // g.G, g.G * r, E)  # a copy only for non-contiguous queries
 
 
 def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work):
