@@ -208,6 +208,8 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
         if op == "buffer":
             return name_of(n.attr[0])
         if op == "load":
+            if len(n.args) == 1:  # a 0-d captured tensor reads as its name
+                return fmt(n.args[0])
             idx = ", ".join(fmt(a) for a in n.args[1:])
             return f"{fmt(n.args[0])}[{idx}]"
         if op == "cast":

@@ -460,6 +460,11 @@ def test_node_table_does_not_grow_with_discarded_traces():
     assert len(ir._table) <= before + 10
 
 
+def test_zero_dim_captured_tensor_prints_as_its_name():
+    temperature = torch.tensor(0.5)
+    assert str(flexc.trace(lambda score, b, h, q_idx, kv_idx: score * temperature)) == "score * temperature"
+
+
 def test_integer_score_mod_prints_its_float_cast():
     assert str(flexc.trace(lambda s, b, h, q, kv: q - kv)) == "(q_idx - kv_idx).to(float32)"
 
