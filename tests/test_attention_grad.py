@@ -3,6 +3,7 @@ through a float64 dense reference, torch.autograd.gradcheck at tiny sizes, and t
 2.13 cannot differentiate (0-d scalar, score-independent score_mod, one tensor gathered twice)."""
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import flexc
 from catalogue import mask_catalogue, score_catalogue
@@ -187,3 +188,20 @@ def test_transposed_blhe_inputs_and_non_contiguous_grad_output():
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     grad_out = torch.randn(B, L, HQ, 6, generator=g, dtype=torch.float64).transpose(1, 2)
     _assert_grads_close(torch.autograd.grad(out, (q, k, v), grad_out), torch.autograd.grad(ref, (q, k, v), grad_out))
+
+
+@settings(max_examples=10, deadline=None)
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 2), q_len=st.integers(1, 40),
+       kv_len=st.integers(1, 40), q_block=st.sampled_from([4, 8, 128]), kv_block=st.sampled_from([4, 16]),
+       window=st.integers(0, 12), seed=st.integers(0, 2**16))
+def test_random_shapes_gradients_match_float64_reference(b, hkv, group, q_len, kv_len, q_block, kv_block, window, seed):
+    q, k, v = _inputs(B=b, Hq=hkv * group, Hkv=hkv, L=q_len, S=kv_len, E=4, seed=seed)
+    bias = torch.randn(q_len + kv_len, dtype=torch.float64, requires_grad=True)
+    mask_mod = lambda b_, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= window
+    score_mod = lambda s, b_, h, q_idx, kv_idx: s + bias[q_idx - kv_idx + kv_len]
+    bm = flexc.create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=(q_block, kv_block))
+    out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
+    ref, _, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    grad_out = torch.randn_like(ref)
+    _assert_grads_close(torch.autograd.grad(out, (q, k, v, bias), grad_out),
+                        torch.autograd.grad(ref, (q, k, v, bias), grad_out))
