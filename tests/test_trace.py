@@ -479,6 +479,14 @@ def test_chunked_evaluation_equals_one_chunk():
     assert torch.equal(whole, direct_call(mod, 2, 3, 64, 64))
 
 
+@pytest.mark.parametrize("name", ["document_logical_causal", "natten_1d_7", "block_sparse_lookup_4d"])
+def test_evaluating_an_offset_tile_equals_that_slice_of_the_grid(name):
+    B, H, L, S = 2, 3, 64, 64
+    mod = mask_catalogue(B, H, L, S)[name]
+    tile = flexc.evaluate(flexc.trace(mod), **index_grid(B, H, 16, 32, q_start=40, kv_start=24))
+    assert torch.equal(tile.expand(B, H, 16, 32), direct_call(mod, B, H, L, S)[:, :, 40:56, 24:56])
+
+
 def test_replacing_buffers_evaluates_new_values_without_retracing():
     traced = flexc.trace(_doc_mask_over(torch.tensor([0, 0, 1, 1])))
     new_ids = torch.tensor([0, 1, 1, 2])
