@@ -112,6 +112,16 @@ def test_comparison_sees_through_rearranged_affine_terms(op):
     assert range_over_box(expr, box) == brute_force(expr, box)
 
 
+def test_products_that_cancel_to_an_affine_form_are_exact():
+    # (q + 1) * (q + 1) - q * q == 2q + 1: only expanding the polynomial (sympy) sees it is affine
+    square = lambda x: binary("mul", x, x)
+    lhs = binary("sub", square(binary("add", q, c(1))), square(q))
+    expr = binary("ge", lhs, binary("add", k, k))
+    for box in ({"q_idx": (10, 20), "kv_idx": (0, 10)}, {"q_idx": (0, 5), "kv_idx": (20, 30)},
+                {"q_idx": (10, 20), "kv_idx": (5, 25)}):
+        assert range_over_box(expr, box) == brute_force(expr, box)
+
+
 def test_equality_with_gaps_is_sound():
     # 2q - 2k == 1 never holds; the interval contains 1, so the rule may only say "possibly"
     expr = binary("eq", binary("sub", binary("mul", c(2), q), binary("mul", c(2), k)), c(1))
