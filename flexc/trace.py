@@ -178,7 +178,7 @@ class _Tracer:
     def to_node(self, x: Any, what: str = "an operand") -> ir.Node:
         if isinstance(x, _PartialLoad):
             self.fail(
-                f"captured tensor {x.describe()} is indexed with {len(x.indices)} of its {x.ndim} "
+                f"captured tensor {x.describe()} is indexed with {x.indexed} of its {x.ndim} "
                 f"dimensions, which leaves a tensor, not a scalar",
                 "index every dimension, e.g. `bias[h, q_idx, kv_idx]` for a 3-D bias",
             )
@@ -205,56 +205,65 @@ class _Tracer:
 
     # -- indexing a captured tensor --
     def index(self, base: Any, key: Any) -> Any:
-        if isinstance(base, _PartialLoad):
-            tensor, indices = base.tensor, list(base.indices)
-        else:
-            tensor, indices = base, []
+        """``tensor[key]`` or ``partial[key]``; a load once every dimension has an index.
+
+        ``slots`` holds one index node per dimension of the captured tensor, ``None`` for a dimension
+        still free. As in torch, a full slice ``:`` (or ``...``) leaves its dimension free and the
+        next indexing fills the free dimensions in order: ``bias[:, q_idx][h]`` is ``bias[h, q_idx]``.
+        """
+        tensor = base.tensor if isinstance(base, _PartialLoad) else base
+        slots = list(base.slots) if isinstance(base, _PartialLoad) else [None] * tensor.dim()
+        free = [d for d, node in enumerate(slots) if node is None]
         keys = list(key) if isinstance(key, tuple) else [key]
-        if any(k is Ellipsis for k in keys):
-            pos = next(i for i, k in enumerate(keys) if k is Ellipsis)  # not .index(): Proxy == builds a node
-            fill = tensor.dim() - len(indices) - (len(keys) - 1)
-            keys[pos:pos + 1] = [slice(None)] * max(fill, 0)
-        for k in keys:
-            dim = len(indices)
-            if dim >= tensor.dim():
-                self.fail(
-                    f"captured tensor {_describe(tensor)} is indexed with more indices than its "
-                    f"{tensor.dim()} dimension{'s' if tensor.dim() != 1 else ''}",
-                    f"index it with exactly {tensor.dim()} "
-                    f"{'index' if tensor.dim() == 1 else 'indices'}, one per dimension",
-                )
-            if isinstance(k, Proxy):
-                if k.node.kind == ir.FLOAT:
-                    self.fail(f"captured tensor {_describe(tensor)} is indexed with a float value {k.node}",
-                              "convert the index with `.long()` or use `//` instead of `/`")
-                if k.node.kind == ir.BOOL:
-                    self.fail(f"captured tensor {_describe(tensor)} is indexed with a bool value {k.node}",
-                              "use torch.where(cond, a, b) to choose between values")
-                indices.append(k.node)
-            elif isinstance(k, bool) or k is None:
-                self.fail(f"captured tensor {_describe(tensor)} is indexed with {k!r}", "index with integers or the mod's arguments")
-            elif isinstance(k, int) or (isinstance(k, torch.Tensor) and k.dim() == 0 and not k.is_floating_point()):
-                size = tensor.shape[dim]
-                i = int(k)
-                if not -size <= i < size:
-                    self.fail(f"index {i} is out of range for dimension {dim} of captured tensor {_describe(tensor)}",
-                              "use an index inside the tensor")
-                indices.append(ir.const(i % size))
-            elif isinstance(k, slice):
-                picked = range(tensor.shape[dim])[k]
-                if len(picked) != 1:
-                    self.fail(
-                        f"the slice {_slice_text(k)} on dimension {dim} of captured tensor {_describe(tensor)} "
-                        f"selects {len(picked)} elements; the result must be a scalar",
-                        "slice the tensor outside the mod, or index that dimension with an integer",
-                    )
-                indices.append(ir.const(picked[0]))
-            else:
-                self.fail(f"captured tensor {_describe(tensor)} is indexed with a {type(k).__name__}",
-                          "index with integers, slices of one element, or the mod's arguments")
-        if len(indices) < tensor.dim():
-            return _PartialLoad(tensor, tuple(indices), self)
-        return self.wrap(ir.load(self.buffer_node(tensor), tuple(indices)))
+        ellipses = [i for i, k in enumerate(keys) if k is Ellipsis]  # not .index(): Proxy == builds a node
+        if ellipses:
+            pos = ellipses[0]
+            keys[pos:pos + 1] = [slice(None)] * max(len(free) - (len(keys) - 1), 0)
+        if len(keys) > len(free):
+            self.fail(
+                f"captured tensor {_describe(tensor)} is indexed with more indices than its "
+                f"{tensor.dim()} dimension{'s' if tensor.dim() != 1 else ''}",
+                f"index it with exactly {tensor.dim()} "
+                f"{'index' if tensor.dim() == 1 else 'indices'}, one per dimension",
+            )
+        for k, dim in zip(keys, free):
+            slots[dim] = self._index_node(tensor, dim, k)
+        if any(node is None for node in slots):
+            return _PartialLoad(tensor, tuple(slots), self)
+        return self.wrap(ir.load(self.buffer_node(tensor), tuple(slots)))
+
+    def _index_node(self, tensor: torch.Tensor, dim: int, k: Any) -> ir.Node | None:
+        """The index node for ``k`` on dimension ``dim``; ``None`` when a full slice leaves it free."""
+        if isinstance(k, Proxy):
+            if k.node.kind == ir.FLOAT:
+                self.fail(f"captured tensor {_describe(tensor)} is indexed with a float value {k.node}",
+                          "convert the index with `.long()` or use `//` instead of `/`")
+            if k.node.kind == ir.BOOL:
+                self.fail(f"captured tensor {_describe(tensor)} is indexed with a bool value {k.node}",
+                          "use torch.where(cond, a, b) to choose between values")
+            return k.node
+        if isinstance(k, bool) or k is None:
+            self.fail(f"captured tensor {_describe(tensor)} is indexed with {k!r}", "index with integers or the mod's arguments")
+        size = tensor.shape[dim]
+        if isinstance(k, int) or (isinstance(k, torch.Tensor) and k.dim() == 0 and not k.is_floating_point()):
+            i = int(k)
+            if not -size <= i < size:
+                self.fail(f"index {i} is out of range for dimension {dim} of captured tensor {_describe(tensor)}",
+                          "use an index inside the tensor")
+            return ir.const(i % size)
+        if isinstance(k, slice):
+            picked = range(size)[k]
+            if len(picked) == 1:  # a one-element slice picks that element
+                return ir.const(picked[0])
+            if picked == range(size):
+                return None
+            self.fail(
+                f"the slice {_slice_text(k)} on dimension {dim} of captured tensor {_describe(tensor)} "
+                f"selects {len(picked)} elements; the result must be a scalar",
+                "slice the tensor outside the mod, or index that dimension with an integer",
+            )
+        self.fail(f"captured tensor {_describe(tensor)} is indexed with a {type(k).__name__}",
+                  "index with integers, slices of one element, or the mod's arguments")
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:
@@ -273,10 +282,17 @@ def _slice_text(s: slice) -> str:
 
 
 class _PartialLoad:
-    """A captured tensor indexed in fewer dimensions than it has (``bias[h]`` before ``[q_idx]``)."""
+    """A captured tensor indexed in fewer dimensions than it has (``bias[h]`` before ``[q_idx]``).
 
-    def __init__(self, tensor: torch.Tensor, indices: tuple, tracer: _Tracer):
-        self.tensor, self.indices, self.tracer = tensor, indices, tracer
+    ``slots`` has one entry per dimension: its index node, or ``None`` while still free.
+    """
+
+    def __init__(self, tensor: torch.Tensor, slots: tuple, tracer: _Tracer):
+        self.tensor, self.slots, self.tracer = tensor, slots, tracer
+
+    @property
+    def indexed(self) -> int:
+        return sum(node is not None for node in self.slots)
 
     @property
     def ndim(self) -> int:

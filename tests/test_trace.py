@@ -293,11 +293,30 @@ def test_captured_tensor_indexing_evaluates_like_direct_call(name):
     lambda s, b, h, q, kv: s + BIAS3[h][q][kv],
     lambda s, b, h, q, kv: s + BIAS3[h, q][kv],
     lambda s, b, h, q, kv: s + BIAS3[h][q, kv],
-], ids=["one_at_a_time", "two_then_one", "one_then_two"])
+    lambda s, b, h, q, kv: s + BIAS3[:, q][h, kv],
+    lambda s, b, h, q, kv: s + BIAS3[..., kv][h, q],
+    lambda s, b, h, q, kv: s + BIAS3[h, ..., kv][q],
+    lambda s, b, h, q, kv: s + BIAS3[:, :, kv][h][q],
+], ids=["one_at_a_time", "two_then_one", "one_then_two", "full_slice_first", "leading_ellipsis",
+        "middle_ellipsis", "two_full_slices"])
 def test_chained_indexing_equals_multi_dim_indexing(chained):
     # Chained indexing is a per-element (vmap) idiom: on broadcast index tensors it would index the
     # wrong dimension, so the reference is the equivalent multi-dimensional lookup.
     check_mod(chained, reference=lambda s, b, h, q, kv: s + BIAS3[h, q, kv])
+
+
+ALLOWED = torch.rand(2, 37, 53, generator=torch.Generator().manual_seed(6)) < 0.5
+
+
+@pytest.mark.parametrize("mod", [
+    lambda b, h, q, kv: ALLOWED[h][q][kv],
+    lambda b, h, q, kv: ALLOWED[:, q][h, kv],
+    lambda b, h, q, kv: ALLOWED[..., kv][h, q],
+    lambda b, h, q, kv: ALLOWED[h, :][:, kv][q],
+], ids=["chained", "full_slice_first", "leading_ellipsis", "slices_in_two_steps"])
+def test_per_element_indexing_matches_torch_create_mask(mod):
+    # torch runs mods per element (vmap), where these forms are ordinary scalar lookups
+    assert torch.equal(flexc.evaluate_grid(mod, 1, 2, 37, 53), create_mask(mod, 1, 2, 37, 53, device="cpu"))
 
 
 def test_nested_lookup_prints_both_buffers():
