@@ -250,3 +250,32 @@ def test_tiles_that_do_not_divide_the_block_mask_blocks_are_rejected():
     out, lse = triton_attention(q, k, v, block_mask=block_mask)
     ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=MASKS["causal"])
     assert_matches(out, lse, ref_out, ref_lse, atol=2e-5)
+
+
+@pytest.mark.parametrize("L_q", [1, 5])
+def test_few_query_rows_as_in_decoding(L_q):
+    def causal_at_end(b, h, q_idx, kv_idx):
+        return q_idx + (200 - L_q) >= kv_idx
+
+    q, k, v = qkv(L=L_q, S=200)
+    block_mask = flexc.create_block_mask(causal_at_end, None, None, L_q, 200, device="cpu", BLOCK_SIZE=(16, 64))
+    out, lse = triton_attention(q, k, v, block_mask=block_mask)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=causal_at_end)
+    assert_matches(out, lse, ref_out, ref_lse, atol=2e-5)
+
+
+def test_training_through_the_triton_forward_gives_reference_gradients():
+    bias = torch.randn(H, L + S, dtype=torch.float64).float().requires_grad_()
+
+    def learned_relative(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + S]
+
+    q, k, v = (t.requires_grad_() for t in qkv(L=64, S=48))
+    block_mask = flexc.create_block_mask(MASKS["causal"], None, None, 64, 48, device="cpu", BLOCK_SIZE=32)
+    out, _ = triton_attention(q, k, v, score_mod=learned_relative, block_mask=block_mask)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, bias))
+    ref_out, _, _ = dense_attention(q, k, v, score_mod=learned_relative, mask_mod=MASKS["causal"])
+    ref_grads = torch.autograd.grad(ref_out.square().sum(), (q, k, v, bias))
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4)
