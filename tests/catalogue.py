@@ -142,8 +142,11 @@ def mask_catalogue(B: int, H: int, Q_LEN: int, KV_LEN: int, device="cpu") -> dic
 
     document_id, offsets = random_documents(N, g)
     document_id, offsets = dev(document_id), dev(offsets)
+    # packed cross-attention: query documents of random lengths; key documents spread evenly over
+    # the same ids, so queries of document d see the keys of document d
     q_document, _ = random_documents(Q_LEN, g, max_len=max(2, Q_LEN // 2))
-    kv_document = dev(torch.clamp(q_document.max() * torch.arange(KV_LEN) // max(1, KV_LEN - 1), max=q_document.max()))
+    last_doc = int(q_document.max())
+    kv_document = dev(last_doc * torch.arange(KV_LEN) // max(1, KV_LEN - 1))
     q_document = dev(q_document)
     is_global = torch.rand(N, generator=g) < 0.05
     is_global[0] = True
@@ -376,7 +379,7 @@ def score_catalogue(B: int, H: int, Q_LEN: int, KV_LEN: int, device="cpu") -> di
     def rsqrt_scaled_by_position(score, b, h, q_idx, kv_idx):
         return score * torch.rsqrt(q_idx + 1.0)
 
-    def scale_by_half_partial(score, b, h, q_idx, kv_idx, factor=0.5):
+    def scaled_score(score, b, h, q_idx, kv_idx, factor=0.5):
         return score * factor
 
     return {
@@ -401,5 +404,5 @@ def score_catalogue(B: int, H: int, Q_LEN: int, KV_LEN: int, device="cpu") -> di
         "kv_position_bias": kv_position_bias,
         "alibi_causal": alibi_causal,
         "rsqrt_scaled_by_position": rsqrt_scaled_by_position,
-        "scale_by_partial_factor": functools.partial(scale_by_half_partial, factor=0.25),
+        "scale_by_partial_factor": functools.partial(scaled_score, factor=0.25),
     }
