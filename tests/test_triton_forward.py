@@ -279,3 +279,27 @@ def test_training_through_the_triton_forward_gives_reference_gradients():
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("score_mod", [
+    lambda score, b, h, q_idx, kv_idx: torch.full_like(score, 1.5),   # a constant: uniform attention
+    lambda score, b, h, q_idx, kv_idx: h * 0.5 + b,                   # varies only per program
+    lambda score, b, h, q_idx, kv_idx: q_idx * 0.01,                  # varies only along queries
+    lambda score, b, h, q_idx, kv_idx: -(kv_idx % 7).float(),         # varies only along keys
+], ids=["constant", "per_head", "per_query", "per_key"])
+def test_score_mods_that_do_not_fill_a_tile_are_broadcast(score_mod):
+    q, k, v = qkv(L=70, S=90)
+    out, lse = triton_attention(q, k, v, score_mod=score_mod)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod)
+    assert_matches(out, lse, ref_out, ref_lse, atol=2e-5)
+
+
+def test_mask_that_allows_nothing_in_partial_blocks():
+    q, k, v = qkv(L=64, S=64)
+    block_mask = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    block_mask.mask_mod = lambda b, h, q_idx, kv_idx: (q_idx < 0) & (kv_idx < 0)  # partial blocks: nothing
+    out, lse = triton_attention(q, k, v, block_mask=block_mask)
+    # only the full blocks (strictly below the diagonal blocks) remain
+    below = lambda b, h, q_idx, kv_idx: q_idx // 32 > kv_idx // 32
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=below)
+    assert_matches(out, lse, ref_out, ref_lse, atol=2e-5)

@@ -152,10 +152,9 @@ def _safe_name(name: str, slot: int) -> str:
 class _Printer:
     def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str]):
         self.traced = traced
-        self.prefix = buffer_prefix  # slot -> parameter stem, e.g. "alibi_slopes"
+        self.prefix = buffer_prefix  # slot -> parameter stem, e.g. "slopes" for slopes_ptr
         self.params: dict[tuple, BufferParam] = {}
         self.helpers: set[str] = set()
-        self.lines: list[str] = []
         self.text: dict[int, tuple[str, int]] = {}  # id(node) -> (source, precedence)
         self.literal: dict[int, object] = {}
         self.dtype: dict[int, str | None] = {}
@@ -167,7 +166,12 @@ class _Printer:
             if n.op == "const":
                 self.literal[id(n)] = n.attr
             elif n.op not in ("input", "buffer", "load") and n.args and all(id(a) in self.literal for a in n.args):
-                value = evaluate(n).item()
+                try:
+                    value = evaluate(n).item()
+                except (RuntimeError, ValueError, ZeroDivisionError) as e:
+                    raise ValueError(f"flexc codegen: the constant part `{n}` of {self.traced.kind} "
+                                     f"{self.traced.name} cannot be computed ({e}). Fix: correct that "
+                                     f"expression (e.g. an integer division by zero).") from None
                 self.literal[id(n)] = bool(value) if n.kind == ir.BOOL else int(value) if n.kind == ir.INT else float(value)
 
     def infer_dtypes(self, nodes: list[ir.Node]) -> None:
@@ -183,10 +187,9 @@ class _Printer:
                     d = n.attr
                 elif n.op in _MATH or n.op in ("sigmoid", "tanh", "truediv", "pow"):
                     d = "float64" if any(self.dtype.get(id(a)) == "float64" for a in n.args) else "float32"
-                else:
-                    seen = {self.dtype.get(id(a)) for a in n.args[1:] if n.op == "where"} if n.op == "where" else \
-                        {self.dtype.get(id(a)) for a in n.args}
-                    seen.discard(None)
+                else:  # arithmetic, where, min/max: torch's promotion among the float operands
+                    operands = n.args[1:] if n.op == "where" else n.args
+                    seen = {self.dtype.get(id(a)) for a in operands} - {None}
                     if "float64" in seen:
                         d = "float64"
                     elif len(seen) == 1:
