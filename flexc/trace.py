@@ -87,6 +87,13 @@ def mod_kind(fn: Callable) -> str:
         p for p in sig.parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
     ]
+    required_keywords = [p.name for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if len(positional) in (4, 5) and required_keywords:
+        raise TraceError(
+            f"cannot trace {_mod_name(fn)}{_def_site(fn)}: its keyword-only parameters "
+            f"{', '.join(required_keywords)} have no defaults, and flexc passes only the "
+            f"{len(positional)} mod arguments. Fix: give them default values or bind them with functools.partial."
+        )
     if len(positional) == 5:
         return SCORE_MOD
     if len(positional) == 4:

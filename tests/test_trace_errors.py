@@ -329,6 +329,15 @@ def test_wrong_arity_raises_with_definition_line_and_fix():
                                            "functools.partial"])
 
 
+def required_keyword(b, h, q_idx, kv_idx, *, window):  # BAD
+    return q_idx - kv_idx <= window
+
+
+def test_required_keyword_only_parameter_raises_with_fix():
+    _assert_trace_error(required_keyword, ["keyword-only parameters window", "functools.partial"])
+    assert flexc.trace(functools.partial(required_keyword, window=3)).kind == "mask_mod"
+
+
 def test_partial_that_leaves_wrong_arity_names_the_function():
     # binding `h` by keyword makes q_idx and kv_idx keyword-only, so only 2 positional parameters remain
     bound = functools.partial(six_parameters, extra=1, h=2)
