@@ -145,6 +145,11 @@ def bench_ms(fn) -> float:
         return start.elapsed_time(end) / 10
 
 
+def sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def short_error(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".replace("\n", " ")
     return text[:160]
@@ -209,7 +214,7 @@ def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device
         fn = lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
         t0 = time.time()
         fn()
-        torch.cuda.synchronize()
+        sync(device)
         row["flexc_first_s"] = time.time() - t0
         row["flexc"] = tflops(bench_ms(fn))
     except OutOfTime:
@@ -242,8 +247,30 @@ def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device
     except Exception as e:
         row["sdpa"] = short_error(e)
     del q, k, v
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return row
+
+
+def run_table(flexc, torch_flex, compiled_flex, device: str, dims, lengths, deadline: float) -> list:
+    """One row per (D, L, mask): TFLOP/s of each implementation, or why it has none."""
+    rows: list = []
+    for D in dims:
+        for L in lengths:
+            for name in MASK_NAMES:
+                if time.time() > deadline:
+                    rows.append(((D, L, name), {"flexc": "skipped (time)"}))
+                    continue
+                try:
+                    rows.append(((D, L, name), run_cell(flexc, torch_flex, compiled_flex, name, L, D, device,
+                                                        deadline)))
+                except OutOfTime:
+                    raise
+                except Exception as e:  # e.g. out of memory: report it, keep going
+                    rows.append(((D, L, name), {"flexc": short_error(e)}))
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+    return rows
 
 
 def fmt(x) -> str:
@@ -273,6 +300,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="D=64, L=1K and 4K only")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds before no new cell starts (540)")
+    ints = lambda text: tuple(int(x) for x in text.split(","))
+    parser.add_argument("--dims", type=ints, default=(64, 128), help="head dims, comma-separated (64,128)")
+    parser.add_argument("--lengths", type=ints, default=(1024, 2048, 4096, 8192, 16384),
+                        help="sequence lengths, comma-separated (1024,...,16384)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device on this machine; this benchmark needs an NVIDIA GPU. Nothing was run.")
@@ -303,22 +334,9 @@ def main(argv=None) -> int:
     rows: list = []
     try:
         ok = check_correctness(flexc, torch_flex, compiled_flex, device)
-        dims = (64,) if args.quick else (64, 128)
-        lengths = (1024, 4096) if args.quick else (1024, 2048, 4096, 8192, 16384)
-        for D in dims:
-            for L in lengths:
-                for name in MASK_NAMES:
-                    if time.time() > deadline:
-                        rows.append(((D, L, name), {"flexc": "skipped (time)"}))
-                        continue
-                    try:
-                        rows.append(((D, L, name), run_cell(flexc, torch_flex, compiled_flex, name, L, D, device,
-                                                            deadline)))
-                    except OutOfTime:
-                        raise
-                    except Exception as e:  # e.g. out of memory: report it, keep going
-                        rows.append(((D, L, name), {"flexc": short_error(e)}))
-                        torch.cuda.empty_cache()
+        dims = (64,) if args.quick else args.dims
+        lengths = (1024, 4096) if args.quick else args.lengths
+        rows = run_table(flexc, torch_flex, compiled_flex, device, dims, lengths, deadline)
     except OutOfTime:
         print("\n(time budget exhausted: the table below is partial)")
     except Exception:

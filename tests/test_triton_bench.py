@@ -66,3 +66,21 @@ def test_correctness_section_passes_through_the_interpreter(capsys):
     out = capsys.readouterr().out
     assert ok, out
     assert out.count("PASS") == 7
+
+
+def test_table_rows_and_printing_on_cpu(monkeypatch, capsys):
+    import time
+
+    monkeypatch.setattr(bench, "bench_ms", lambda fn: (fn(), 2.0)[1])
+    monkeypatch.setattr(bench, "TOKENS", 64)
+    monkeypatch.setattr(bench, "HEADS", 2)
+    rows = bench.run_table(flexc, torch_flex, torch_flex.flex_attention, "cpu", (16,), (64,), time.time() + 600)
+    assert [key for key, _ in rows] == [(16, 64, name) for name in bench.MASK_NAMES]
+    for (_, L, name), row in rows:
+        assert all(isinstance(row[col], float) for col in ("flexc", "torch", "sdpa")), row
+        mods = bench.make_mods(L, 2, "cpu")
+        expected = 4 * 1 * 2 * 16 * bench.allowed_pairs(name, L, mods["_lengths"]) / 2e-3 / 1e12
+        assert row["flexc"] == pytest.approx(expected)
+    bench.print_table(rows)
+    out = capsys.readouterr().out
+    assert "forward TFLOP/s" in out and out.count("  1.00") >= 4  # flexc/flex ratio with equal stub timings
