@@ -207,6 +207,14 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
 
 # ---- the kernel cache ---------------------------------------------------------------------
 
+def _file_holds(path: str, text: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == text
+    except OSError:
+        return False
+
+
 def import_source(source: str, target: str) -> tuple[Any, str]:
     """Write ``source`` to the cache directory and import it as a module; return it and its path.
 
@@ -217,7 +225,7 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     name = f"flexc_kernel_{digest}"
     path = os.path.join(cache_dir(), name + ".py")
-    if not os.path.exists(path) or open(path).read() != source:
+    if not _file_holds(path, source):
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as f:
             f.write(source)
