@@ -122,6 +122,7 @@ def make(op: str, args: tuple = (), attr: Any = None, kind: str | None = None) -
 
 
 def infer_kind(op: str, args: tuple, attr: Any) -> str:
+    """The result kind of ``op`` on ``args``, following torch's promotion (bool < int < float)."""
     kinds = [a.kind for a in args]
     if op in COMPARE_OPS:
         return BOOL
@@ -146,10 +147,12 @@ def infer_kind(op: str, args: tuple, attr: Any) -> str:
 # ---- constructors -------------------------------------------------------------------------
 
 def input_(name: str) -> Node:
+    """One of the mod's arguments: ``score``, ``b``, ``h``, ``q_idx`` or ``kv_idx``."""
     return make("input", (), name, INPUT_KINDS[name])
 
 
 def const(value: bool | int | float) -> Node:
+    """A Python constant; ``1``, ``1.0`` and ``True`` are three different constants."""
     kind = BOOL if isinstance(value, bool) else INT if isinstance(value, int) else FLOAT
     return make("const", (), value, kind)
 
@@ -160,22 +163,27 @@ def buffer(slot: int, dtype: str, ndim: int, kind: str) -> Node:
 
 
 def load(buf: Node, indices: tuple[Node, ...]) -> Node:
+    """``buf[indices]``: one index node per dimension of the captured tensor (none for 0-d)."""
     return make("load", (buf, *indices), None, buf.kind)
 
 
 def cast(x: Node, dtype: str, kind: str) -> Node:
+    """``x.to(dtype)``; ``dtype`` is a torch dtype name such as ``"float32"``."""
     return make("cast", (x,), dtype, kind)
 
 
 def unary(op: str, x: Node) -> Node:
+    """An op from :data:`UNARY_OPS` applied to ``x``."""
     return make(op, (x,))
 
 
 def binary(op: str, x: Node, y: Node) -> Node:
+    """An op from :data:`BINARY_OPS` (``min``/``max`` are elementwise) applied to ``x`` and ``y``."""
     return make(op, (x, y))
 
 
 def where(cond: Node, x: Node, y: Node) -> Node:
+    """``torch.where(cond, x, y)``; ``cond`` must be a bool node."""
     return make("where", (cond, x, y))
 
 
