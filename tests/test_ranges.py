@@ -5,6 +5,9 @@ with flexc.evaluate and the min/max taken. Rules documented as exact must match 
 only sound (``%`` across a wrap) must contain it and equal the documented fallback.
 """
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -222,3 +225,14 @@ def test_classify_tiles_rejects_bad_arguments_with_the_fix():
         classify_tiles(traced, 1, 1, 8, 8, 4.0, 4)
     with pytest.raises(ValueError, match="KV_LEN must be >= 1, got 0"):
         classify_tiles(traced, 1, 1, 8, 0, 4, 4)
+
+
+def test_block_mask_of_a_linear_mask_does_not_import_sympy():
+    # importing sympy costs 0.3-1.5 s; linear masks (and flexc.evaluate) must not pay it on first use
+    code = ("import sys, flexc\n"
+            "flexc.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 9),"
+            " None, None, 300, 300, device='cpu', BLOCK_SIZE=32)\n"
+            "print('sympy' in sys.modules)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    assert out.stdout.strip() == "False"
