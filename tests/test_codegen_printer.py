@@ -110,6 +110,9 @@ SCORE_MODS = {
     "pow_literal_base": lambda score, b, h, q_idx, kv_idx: score + 2.0 ** (-(h + 1) * 0.5),
     "pow_negative_base": lambda score, b, h, q_idx, kv_idx: score ** 3.0 + (score - 10.0) ** 2.0,
     "pow_nan_for_fraction": lambda score, b, h, q_idx, kv_idx: score ** 1.5,
+    "pow_large_integer_exponents": lambda score, b, h, q_idx, kv_idx: ((score * 0.3) ** 11 - (score * 0.3) ** 10
+                                                                       + (score.abs() + 1) ** -9 + score ** -3.0),
+    "pow_tensor_exponent": lambda score, b, h, q_idx, kv_idx: (score - 1.0) ** (kv_idx % 4) + score.abs() ** (score * 0.1),
     "math_functions": lambda score, b, h, q_idx, kv_idx: (torch.exp(score * 0.1) + torch.exp2(-score.abs())
                                                           + torch.log(score.abs() + 1) + torch.log2(q_idx + 1.0)),
     "sqrt_rsqrt_trig": lambda score, b, h, q_idx, kv_idx: (torch.sqrt(score.abs()) + torch.rsqrt(kv_idx + 1.0)

@@ -328,27 +328,37 @@ class _Printer:
             return product, (_MUL if k > 1 else self.text[id(base)][1])
         if e == 0.5 and n.kind == ir.FLOAT:
             return f"tl.sqrt({self.as_float(base, 0)})", _ATOM
-        self.helpers.add("float_pow")
         b = self.literal.get(id(base))
+        prec = _ATOM
         if b is not None and b > 0:
             # a positive literal base: b ** x == exp2(x * log2(b))
-            return f"tl.exp2({self.as_float(exponent, _MUL)} * {python_literal(math.log2(b))})", _ATOM
-        if b is not None:
-            base_text = f"({python_literal(float(b))} + 0.0 * {self.as_float(exponent, _MUL)})"
+            text = f"tl.exp2({self.as_float(exponent, _MUL)} * {python_literal(math.log2(b))})"
+        elif e is not None:
+            # a literal exponent: |x| ** e through exp2/log2, the sign decided here by e's parity
+            x = self.as_float(base, 0)
+            text = f"tl.exp2({python_literal(float(e))} * tl.log2(tl.abs({x})))"
+            if not float(e).is_integer():
+                text = f'tl.where({x} < 0, float("nan"), {text})'  # torch: a negative base gives NaN
+            elif int(e) % 2:
+                text, prec = f"tl.where({x} < 0, -1.0, 1.0) * {text}", _MUL
         else:
-            base_text = self.as_float(base, 0)
-        text = f"float_pow({base_text}, {self.as_float(exponent, 0)})"
+            self.helpers.add("float_pow")
+            base_text = f"({python_literal(float(b))} + 0.0 * {self.as_float(exponent, _MUL)})" if b is not None \
+                else self.as_float(base, 0)
+            text = f"float_pow({base_text}, {self.as_float(exponent, 0)})"
         if n.kind != ir.FLOAT:  # integer ** integer stays an integer, as in torch
-            text = f"tl.floor({text} + 0.5).to(tl.int64)"
-        return text, _ATOM
+            text, prec = f"tl.floor({text} + 0.5).to(tl.int64)", _ATOM
+        return text, prec
 
 
 def _pow_repeats(n: ir.Node, literal: dict) -> int:
-    """How many times an integer power repeats its base (so the base gets a temporary)."""
+    """How many times a power with a literal exponent repeats its base (so the base gets a temporary)."""
     e = literal.get(id(n.args[1]))
-    if e is not None and float(e).is_integer() and 2 <= abs(int(e)) <= 8:
-        return abs(int(e))
-    return 1
+    if e is None or e == 0.5:
+        return 1
+    if float(e).is_integer() and abs(int(e)) <= 8:
+        return max(1, abs(int(e)))  # x * x * ... (or 1.0 / (x * x ...))
+    return 1 if float(e).is_integer() and int(e) % 2 == 0 else 2  # the sign test reads x again
 
 
 def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None) -> RenderedMod:
