@@ -277,7 +277,8 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: 
         "        offs_n = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)",
         "        kv_in_range = offs_n < KV_LEN",
         f"        k = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen_k}",
-        f"        qk = {_dot('q', 'k', spec)} * scale",
+        *([f"        qk = {_dot('q', 'k', spec)} * scale"] if score is not None else
+          [f"        qk = {_dot('q', 'k', spec)} * (scale * {RCP_LN2})  # scaled and in base 2 at once: no score_mod"]),
         "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
         *_score_lines(spec, score, "        "),
     ]
@@ -286,7 +287,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: 
         body += ["        if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
     body += [
         "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
-        f"        qk = qk * {RCP_LN2}  # to base 2",
+        *([f"        qk = qk * {RCP_LN2}  # to base 2"] if score is not None else []),
         f"        m_new = tl.maximum(m_i, {_row_max(spec, 'qk')})",
         "        # a row with nothing allowed yet keeps m == -inf; use 0 there so exp2 never sees -inf - -inf",
         "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
