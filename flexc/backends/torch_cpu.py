@@ -20,6 +20,7 @@ import torch
 
 from ..evaluate import evaluate
 from ..trace import TracedMod
+from . import workers
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
@@ -70,11 +71,26 @@ def _groups(B: int, Bkv: int, Hq: int, Hkv: int, Bm: int, Hm: int) -> list[_Grou
     return out
 
 
+def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, score_mod, mask_mod):
+    """Every (group, mods, row) to compute, their estimated costs, and how many workers to use."""
+    B, Hq, L, _ = query.shape
+    Bkv, _, S, Ev = value.shape
+    tasks, costs = [], []
+    for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev):
+        mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
+        heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
+        for row in rows:
+            tasks.append((g, mods, row))
+            costs.append(float(heads * (row.q1 - row.q0) * sum(c.n_cols for c in row.chunks)))
+    return tasks, costs, workers.worker_count(len(tasks), sum(costs))
+
+
 def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
     tables = read_tables(block_mask, L, S)
     plans = []
     cache: dict[tuple, list[Row]] = {}
     budget = min(CHUNK_ELEMENTS, max(CHUNK_ELEMENTS // 4, B * Hq * L * Ev // 4))
+    budget //= max(1, torch.get_num_threads())  # each worker thread holds its own chunk
     for g in _groups(B, Bkv, Hq, Hkv, tables.batch, tables.heads):
         n_heads = len(range(Hq)[g.qh]) * len(range(B)[g.b])
         rows = min(MAX_ROWS, max(tables.block_size[0], 1))
@@ -178,11 +194,13 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     out = torch.zeros(B, Hq, L, Ev, dtype=query.dtype, device=query.device)
     lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
-    with torch.no_grad():
-        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, value.shape[-1]):
-            mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
-            for row in rows:
-                _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
+    tasks, costs, n_workers = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+
+    def one_row(task, worker):
+        g, mods, row = task
+        _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
+
+    workers.run(tasks, costs, one_row, n_workers)  # rows write disjoint slices of out/lse
     return out, lse, row_max
 
 
@@ -267,12 +285,23 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     if grad_lse is not None:
         delta = delta - grad_lse.to(work).unsqueeze(-1)
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
-    with torch.no_grad():
-        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, value.shape[-1]):
-            mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
-            for row in rows:
-                _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves,
-                              buf_grads, g, row, mods, scale, work, Bkv == 1 and B > 1)
+    tasks, costs, n_workers = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+    # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
+    sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
+                                    for _ in range(n_workers - 1)]
+
+    def one_row(task, worker):
+        g, mods, row = task
+        dk_w, dv_w, buf_w = sums[worker]
+        _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
+                      buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1)
+
+    workers.run(tasks, costs, one_row, n_workers)
+    for dk_w, dv_w, buf_w in sums[1:]:
+        dk += dk_w
+        dv += dv_w
+        for total, part in zip(buf_grads, buf_w):
+            total += part
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), buf_grads
 
 

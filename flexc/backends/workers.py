@@ -1,0 +1,66 @@
+"""Run independent query-row tasks on worker threads that each use one torch thread.
+
+The CPU backend issues many mid-sized torch ops per chunk. Letting each op split itself over all
+cores (torch's intra-op threads) puts a barrier after every op, which costs little on an idle
+machine but stalls badly when other processes compete for the cores. Giving each worker thread
+whole rows instead, with ``torch.set_num_threads(1)`` (thread-local under OpenMP/MKL), keeps the
+cores busy without barriers; torch ops release the GIL, so the workers run in parallel.
+
+Rows are assigned statically, longest first to the least-loaded worker, so the assignment (and
+with it the order of any floating-point accumulation) is the same on every run.
+"""
+from __future__ import annotations
+
+import heapq
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    pool = _pools.get(n)
+    if pool is None:
+        pool = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix="flexc-row",
+                                              initializer=torch.set_num_threads, initargs=(1,))
+    return pool
+
+
+def worker_count(n_tasks: int, total_cost: float, min_cost_per_worker: float = 2e6) -> int:
+    """How many workers to use: torch's thread count, fewer for small jobs (threads cost ~50 us)."""
+    n = min(torch.get_num_threads(), n_tasks, max(1, int(total_cost // min_cost_per_worker)))
+    return max(1, n)
+
+
+def partition(costs: Sequence[float], n: int) -> list[list[int]]:
+    """Task indices per worker: longest task first onto the least-loaded worker (deterministic)."""
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    heap = [(0.0, w) for w in range(n)]
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for i in order:
+        load, w = heapq.heappop(heap)
+        parts[w].append(i)
+        heapq.heappush(heap, (load + costs[i], w))
+    for part in parts:
+        part.sort()  # each worker walks its rows in order
+    return parts
+
+
+def run(tasks: Sequence, costs: Sequence[float], fn: Callable[[object, int], None], n_workers: int) -> None:
+    """Call ``fn(task, worker_index)`` for every task, without autograd, on ``n_workers`` threads."""
+    if n_workers <= 1:
+        with torch.no_grad():
+            for task in tasks:
+                fn(task, 0)
+        return
+
+    def work(indices: list[int], worker: int) -> None:
+        with torch.no_grad():  # grad mode is thread-local: set it in the worker
+            for i in indices:
+                fn(tasks[i], worker)
+
+    futures = [_pool(n_workers).submit(work, part, w) for w, part in enumerate(partition(costs, n_workers))]
+    for future in futures:
+        future.result()  # re-raises a worker's exception here
