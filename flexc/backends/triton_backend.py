@@ -353,8 +353,8 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse
-    if B * Hq > 65535 and spec.target == "cuda":
-        raise ValueError(f"flexc: batch x heads = {B * Hq} exceeds the 65535 programs per grid axis. "
+    if max(B, Hq) > 65535 and spec.target == "cuda":
+        raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid limit). "
                          f"Fix: split the batch into chunks.")
     spec = resolve_fallback(spec)
     tables = _tables(block_mask, spec, S, device)
@@ -365,7 +365,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
                          f"{_cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
     stride_kb = key.stride(0) if Bkv == B else 0
     stride_vb = value.stride(0) if Bkv == B else 0
-    shapes = [float(scale), L, S, Hq, Hq // Hkv,
+    shapes = [float(scale), L, S, Hq // Hkv,
               *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *out.stride()]
     if lse is not None:
         shapes += [lse.stride(0), lse.stride(1)]
@@ -379,7 +379,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
                          KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
                          HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
                          V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
-        grid = (_cdiv(L, spec.block_m), B * Hq)
+        grid = (_cdiv(L, spec.block_m), Hq, B)
         if spec.target == "interpreter":
             with _interpreter_lock:
                 kernel.fn[grid](*args, **constants)

@@ -1,6 +1,6 @@
 """Generate the forward attention kernel for one pair of traced mods.
 
-The kernel follows torch's FlexAttention template: one program per (query tile, batch x head)
+The kernel follows torch's FlexAttention template: one program per (query tile, head, batch)
 walks the BlockMask's *partial* key blocks (score_mod and mask_mod) and then its *full* key blocks
 (score_mod only) through the index tables, so empty blocks are never visited; scores go through an
 online softmax in fp32 with ``exp2``. Everything the generator knows (block sizes, head dims,
@@ -151,7 +151,7 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
         f"#   tiles: BLOCK_M={spec.block_m}, BLOCK_N={spec.block_n}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; logsumexp output: {'yes' if spec.output_lse else 'no'}; "
         f"target: {spec.target}",
-        "# One program per (query tile, batch x head). It visits the BlockMask's partial key blocks",
+        "# One program per (query tile, head, batch). It visits the BlockMask's partial key blocks",
         "# (score_mod, then mask_mod) and then its full key blocks (score_mod only); empty blocks are",
         "# never visited. Softmax is online, in fp32, in base 2 (exp2).",
     ]
@@ -313,7 +313,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     if buffers:
         params.append(", ".join(buffers) + ",")
     params += [
-        "scale, Q_LEN, KV_LEN, NUM_HEADS, GQA_GROUP,",
+        "scale, Q_LEN, KV_LEN, GQA_GROUP,",
         "stride_qb, stride_qh, stride_qm, stride_qd,",
         "stride_kb, stride_kh, stride_kn, stride_kd,",
         "stride_vb, stride_vh, stride_vn, stride_vd,",
@@ -354,9 +354,8 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         *("    " + p for p in params),
         "):",
         "    q_tile = tl.program_id(0)",
-        "    batch_head = tl.program_id(1)",
-        "    b = batch_head // NUM_HEADS  # the batch index the mods see",
-        "    h = batch_head % NUM_HEADS  # the query head the mods see",
+        "    h = tl.program_id(1)  # the query head the mods see",
+        "    b = tl.program_id(2)  # the batch index the mods see",
         "    h_kv = h // GQA_GROUP  # grouped-query attention: GQA_GROUP query heads share a key head",
         "    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
