@@ -211,7 +211,8 @@ def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device
 
     try:
         bm = flexc.create_block_mask(mask_mod, None, None, L, L, device=device) if mask_mod else None
-        fn = lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+        fn = lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                          kernel_options={"BACKEND": "TRITON"})
         t0 = time.time()
         fn()
         sync(device)
@@ -317,10 +318,15 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(int(args.budget + 50))  # hard stop: still leaves time to print the table
 
-    import triton
+    try:
+        import triton
 
-    import flexc
-    from torch.nn.attention import flex_attention as torch_flex
+        import flexc
+        from torch.nn.attention import flex_attention as torch_flex
+    except Exception:  # report a broken environment plainly rather than half a table
+        traceback.print_exc()
+        print("bench/gpu.py: could not import triton, flexc or torch's flex_attention (above); nothing was run.")
+        return 1
 
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
