@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only L = 4K and 16K, no flexc-only lengths")
     parser.add_argument("--limit", type=float, default=1800, help="seconds after which no new case starts")
     parser.add_argument("--masks", nargs="*", default=list(MASKS))
+    parser.add_argument("--lengths", nargs="*", type=int, help="only these lengths (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (15-20 s per mask and L)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads in every case (0: torch's default). On a shared machine use 1: "
@@ -145,6 +146,8 @@ def main() -> None:
           f"{'peak':>6} {'x':>6} | {'compile 1st':>11} {'steady':>7} {'x 1st':>6} {'x steady':>8}")
     for name in args.masks:
         for length in (*compared, *flexc_only):
+            if args.lengths and length not in args.lengths:
+                continue
             row = {}
             for impl in impls if length in compared else ["flexc"]:
                 if time.monotonic() > deadline:
