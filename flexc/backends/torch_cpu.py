@@ -200,7 +200,7 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         g, mods, row = task
         _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
 
-    workers.run(tasks, costs, one_row, n_workers)  # rows write disjoint slices of out/lse
+    workers.run(tasks, costs, one_row, n_workers, dynamic=True)  # rows write disjoint slices of out/lse
     return out, lse, row_max
 
 

@@ -12,6 +12,7 @@ with it the order of any floating-point accumulation) is the same on every run.
 from __future__ import annotations
 
 import heapq
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -48,19 +49,43 @@ def partition(costs: Sequence[float], n: int) -> list[list[int]]:
     return parts
 
 
-def run(tasks: Sequence, costs: Sequence[float], fn: Callable[[object, int], None], n_workers: int) -> None:
-    """Call ``fn(task, worker_index)`` for every task, without autograd, on ``n_workers`` threads."""
+def run(tasks: Sequence, costs: Sequence[float], fn: Callable[[object, int], None], n_workers: int,
+        dynamic: bool = False) -> None:
+    """Call ``fn(task, worker_index)`` for every task, without autograd, on ``n_workers`` threads.
+
+    ``dynamic=True`` lets idle workers take the next task (longest first), which keeps the cores
+    busy when one of them is shared with another process; use it only when the result does not
+    depend on which worker ran a task (the static partition is deterministic).
+    """
     if n_workers <= 1:
         with torch.no_grad():
             for task in tasks:
                 fn(task, 0)
         return
+    if dynamic:
+        queue = iter(sorted(range(len(tasks)), key=lambda i: (-costs[i], i)))
+        lock = threading.Lock()
 
-    def work(indices: list[int], worker: int) -> None:
+        def take(_):
+            with lock:
+                i = next(queue, None)
+            return [] if i is None else [i]
+    else:
+        parts = partition(costs, n_workers)
+
+        def take(worker):
+            batch, parts[worker] = parts[worker], []  # the whole share, once
+            return batch
+
+    def work(worker: int) -> None:
         with torch.no_grad():  # grad mode is thread-local: set it in the worker
-            for i in indices:
-                fn(tasks[i], worker)
+            while True:
+                batch = take(worker)
+                if not batch:
+                    return
+                for i in batch:
+                    fn(tasks[i], worker)
 
-    futures = [_pool(n_workers).submit(work, part, w) for w, part in enumerate(partition(costs, n_workers))]
+    futures = [_pool(n_workers).submit(work, w) for w in range(n_workers)]
     for future in futures:
         future.result()  # re-raises a worker's exception here
