@@ -204,6 +204,21 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     return out, lse, row_max
 
 
+def _batched_view(t: torch.Tensor, shape: tuple) -> torch.Tensor | None:
+    """``t`` viewed as ``shape`` without copying, or None when its strides do not allow it."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
+def _batched(kv: torch.Tensor, Bg: int, batch: int) -> torch.Tensor:
+    """Key/value rows ``[Bk, Hkv_g, c, D]`` as ``[batch, c, D]`` for bmm, broadcasting Bk == 1 over Bg."""
+    if kv.shape[0] != Bg:
+        kv = kv.expand(Bg, *kv.shape[1:])
+    return kv.reshape(batch, kv.shape[-2], kv.shape[-1])
+
+
 def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: float, work: torch.dtype) -> torch.Tensor:
     """``q * scale`` for rows ``[q0, q1)`` of the group, as ``[Bg, Hkv_g, G*r, E]`` (a fresh tensor)."""
     q = query[g.b, g.qh, q0:q1]
@@ -221,7 +236,16 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
     Bg, Hkvg, Gr, _ = qb.shape
     Hqg, r = Hkvg * g.G, q1 - q0
     k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
-    m = l = acc = None
+    Ev = value.shape[-1]
+    # accumulate P @ V with baddbmm_ into [Bg*Hkv_g, G*r, Ev]: straight into the (zeroed) output
+    # rows when their layout allows, else into a scratch tensor; no temporary per chunk
+    acc = out[g.b, g.qh, q0:q1]
+    acc3 = _batched_view(acc, (Bg * Hkvg, Gr, Ev)) if out.dtype == work else None
+    direct = acc3 is not None
+    if not direct:
+        acc = torch.zeros(Bg, Hqg, r, Ev, dtype=work, device=out.device)
+        acc3 = acc.view(Bg * Hkvg, Gr, Ev)
+    m = l = None
     for chunk in row.chunks:
         kv = chunk_kv_index(chunk, mods.kv_pos)
         kc = chunk_rows(k_g, chunk).to(work)
@@ -242,16 +266,17 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
         s4.sub_(m_safe).exp2_()
         p_sum = s4.sum(-1, keepdim=True)
-        pv = torch.matmul(s, vc).view(Bg, Hqg, r, -1)
         if m is None:
-            l, acc = p_sum, pv
+            l = p_sum
         else:
             alpha = (m - m_safe).exp2_()
             l.mul_(alpha).add_(p_sum)
-            acc.mul_(alpha).add_(pv)
+            acc.mul_(alpha)
+        acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg))
         m = m_new
     acc.div_(torch.where(l == 0, 1.0, l))  # fully masked rows: acc is 0, output 0
-    out[g.b, g.qh, q0:q1] = acc
+    if not direct:
+        out[g.b, g.qh, q0:q1] = acc
     m_safe = m.masked_fill(m == _NEG_INF, 0.0)
     lse[g.b, g.qh, q0:q1] = torch.where(l > 0, (m_safe + torch.log2(l)) * LN2, _NEG_INF).squeeze(-1)
     if row_max is not None:
