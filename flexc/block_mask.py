@@ -242,6 +242,14 @@ class BlockMask:
                                              self.full_kv_indices.shape[-1])
         return dense
 
+    def _tile_classes(self) -> torch.Tensor:
+        """int64 ``[..., nQ, nKV]``: 0 empty, 1 partial (runs the mask_mod), 2 full."""
+        classes = ordered_to_dense(self.kv_num_blocks, self.kv_indices, self.kv_indices.shape[-1]).to(torch.int64)
+        if self.full_kv_num_blocks is not None:
+            full = ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, self.full_kv_indices.shape[-1])
+            classes = classes + 2 * full.to(torch.int64)
+        return classes
+
     def sparsity(self) -> float:
         """Percentage of the mask's elements that lie in skipped tiles.
 
@@ -261,12 +269,15 @@ class BlockMask:
         return 100.0 * (1.0 - computed / total)
 
     def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
-        """An ASCII picture per (batch, head), as torch draws it.
+        """An ASCII picture per (batch, head) that tells full, partial and empty tiles apart.
 
-        Each cell covers a group of tiles: ``██`` every tile computed, ``░░`` some, two spaces none.
-        ``grid_size`` caps the cells per side (-1: one cell per tile); ``limit`` caps the pictures.
+        Each cell covers a group of tiles: ``██`` all full (mask_mod skipped), two spaces all empty
+        (never visited), ``░░`` anything else (some tile runs the mask_mod, or the group is mixed).
+        torch draws computed tiles as ``██`` whether full or partial; flexc shows which pay for the
+        mask_mod. ``grid_size`` caps the cells per side (-1: one cell per tile); ``limit`` caps the
+        pictures.
         """
-        dense = self.to_dense().cpu()
+        dense = self._tile_classes().cpu()
         *batch_dims, rows, cols = dense.shape
         if grid_size == -1 or grid_size == (-1, -1):
             max_rows, max_cols = rows, cols
@@ -382,16 +393,18 @@ def _product(dims: Sequence[int]):
             yield (i, *rest)
 
 
-def _draw(dense: torch.Tensor, row_step: int, col_step: int) -> str:
-    """Rows of 2-character cells; each cell summarises a row_step x col_step group of tiles."""
-    rows, cols = dense.shape
+def _draw(classes: torch.Tensor, row_step: int, col_step: int) -> str:
+    """Rows of 2-character cells; each cell summarises a row_step x col_step group of tile classes
+    (0 empty, 1 partial, 2 full)."""
+    rows, cols = classes.shape
     r, c = cdiv(rows, row_step), cdiv(cols, col_step)
     pad = (0, c * col_step - cols, 0, r * row_step - rows)
-    # Pad with 0 to ask "any computed?" and with 1 to ask "all computed?" over each group.
-    some = torch.nn.functional.pad(dense, pad, value=0).view(r, row_step, c, col_step).amax(dim=(1, 3))
-    every = torch.nn.functional.pad(dense, pad, value=1).view(r, row_step, c, col_step).amin(dim=(1, 3))
-    chars = [["█" if a else ("░" if s else " ") for s, a in zip(srow, arow)]
-             for srow, arow in zip(some.tolist(), every.tolist())]
+    # Pad with 0 (empty) to ask "anything computed?" and with 2 (full) to ask "all full?".
+    grouped = lambda value: torch.nn.functional.pad(classes, pad, value=value).view(r, row_step, c, col_step)
+    some = grouped(0).amax(dim=(1, 3))
+    all_full = grouped(2).amin(dim=(1, 3)) == 2
+    chars = [["█" if full else ("░" if s else " ") for s, full in zip(srow, frow)]
+             for srow, frow in zip(some.tolist(), all_full.tolist())]
     return "".join("".join(ch * 2 for ch in line) + "\n" for line in chars)
 
 
