@@ -113,6 +113,24 @@ def _is_true(mod: TracedMod | None) -> bool:
     return mod is None or (mod.root.op == "const" and mod.root.attr is True)
 
 
+def _score_bias(mod: TracedMod | None):
+    """``(X, sign)`` when the score_mod is ``score + X`` (sign 1) or ``score - X`` (sign -1) with ``X``
+    not reading ``score`` (ALiBi, relative and learned biases), else ``(None, 0)``.
+
+    Such a mod is applied as one in-place ``add_`` of ``X`` onto the scores.
+    """
+    if mod is None or mod.root.op not in ("add", "sub"):
+        return None, 0
+    reads_score = lambda node: any(n.op == "input" and n.attr == "score" for n in node.walk())
+    left, right = mod.root.args
+    is_score = lambda node: node.op == "input" and node.attr == "score"
+    if is_score(left) and not reads_score(right):
+        return right, (1 if mod.root.op == "add" else -1)
+    if mod.root.op == "add" and is_score(right) and not reads_score(left):
+        return left, 1
+    return None, 0
+
+
 class _Mods:
     """Evaluates the traced mods for one group on index tensors of exactly the visited positions."""
 
@@ -121,6 +139,9 @@ class _Mods:
         self.score_mod = score_mod
         self.mask_mod = None if _is_true(mask_mod) else mask_mod
         self.score_reads = _inputs_read(score_mod) if score_mod is not None else frozenset()
+        self.bias_node, self.bias_sign = _score_bias(score_mod)
+        self.bias_reads = (frozenset(n.attr for n in self.bias_node.walk() if n.op == "input")
+                           if self.bias_node is not None else frozenset())
         self.mask_reads = _inputs_read(self.mask_mod) if self.mask_mod is not None else frozenset()
         self.b = torch.arange(B, device=device)[g.b].view(-1, 1, 1, 1)
         self.h = torch.arange(Hq, device=device)[g.qh].view(1, -1, 1, 1)
@@ -137,6 +158,10 @@ class _Mods:
         if "score" in self.score_reads:
             args["score"] = s4
         return evaluate(self.score_mod, buffers=buffers, **args)
+
+    def bias(self, q0: int, q1: int, kv: torch.Tensor) -> torch.Tensor:
+        """``X`` of a ``score +/- X`` score_mod at these positions (broadcastable to the scores)."""
+        return evaluate(self.bias_node, buffers=self.score_mod.buffers, **self._index(self.bias_reads, q0, q1, kv))
 
     def blocked(self, chunk: Chunk, q0: int, q1: int, kv: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
         """``(offset, length, not_allowed)`` for the chunk's partial columns; empty when none need masking."""
@@ -230,9 +255,11 @@ def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: 
 def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work):
     """One query row range: scores in log2 units (``s * log2(e)``), online softmax over its chunks."""
     q0, q1 = row.q0, row.q1
-    # without a score_mod, fold log2(e) into the query so the matmul yields base-2 scores directly
-    has_mod = mods.score_mod is not None
-    qb = _scaled_query_rows(query, g, q0, q1, scale if has_mod else scale * LOG2E, work)
+    # unless a general score_mod needs natural-log scores, fold log2(e) into the query so the
+    # matmul yields base-2 scores directly
+    bias_mod = mods.bias_node is not None
+    general_mod = mods.score_mod is not None and not bias_mod
+    qb = _scaled_query_rows(query, g, q0, q1, scale if general_mod else scale * LOG2E, work)
     Bg, Hkvg, Gr, _ = qb.shape
     Hqg, r = Hkvg * g.G, q1 - q0
     k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
@@ -252,11 +279,14 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         vc = chunk_rows(v_g, chunk).to(work)
         s = torch.matmul(qb, kc.transpose(-1, -2))  # [Bg, Hkv_g, G*r, c]
         s4 = s.view(Bg, Hqg, r, chunk.n_cols)
-        if has_mod:
+        if general_mod:
             modded = mods.score(s4, q0, q1, kv)
             if modded is not s4:
                 s4.copy_(modded)  # broadcasts and casts into the buffer we own
             s4.mul_(LOG2E)
+            _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
+        elif bias_mod:
+            s4.add_(mods.bias(q0, q1, kv), alpha=mods.bias_sign * LOG2E)
             _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
         else:
             _add_minus_inf(s4, mods.blocked(chunk, q0, q1, kv))
