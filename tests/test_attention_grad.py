@@ -227,3 +227,22 @@ def test_row_workers_give_the_reference_result_deterministically(monkeypatch):
     ref = dense_attention(q, k, v, score_mod=score_mod, mask_mod=MASKS["document_causal"])[0]
     torch.testing.assert_close(first[0], ref, atol=1e-12, rtol=0)
     _assert_grads_close(first[1:], torch.autograd.grad(ref.square().sum(), (q, k, v, bias)))
+
+
+def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypatch):
+    import threading
+
+    import flexc.backends.workers as workers
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(workers, "_pools", {})  # make the call start a fresh pool
+    monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, *a: min(2, n_tasks))
+    q, k, v = _inputs(seed=13)
+    bm = flexc.create_block_mask(MASKS["causal"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True).sum().backward()
+    assert len(workers._pools) == 1
+    seen = []
+    fresh = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    fresh.start()
+    fresh.join()
+    assert torch.get_num_threads() == before and seen == [before]

@@ -19,13 +19,25 @@ from typing import Callable, Sequence
 import torch
 
 _pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
-    pool = _pools.get(n)
-    if pool is None:
-        pool = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix="flexc-row",
-                                              initializer=torch.set_num_threads, initargs=(1,))
+    """A pool of ``n`` started threads whose torch ops each run on one thread."""
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            saved = torch.get_num_threads()
+            pool = ThreadPoolExecutor(n, thread_name_prefix="flexc-row",
+                                      initializer=torch.set_num_threads, initargs=(1,))
+            # Start all n workers now (each runs the initializer first), then undo the
+            # initializer's process-wide side effect: torch.set_num_threads also sets the default
+            # that threads initialising later pick up (the main thread included, if it has not
+            # run a parallel op yet). The workers keep their own thread-local setting.
+            barrier = threading.Barrier(n)
+            list(pool.map(lambda _: barrier.wait(), range(n)))
+            torch.set_num_threads(saved)
+            _pools[n] = pool
     return pool
 
 
