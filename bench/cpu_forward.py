@@ -12,7 +12,8 @@ causal+ALiBi: the median time of several calls and the peak extra memory of one 
 
 and the ratios flexc/compiled and flexc memory/SDPA memory. Block masks are built once per row
 outside the timed calls. Peak memory is the largest growth of the process's resident set during
-one call, sampled every 0.2 ms, with glibc told to return large frees to the OS so growth is real.
+one call, sampled every 0.2 ms, measured in a child process in which glibc returns large frees to
+the OS (so growth is real; that setting slows allocation, so timings are taken without it).
 
     python bench/cpu_forward.py            # full table (a few minutes: torch.compile is slow)
     python bench/cpu_forward.py --quick    # L=1024 only, fewer repetitions, no torch.compile
@@ -23,6 +24,7 @@ import argparse
 import ctypes
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -116,10 +118,63 @@ def fmt_mem(m: int | None) -> str:
     return "      -" if m is None else f"{m / 2**20:6.0f}M"
 
 
-def run(lengths, reps: int, with_compile: bool, with_eager_long: bool) -> None:
-    _return_large_frees_to_os()
+def calls(L: int, name: str, with_compile: bool, with_eager_long: bool):
+    """impl -> zero-argument call for one row; block masks are built here, outside any timing."""
+    mask_mod, score_mod, sdpa_kwargs = variants(L)[name]
     torch.manual_seed(0)
-    compiled = torch.compile(torch_flex.flex_attention, dynamic=False) if with_compile else None
+    q, k, v = (torch.randn(1, H, L, D) for _ in range(3))
+    bm = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu")
+    tbm = torch_flex.create_block_mask(mask_mod, None, None, L, L, device="cpu")
+    kwargs = sdpa_kwargs()
+    out = {"flexc": lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)}
+    if L <= 1024 or with_eager_long:
+        out["eager"] = lambda: torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm)
+    if with_compile:
+        compiled = _compiled()
+        out["compiled"] = lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm)
+    out["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return out
+
+
+_COMPILED = []
+
+
+def _compiled():
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(torch_flex.flex_attention, dynamic=False))
+    return _COMPILED[0]
+
+
+def memory_child(lengths, with_compile: bool, with_eager_long: bool) -> None:
+    """Print ``L name impl bytes`` for every cell: peak extra memory of one warmed-up call.
+
+    Runs in its own process because making glibc return large frees to the OS (so the resident
+    set shows real growth) slows every allocation down, which must not touch the timings.
+    """
+    _return_large_frees_to_os()
+    for L in lengths:
+        for name in variants(L):
+            for impl, call in calls(L, name, with_compile, with_eager_long).items():
+                call()
+                print(L, name, impl, peak_memory(call), flush=True)
+
+
+def measure_memory(lengths, with_compile: bool, with_eager_long: bool) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", "--lengths", *map(str, lengths)]
+    if not with_compile:
+        cmd.append("--no-compile")
+    if not with_eager_long:
+        cmd.append("--no-eager-long")
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    memory = {}
+    for line in result.stdout.splitlines():
+        L, name, impl, peak = line.split()
+        memory[(int(L), name, impl)] = int(peak)
+    return memory
+
+
+def run(lengths, reps: int, with_compile: bool, with_eager_long: bool) -> None:
+    memory = measure_memory(lengths, with_compile, with_eager_long)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; H={H} D={D} fp32, B=1; "
           f"times in seconds (median of {reps}), memory = peak extra resident set of one call")
     header = (f"{'L':>5} {'variant':<13} {'flexc 1st':>9} {'flexc':>7} {'eager':>7} {'compile1st':>10} "
@@ -128,44 +183,21 @@ def run(lengths, reps: int, with_compile: bool, with_eager_long: bool) -> None:
     print(header)
     print("-" * len(header))
     for L in lengths:
-        q, k, v = (torch.randn(1, H, L, D) for _ in range(3))
-        for name, (mask_mod, score_mod, sdpa_kwargs) in variants(L).items():
-            bm = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu")
-            tbm = torch_flex.create_block_mask(mask_mod, None, None, L, L, device="cpu")
-            call_flexc = lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
-            start = time.perf_counter()
-            call_flexc()
-            first = time.perf_counter() - start
-            t_flexc = median_time(call_flexc, reps)
-            m_flexc = peak_memory(call_flexc)
-
-            t_eager = m_eager = None
-            if L <= 1024 or with_eager_long:
-                call_eager = lambda: torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm)
-                call_eager()
-                t_eager = median_time(call_eager, 1 if L > 1024 else reps)
-                m_eager = peak_memory(call_eager)
-
-            t_comp_first = t_comp = m_comp = None
-            if compiled is not None:
-                call_comp = lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm)
+        for name in variants(L):
+            cells = calls(L, name, with_compile, with_eager_long)
+            times, firsts = {}, {}
+            for impl, call in cells.items():
                 start = time.perf_counter()
-                call_comp()
-                t_comp_first = time.perf_counter() - start
-                t_comp = median_time(call_comp, reps)
-                m_comp = peak_memory(call_comp)
-
-            kwargs = sdpa_kwargs()
-            call_sdpa = lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)
-            call_sdpa()
-            t_sdpa = median_time(call_sdpa, reps)
-            m_sdpa = peak_memory(call_sdpa)
-
-            ratio_t = f"{t_flexc / t_comp:14.2f}" if t_comp else f"{'-':>14}"
-            ratio_m = f"{m_flexc / m_sdpa:14.2f}" if m_sdpa else f"{'-':>14}"
-            print(f"{L:>5} {name:<13} {first:9.3f} {fmt_time(t_flexc)} {fmt_time(t_eager)} "
-                  f"{fmt_time(t_comp_first):>10} {fmt_time(t_comp):>8} {fmt_time(t_sdpa)} | "
-                  f"{fmt_mem(m_flexc):>9} {fmt_mem(m_eager)} {fmt_mem(m_comp):>8} {fmt_mem(m_sdpa)} | "
+                call()
+                firsts[impl] = time.perf_counter() - start
+                times[impl] = median_time(call, 1 if (impl == "eager" and L > 1024) else reps)
+            mem = {impl: memory.get((L, name, impl)) for impl in ("flexc", "eager", "compiled", "sdpa")}
+            t_comp = times.get("compiled")
+            ratio_t = f"{times['flexc'] / t_comp:14.2f}" if t_comp else f"{'-':>14}"
+            ratio_m = f"{mem['flexc'] / mem['sdpa']:14.2f}" if mem["sdpa"] else f"{'-':>14}"
+            print(f"{L:>5} {name:<13} {firsts['flexc']:9.3f} {fmt_time(times['flexc'])} {fmt_time(times.get('eager'))} "
+                  f"{fmt_time(firsts.get('compiled')):>10} {fmt_time(t_comp):>8} {fmt_time(times['sdpa'])} | "
+                  f"{fmt_mem(mem['flexc']):>9} {fmt_mem(mem['eager'])} {fmt_mem(mem['compiled']):>8} {fmt_mem(mem['sdpa'])} | "
                   f"{ratio_t} {ratio_m}", flush=True)
 
 
@@ -176,11 +208,16 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths (default 1024 4096)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(flex_attention)")
     parser.add_argument("--no-eager-long", action="store_true", help="skip torch eager flex above L=1024 (slow, ~2 GB)")
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     lengths = args.lengths or ([1024] if args.quick else [1024, 4096])
     reps = args.reps or (3 if args.quick else 7)
-    run(lengths, reps, with_compile=not (args.quick or args.no_compile),
-        with_eager_long=not (args.quick or args.no_eager_long))
+    with_compile = not (args.quick or args.no_compile)
+    with_eager_long = not (args.quick or args.no_eager_long)
+    if args.memory_child:
+        memory_child(lengths, with_compile, with_eager_long)
+    else:
+        run(lengths, reps, with_compile, with_eager_long)
 
 
 if __name__ == "__main__":
