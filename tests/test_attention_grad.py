@@ -246,3 +246,6 @@ def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypa
     fresh.start()
     fresh.join()
     assert torch.get_num_threads() == before and seen == [before]
+    # and the workers themselves stay at one torch thread after running ops (no oversubscription)
+    pool = next(iter(workers._pools.values()))
+    assert pool.submit(lambda: (torch.randn(64, 4096).exp(), torch.get_num_threads())[1]).result() == 1

@@ -22,14 +22,20 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
+def _one_torch_thread() -> None:
+    # torch initialises a thread's thread count lazily, from the process-wide default, at its
+    # first parallel op; trigger that first so the setting below is not overwritten later
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 def _pool(n: int) -> ThreadPoolExecutor:
     """A pool of ``n`` started threads whose torch ops each run on one thread."""
     with _pools_lock:
         pool = _pools.get(n)
         if pool is None:
             saved = torch.get_num_threads()
-            pool = ThreadPoolExecutor(n, thread_name_prefix="flexc-row",
-                                      initializer=torch.set_num_threads, initargs=(1,))
+            pool = ThreadPoolExecutor(n, thread_name_prefix="flexc-row", initializer=_one_torch_thread)
             # Start all n workers now (each runs the initializer first), then undo the
             # initializer's process-wide side effect: torch.set_num_threads also sets the default
             # that threads initialising later pick up (the main thread included, if it has not
