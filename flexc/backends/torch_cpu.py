@@ -9,10 +9,13 @@ memory is a few chunks of scores, never ``L x S``.
 GQA runs without copying keys: the ``G`` query heads that share a key head are stacked as rows,
 so ``q [B, Hkv, G*r, E] @ k^T [B, Hkv, E, c]`` scores all of them at once, and the same memory
 read as ``[B, Hq, r, c]`` is what the mods see.
+
+The backward recomputes each row's scores, forms ``dS`` from the saved logsumexp, and lets
+autograd carry ``dS`` through the score_mod to the raw scores and the captured tensors. Large
+jobs spread their rows over single-threaded workers (:mod:`flexc.backends.workers`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
