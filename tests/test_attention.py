@@ -205,3 +205,18 @@ def test_long_causal_row_is_split_into_chunks_and_still_exact(monkeypatch):
     ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=SCORES["alibi_exp2_formula"], mask_mod=mask_mod)
     _close(out, ref_out, atol=2e-5)
     _close(lse, ref_lse, atol=2e-5)
+
+
+@pytest.mark.parametrize("mask_h", [None, H])
+def test_query_rows_and_heads_without_any_key_block_are_zero(mask_h):
+    """Block rows (or whole heads) that list no key block are never visited and must read 0."""
+    q, k, v = _qkv(seed=11)
+    mask_mod = lambda b, h, q_idx, kv_idx: (h == 0) & (q_idx < 50) & (kv_idx <= q_idx) if mask_h else (
+        (q_idx < 50) & (kv_idx <= q_idx))
+    bm = flexc.create_block_mask(mask_mod, None, mask_h, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    for _ in range(2):  # a second call reuses freed memory that held the first call's values
+        out, lse = flexc.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+        ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
+        _close(out, ref_out, atol=2e-5)
+        _close(lse, ref_lse, atol=2e-5)
+        assert torch.all(out[:, :, 64:] == 0)

@@ -75,17 +75,18 @@ def _groups(B: int, Bkv: int, Hq: int, Hkv: int, Bm: int, Hm: int) -> list[_Grou
 
 
 def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, score_mod, mask_mod):
-    """Every (group, mods, row) to compute, their estimated costs, and how many workers to use."""
+    """Every (group, mods, row) to compute, their estimated costs, how many workers to use, and the groups."""
     B, Hq, L, _ = query.shape
     Bkv, _, S, Ev = value.shape
-    tasks, costs = [], []
+    tasks, costs, groups = [], [], []
     for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev):
+        groups.append(g)
         mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
         heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
         for row in rows:
             tasks.append((g, mods, row))
             costs.append(float(heads * (row.q1 - row.q0) * sum(c.n_cols for c in row.chunks)))
-    return tasks, costs, workers.worker_count(len(tasks), sum(costs))
+    return tasks, costs, workers.worker_count(len(tasks), sum(costs)), groups
 
 
 def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
@@ -219,10 +220,11 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     work = _work_dtype(query.dtype)
-    out = torch.zeros(B, Hq, L, Ev, dtype=query.dtype, device=query.device)
+    out = torch.empty(B, Hq, L, Ev, dtype=query.dtype, device=query.device)  # rows are written once
     lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
-    tasks, costs, n_workers = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+    tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+    _zero_rows_without_blocks(out, groups, tasks, L)
 
     def one_row(task, worker):
         g, mods, row = task
@@ -245,6 +247,19 @@ def _batched(kv: torch.Tensor, Bg: int, batch: int) -> torch.Tensor:
     if kv.shape[0] != Bg:
         kv = kv.expand(Bg, *kv.shape[1:])
     return kv.reshape(batch, kv.shape[-2], kv.shape[-1])
+
+
+def _zero_rows_without_blocks(out: torch.Tensor, groups: list, tasks: list, L: int) -> None:
+    """Zero the output rows no task writes (query rows whose block rows list no key block)."""
+    spans: dict[int, list[tuple[int, int]]] = {id(g): [] for g in groups}
+    for g, _, row in tasks:
+        spans[id(g)].append((row.q0, row.q1))
+    for g in groups:
+        start = 0
+        for q0, q1 in sorted(spans[id(g)]) + [(L, L)]:
+            if q0 > start:
+                out[g.b, g.qh, start:q0] = 0
+            start = max(start, q1)
 
 
 def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: float, work: torch.dtype) -> torch.Tensor:
@@ -273,9 +288,10 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
     acc3 = _batched_view(acc, (Bg * Hkvg, Gr, Ev)) if out.dtype == work else None
     direct = acc3 is not None
     if not direct:
-        acc = torch.zeros(Bg, Hqg, r, Ev, dtype=work, device=out.device)
+        acc = torch.empty(Bg, Hqg, r, Ev, dtype=work, device=out.device)
         acc3 = acc.view(Bg * Hkvg, Gr, Ev)
     m = l = None
+    first = True
     for chunk in row.chunks:
         kv = chunk_kv_index(chunk, mods.kv_pos)
         kc = chunk_rows(k_g, chunk).to(work)
@@ -305,7 +321,9 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
             alpha = (m - m_safe).exp2_()
             l.mul_(alpha).add_(p_sum)
             acc.mul_(alpha)
-        acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg))
+        # the first chunk overwrites (beta=0 ignores whatever the rows held)
+        acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)
+        first = False
         m = m_new
     acc.div_(torch.where(l == 0, 1.0, l))  # fully masked rows: acc is 0, output 0
     if not direct:
@@ -343,7 +361,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     if grad_lse is not None:
         delta = delta - grad_lse.to(work).unsqueeze(-1)
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
-    tasks, costs, n_workers = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+    tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
     sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
                                     for _ in range(n_workers - 1)]
