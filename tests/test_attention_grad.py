@@ -249,3 +249,16 @@ def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypa
     # and the workers themselves stay at one torch thread after running ops (no oversubscription)
     pool = next(iter(workers._pools.values()))
     assert pool.submit(lambda: (torch.randn(64, 4096).exp(), torch.get_num_threads())[1]).result() == 1
+
+
+def test_row_workers_run_under_the_callers_inference_mode(monkeypatch):
+    import flexc.backends.workers as workers
+
+    monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, *a: min(2, n_tasks))
+    q, k, v = (t.detach() for t in _inputs(seed=14))
+    bm = flexc.create_block_mask(MASKS["causal"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    with torch.inference_mode():
+        out = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert out.is_inference()
+    ref, _, _ = dense_attention(q, k, v, mask_mod=MASKS["causal"])
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)

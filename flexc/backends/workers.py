@@ -99,8 +99,12 @@ def run(tasks: Sequence, costs: Sequence[float], fn: Callable[[object, int], Non
             batch, parts[worker] = parts[worker], []  # the whole share, once
             return batch
 
+    inference = torch.is_inference_mode_enabled()
+
     def work(worker: int) -> None:
-        with torch.no_grad():  # grad mode is thread-local: set it in the worker
+        # grad and inference modes are thread-local: carry the caller's into the worker (tensors
+        # made under inference_mode may only be updated in place under it)
+        with torch.inference_mode() if inference else torch.no_grad():
             while True:
                 batch = take(worker)
                 if not batch:
