@@ -9,7 +9,7 @@ is all the handling ragged lengths need.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -27,11 +27,13 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Row:
-    """Query rows ``[q0, q1)`` and the chunks of key positions they attend to."""
+    """Query rows ``[q0, q1)`` and the chunks of key positions they attend to; ``segments`` are the
+    row's ``(start, end, is_partial)`` position ranges before chunking (for other chunkings)."""
 
     q0: int
     q1: int
     chunks: tuple[Chunk, ...]
+    segments: tuple[tuple[int, int, bool], ...] = ()
 
 
 def _segments(partial_blocks: list[int], full_blocks: list[int], kv_block: int, kv_len: int) -> list[tuple[int, int, bool]]:
@@ -50,7 +52,7 @@ def _segments(partial_blocks: list[int], full_blocks: list[int], kv_block: int, 
     return [tuple(s) for s in out]
 
 
-def _chunks(segments: list[tuple[int, int, bool]], max_cols: int) -> tuple[Chunk, ...]:
+def _chunks(segments: Sequence[tuple[int, int, bool]], max_cols: int) -> tuple[Chunk, ...]:
     """Pack segments greedily into chunks of at most ``max_cols`` columns."""
     chunks: list[Chunk] = []
     spans: list[list[int]] = []
@@ -99,8 +101,29 @@ def row_plan(tables: "Tables", bm: int, hm: int, q_len: int, kv_len: int, max_ro
         chunks = _chunks(segments, max_cols)
         q_end = min(q_start + q_block, q_len)
         for r0 in range(q_start, q_end, max_rows):
-            rows.append(Row(r0, min(r0 + max_rows, q_end), chunks))
+            rows.append(Row(r0, min(r0 + max_rows, q_end), chunks, tuple(segments)))
     return rows
+
+
+def fused_pieces(segments: tuple[tuple[int, int, bool], ...], max_masked_cols: int, masked_all: bool) -> tuple[Chunk, ...]:
+    """Key chunks for a fused attention kernel that takes an optional additive mask per call.
+
+    ``masked_all`` (a bias applies everywhere): every chunk is masked, at most ``max_masked_cols``
+    wide, and full and partial blocks are chunked apart. Otherwise all full blocks form one unmasked chunk of any width (the kernel bounds its own
+    memory) and only partial blocks go into masked chunks; but a row that is one contiguous range
+    at least half partial (sliding windows) stays one masked chunk, saving a gather and a merge.
+    """
+    full = [s for s in segments if not s[2]]
+    partial = [s for s in segments if s[2]]
+    if masked_all:  # partial blocks apart, so the full blocks' mask is the bias tensor as evaluated
+        return _chunks(full, max_masked_cols) + _chunks(partial, max_masked_cols)
+    n_total = sum(end - start for start, end, _ in segments)
+    n_partial = sum(end - start for start, end, partial in segments if partial)
+    contiguous = all(a[1] == b[0] for a, b in zip(segments, segments[1:]))
+    if contiguous and 2 * n_partial >= n_total and n_total <= max_masked_cols:
+        return _chunks(segments, max_masked_cols)
+    unmasked = _chunks(full, max(n_total, 1))
+    return unmasked + _chunks(partial, max_masked_cols)
 
 
 @dataclass(frozen=True)

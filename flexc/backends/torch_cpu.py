@@ -23,7 +23,7 @@ import torch
 
 from ..evaluate import evaluate
 from ..trace import TracedMod
-from . import workers
+from . import fused_cpu, workers
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
@@ -225,10 +225,14 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
     tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
     _zero_rows_without_blocks(out, groups, tasks, L)
+    fused = bool(tasks) and fused_cpu.supported(query, value, tasks[0][1], need_max)
 
     def one_row(task, worker):
         g, mods, row = task
-        _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
+        if fused:
+            fused_cpu.forward_row(query, key, value, out, lse, g, row, mods, scale)
+        else:
+            _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
 
     workers.run(tasks, costs, one_row, n_workers, dynamic=True)  # rows write disjoint slices of out/lse
     return out, lse, row_max

@@ -1,0 +1,131 @@
+"""Forward query rows on torch's fused CPU flash-attention kernel.
+
+``aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=, scale=)`` scores, softmaxes
+and multiplies by ``V`` in cache-sized tiles in one C++ pass, which is what ``torch.compile``
+generates too; the plain-torch path (:func:`flexc.backends.torch_cpu._forward_row`) makes five or
+more passes over each score tile. Each query row range becomes a few kernel calls:
+
+* without a score_mod, one call over all *full* key blocks with no mask, and calls over the
+  *partial* blocks with an additive float mask (0 allowed, -inf blocked) from the mask_mod;
+* with a score_mod ``score +/- X`` (ALiBi, relative and learned biases), calls over all listed
+  blocks with ``+/-X`` (and -inf on blocked pairs) as the additive mask, a bounded number of
+  columns at a time. The kernel adds the mask after scaling, exactly where a score_mod applies.
+
+The calls' outputs are merged with their logsumexps. Other score_mods, differing value head
+dims, half precision (the kernel would round each part's output) and ``max_scores`` stay on the
+plain-torch path.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, fused_pieces
+
+# guarded: older or trimmed torch builds may lack the op
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_NEG_INF = float("-inf")
+# An additive mask holds at most this many elements (2 MiB in fp32) per call
+MASK_ELEMENTS = 1 << 19
+
+
+def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) -> bool:
+    """Whether the fused kernel computes this forward exactly as the plain-torch path would."""
+    return (_FLASH is not None and not need_max and query.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float64)
+            and query.shape[-1] == value.shape[-1]
+            and (mods.score_mod is None or mods.bias_node is not None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pieces(segments: tuple, max_masked_cols: int, masked_all: bool) -> tuple[Chunk, ...]:
+    return fused_pieces(segments, max_masked_cols, masked_all)
+
+
+def forward_row(query, key, value, out, lse, g, row: Row, mods, scale: float) -> None:
+    """Rows ``[row.q0, row.q1)`` of group ``g``: fused kernel calls merged by logsumexp into out/lse."""
+    q0, q1 = row.q0, row.q1
+    q = query[g.b, g.qh, q0:q1]
+    Bg, Hqg, r, E = q.shape
+    Hkvg = Hqg // g.G
+    q = q.reshape(Bg, Hkvg, g.G * r, E)  # GQA: a key head's query heads stacked as rows
+    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    if k_g.shape[0] != Bg:  # one key batch for all query batches: the kernel takes the stride-0 view
+        k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
+    bias = mods.bias_node is not None
+    # masks are [r, c] unless the mods read b or h; keep each call's mask within MASK_ELEMENTS
+    per_col = r * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
+    pieces = _pieces(row.segments, max(MASK_ELEMENTS // per_col, 128), bias)
+    acc = acc_lse = None
+    for piece in pieces:
+        kv = chunk_kv_index(piece, mods.kv_pos)
+        mask = _mask(piece, mods, q0, q1, kv, bias, q.dtype, g.G)
+        o, l = _FLASH(q, chunk_rows(k_g, piece), chunk_rows(v_g, piece), attn_mask=mask, scale=scale)
+        if mask is not None:
+            _fix_dead_rows(l, mask)
+        if acc is None:
+            acc, acc_lse = o, l
+        else:
+            _merge(acc, acc_lse, o, l)
+    out[g.b, g.qh, q0:q1] = acc.reshape(Bg, Hqg, r, E)  # the kernel returns [b, r, h, E] strides
+    lse[g.b, g.qh, q0:q1] = acc_lse.reshape(Bg, Hqg, r)
+
+
+def _mask(piece: Chunk, mods, q0: int, q1: int, kv: torch.Tensor, bias: bool, dtype: torch.dtype, G: int):
+    """The additive mask of one call, shaped ``[b, h, G*r, c]`` for the row-stacked query, or None."""
+    blocked = mods.blocked(piece, q0, q1, kv)
+    if not bias and not blocked:
+        return None
+    r = q1 - q0
+    if bias and not blocked:  # the evaluated bias itself (read-only here), broadcast
+        x = mods.bias(q0, q1, kv).to(dtype)
+        if mods.bias_sign < 0:
+            x = x.neg()
+        x = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+        return _stack_heads(x.expand(x.shape[0], x.shape[1], r, piece.n_cols), G)
+    shapes = [(1, 1, r, piece.n_cols)] + [(*nb.shape[:-1], 1) for _, _, nb in blocked]
+    if bias:
+        x = mods.bias(q0, q1, kv)
+        shapes.append(x.shape)
+    b, h, _, _ = torch.broadcast_shapes(*shapes)
+    mask = torch.empty(b, h, r, piece.n_cols, dtype=dtype, device=kv.device)
+    if bias:
+        mask.copy_(x if mods.bias_sign > 0 else -x)  # broadcasts and casts
+    else:
+        mask.zero_()
+    for off, n, not_allowed in blocked:
+        mask[..., off:off + n].masked_fill_(not_allowed, _NEG_INF)
+    return _stack_heads(mask, G)
+
+
+def _stack_heads(mask: torch.Tensor, G: int) -> torch.Tensor:
+    """``[b, h, r, c]`` as ``[b, h/G or 1, G*r, c]``: rows of a key head's G query heads follow one another."""
+    if G == 1:
+        return mask
+    b, h, r, c = mask.shape
+    if h == 1:
+        mask = mask.expand(b, G, r, c)
+    return mask.reshape(b, -1, G * r, c)
+
+
+def _fix_dead_rows(l: torch.Tensor, mask: torch.Tensor) -> None:
+    """The kernel reports logsumexp 0 (and output 0) for rows its mask blocks entirely: make it -inf.
+
+    A real logsumexp of exactly 0 is rare, so the mask is only inspected when one occurs.
+    """
+    candidates = l == 0
+    if bool(candidates.any()):
+        dead = torch.isneginf(mask).all(-1).expand(l.shape)
+        l.masked_fill_(candidates & dead, _NEG_INF)
+
+
+def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+    """Fold a part ``(o, l)`` into the running ``(acc, acc_lse)`` in place (softmax-weighted mean)."""
+    m = torch.maximum(acc_lse, l)
+    m.masked_fill_(m == _NEG_INF, 0.0)  # both parts empty: weights exp(-inf) = 0, lse stays -inf
+    w_acc = (acc_lse - m).exp_()
+    w_new = (l - m).exp_()
+    total = w_acc + w_new
+    acc.lerp_(o, (w_new / total.masked_fill(total == 0, 1.0)).unsqueeze(-1))
+    torch.add(m, total.log_(), out=acc_lse)

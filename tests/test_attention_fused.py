@@ -1,0 +1,121 @@
+"""The CPU backend's fused-kernel forward (flexc/backends/fused_cpu.py) against a float64 dense
+reference: it must be taken where supported, agree with the plain-torch path's semantics (full and
+partial blocks, non-contiguous spans, head-dependent masks with GQA, bias score_mods, fully masked
+rows), and fall back when the kernel is missing or the call is not of a supported form."""
+import math
+
+import pytest
+import torch
+
+import flexc
+from flexc.backends import fused_cpu
+from reference import dense_attention
+
+B, H, L, S, E = 2, 4, 300, 260, 16  # ragged: neither length a multiple of the blocks
+BLOCK = (64, 32)
+
+
+def _qkv(Hq=H, Hkv=H, Bkv=B, Ev=E, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return make(B, Hq, L, E), make(Bkv, Hkv, S, E), make(Bkv, Hkv, S, Ev)
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _window(b, h, q, kv):
+    return (q >= kv) & (q - kv <= 70)
+
+
+def _documents(b, h, q, kv):  # many separate partial blocks per row, varying by batch
+    return (q // (37 + 11 * b)) == (kv // (37 + 11 * b))
+
+
+def _per_head(b, h, q, kv):  # head-dependent, and rows below 40 see no key at all for odd heads
+    return (kv <= q + 20 * h) & ((h % 2 == 0) | (q >= 40))
+
+
+_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def _alibi(score, b, h, q, kv):
+    return score + _SLOPES[h] * (kv - q)
+
+
+def _minus_distance(score, b, h, q, kv):
+    return score - (q - kv).abs() * 0.01
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Count fused row calls, so each test knows which path ran."""
+    count = [0]
+    real = fused_cpu.forward_row
+
+    def spy(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_cpu, "forward_row", spy)
+    return count
+
+
+def _check(q, k, v, mask_mod, score_mod=None, gqa=False, atol=2e-5):
+    bm = flexc.create_block_mask(mask_mod, B, q.shape[1], L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod, mask_mod)
+    torch.testing.assert_close(out.double(), ref_out.to(torch.float64), atol=atol, rtol=0)
+    # lse is float32 for every input dtype; -inf matches -inf only
+    torch.testing.assert_close(lse.double(), ref_lse, atol=max(atol, 2e-5), rtol=0)
+    return out, lse
+
+
+@pytest.mark.parametrize("mask_mod", [_causal, _window, _documents, _per_head])
+@pytest.mark.parametrize("score_mod", [None, _alibi, _minus_distance])
+def test_fused_forward_matches_dense_reference(calls, mask_mod, score_mod):
+    _check(*_qkv(), mask_mod, score_mod)
+    assert calls[0] > 0
+
+
+@pytest.mark.parametrize("mask_mod", [_causal, _per_head])
+@pytest.mark.parametrize("score_mod", [None, _alibi])
+def test_fused_forward_with_gqa_and_broadcast_key_batch(calls, mask_mod, score_mod):
+    _check(*_qkv(Hq=H, Hkv=2, Bkv=1), mask_mod, score_mod, gqa=True)
+    assert calls[0] > 0
+
+
+def test_fused_forward_in_float64_keeps_float64_accuracy(calls):
+    _check(*_qkv(dtype=torch.float64), _documents, _alibi, atol=1e-12)
+    assert calls[0] > 0
+
+
+def test_fully_masked_rows_give_zero_output_and_minus_inf_lse(calls):
+    out, lse = _check(*_qkv(), _per_head)
+    assert calls[0] > 0
+    dead = torch.isneginf(lse)
+    assert dead[:, 1::2, :40].all() and not dead[:, 0::2].any()
+    assert (out[dead] == 0).all()
+
+
+def test_a_bias_that_is_minus_inf_everywhere_on_a_row_gives_a_dead_row(calls):
+    # the kernel reports lse 0 for such rows; the fix-up must turn that into -inf
+    drop_first_rows = lambda score, b, h, q, kv: score + torch.where(q < 10, -math.inf, 0.0)
+    out, lse = _check(*_qkv(), _causal, drop_first_rows)
+    assert calls[0] > 0 and torch.isneginf(lse[..., :10]).all() and (out[..., :10, :] == 0).all()
+
+
+@pytest.mark.parametrize("case", ["no kernel", "value dim differs", "general score_mod", "half precision"])
+def test_unsupported_calls_fall_back_to_the_plain_torch_path(calls, monkeypatch, case):
+    score_mod, Ev, dtype, atol = None, E, torch.float32, 2e-5
+    if case == "no kernel":
+        monkeypatch.setattr(fused_cpu, "_FLASH", None)
+    elif case == "value dim differs":
+        Ev = 8
+    elif case == "general score_mod":
+        score_mod = lambda score, b, h, q, kv: 5.0 * torch.tanh(score / 5.0)
+    else:
+        dtype, atol = torch.bfloat16, 3e-2
+    _check(*_qkv(Ev=Ev, dtype=dtype), _window, score_mod, atol=atol)
+    assert calls[0] == 0
