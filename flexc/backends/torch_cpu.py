@@ -226,6 +226,8 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
     _zero_rows_without_blocks(out, groups, tasks, L)
     fused = bool(tasks) and fused_cpu.supported(query, value, tasks[0][1], need_max)
+    if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
+        n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
 
     def one_row(task, worker):
         g, mods, row = task
