@@ -48,6 +48,10 @@ def _minus_distance(score, b, h, q, kv):
     return score - (q - kv).abs() * 0.01
 
 
+def _absolute_positions(score, b, h, q, kv):  # a bias, but not of kv - q alone
+    return score + (0.003 * q - 0.002 * kv * (h + 1))
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """Count fused row calls, so each test knows which path ran."""
@@ -73,7 +77,7 @@ def _check(q, k, v, mask_mod, score_mod=None, gqa=False, atol=2e-5):
 
 
 @pytest.mark.parametrize("mask_mod", [_causal, _window, _documents, _per_head])
-@pytest.mark.parametrize("score_mod", [None, _alibi, _minus_distance])
+@pytest.mark.parametrize("score_mod", [None, _alibi, _minus_distance, _absolute_positions])
 def test_fused_forward_matches_dense_reference(calls, mask_mod, score_mod):
     _check(*_qkv(), mask_mod, score_mod)
     assert calls[0] > 0
@@ -119,3 +123,15 @@ def test_unsupported_calls_fall_back_to_the_plain_torch_path(calls, monkeypatch,
         dtype, atol = torch.bfloat16, 3e-2
     _check(*_qkv(Ev=Ev, dtype=dtype), _window, score_mod, atol=atol)
     assert calls[0] == 0
+
+
+@pytest.mark.parametrize("score_mod, relative", [
+    (_alibi, True), (_minus_distance, True), (_absolute_positions, False),
+    (lambda score, b, h, q, kv: score + ((q - kv) * 0.1 + q * 0.5), False),
+    (lambda score, b, h, q, kv: score - _SLOPES[h] * ((kv - q) // 3), True),
+])
+def test_relative_bias_detection_accepts_only_functions_of_kv_minus_q(score_mod, relative):
+    traced = flexc.trace(score_mod)
+    left, right = traced.root.args
+    bias = right if left.op == "input" and left.attr == "score" else left
+    assert fused_cpu._relative_only(bias) is relative

@@ -105,25 +105,30 @@ def row_plan(tables: "Tables", bm: int, hm: int, q_len: int, kv_len: int, max_ro
     return rows
 
 
-def fused_pieces(segments: tuple[tuple[int, int, bool], ...], max_masked_cols: int, masked_all: bool) -> tuple[Chunk, ...]:
+def fused_pieces(segments: tuple[tuple[int, int, bool], ...], max_masked_cols: int, mode: str) -> tuple[Chunk, ...]:
     """Key chunks for a fused attention kernel that takes an optional additive mask per call.
 
-    ``masked_all`` (a bias applies everywhere): every chunk is masked, at most ``max_masked_cols``
-    wide, and full and partial blocks are chunked apart. Otherwise all full blocks form one unmasked chunk of any width (the kernel bounds its own
-    memory) and only partial blocks go into masked chunks; but a row that is one contiguous range
-    at least half partial (sliding windows) stays one masked chunk, saving a gather and a merge.
+    Partial blocks always go into masked chunks of at most ``max_masked_cols`` columns. Full blocks:
+
+    * ``"mask"`` (no score_mod): one unmasked chunk of any width (the kernel bounds its own
+      memory); but a row that is one contiguous range at least half partial (sliding windows)
+      stays one masked chunk, saving a gather and a merge;
+    * ``"bias"`` (a bias applies everywhere): chunks of at most ``max_masked_cols`` columns;
+    * ``"relative"`` (a bias of ``kv - q`` only, built as a strided view): one chunk per
+      contiguous span, of any width.
     """
     full = [s for s in segments if not s[2]]
-    partial = [s for s in segments if s[2]]
-    if masked_all:  # partial blocks apart, so the full blocks' mask is the bias tensor as evaluated
-        return _chunks(full, max_masked_cols) + _chunks(partial, max_masked_cols)
+    partial = _chunks([s for s in segments if s[2]], max_masked_cols)
+    if mode == "bias":
+        return _chunks(full, max_masked_cols) + partial
+    if mode == "relative":
+        return tuple(Chunk(((start, end),), (), end - start) for start, end, _ in full) + partial
     n_total = sum(end - start for start, end, _ in segments)
-    n_partial = sum(end - start for start, end, partial in segments if partial)
+    n_partial = sum(end - start for start, end, is_partial in segments if is_partial)
     contiguous = all(a[1] == b[0] for a, b in zip(segments, segments[1:]))
     if contiguous and 2 * n_partial >= n_total and n_total <= max_masked_cols:
         return _chunks(segments, max_masked_cols)
-    unmasked = _chunks(full, max(n_total, 1))
-    return unmasked + _chunks(partial, max_masked_cols)
+    return _chunks(full, max(n_total, 1)) + partial
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from ..evaluate import evaluate
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, fused_pieces
 
 # guarded: older or trimmed torch builds may lack the op
@@ -42,8 +43,20 @@ def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) ->
 
 
 @functools.lru_cache(maxsize=4096)
-def _pieces(segments: tuple, max_masked_cols: int, masked_all: bool) -> tuple[Chunk, ...]:
-    return fused_pieces(segments, max_masked_cols, masked_all)
+def _pieces(segments: tuple, max_masked_cols: int, mode: str) -> tuple[Chunk, ...]:
+    return fused_pieces(segments, max_masked_cols, mode)
+
+
+@functools.lru_cache(maxsize=256)
+def _relative_only(node) -> bool:
+    """Whether ``q_idx`` and ``kv_idx`` reach ``node`` only as ``kv_idx - q_idx`` or ``q_idx - kv_idx``,
+    so its value over a tile depends on each position only through ``kv - q`` (and b, h)."""
+    if node.op == "sub" and all(a.op == "input" for a in node.args) and \
+            sorted(a.attr for a in node.args) == ["kv_idx", "q_idx"]:
+        return True
+    if node.op == "input":
+        return node.attr not in ("q_idx", "kv_idx")
+    return all(_relative_only(a) for a in node.args)
 
 
 def forward_row(query, key, value, out, lse, g, row: Row, mods, scale: float) -> None:
@@ -57,22 +70,52 @@ def forward_row(query, key, value, out, lse, g, row: Row, mods, scale: float) ->
     if k_g.shape[0] != Bg:  # one key batch for all query batches: the kernel takes the stride-0 view
         k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
     bias = mods.bias_node is not None
+    mode = "mask" if not bias else "relative" if g.G == 1 and _relative_only(mods.bias_node) else "bias"
     # masks are [r, c] unless the mods read b or h; keep each call's mask within MASK_ELEMENTS
     per_col = r * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
-    pieces = _pieces(row.segments, max(MASK_ELEMENTS // per_col, 128), bias)
+    pieces = _pieces(row.segments, max(MASK_ELEMENTS // per_col, 128), mode)
     acc = acc_lse = None
     for piece in pieces:
-        kv = chunk_kv_index(piece, mods.kv_pos)
-        mask = _mask(piece, mods, q0, q1, kv, bias, q.dtype, g.G)
-        o, l = _FLASH(q, chunk_rows(k_g, piece), chunk_rows(v_g, piece), attn_mask=mask, scale=scale)
-        if mask is not None:
-            _fix_dead_rows(l, mask)
+        kc, vc = chunk_rows(k_g, piece), chunk_rows(v_g, piece)
+        if mode == "relative" and not piece.partial:
+            o, l = _relative_bias_call(q, kc, vc, mods, q0, q1, piece.spans[0], scale)
+        else:
+            kv = chunk_kv_index(piece, mods.kv_pos)
+            mask = _mask(piece, mods, q0, q1, kv, bias, q.dtype, g.G)
+            o, l = _FLASH(q, kc, vc, attn_mask=mask, scale=scale)
+            if mask is not None:
+                _fix_dead_rows(l, mask)
         if acc is None:
             acc, acc_lse = o, l
         else:
             _merge(acc, acc_lse, o, l)
     out[g.b, g.qh, q0:q1] = acc.reshape(Bg, Hqg, r, E)  # the kernel returns [b, r, h, E] strides
     lse[g.b, g.qh, q0:q1] = acc_lse.reshape(Bg, Hqg, r)
+
+
+def _relative_bias_call(q, k, v, mods, q0: int, q1: int, span: tuple[int, int], scale: float):
+    """One kernel call over key positions ``span`` whose mask is a bias of ``kv - q`` only.
+
+    The bias is evaluated once per difference (``r + c - 1`` values, not ``r * c``), and the
+    ``[r, c]`` tile is a strided view of that vector: with the query rows reversed, entry
+    ``(i, j)`` is ``vector[i + j]``. The kernel runs on the reversed rows; its output is flipped back.
+    """
+    start, end = span
+    r, c = q1 - q0, end - start
+    diffs = torch.arange(start - (q1 - 1), end - q0, device=q.device)  # kv - q from the last row up
+    values = {"b": mods.b, "h": mods.h, "q_idx": torch.zeros((1, 1, 1, 1), dtype=diffs.dtype, device=q.device),
+              "kv_idx": diffs.view(1, 1, 1, -1)}
+    x = evaluate(mods.bias_node, buffers=mods.score_mod.buffers,
+                 **{name: values[name] for name in mods.bias_reads if name in values}).to(q.dtype)
+    if mods.bias_sign < 0:
+        x = x.neg()
+    x = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    n = r + c - 1
+    x = x.expand(x.shape[0], x.shape[1], 1, n).contiguous()
+    tile = x.as_strided((x.shape[0], x.shape[1], r, c), (x.shape[1] * n, n, 1, 1))
+    o, l = _FLASH(q.flip(-2), k, v, attn_mask=tile, scale=scale)
+    _fix_dead_rows(l, tile)
+    return o.flip(-2), l.flip(-1)
 
 
 def _mask(piece: Chunk, mods, q0: int, q1: int, kv: torch.Tensor, bias: bool, dtype: torch.dtype, G: int):
