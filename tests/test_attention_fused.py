@@ -54,20 +54,22 @@ def _absolute_positions(score, b, h, q, kv):  # a bias, but not of kv - q alone
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Count fused row calls, so each test knows which path ran."""
-    count = [0]
-    real = fused_cpu.forward_row
+    """Count fused tasks (and those covering several rows), so each test knows which path ran."""
+    count = {"tasks": 0, "tall": 0}
+    real = fused_cpu.forward_rows
 
-    def spy(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
+    def spy(query, key, value, out, lse, g, rows, mods, scale):
+        count["tasks"] += 1
+        count["tall"] += len(rows) > 1
+        return real(query, key, value, out, lse, g, rows, mods, scale)
 
-    monkeypatch.setattr(fused_cpu, "forward_row", spy)
+    monkeypatch.setattr(fused_cpu, "forward_rows", spy)
     return count
 
 
-def _check(q, k, v, mask_mod, score_mod=None, gqa=False, atol=2e-5):
-    bm = flexc.create_block_mask(mask_mod, B, q.shape[1], L, S, device="cpu", BLOCK_SIZE=BLOCK)
+def _check(q, k, v, mask_mod, score_mod=None, gqa=False, atol=2e-5, block=BLOCK, mask_heads=None):
+    heads = q.shape[1] if mask_heads is None else mask_heads
+    bm = flexc.create_block_mask(mask_mod, B, heads, L, S, device="cpu", BLOCK_SIZE=block)
     out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
     ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod, mask_mod)
     torch.testing.assert_close(out.double(), ref_out.to(torch.float64), atol=atol, rtol=0)
@@ -80,24 +82,33 @@ def _check(q, k, v, mask_mod, score_mod=None, gqa=False, atol=2e-5):
 @pytest.mark.parametrize("score_mod", [None, _alibi, _minus_distance, _absolute_positions])
 def test_fused_forward_matches_dense_reference(calls, mask_mod, score_mod):
     _check(*_qkv(), mask_mod, score_mod)
-    assert calls[0] > 0
+    assert calls["tasks"] > 0
 
 
-@pytest.mark.parametrize("mask_mod", [_causal, _per_head])
+@pytest.mark.parametrize("mask_mod, mask_heads", [(_causal, 1), (_window, 1), (_per_head, H)])
 @pytest.mark.parametrize("score_mod", [None, _alibi])
-def test_fused_forward_with_gqa_and_broadcast_key_batch(calls, mask_mod, score_mod):
-    _check(*_qkv(Hq=H, Hkv=2, Bkv=1), mask_mod, score_mod, gqa=True)
-    assert calls[0] > 0
+def test_fused_forward_with_gqa_and_broadcast_key_batch(calls, mask_mod, mask_heads, score_mod):
+    # one block-mask head: the two query heads of a key head are stacked as rows of one call
+    _check(*_qkv(Hq=H, Hkv=2, Bkv=1), mask_mod, score_mod, gqa=True, mask_heads=mask_heads)
+    assert calls["tasks"] > 0
+
+
+@pytest.mark.parametrize("mask_mod", [_causal, _window, _documents, _per_head])
+@pytest.mark.parametrize("score_mod", [None, _alibi, _absolute_positions])
+def test_tall_calls_over_consecutive_rows_match_dense_reference(calls, mask_mod, score_mod):
+    # small blocks give many rows, which are grouped so shared full spans are attended once
+    _check(*_qkv(), mask_mod, score_mod, block=(16, 16))
+    assert calls["tall"] > 0 or score_mod is _absolute_positions
 
 
 def test_fused_forward_in_float64_keeps_float64_accuracy(calls):
     _check(*_qkv(dtype=torch.float64), _documents, _alibi, atol=1e-12)
-    assert calls[0] > 0
+    assert calls["tasks"] > 0
 
 
 def test_fully_masked_rows_give_zero_output_and_minus_inf_lse(calls):
     out, lse = _check(*_qkv(), _per_head)
-    assert calls[0] > 0
+    assert calls["tasks"] > 0
     dead = torch.isneginf(lse)
     assert dead[:, 1::2, :40].all() and not dead[:, 0::2].any()
     assert (out[dead] == 0).all()
@@ -107,7 +118,7 @@ def test_a_bias_that_is_minus_inf_everywhere_on_a_row_gives_a_dead_row(calls):
     # the kernel reports lse 0 for such rows; the fix-up must turn that into -inf
     drop_first_rows = lambda score, b, h, q, kv: score + torch.where(q < 10, -math.inf, 0.0)
     out, lse = _check(*_qkv(), _causal, drop_first_rows)
-    assert calls[0] > 0 and torch.isneginf(lse[..., :10]).all() and (out[..., :10, :] == 0).all()
+    assert calls["tasks"] > 0 and torch.isneginf(lse[..., :10]).all() and (out[..., :10, :] == 0).all()
 
 
 @pytest.mark.parametrize("case", ["no kernel", "value dim differs", "general score_mod", "half precision"])
@@ -122,7 +133,7 @@ def test_unsupported_calls_fall_back_to_the_plain_torch_path(calls, monkeypatch,
     else:
         dtype, atol = torch.bfloat16, 3e-2
     _check(*_qkv(Ev=Ev, dtype=dtype), _window, score_mod, atol=atol)
-    assert calls[0] == 0
+    assert calls["tasks"] == 0
 
 
 @pytest.mark.parametrize("score_mod, relative", [

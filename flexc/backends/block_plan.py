@@ -131,6 +131,78 @@ def fused_pieces(segments: tuple[tuple[int, int, bool], ...], max_masked_cols: i
     return _chunks(full, max(n_total, 1)) + partial
 
 
+def _intersect(a: list, b: list) -> list:
+    """Intersection of two sorted lists of disjoint half-open spans."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _subtract(a: list, b: list) -> list:
+    """Spans of ``a`` not covered by ``b`` (both sorted, disjoint)."""
+    out = []
+    for start, end in a:
+        for b_start, b_end in b:
+            if b_end <= start or b_start >= end:
+                continue
+            if b_start > start:
+                out.append((start, b_start))
+            start = max(start, b_end)
+        if start < end:
+            out.append((start, end))
+    return out
+
+
+def shared_full_columns(a: Row, b: Row) -> int:
+    """How many key positions are full blocks for both rows."""
+    full = lambda row: [(start, end) for start, end, partial in row.segments if not partial]
+    return sum(end - start for start, end in _intersect(full(a), full(b)))
+
+
+def tree_calls(rows: Sequence[Row], max_masked_cols: int, mode: str) -> list[tuple[int, int, Chunk]]:
+    """Kernel calls ``(q0, q1, chunk)`` for consecutive rows (``rows[i].q1 == rows[i + 1].q0``).
+
+    Over a binary tree of the rows, key spans that are full for every row of a subtree are
+    attended once by one tall call for all its rows (a causal mask's prefix: a few tall
+    rectangles instead of a thin call per row; the kernel runs tall calls faster). Each row's
+    remaining full spans and its partial blocks follow as in :func:`fused_pieces`. The calls of
+    a row are merged by logsumexp, so their order does not matter.
+    """
+    calls: list[tuple[int, int, Chunk]] = []
+    full = [[(a, b) for a, b, partial in row.segments if not partial] for row in rows]
+
+    def visit(lo: int, hi: int, done: list) -> None:
+        if hi - lo == 1:
+            row = rows[lo]
+            rest = [(a, b, False) for a, b in _subtract(full[lo], done)]
+            segments = sorted(rest + [seg for seg in row.segments if seg[2]])
+            calls.extend((row.q0, row.q1, c) for c in fused_pieces(tuple(segments), max_masked_cols, mode))
+            return
+        common = full[lo]
+        for spans in full[lo + 1:hi]:
+            common = _intersect(common, spans)
+        new = _subtract(common, done)
+        q0, q1 = rows[lo].q0, rows[hi - 1].q1
+        if mode == "relative":
+            calls.extend((q0, q1, Chunk(((a, b),), (), b - a)) for a, b in new)
+        elif new:
+            calls.append((q0, q1, Chunk(tuple(new), (), sum(b - a for a, b in new))))
+        done = sorted(done + new)
+        mid = (lo + hi) // 2
+        visit(lo, mid, done)
+        visit(mid, hi, done)
+
+    visit(0, len(rows), [])
+    return calls
+
+
 @dataclass(frozen=True)
 class Tables:
     """A BlockMask's kv tables as Python lists (they are small: one entry per block)."""

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from ..evaluate import evaluate
-from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, fused_pieces
+from .block_plan import Chunk, chunk_kv_index, chunk_rows, fused_pieces, shared_full_columns, tree_calls
 
 # guarded: older or trimmed torch builds may lack the op
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -59,38 +59,75 @@ def _relative_only(node) -> bool:
     return all(_relative_only(a) for a in node.args)
 
 
-def forward_row(query, key, value, out, lse, g, row: Row, mods, scale: float) -> None:
-    """Rows ``[row.q0, row.q1)`` of group ``g``: fused kernel calls merged by logsumexp into out/lse."""
-    q0, q1 = row.q0, row.q1
-    q = query[g.b, g.qh, q0:q1]
-    Bg, Hqg, r, E = q.shape
+def _mode(g, mods) -> str:
+    """How bias and mask reach the kernel: "mask" (no score_mod), "relative" or "bias" (see fused_pieces)."""
+    if mods.bias_node is None:
+        return "mask"
+    return "relative" if g.G == 1 and _relative_only(mods.bias_node) else "bias"
+
+
+def group_tasks(tasks: list, n_workers: int) -> tuple[list, list]:
+    """Row tasks ``(g, mods, row)`` regrouped as ``(g, mods, rows)`` runs of consecutive rows (up to a
+    power of two that leaves at least four tasks per worker), and their costs. A row joins a run
+    only if at least half its keys are full for the run's first row too (else there is no tall
+    call to share: sliding windows). Groups with GQA or a general bias keep one row per task."""
+    size = 1
+    while len(tasks) // (2 * size) >= 4 * n_workers and size < 64:
+        size *= 2
+    out: list = []
+    for g, mods, row in tasks:
+        last = out[-1] if out else None
+        if (size > 1 and last is not None and last[0] is g and len(last[2]) < size
+                and last[2][-1].q1 == row.q0 and g.G == 1 and _mode(g, mods) != "bias"
+                and 2 * shared_full_columns(last[2][0], row) >= sum(b - a for a, b, _ in row.segments)):
+            last[2].append(row)
+        else:
+            out.append((g, mods, [row]))
+    grouped = [(g, mods, tuple(rows)) for g, mods, rows in out]
+    costs = [float(sum((r.q1 - r.q0) * sum(b - a for a, b, _ in r.segments) for r in rows)
+                   * len(range(g.b.stop)[g.b]) * len(range(g.qh.stop)[g.qh])) for g, _, rows in grouped]
+    return grouped, costs
+
+
+def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float) -> None:
+    """Consecutive rows of group ``g``: fused kernel calls merged by logsumexp into out/lse."""
+    q0, q1 = rows[0].q0, rows[-1].q1
+    Bg, Hqg, E = len(range(out.shape[0])[g.b]), len(range(out.shape[1])[g.qh]), query.shape[-1]
     Hkvg = Hqg // g.G
-    q = q.reshape(Bg, Hkvg, g.G * r, E)  # GQA: a key head's query heads stacked as rows
     k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
     if k_g.shape[0] != Bg:  # one key batch for all query batches: the kernel takes the stride-0 view
         k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
-    bias = mods.bias_node is not None
-    mode = "mask" if not bias else "relative" if g.G == 1 and _relative_only(mods.bias_node) else "bias"
+    mode = _mode(g, mods)
     # masks are [r, c] unless the mods read b or h; keep each call's mask within MASK_ELEMENTS
-    per_col = r * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
-    pieces = _pieces(row.segments, max(MASK_ELEMENTS // per_col, 128), mode)
+    per_col = (rows[0].q1 - rows[0].q0) * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
+    max_cols = max(MASK_ELEMENTS // per_col, 128)
+    if len(rows) == 1:
+        calls = [(q0, q1, piece) for piece in _pieces(rows[0].segments, max_cols, mode)]
+    else:  # G == 1 here, so rows of the group are rows of the stacked layout
+        calls = tree_calls(rows, max_cols, mode)
     acc = acc_lse = None
-    for piece in pieces:
+    if len(rows) > 1:
+        acc = torch.zeros(Bg, Hkvg, g.G * (q1 - q0), E, dtype=query.dtype, device=query.device)
+        acc_lse = torch.full(acc.shape[:-1], _NEG_INF, dtype=query.dtype, device=query.device)
+    for a, b, piece in calls:
+        q = query[g.b, g.qh, a:b].reshape(Bg, Hkvg, g.G * (b - a), E)  # GQA: a key head's query heads as rows
         kc, vc = chunk_rows(k_g, piece), chunk_rows(v_g, piece)
         if mode == "relative" and not piece.partial:
-            o, l = _relative_bias_call(q, kc, vc, mods, q0, q1, piece.spans[0], scale)
+            o, l = _relative_bias_call(q, kc, vc, mods, a, b, piece.spans[0], scale)
         else:
             kv = chunk_kv_index(piece, mods.kv_pos)
-            mask = _mask(piece, mods, q0, q1, kv, bias, q.dtype, g.G)
+            mask = _mask(piece, mods, a, b, kv, mode != "mask", q.dtype, g.G)
             o, l = _FLASH(q, kc, vc, attn_mask=mask, scale=scale)
             if mask is not None:
                 _fix_dead_rows(l, mask)
         if acc is None:
             acc, acc_lse = o, l
-        else:
+        elif len(rows) == 1:  # every call covers all the rows (stacked G*r of them with GQA)
             _merge(acc, acc_lse, o, l)
-    out[g.b, g.qh, q0:q1] = acc.reshape(Bg, Hqg, r, E)  # the kernel returns [b, r, h, E] strides
-    lse[g.b, g.qh, q0:q1] = acc_lse.reshape(Bg, Hqg, r)
+        else:
+            _merge(acc[..., a - q0:b - q0, :], acc_lse[..., a - q0:b - q0], o, l)
+    out[g.b, g.qh, q0:q1] = acc.reshape(Bg, Hqg, q1 - q0, E)  # the kernel returns [b, r, h, E] strides
+    lse[g.b, g.qh, q0:q1] = acc_lse.reshape(Bg, Hqg, q1 - q0)
 
 
 def _relative_bias_call(q, k, v, mods, q0: int, q1: int, span: tuple[int, int], scale: float):

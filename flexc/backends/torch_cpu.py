@@ -228,11 +228,12 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     fused = bool(tasks) and fused_cpu.supported(query, value, tasks[0][1], need_max)
     if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
         n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
+        tasks, costs = fused_cpu.group_tasks(tasks, n_workers)
 
     def one_row(task, worker):
         g, mods, row = task
         if fused:
-            fused_cpu.forward_row(query, key, value, out, lse, g, row, mods, scale)
+            fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale)
         else:
             _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
 
