@@ -146,3 +146,21 @@ def test_relative_bias_detection_accepts_only_functions_of_kv_minus_q(score_mod,
     left, right = traced.root.args
     bias = right if left.op == "input" and left.attr == "score" else left
     assert fused_cpu._relative_only(bias) is relative
+
+
+def test_blocks_listed_full_between_partial_ones_skip_the_mask_mod(calls):
+    """One query block whose keys are [partial, full, partial]: fused as one masked call, the full
+    block must stay allowed even where the mask_mod (causal) says no, as in torch's kernels."""
+    from torch.nn.attention import flex_attention as torch_flex
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, n, 16, generator=g) for n in (64, 192, 192))
+    num, idx = torch.tensor([[[2]]], dtype=torch.int32), torch.tensor([[[[0, 2, 1]]]], dtype=torch.int32)
+    full_num, full_idx = torch.tensor([[[1]]], dtype=torch.int32), torch.tensor([[[[1, 0, 2]]]], dtype=torch.int32)
+    tbm = torch_flex.BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=64, mask_mod=_causal,
+                                              seq_lengths=(64, 192))
+    out, lse = flexc.flex_attention(q, k, v, block_mask=tbm, return_lse=True)
+    effective = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | ((kv_idx >= 64) & (kv_idx < 128))
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=effective)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+    assert calls["tasks"] > 0

@@ -47,13 +47,17 @@ def _pieces(segments: tuple, max_masked_cols: int, mode: str) -> tuple[Chunk, ..
     return fused_pieces(segments, max_masked_cols, mode)
 
 
+_DIFFERENCE_OPS = {"sub", "eq", "ne", "lt", "le", "gt", "ge"}
+
+
 @functools.lru_cache(maxsize=256)
 def _relative_only(node) -> bool:
-    """Whether ``q_idx`` and ``kv_idx`` reach ``node`` only as ``kv_idx - q_idx`` or ``q_idx - kv_idx``,
+    """Whether ``q_idx`` and ``kv_idx`` reach ``node`` only as ``kv_idx - q_idx``, ``q_idx - kv_idx``
+    or a comparison of the two,
     so its value over a tile depends on each position only through ``kv - q`` (and b, h)."""
-    if node.op == "sub" and all(a.op == "input" for a in node.args) and \
+    if node.op in _DIFFERENCE_OPS and all(a.op == "input" for a in node.args) and \
             sorted(a.attr for a in node.args) == ["kv_idx", "q_idx"]:
-        return True
+        return True  # q - kv, kv - q, and comparisons of q with kv (the sign of q - kv)
     if node.op == "input":
         return node.attr not in ("q_idx", "kv_idx")
     return all(_relative_only(a) for a in node.args)
@@ -98,6 +102,9 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
     if k_g.shape[0] != Bg:  # one key batch for all query batches: the kernel takes the stride-0 view
         k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
     mode = _mode(g, mods)
+    # masks of kv - q alone are built from one value per difference (see _relative_call)
+    relative_mask = (g.G == 1 and mode != "bias"
+                     and (mods.mask_mod is None or _relative_only(mods.mask_mod.root)))
     # masks are [r, c] unless the mods read b or h; keep each call's mask within MASK_ELEMENTS
     per_col = (rows[0].q1 - rows[0].q0) * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
     max_cols = max(MASK_ELEMENTS // per_col, 128)
@@ -112,8 +119,8 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
     for a, b, piece in calls:
         q = query[g.b, g.qh, a:b].reshape(Bg, Hkvg, g.G * (b - a), E)  # GQA: a key head's query heads as rows
         kc, vc = chunk_rows(k_g, piece), chunk_rows(v_g, piece)
-        if mode == "relative" and not piece.partial:
-            o, l = _relative_bias_call(q, kc, vc, mods, a, b, piece.spans[0], scale)
+        if relative_mask and len(piece.spans) == 1 and (piece.partial or mode == "relative"):
+            o, l = _relative_call(q, kc, vc, mods, a, b, piece, scale, mode == "relative")
         else:
             kv = chunk_kv_index(piece, mods.kv_pos)
             mask = _mask(piece, mods, a, b, kv, mode != "mask", q.dtype, g.G)
@@ -130,29 +137,54 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
     lse[g.b, g.qh, q0:q1] = acc_lse.reshape(Bg, Hqg, q1 - q0)
 
 
-def _relative_bias_call(q, k, v, mods, q0: int, q1: int, span: tuple[int, int], scale: float):
-    """One kernel call over key positions ``span`` whose mask is a bias of ``kv - q`` only.
+def _relative_call(q, k, v, mods, q0: int, q1: int, piece: Chunk, scale: float, bias: bool):
+    """One kernel call over the contiguous key span of ``piece`` when its additive mask (the bias,
+    and the mask_mod on its partial columns) depends on positions only through ``kv - q``.
 
-    The bias is evaluated once per difference (``r + c - 1`` values, not ``r * c``), and the
+    The mask is evaluated once per difference (``r + c - 1`` values, not ``r * c``), and the
     ``[r, c]`` tile is a strided view of that vector: with the query rows reversed, entry
     ``(i, j)`` is ``vector[i + j]``. The kernel runs on the reversed rows; its output is flipped back.
+    Only a piece that mixes full and partial blocks needs the tile copied, to unmask its full columns.
     """
-    start, end = span
+    start, end = piece.spans[0]
     r, c = q1 - q0, end - start
     diffs = torch.arange(start - (q1 - 1), end - q0, device=q.device)  # kv - q from the last row up
     values = {"b": mods.b, "h": mods.h, "q_idx": torch.zeros((1, 1, 1, 1), dtype=diffs.dtype, device=q.device),
               "kv_idx": diffs.view(1, 1, 1, -1)}
-    x = evaluate(mods.bias_node, buffers=mods.score_mod.buffers,
-                 **{name: values[name] for name in mods.bias_reads if name in values}).to(q.dtype)
-    if mods.bias_sign < 0:
-        x = x.neg()
-    x = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    at = lambda reads: {name: values[name] for name in reads if name in values}
+    vec = torch.zeros((), dtype=q.dtype, device=q.device)
+    if bias:
+        vec = evaluate(mods.bias_node, buffers=mods.score_mod.buffers, **at(mods.bias_reads)).to(q.dtype)
+        if mods.bias_sign < 0:
+            vec = vec.neg()
+    if piece.partial and mods.mask_mod is not None:
+        allowed = evaluate(mods.mask_mod, **at(mods.mask_reads))
+        vec = torch.where(allowed, vec, _NEG_INF)
+    vec = vec.reshape((1,) * (4 - vec.dim()) + tuple(vec.shape))
     n = r + c - 1
-    x = x.expand(x.shape[0], x.shape[1], 1, n).contiguous()
-    tile = x.as_strided((x.shape[0], x.shape[1], r, c), (x.shape[1] * n, n, 1, 1))
+    vec = vec.expand(vec.shape[0], vec.shape[1], 1, n).contiguous()
+    tile = vec.as_strided((vec.shape[0], vec.shape[1], r, c), (vec.shape[1] * n, n, 1, 1))
+    if piece.partial and mods.mask_mod is not None and not bias:  # (relative pieces never mix)
+        full = _full_columns(piece)
+        if full:
+            tile = tile.contiguous()
+            for off, length in full:  # full blocks are allowed whatever the mask_mod says
+                tile[..., off:off + length] = 0.0
     o, l = _FLASH(q.flip(-2), k, v, attn_mask=tile, scale=scale)
     _fix_dead_rows(l, tile)
     return o.flip(-2), l.flip(-1)
+
+
+def _full_columns(piece: Chunk) -> list[tuple[int, int]]:
+    """``(offset, length)`` column ranges of the piece that are not partial."""
+    out, pos = [], 0
+    for off, length in piece.partial:
+        if off > pos:
+            out.append((pos, off - pos))
+        pos = off + length
+    if pos < piece.n_cols:
+        out.append((pos, piece.n_cols - pos))
+    return out
 
 
 def _mask(piece: Chunk, mods, q0: int, q1: int, kv: torch.Tensor, bias: bool, dtype: torch.dtype, G: int):
