@@ -1,9 +1,10 @@
 """Forward query rows on torch's fused CPU flash-attention kernel.
 
 ``aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=, scale=)`` scores, softmaxes
-and multiplies by ``V`` in cache-sized tiles in one C++ pass, which is what ``torch.compile``
-generates too; the plain-torch path (:func:`flexc.backends.torch_cpu._forward_row`) makes five or
-more passes over each score tile. Each query row range becomes a few kernel calls:
+and multiplies by ``V`` in cache-sized tiles in one C++ pass, as ``torch.compile`` does; the
+plain-torch path (:func:`flexc.backends.torch_cpu._forward_row`) makes five or more passes over
+each score tile. Each query row range becomes a few kernel calls whose outputs are merged with
+their logsumexps:
 
 * without a score_mod, one call over all *full* key blocks with no mask, and calls over the
   *partial* blocks with an additive float mask (0 allowed, -inf blocked) from the mask_mod;
@@ -11,9 +12,14 @@ more passes over each score tile. Each query row range becomes a few kernel call
   blocks with ``+/-X`` (and -inf on blocked pairs) as the additive mask, a bounded number of
   columns at a time. The kernel adds the mask after scaling, exactly where a score_mod applies.
 
-The calls' outputs are merged with their logsumexps. Other score_mods, differing value head
-dims, half precision (the kernel would round each part's output) and ``max_scores`` stay on the
-plain-torch path.
+Two refinements: consecutive rows that share full key blocks (a causal prefix) attend to them in
+one tall call (the kernel is faster on tall queries), over a binary tree of the rows; and a bias
+or mask proven on the IR to read positions only through ``kv - q`` is evaluated once per
+difference and passed as a strided (Toeplitz) view instead of an ``r x c`` tile.
+
+Fully masked rows come back from the kernel with logsumexp 0; they are set to -inf. Other
+score_mods, differing value head dims, half precision (the kernel would round each part's
+output) and ``max_scores`` stay on the plain-torch path.
 """
 from __future__ import annotations
 
@@ -71,12 +77,13 @@ def _mode(g, mods) -> str:
 
 
 def group_tasks(tasks: list, n_workers: int) -> tuple[list, list]:
-    """Row tasks ``(g, mods, row)`` regrouped as ``(g, mods, rows)`` runs of consecutive rows (up to a
-    power of two that leaves at least four tasks per worker), and their costs. A row joins a run
-    only if at least half its keys are full for the run's first row too (else there is no tall
-    call to share: sliding windows). Groups with GQA or a general bias keep one row per task."""
+    """Row tasks ``(g, mods, row)`` regrouped as ``(g, mods, rows)`` runs of consecutive rows, and
+    their costs. Runs have up to a power of two rows (at most 8) that leaves four tasks per worker.
+    A row joins a run only if at least half its keys are full for the run's first row too (else
+    there is no tall call to share: sliding windows). GQA or a general bias keep one row a task."""
     size = 1
-    while len(tasks) // (2 * size) >= 4 * n_workers and size < 64:
+    # at most 8 rows: each task holds its rows' output twice or so (tall parts and their sum)
+    while len(tasks) // (2 * size) >= 4 * n_workers and size < 8:
         size *= 2
     out: list = []
     for g, mods, row in tasks:

@@ -10,6 +10,10 @@ GQA runs without copying keys: the ``G`` query heads that share a key head are s
 so ``q [B, Hkv, G*r, E] @ k^T [B, Hkv, E, c]`` scores all of them at once, and the same memory
 read as ``[B, Hq, r, c]`` is what the mods see.
 
+Forwards without a score_mod or with a bias-form one (``score +/- X``), in fp32/fp64 with equal
+query and value head dims, run on torch's fused CPU flash kernel instead
+(:mod:`flexc.backends.fused_cpu`); this module's row loop serves the rest and ``max_scores``.
+
 The backward recomputes each row's scores, forms ``dS`` from the saved logsumexp, and lets
 autograd carry ``dS`` through the score_mod to the raw scores and the captured tensors. Large
 jobs spread their rows over single-threaded workers (:mod:`flexc.backends.workers`).
