@@ -29,6 +29,10 @@ def _window(b, h, q, kv):
     return (q >= kv) & (q - kv <= 70)
 
 
+def _window_per_head(b, h, q, kv):  # relative (kv - q only) but head- and batch-dependent
+    return (q >= kv) & (q - kv <= 30 * (h + 1) + 20 * b)
+
+
 def _documents(b, h, q, kv):  # many separate partial blocks per row, varying by batch
     return (q // (37 + 11 * b)) == (kv // (37 + 11 * b))
 
@@ -78,7 +82,7 @@ def _check(q, k, v, mask_mod, score_mod=None, gqa=False, atol=2e-5, block=BLOCK,
     return out, lse
 
 
-@pytest.mark.parametrize("mask_mod", [_causal, _window, _documents, _per_head])
+@pytest.mark.parametrize("mask_mod", [_causal, _window, _window_per_head, _documents, _per_head])
 @pytest.mark.parametrize("score_mod", [None, _alibi, _minus_distance, _absolute_positions])
 def test_fused_forward_matches_dense_reference(calls, mask_mod, score_mod):
     _check(*_qkv(), mask_mod, score_mod)
@@ -93,7 +97,7 @@ def test_fused_forward_with_gqa_and_broadcast_key_batch(calls, mask_mod, mask_he
     assert calls["tasks"] > 0
 
 
-@pytest.mark.parametrize("mask_mod", [_causal, _window, _documents, _per_head])
+@pytest.mark.parametrize("mask_mod", [_causal, _window, _window_per_head, _documents, _per_head])
 @pytest.mark.parametrize("score_mod", [None, _alibi, _absolute_positions])
 def test_tall_calls_over_consecutive_rows_match_dense_reference(calls, mask_mod, score_mod):
     # small blocks give many rows, which are grouped so shared full spans are attended once
