@@ -17,6 +17,16 @@ def index_tensors(B: int, H: int, L: int, S: int):
             torch.arange(L).view(1, 1, L, 1), torch.arange(S).view(1, 1, 1, S))
 
 
+def random_qkv(B: int, Hq: int, Hkv: int, L: int, S: int, E: int, Ev: int | None = None,
+               dtype: torch.dtype = torch.float32, Bkv: int | None = None, seed: int = 0):
+    """Seeded ``q [B,Hq,L,E]``, ``k [Bkv,Hkv,S,E]``, ``v [Bkv,Hkv,S,Ev]``, drawn in float64 then cast."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, L, E, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(Bkv or B, Hkv, S, E, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(Bkv or B, Hkv, S, Ev or E, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
 def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64):
     """``(out, lse, max_scores)`` of flex attention in ``dtype``, by dense evaluation.
 

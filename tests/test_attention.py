@@ -9,7 +9,7 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
 from catalogue import mask_catalogue, score_catalogue
-from reference import dense_attention
+from reference import dense_attention, random_qkv
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
               pytest.mark.filterwarnings("ignore:return_lse is deprecated")]
@@ -21,11 +21,7 @@ SCORES = score_catalogue(B, H, L, S)
 
 
 def _qkv(B=B, Hq=H, Hkv=H, L=L, S=S, E=E, Ev=None, dtype=torch.float32, Bkv=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, L, E, generator=g, dtype=torch.float64).to(dtype)
-    k = torch.randn(Bkv or B, Hkv, S, E, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(Bkv or B, Hkv, S, Ev or E, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v
+    return random_qkv(B, Hq, Hkv, L, S, E, Ev, dtype, Bkv, seed)
 
 
 def _close(actual, expected, atol, rtol=0.0):
