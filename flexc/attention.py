@@ -63,6 +63,28 @@ def _grad_slots(score_mod: TracedMod | None) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(score_mod.buffers) if t.is_floating_point() and t.requires_grad)
 
 
+def prepare_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
+                 block_mask: Any, scale: float | None, enable_gqa: bool, kernel_options: dict | None,
+                 outputs: tuple[Any, Any] | None = None) -> tuple[float, dict, TracedMod | None, TracedMod | None]:
+    """Validate a call's inputs (before any work) and trace its mods.
+
+    ``outputs`` is flex_attention's ``(return_lse, return_aux)``, checked in its place in the order.
+    Returns ``(scale, kernel_options with defaults, traced score_mod or None, traced mask_mod or None)``;
+    shared by :func:`flex_attention` and :func:`flexc.kernel_source` so both see one set of rules.
+    """
+    validate.check_tensors(query, key, value, enable_gqa)
+    if outputs is not None:
+        validate.check_flags(enable_gqa, *outputs)
+    validate.check_mod(score_mod)
+    validate.check_block_mask(block_mask, query, key)
+    scale = validate.check_scale(scale, query)
+    options = validate.check_kernel_options(kernel_options)
+    traced_score = trace(score_mod, SCORE_MOD) if score_mod is not None else None
+    mask_fn = getattr(block_mask, "mask_mod", None)
+    traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
+    return scale, options, traced_score, traced_mask
+
+
 class _FlexAttentionFunction(torch.autograd.Function):
     """Forward on the chosen backend; backward recomputes scores per query row on the torch path."""
 
@@ -119,17 +141,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         >>> causal = flexc.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
         >>> out = flexc.flex_attention(q, k, v, block_mask=causal)
     """
-    validate.check_tensors(query, key, value, enable_gqa)
-    validate.check_flags(enable_gqa, return_lse, return_aux)
-    validate.check_mod(score_mod)
-    validate.check_block_mask(block_mask, query, key)
-    scale = validate.check_scale(scale, query)
-    options = validate.check_kernel_options(kernel_options)
+    scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
+                                                             enable_gqa, kernel_options,
+                                                             outputs=(return_lse, return_aux))
     backend = _choose_backend(options, query.device)
-
-    traced_score = trace(score_mod, SCORE_MOD) if score_mod is not None else None
-    mask_fn = getattr(block_mask, "mask_mod", None)
-    traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
     want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
     want_max = bool(return_aux is not None and return_aux.max_scores)
 

@@ -31,6 +31,7 @@ import torch
 from . import ir
 from .affine import AffineForm, affine_difference
 from .range_tables import RangeMinMax
+from .tiles import cdiv
 from .trace import MASK_MOD, TracedMod
 
 EMPTY, UNDECIDED, FULL = 0, 1, 2
@@ -85,7 +86,7 @@ def classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q
     device = torch.device(device)
     sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
     analysis = _Analysis(traced.root, traced.buffers, sizes, device)
-    n_q, n_kv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    n_q, n_kv = cdiv(Q_LEN, Q_BLOCK), cdiv(KV_LEN, KV_BLOCK)
     out = torch.empty(B, H, n_q, n_kv, dtype=torch.int8, device=device)
     rows = max(1, _TILES_PER_CHUNK // max(1, B * H * n_kv))
     f64 = dict(dtype=torch.float64, device=device)

@@ -25,7 +25,8 @@ import torch
 
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
                                padded_head_dim)
-from ..trace import MASK_MOD, SCORE_MOD, TracedMod, trace
+from ..tiles import cdiv
+from ..trace import TracedMod
 
 _FORWARD_OPTIONS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
@@ -289,17 +290,13 @@ def source_for(spec: ForwardSpec) -> str:
 
 # ---- launching ----------------------------------------------------------------------------
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _tables(block_mask: Any, spec: ForwardSpec, S: int, device: torch.device) -> list[torch.Tensor]:
     """``[partial counts, partial indices, (full counts, full indices)]`` as contiguous int32."""
     if block_mask is None:
-        n = max(1, _cdiv(S, spec.kv_block_size))
+        n = max(1, cdiv(S, spec.kv_block_size))
         return [torch.zeros((1, 1, 1), dtype=torch.int32, device=device),
                 torch.zeros((1, 1, 1, n), dtype=torch.int32, device=device),
-                torch.full((1, 1, 1), _cdiv(S, spec.kv_block_size), dtype=torch.int32, device=device),
+                torch.full((1, 1, 1), cdiv(S, spec.kv_block_size), dtype=torch.int32, device=device),
                 torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n)]
     names = ["kv_num_blocks", "kv_indices"] + (["full_kv_num_blocks", "full_kv_indices"] if spec.has_full_blocks else [])
     tables = [getattr(block_mask, n).to(device=device, dtype=torch.int32).contiguous() for n in names]
@@ -339,6 +336,14 @@ def _empty_like_query(query: torch.Tensor, v_head_dim: int) -> torch.Tensor:
     return torch.empty_permuted((B, H, L, v_head_dim), order, dtype=query.dtype, device=query.device)
 
 
+def _constexprs(spec: ForwardSpec) -> dict[str, int]:
+    """The kernel's compile-time arguments for ``spec``."""
+    return dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
+                KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
+                HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
+                V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
+
+
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -360,9 +365,9 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     tables = _tables(block_mask, spec, S, device)
     Bm, Hm, nQ = tables[0].shape
     nKV = tables[1].shape[-1]
-    if spec.q_block_size != NO_BLOCK_MASK and nQ < _cdiv(L, spec.q_block_size):
+    if spec.q_block_size != NO_BLOCK_MASK and nQ < cdiv(L, spec.q_block_size):
         raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
-                         f"{_cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
+                         f"{cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
     stride_kb = key.stride(0) if Bkv == B else 0
     stride_vb = value.stride(0) if Bkv == B else 0
     shapes = [float(scale), L, S, Hq // Hkv,
@@ -375,11 +380,8 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
         buffers = (_buffer_arguments(score_mod, kernel.generated.score_params, device)
                    + _buffer_arguments(mask_mod, kernel.generated.mask_params, device))
         args = [query, key, value, out] + ([lse] if lse is not None else []) + tables + buffers + shapes
-        constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
-                         KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
-                         HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
-                         V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
-        grid = (_cdiv(L, spec.block_m), Hq, B)
+        constants = _constexprs(spec)
+        grid = (cdiv(L, spec.block_m), Hq, B)
         if spec.target == "interpreter":
             with _interpreter_lock:
                 kernel.fn[grid](*args, **constants)
@@ -408,6 +410,16 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
             spec = smaller
 
 
+def _spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                   mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None,
+                   need_lse: bool) -> ForwardSpec:
+    """The kernel spec that a flex_attention call with these (validated) arguments runs."""
+    block_size = _block_sizes(block_mask) if block_mask is not None else None
+    has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
+    return make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], block_size,
+                     kernel_options, _target(query.device), need_lse, has_full)
+
+
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                    mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
                    need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -416,11 +428,7 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
     (block sizes against tiles, devices of captured tensors).
     """
-    target = _target(query.device)
-    block_size = _block_sizes(block_mask) if block_mask is not None else None
-    has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
-    spec = make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], block_size, kernel_options,
-                     target, need_lse, has_full)
+    spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
     return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
 
 
@@ -434,20 +442,11 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     >>> print(flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=causal))  # doctest: +SKIP
     """
-    from .. import validate
+    from ..attention import prepare_call
 
-    validate.check_tensors(query, key, value, enable_gqa)
-    validate.check_mod(score_mod)
-    validate.check_block_mask(block_mask, query, key)
-    validate.check_scale(scale, query)
-    options = validate.check_kernel_options(kernel_options)
-    traced_score = trace(score_mod, SCORE_MOD) if score_mod is not None else None
-    mask_fn = getattr(block_mask, "mask_mod", None)
-    traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
-    block_size = _block_sizes(block_mask) if block_mask is not None else None
-    has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
-    spec = make_spec(traced_score, traced_mask, query.dtype, query.shape[-1], value.shape[-1], block_size, options,
-                     _target(query.device), return_lse, has_full)
+    _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
+                                                         enable_gqa, kernel_options)
+    spec = _spec_for_call(query, value, traced_score, traced_mask, block_mask, options, return_lse)
     return source_for(spec)
 
 
@@ -471,10 +470,7 @@ def compile_offline(spec: ForwardSpec, capability: int = 90, warp_size: int = 32
     generated = generate_forward(spec)
     module, _ = import_source(generated.source, "cuda")
     fn = getattr(module, KERNEL_NAME)
-    constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
-                     KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
-                     HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
-                     V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
+    constants = _constexprs(spec)
     buffer_types = {}
     for traced, params in ((spec.score_mod, generated.score_params), (spec.mask_mod, generated.mask_params)):
         for p in params:
