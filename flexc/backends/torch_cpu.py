@@ -204,6 +204,37 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element is finite: one sum per tensor (NaN and inf survive a sum). A sum that
+    overflows reports False, which only costs the slower NaN-safe path."""
+    return all(bool(torch.isfinite(t.sum(dtype=_work_dtype(t.dtype)))) for t in tensors)
+
+
+def _matmul_skipping_zeros(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in which an exact zero of ``a`` contributes 0 even where ``b`` holds NaN or inf.
+
+    A plain matmul gives ``0 * NaN = NaN``, so a masked key (probability 0) whose value row holds
+    NaN would poison its query row. Here non-finite entries of ``b`` are zeroed for the product and
+    what the nonzero entries of ``a`` make of them (NaN, +inf or -inf per output element) is added
+    back, from 0/1 products over the few key rows (dim -2 of ``b``) that hold such entries.
+    """
+    bad = ~torch.isfinite(b)
+    rows = bad.any(-1).reshape(-1, b.shape[-2]).any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return torch.matmul(a, b)
+    out = torch.matmul(a, b.masked_fill(bad, 0.0))
+    a_sel, b_sel = a[..., rows], b[..., rows, :]
+    pos, neg = (a_sel > 0).to(out.dtype), (a_sel < 0).to(out.dtype)
+    is_nan = b_sel.isnan().to(out.dtype)
+    is_pinf, is_ninf = (b_sel == float("inf")).to(out.dtype), (b_sel == float("-inf")).to(out.dtype)
+    n_nan = torch.matmul(pos + neg, is_nan)  # (a NaN in ``a`` already made the product NaN)
+    n_pinf = torch.matmul(pos, is_pinf) + torch.matmul(neg, is_ninf)
+    n_ninf = torch.matmul(pos, is_ninf) + torch.matmul(neg, is_pinf)
+    nan = (n_nan > 0) | ((n_pinf > 0) & (n_ninf > 0))
+    inf = torch.where(n_pinf > 0, float("inf"), torch.where(n_ninf > 0, float("-inf"), 0.0)).to(out.dtype)
+    return out.add_(inf.masked_fill_(nan, float("nan")))
+
+
 # ---- forward -----------------------------------------------------------------------------
 
 def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -227,10 +258,17 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     out = torch.empty(B, Hq, L, Ev, dtype=query.dtype, device=query.device)  # rows are written once
     lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
+    if B * Hq * L == 0:
+        return out, lse, row_max
     tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
     _zero_rows_without_blocks(out, groups, tasks, L)
-    fused = bool(tasks) and fused_cpu.supported(query, value, tasks[0][1], need_max)
+    # Masked pairs must contribute exactly 0 whatever q/k/v hold; the fast paths (an additive -inf
+    # mask, torch's fused kernel) turn NaN or inf there into NaN, so they need finite inputs.
+    masked = bool(tasks) and tasks[0][1].mask_mod is not None
+    finite = not masked or _all_finite(query, key, value)
+    fused = bool(tasks) and finite and fused_cpu.supported(query, value, tasks[0][1], need_max)
     if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
+        query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
         n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
         tasks, costs = fused_cpu.group_tasks(tasks, n_workers)
 
@@ -239,7 +277,7 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         if fused:
             fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale)
         else:
-            _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
+            _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite)
 
     workers.run(tasks, costs, one_row, n_workers, dynamic=True)  # rows write disjoint slices of out/lse
     return out, lse, row_max
@@ -281,8 +319,13 @@ def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: 
     return q.reshape(Bg, Hg // g.G, g.G * r, E)  # a copy only for non-contiguous queries
 
 
-def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work):
-    """One query row range: scores in log2 units (``s * log2(e)``), online softmax over its chunks."""
+def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work,
+                 finite: bool = True):
+    """One query row range: scores in log2 units (``s * log2(e)``), online softmax over its chunks.
+
+    ``finite=False`` (q/k/v may hold NaN or inf) masks by selection and keeps masked keys' values
+    out of the product, so masked pairs contribute exactly 0.
+    """
     q0, q1 = row.q0, row.q1
     # unless a general score_mod needs natural-log scores, fold log2(e) into the query so the
     # matmul yields base-2 scores directly
@@ -309,17 +352,20 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         vc = chunk_rows(v_g, chunk).to(work)
         s = torch.matmul(qb, kc.transpose(-1, -2))  # [Bg, Hkv_g, G*r, c]
         s4 = s.view(Bg, Hqg, r, chunk.n_cols)
+        blocked = mods.blocked(chunk, q0, q1, kv)
         if general_mod:
             modded = mods.score(s4, q0, q1, kv)
             if modded is not s4:
                 s4.copy_(modded)  # broadcasts and casts into the buffer we own
             s4.mul_(LOG2E)
-            _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
+            _fill(s4, blocked, _NEG_INF)
         elif bias_mod:
             s4.add_(mods.bias(q0, q1, kv), alpha=mods.bias_sign * LOG2E)
-            _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
+            _fill(s4, blocked, _NEG_INF)
+        elif finite:
+            _add_minus_inf(s4, blocked)
         else:
-            _add_minus_inf(s4, mods.blocked(chunk, q0, q1, kv))
+            _fill(s4, blocked, _NEG_INF)
         m_new = s4.amax(-1, keepdim=True)
         if m is not None:
             m_new = torch.maximum(m, m_new)
@@ -332,15 +378,20 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
             alpha = (m - m_safe).exp2_()
             l.mul_(alpha).add_(p_sum)
             acc.mul_(alpha)
-        # the first chunk overwrites (beta=0 ignores whatever the rows held)
-        acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)
+        if finite or not blocked:
+            # the first chunk overwrites (beta=0 ignores whatever the rows held)
+            acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)
+        else:
+            part = _matmul_skipping_zeros(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg))
+            acc3.copy_(part) if first else acc3.add_(part)
         first = False
         m = m_new
     acc.div_(torch.where(l == 0, 1.0, l))  # fully masked rows: acc is 0, output 0
     if not direct:
         out[g.b, g.qh, q0:q1] = acc
     m_safe = m.masked_fill(m == _NEG_INF, 0.0)
-    lse[g.b, g.qh, q0:q1] = torch.where(l > 0, (m_safe + torch.log2(l)) * LN2, _NEG_INF).squeeze(-1)
+    # l is 0 only for rows with nothing allowed; NaN (a NaN or +inf score) stays NaN, as in torch
+    lse[g.b, g.qh, q0:q1] = torch.where(l == 0, _NEG_INF, (m_safe + torch.log2(l)) * LN2).squeeze(-1)
     if row_max is not None:
         row_max[g.b, g.qh, q0:q1] = (m * LN2).squeeze(-1)
 
@@ -367,12 +418,15 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         buffers[slot] = buffers[slot].detach().requires_grad_()
         leaves.append(buffers[slot])
     buf_grads = [torch.zeros_like(t) for t in leaves]
+    if B * Hq * L == 0:
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), buf_grads
     # delta = rowsum(dO * out) - dLSE: the softmax Jacobian's correction, as in the flash backward
     delta = (grad_out.to(work) * out.to(work)).sum(-1, keepdim=True)
     if grad_lse is not None:
         delta = delta - grad_lse.to(work).unsqueeze(-1)
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+    finite = not (tasks and tasks[0][1].mask_mod is not None) or _all_finite(query, key, value)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
     sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
                                     for _ in range(n_workers - 1)]
@@ -381,7 +435,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         g, mods, row = task
         dk_w, dv_w, buf_w = sums[worker]
         _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
-                      buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1)
+                      buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite)
 
     workers.run(tasks, costs, one_row, n_workers)
     for dk_w, dv_w, buf_w in sums[1:]:
@@ -401,7 +455,7 @@ def _add_rows(acc_rows: torch.Tensor, chunk: Chunk, update: torch.Tensor) -> Non
 
 
 def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
-                  g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool):
+                  g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool, finite: bool = True):
     q0, q1 = row.q0, row.q1
     qb = _scaled_query_rows(query, g, q0, q1, scale, work)
     Bg, Hkvg, Gr, E = qb.shape
@@ -434,6 +488,8 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
         dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
         dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
         ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
+        if not finite:
+            _fill(ds, blocked, 0.0)  # a masked NaN/inf value made dp NaN there: keep it from the buffers
         if post is not None:
             wrt = ([s4] if s4.requires_grad else []) + leaves
             grads = torch.autograd.grad(post, wrt, ds, allow_unused=True) if post.requires_grad and wrt else [None] * len(wrt)
@@ -445,8 +501,10 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
             ds = ds.contiguous()
             _fill(ds, blocked, 0.0)  # masked entries never reach the output, whatever the mod's slope
             ds_g = ds.view(Bg, Hkvg, Gr, -1)
-            dq_r.add_(torch.matmul(ds_g, kc), alpha=scale)
-            dk_c = torch.matmul(ds_g.transpose(-1, -2), qb)
+            # a masked pair (dS = 0) must not bring a NaN or inf key into dq, or such a query into dk
+            matmul = torch.matmul if finite or not blocked else _matmul_skipping_zeros
+            dq_r.add_(matmul(ds_g, kc), alpha=scale)
+            dk_c = matmul(ds_g.transpose(-1, -2), qb)
             _add_rows(dk_g, chunk, dk_c.sum(0, keepdim=True) if sum_kv_batch else dk_c)
         _add_rows(dv_g, chunk, dv_c.sum(0, keepdim=True) if sum_kv_batch else dv_c)
     dq[g.b, g.qh, q0:q1] = dq_r.view(Bg, Hqg, r, E)
