@@ -93,7 +93,8 @@ def flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         row_max = None
     if row_max is None:
         row_max = query.new_empty((0,), dtype=torch.float32)
-    return out, lse, row_max
+    # contiguous whatever a backend chose, as the fake implementation promises
+    return out.contiguous(), lse.contiguous(), row_max
 
 
 @flex_attention_op.register_fake
@@ -120,14 +121,15 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     with _autograd_enabled():  # carries dS through the score_mod
         dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
                                                block_mask, scale, tuple(grad_slots))
-    return dq, dk, dv, list(buf_grads)
+    # contiguous whatever the inputs' strides, as the fake implementation promises
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), [g.contiguous() for g in buf_grads]
 
 
 @flex_attention_backward_op.register_fake
 def _(query, key, value, out, lse, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
       mask_mod, block_size, seq_lengths, scale, grad_slots):
-    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
-            [torch.empty_like(score_buffers[i]) for i in grad_slots])
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+            [score_buffers[i].new_empty(score_buffers[i].shape) for i in grad_slots])
 
 
 def _setup_context(ctx, inputs, output):
