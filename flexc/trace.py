@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import ir
+from .promotion import weak_pair
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
 SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -336,6 +337,8 @@ def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
     if op in ir.LOGIC_OPS and ir.FLOAT in (a.kind, b.kind):
         t.fail(f"`{ir._SYMBOLS[op]}` on a float value ({a} {ir._SYMBOLS[op]} {b})",
                "use `&`, `|`, `^` on comparisons (bools) or integer indices")
+    if op != "pow":  # torch converts a Python int to a narrow integer operand's dtype (wrapping)
+        a, b = weak_pair(a, b)
     return ir.binary(op, a, b)
 
 
@@ -541,7 +544,7 @@ def _masked_fill(t: _Tracer, x: Any, mask: Any, value: Any) -> "Proxy":
     if m.kind != ir.BOOL:
         t.fail(f"masked_fill's mask `{m}` is {'an' if m.kind == ir.INT else 'a'} {m.kind}, not a bool",
                "pass a comparison such as `q_idx < kv_idx`")
-    return t.wrap(ir.where(m, t.to_node(value), t.to_node(x)))
+    return t.wrap(ir.where(m, *weak_pair(t.to_node(value), t.to_node(x))))
 
 
 def _as_bool(t: _Tracer, x: Any) -> ir.Node:
@@ -552,9 +555,9 @@ def _as_bool(t: _Tracer, x: Any) -> ir.Node:
 def _clamp(t: _Tracer, x: Any, min: Any = None, max: Any = None) -> "Proxy":
     node = t.to_node(x)
     if min is not None:
-        node = ir.binary("max", node, t.to_node(min))
+        node = _binary(t, "max", node, t.to_node(min))
     if max is not None:
-        node = ir.binary("min", node, t.to_node(max))
+        node = _binary(t, "min", node, t.to_node(max))
     return t.wrap(node)
 
 
@@ -562,7 +565,7 @@ def _where(t: _Tracer, cond: Any, x: Any, y: Any) -> "Proxy":
     c = t.to_node(cond)
     if c.kind != ir.BOOL:
         t.fail(f"torch.where's condition `{c}` is {'an' if c.kind == ir.INT else 'a'} {c.kind}, not a bool", "pass a comparison such as `q_idx >= kv_idx`")
-    return t.wrap(ir.where(c, t.to_node(x), t.to_node(y)))
+    return t.wrap(ir.where(c, *weak_pair(t.to_node(x), t.to_node(y))))
 
 
 def _div(t: _Tracer, x: Any, y: Any, rounding_mode: str | None = None) -> "Proxy":
