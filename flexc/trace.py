@@ -196,6 +196,10 @@ class _Tracer:
             if isinstance(x, float) and math.isnan(x):
                 self.fail("a NaN constant", "use a finite number or -inf")
             return ir.const(x)
+        if _is_numpy_array(x):
+            self.fail(f"{what} is a numpy array (shape {list(x.shape)}, {x.dtype}); flexc captures torch "
+                      f"tensors only", "convert it once, outside the mod: `table = torch.as_tensor(table)`, "
+                      "then index it with the mod's arguments")
         if hasattr(x, "dtype") and hasattr(x, "item") and not isinstance(x, torch.Tensor):  # numpy scalar
             return ir.const(x.item())
         if isinstance(x, torch.Tensor):
@@ -337,6 +341,9 @@ def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
     if op in ir.LOGIC_OPS and ir.FLOAT in (a.kind, b.kind):
         t.fail(f"`{ir._SYMBOLS[op]}` on a float value ({a} {ir._SYMBOLS[op]} {b})",
                "use `&`, `|`, `^` on comparisons (bools) or integer indices")
+    if op in ("floordiv", "mod") and b.op == "const" and b.attr == 0 and ir.FLOAT not in (a.kind, b.kind):
+        t.fail(f"integer division by zero (`{a} {ir._SYMBOLS[op]} 0`); torch raises ZeroDivisionError for it",
+               "divide by a non-zero number, or use `/` (true division) on floats")
     if op != "pow":  # torch converts a Python int to a narrow integer operand's dtype (wrapping)
         a, b = weak_pair(a, b)
     return ir.binary(op, a, b)
@@ -422,6 +429,19 @@ class Proxy:
 
     def __getitem__(self, key):
         self.tracer.fail(f"indexing the traced scalar `{self.node}`", "index captured tensors, not the mod's arguments")
+
+    # -- numpy: it cannot build graph nodes, so every way a proxy reaches it is an error --
+    def __array__(self, *args, **kwargs):
+        self.tracer.fail(f"the traced value `{self.node}` was passed to numpy (a numpy function, or an index "
+                         f"into a numpy array); numpy needs concrete values", _NUMPY_FIX)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        self.tracer.fail(f"numpy's `np.{ufunc.__name__}` was called on the traced value `{self.node}`; numpy "
+                         f"cannot be traced", _NUMPY_FIX)
+
+    def __array_function__(self, func, types, args, kwargs):
+        self.tracer.fail(f"numpy's `np.{func.__name__}` was called on the traced value `{self.node}`; numpy "
+                         f"cannot be traced", _NUMPY_FIX)
 
     def __setitem__(self, key, value):
         self.tracer.fail("assigning into a traced value", "compute a new value instead")
@@ -571,9 +591,9 @@ def _where(t: _Tracer, cond: Any, x: Any, y: Any) -> "Proxy":
 def _div(t: _Tracer, x: Any, y: Any, rounding_mode: str | None = None) -> "Proxy":
     a, b = t.to_node(x), t.to_node(y)
     if rounding_mode is None:
-        return t.wrap(ir.binary("truediv", a, b))
+        return t.wrap(_binary(t, "truediv", a, b))
     if rounding_mode == "floor":
-        return t.wrap(ir.binary("floordiv", a, b))
+        return t.wrap(_binary(t, "floordiv", a, b))
     t.fail(f"torch.div with rounding_mode={rounding_mode!r}", "use rounding_mode='floor' (or `//`), or plain `/`")
 
 
@@ -651,8 +671,34 @@ def _mutates(name: str) -> bool:
             or (name.endswith("_") and not name.endswith("__")))
 
 
+# torch functions that draw random numbers: traced once, their values would be frozen into the
+# graph, so they are rejected as torch's vmap rejects randomness.
+_RANDOM_FUNCS = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+    "bernoulli", "multinomial", "poisson", "binomial", "dropout", "alpha_dropout", "feature_alpha_dropout",
+    "dropout1d", "dropout2d", "dropout3d", "rrelu", "native_dropout",
+})
+
+
+def _reject_random(tracer: _Tracer, name: str) -> None:
+    if name in _RANDOM_FUNCS:
+        tracer.fail(f"`torch.{name}` draws random numbers inside the mod; flexc traces a mod once, so the values would "
+                    f"be frozen into one constant for every position (torch's vmap rejects this too)",
+                    "draw the tensor once outside the mod and capture it, e.g. `noise = torch.randn(L, S)` "
+                    "and return `score + noise[q_idx, kv_idx]`")
+
+
+def _is_numpy_array(x: Any) -> bool:
+    return type(x).__module__ == "numpy" and type(x).__name__ == "ndarray"
+
+
+_NUMPY_FIX = ("use the torch function instead (torch.where, torch.logical_and, torch.exp, `&`, `|`, ...), and "
+              "convert captured numpy arrays to tensors once, outside the mod: `table = torch.as_tensor(table)`")
+
+
 def _dispatch(tracer: _Tracer, func: Callable, args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", repr(func))
+    _reject_random(tracer, name)
     if name == "__getitem__" and isinstance(args[0], torch.Tensor):
         return tracer.index(args[0], args[1])
     if _mutates(name):
@@ -687,6 +733,7 @@ class _TraceMode(TorchFunctionMode):
         if any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
             return _dispatch(self.tracer, func, args, kwargs)
         name = getattr(func, "__name__", "")
+        _reject_random(self.tracer, name)
         if _mutates(name) and args and isinstance(args[0], torch.Tensor):
             self.tracer.fail(f"`{name}` mutates a tensor inside the mod",
                              "mods must be pure: compute new values instead of writing into captured tensors")
