@@ -15,12 +15,12 @@ from typing import Optional
 import torch
 
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
-from .block_mask import BlockMask
+from .block_mask import DERIVED, BlockMask
 from .mod_key import traced_from_key
 
-# The BlockMask tables in the order the ops take them (None for the ones a mask does not keep).
-TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+# The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
+# The forward and the backward walk query rows, so the q-direction tables are never needed.
+TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 
 
 def lse_dtype(query: torch.Tensor, backend: str) -> torch.dtype:
@@ -32,7 +32,7 @@ def lse_dtype(query: torch.Tensor, backend: str) -> torch.dtype:
 def _block_mask(tables: list, block_size: list[int], seq_lengths: list[int], mask_mod) -> BlockMask | None:
     if not block_size:
         return None
-    return BlockMask(tuple(seq_lengths), *tables, BLOCK_SIZE=tuple(block_size),
+    return BlockMask(tuple(seq_lengths), *tables, *(DERIVED,) * 4, BLOCK_SIZE=tuple(block_size),
                      mask_mod=mask_mod if mask_mod is not None else _noop)
 
 

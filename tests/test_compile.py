@@ -160,7 +160,9 @@ def test_mod_key_round_trip_over_the_catalogue():
 def test_block_mask_is_a_pytree_node():
     doc = torch.tensor([0] * 40 + [1] * 56)
     bm = _document_causal(doc)
+    lazy = bm._q_tables is None
     leaves, spec = pytree.tree_flatten({"mask": bm})
+    assert (bm._q_tables is None) == lazy  # flattening does not build q tables still to be derived
     assert sum(isinstance(t, torch.Tensor) for t in leaves) >= 4
     back = pytree.tree_unflatten(leaves, spec)["mask"]
     assert back.mask_mod is bm.mask_mod and back.BLOCK_SIZE == bm.BLOCK_SIZE
