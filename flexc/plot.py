@@ -8,9 +8,10 @@ coloured by what flexc's ``BlockMask`` does with its tile:
 - **partial tile**: the kernel runs the mask_mod; its allowed and masked elements get two colours,
 - **empty tile**: never visited.
 
-The mask_mod is evaluated only at the cells' centres inside partial tiles, so a 65536 x 65536
-mask costs a few megabytes, never the ``L x S`` matrix. A score_mod is drawn as a heat map of
-``score_mod(0, b, h, q_idx, kv_idx)`` (the bias it adds) with masked elements left blank.
+The mask_mod is evaluated only at the cells' centres (and read only inside partial tiles), so a
+65536 x 65536 mask costs a few megabytes, never the ``L x S`` matrix. A score_mod is drawn as a heat map of
+``score_mod(0, b, h, q_idx, kv_idx)`` (the bias it adds; another ``score`` may be given) with
+masked elements left blank.
 """
 from __future__ import annotations
 
@@ -80,9 +81,28 @@ def _mask_of(block_mask: BlockMask) -> Any:
     return traced if traced.kind == MASK_MOD else None
 
 
-def raster(block_mask: BlockMask, *, score_mod: Callable | None = None, batch: int = 0, head: int = 0,
-           max_pixels: int = 1024) -> Raster:
-    """The cells :func:`plot` colours for one (batch, head) of ``block_mask`` (see the module docstring)."""
+def _score_input(score: float | torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+                 seq_lengths: tuple[int, int]) -> torch.Tensor:
+    """The ``score`` a score_mod sees at the sampled cells: a number, or a tensor broadcasting to [Q_LEN, KV_LEN]."""
+    if isinstance(score, torch.Tensor):
+        try:
+            full = score.to(torch.float64).broadcast_to(seq_lengths)  # a view: nothing L x S is allocated
+        except RuntimeError:
+            raise ValueError(f"plot: score must broadcast to [Q_LEN, KV_LEN] = {list(seq_lengths)}, got shape "
+                             f"{list(score.shape)}. Fix: pass a number, or a [Q_LEN, KV_LEN], [1, KV_LEN] or "
+                             f"[Q_LEN, 1] tensor.") from None
+        return full[q_pos][:, kv_pos]
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise TypeError(f"plot: score must be a number or a tensor, got {type(score).__name__}.")
+    return torch.tensor(float(score), dtype=torch.float64)
+
+
+def raster(block_mask: BlockMask, *, score_mod: Callable | None = None, score: float | torch.Tensor = 0.0,
+           batch: int = 0, head: int = 0, max_pixels: int = 1024) -> Raster:
+    """The cells :func:`plot` colours for one (batch, head) of ``block_mask`` (see the module docstring).
+
+    With a ``score_mod``, ``values`` holds ``score_mod(score, b, h, q_idx, kv_idx)`` at each cell.
+    """
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"raster: block_mask must be a flexc BlockMask, got {type(block_mask).__name__}. "
                         f"Fix: build one with flexc.create_block_mask or BlockMask.from_torch.")
@@ -111,7 +131,8 @@ def raster(block_mask: BlockMask, *, score_mod: Callable | None = None, batch: i
         traced = trace(score_mod)
         if traced.kind != SCORE_MOD:
             raise TypeError(f"plot: score_mod must take (score, b, h, q_idx, kv_idx), got a {traced.kind}.")
-        values = evaluate(traced, score=torch.zeros((), dtype=torch.float64), b=b, h=h, q_idx=q_pos[:, None],
+        values = evaluate(traced, score=_score_input(score, q_pos, kv_pos, (q_len, kv_len)), b=b, h=h,
+                          q_idx=q_pos[:, None],
                           kv_idx=kv_pos[None, :]).to(torch.float64).expand(tile.shape).clone()
         values[(codes == EMPTY) | (codes == PARTIAL_MASKED)] = float("nan")
     return Raster(codes, q_pos, kv_pos, (q_len, kv_len), (q_block, kv_block), values)
@@ -152,6 +173,7 @@ def _allow_all(b, h, q_idx, kv_idx):
 def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | None = None,
          KV_LEN: int | None = None, *, mask_mod: Callable | BlockMask | None = None, batch: int = 0,
          head: int = 0, BLOCK_SIZE: int | tuple[int, int] = 128, max_pixels: int = 1024,
+         score: float | torch.Tensor = 0.0,
          title: str | None = None, ax: Any = None, path: str | None = None, dpi: int = 100) -> Any:
     """Draw a BlockMask, a mask_mod or a score_mod; return the matplotlib ``Figure``.
 
@@ -159,8 +181,10 @@ def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | N
       elements its mask_mod allows.
     - ``target`` a mask_mod: the BlockMask ``create_block_mask(target, B, H, Q_LEN, KV_LEN,
       BLOCK_SIZE=BLOCK_SIZE)`` builds (``Q_LEN`` defaults to 256, ``KV_LEN`` to ``Q_LEN``).
-    - ``target`` a score_mod: a heat map of ``score_mod(0, b, h, q_idx, kv_idx)``, blank where
-      ``mask_mod`` (a mask_mod or a BlockMask, optional) masks.
+    - ``target`` a score_mod: a heat map of ``score_mod(score, b, h, q_idx, kv_idx)``, blank where
+      ``mask_mod`` (a mask_mod or a BlockMask, optional) masks. ``score`` is 0 by default (the
+      picture shows the bias the mod adds), or a number, or a tensor broadcasting to
+      ``[Q_LEN, KV_LEN]`` (e.g. a ramp, to show a soft-cap).
 
     ``batch``/``head`` choose the picture; ``max_pixels`` caps cells per side (longer sequences
     show the element at each cell's centre). Pass ``ax`` to draw into your own axes, ``path`` to
@@ -173,7 +197,7 @@ def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | N
         raise ImportError("flexc.plot needs matplotlib. Fix: pip install 'flexc[plot]' "
                           "(or pip install matplotlib).") from e
     block_mask, score_mod = _as_block_mask(target, mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE)
-    r = raster(block_mask, score_mod=score_mod, batch=batch, head=head, max_pixels=max_pixels)
+    r = raster(block_mask, score_mod=score_mod, score=score, batch=batch, head=head, max_pixels=max_pixels)
     if ax is None:
         size = (6.4, 5.6) if score_mod is None else (7.4, 5.6)
         if path is not None:  # a file only: a standalone Figure, no pyplot state, no display needed
@@ -200,7 +224,8 @@ def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | N
         image = ax.imshow(r.values.numpy(), cmap="viridis", extent=extent, interpolation="nearest", aspect="auto",
                           vmin=float(finite.min()) if finite.numel() else None,
                           vmax=float(finite.max()) if finite.numel() else None)
-        fig.colorbar(image, ax=ax, label="score_mod(0, b, h, q_idx, kv_idx)")
+        score_name = "0" if isinstance(score, (int, float)) and score == 0 else "score"
+        fig.colorbar(image, ax=ax, label=f"score_mod({score_name}, b, h, q_idx, kv_idx)")
         handles = [handles[-2], handles[-1]]  # masked / empty show through the NaN cells
     n_q, n_kv = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
     if n_q <= _MAX_GRID_LINES and n_kv <= _MAX_GRID_LINES:
