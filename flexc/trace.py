@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import ir
+from . import ir, trace_cache
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
 SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -110,11 +110,17 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
     """Trace ``fn`` once with proxies and return its :class:`TracedMod`.
 
     ``kind`` (``"score_mod"``/``"mask_mod"``) is inferred from the arity when omitted. Raises
-    :class:`TraceError` for code that cannot become a graph.
+    :class:`TraceError` for code that cannot become a graph. The trace is cached on the function and
+    reused while nothing the mod can read has changed (see :mod:`flexc.trace_cache`).
 
     >>> print(trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx))
     q_idx >= kv_idx
     """
+    token = None
+    if not isinstance(fn, TracedMod):
+        cached, token = trace_cache.lookup(fn, kind)
+        if cached is not None:
+            return cached
     actual = fn.kind if isinstance(fn, TracedMod) else mod_kind(fn)
     if kind is not None and kind != actual:
         source = fn.fn if isinstance(fn, TracedMod) else fn
@@ -125,7 +131,11 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
         )
     if isinstance(fn, TracedMod):
         return fn
-    return _Tracer(fn, actual).run()
+    tracer = _Tracer(fn, actual)
+    traced = tracer.run()
+    if not tracer.reads_values:  # a trace that baked in a tensor's value must be redone each call
+        trace_cache.remember(token, traced)
+    return traced
 
 
 # ---- the tracer ---------------------------------------------------------------------------
@@ -136,6 +146,7 @@ class _Tracer:
         self.buffers: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}
         self._site: tuple[str, str] | None = None  # overrides the error location once the mod returned
+        self.reads_values = False  # the mod read a concrete tensor value: the trace is not cached
 
     def run(self) -> TracedMod:
         names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
@@ -253,6 +264,7 @@ class _Tracer:
             self.fail(f"captured tensor {_describe(tensor)} is indexed with {k!r}", "index with integers or the mod's arguments")
         size = tensor.shape[dim]
         if isinstance(k, int) or (isinstance(k, torch.Tensor) and k.dim() == 0 and not k.is_floating_point()):
+            self.reads_values |= isinstance(k, torch.Tensor)
             i = int(k)
             if not -size <= i < size:
                 self.fail(f"index {i} is out of range for dimension {dim} of captured tensor {_describe(tensor)}",
@@ -672,6 +684,11 @@ def _call_handler(tracer: _Tracer, name: str, handler: Callable, args: tuple, kw
                     f"call it as in the torch documentation with one value per operand, e.g. `torch.{name}(x, y)`")
 
 
+# tensor methods that turn a captured tensor's values into Python values the trace may bake in
+_VALUE_READS = frozenset({"__int__", "__float__", "__bool__", "__complex__", "__index__", "item", "tolist",
+                          "numpy", "__array__", "__format__", "__len__", "__iter__"})
+
+
 class _TraceMode(TorchFunctionMode):
     """Routes torch calls that touch a proxy into the graph; forbids mutating captured tensors."""
 
@@ -684,6 +701,8 @@ class _TraceMode(TorchFunctionMode):
         if any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
             return _dispatch(self.tracer, func, args, kwargs)
         name = getattr(func, "__name__", "")
+        if name in _VALUE_READS:
+            self.tracer.reads_values = True
         if _mutates(name) and args and isinstance(args[0], torch.Tensor):
             self.tracer.fail(f"`{name}` mutates a tensor inside the mod",
                              "mods must be pure: compute new values instead of writing into captured tensors")
