@@ -92,7 +92,7 @@ def _public_callables():
                 if attr.startswith("_") and attr not in ("__init__", "__getitem__"):
                     continue
                 member = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
-                if inspect.isfunction(member):
+                if inspect.isfunction(member) and member.__name__ != "<lambda>":  # lambdas: table accessors
                     yield f"{name}.{attr}", member
         elif inspect.isfunction(obj):
             yield name, obj
