@@ -155,23 +155,26 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         raise ValueError(f"flex_attention: `block_mask` has {n_q} query-block rows of {q_block} but Q_LEN={L} needs "
                          f"{-(-L // q_block)}. {_REBUILD}")
     used = torch.zeros(*idx.shape[:3], n_kv + 1, dtype=torch.int32, device=idx.device)
+    columns = torch.arange(n_kv, dtype=num.dtype, device=idx.device)
     for prefix, count, index in (("kv", num, idx), ("full_kv", tables[2], tables[3])):
-        if count is None:
+        if count is None or count.numel() == 0:
             continue
-        count, index = count.long(), index.long()
-        bad_count = (count < 0) | (count > n_kv)
-        valid = torch.arange(n_kv, device=index.device) < count.unsqueeze(-1)
-        bad_index = valid & ((index < 0) | (index >= n_kv))
-        if bool(bad_count.any()) or bool(bad_index.any()):
-            if bool(bad_count.any()):
-                at = tuple(bad_count.nonzero()[0].tolist())
-                raise ValueError(f"flex_attention: `block_mask.{prefix}_num_blocks`{list(at)} is {int(count[at])}; "
-                                 f"expected a count in [0, {n_kv}] (the width of {prefix}_indices). {_REBUILD}")
-            at = tuple(bad_index.nonzero()[0].tolist())
+        low, high = torch.aminmax(count)
+        if int(low) < 0 or int(high) > n_kv:
+            at = tuple(((count < 0) | (count > n_kv)).nonzero()[0].tolist())
+            raise ValueError(f"flex_attention: `block_mask.{prefix}_num_blocks`{list(at)} is {int(count[at])}; "
+                             f"expected a count in [0, {n_kv}] (the width of {prefix}_indices). {_REBUILD}")
+        if n_kv == 0:
+            continue
+        valid = columns < count.unsqueeze(-1)  # entries past the count are unused (torch leaves them undefined)
+        listed = torch.where(valid, index, 0)
+        low, high = torch.aminmax(listed)
+        if int(low) < 0 or int(high) >= n_kv:
+            at = tuple((valid & ((index < 0) | (index >= n_kv))).nonzero()[0].tolist())
             raise ValueError(f"flex_attention: `block_mask.{prefix}_indices`{list(at)} is {int(index[at])}; expected "
                              f"a key-block index in [0, {n_kv}). {_REBUILD}")
-        # count each listed block once per row; invalid entries land in the spare last column
-        used.scatter_add_(-1, torch.where(valid, index, n_kv), torch.ones_like(index, dtype=torch.int32))
+        # count each listed block once per row; unused entries land in the spare last column
+        used.scatter_add_(-1, listed.masked_fill_(~valid, n_kv).long(), valid.to(torch.int32))
     twice = used[..., :n_kv] > 1
     if bool(twice.any()):
         b, h, row, col = twice.nonzero()[0].tolist()

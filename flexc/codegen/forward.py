@@ -231,7 +231,8 @@ def _value_guard_lines(spec: ForwardSpec, indent: str) -> list[str]:
     else:
         any_bad = "tl.max(v_bad.to(tl.int32)) > 0"
     return [
-        f"{indent}# masked keys add exactly 0 even if their values hold NaN or inf (0 * NaN is NaN)",
+        f"{indent}# masked keys add exactly 0 even if their values hold NaN or inf (0 * NaN is NaN): a tile",
+        f"{indent}# with such values (rare: padding) is multiplied without them; allowed keys' are added back",
         f"{indent}v_bad = (v != v) | (tl.abs(v) == float(\"inf\"))",
         f"{indent}if {any_bad}:",
         f"{indent}    acc = acc + nonfinite_values(p, v)",
