@@ -6,8 +6,14 @@ from .mask_mods import and_masks, noop_mask, not_mask, or_masks
 from .block_mask import BlockMask, create_block_mask, create_mask
 from .attention import AuxOutput, AuxRequest, flex_attention
 from .backends.triton_backend import cache_clear, cache_info, kernel_source
+# torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`
+# becomes `from flexc import ...` unchanged
+from .compat import (FlexKernelOptions, _Backend, _DEFAULT_SPARSE_BLOCK_SIZE, _LARGE_SPARSE_BLOCK_SIZE,
+                     _ModificationType, _dense_to_ordered, _get_mod_type, _identity, _mask_mod_signature,
+                     _ordered_to_dense, _round_up_to_multiple, _score_mod_signature, _transpose_ordered,
+                     _vmap_for_bhqkv, create_nested_block_mask)
 
 __all__ = ["Node", "TraceError", "TracedMod", "trace", "evaluate", "evaluate_grid",
            "BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "not_mask", "noop_mask",
            "flex_attention", "AuxRequest", "AuxOutput",
-           "kernel_source", "cache_info", "cache_clear"]
+           "kernel_source", "cache_info", "cache_clear", "FlexKernelOptions", "create_nested_block_mask"]

@@ -1,0 +1,199 @@
+"""flexc as a drop-in: torch's commonly imported FlexAttention names exist with the same meaning,
+and a library written against torch runs with only its import lines changed."""
+import importlib
+import os
+import re
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as torch_flex
+
+import flexc
+
+_TORCH_IMPORT = "from torch.nn.attention.flex_attention import"
+
+# The names third-party FlexAttention code imports from torch's module.
+COMMON_NAMES = ["BlockMask", "flex_attention", "create_block_mask", "create_mask", "and_masks", "or_masks",
+                "noop_mask", "AuxRequest", "AuxOutput", "FlexKernelOptions", "_mask_mod_signature",
+                "_score_mod_signature", "_identity", "_DEFAULT_SPARSE_BLOCK_SIZE", "_LARGE_SPARSE_BLOCK_SIZE",
+                "_ModificationType", "_get_mod_type", "_vmap_for_bhqkv", "_ordered_to_dense",
+                "_dense_to_ordered", "_transpose_ordered", "_round_up_to_multiple"]
+
+
+def test_every_public_name_of_torch_is_in_flexc():
+    missing = [name for name in torch_flex.__all__ if not hasattr(flexc, name)]
+    assert missing == []
+
+
+@pytest.mark.parametrize("name", COMMON_NAMES)
+def test_common_name_exists(name):
+    assert hasattr(torch_flex, name), f"torch no longer has {name}; update the list"
+    assert hasattr(flexc, name)
+
+
+def test_constants_aliases_and_enum_match_torch():
+    assert flexc._DEFAULT_SPARSE_BLOCK_SIZE == torch_flex._DEFAULT_SPARSE_BLOCK_SIZE
+    assert flexc._LARGE_SPARSE_BLOCK_SIZE == torch_flex._LARGE_SPARSE_BLOCK_SIZE
+    assert flexc._mask_mod_signature == torch_flex._mask_mod_signature
+    assert flexc._score_mod_signature == torch_flex._score_mod_signature
+    assert {m.name: m.value for m in flexc._ModificationType} == {m.name: m.value for m in torch_flex._ModificationType}
+    torch_keys = set(torch_flex.FlexKernelOptions.__annotations__) - {"BACKEND"}
+    assert torch_keys <= set(flexc.FlexKernelOptions.__annotations__)
+    assert flexc._round_up_to_multiple(130, 128) == torch_flex._round_up_to_multiple(130, 128) == 256
+    assert flexc._round_up_to_multiple(128, 128) == 128
+
+
+def test_get_mod_type_and_identity():
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def mod(score, b, h, q_idx, kv_idx, extra=1.0):
+        return score * extra
+
+    for fn in (mask, mod, flexc._identity):
+        assert flexc._get_mod_type(fn).name == torch_flex._get_mod_type(fn).name
+    with pytest.raises(TypeError, match="positional"):
+        flexc._get_mod_type(lambda a, b: a)
+    s = torch.randn(3)
+    assert flexc._identity(s, 0, 0, 0, 0) is s
+    assert str(flexc.trace(flexc._identity)) == "score"
+
+
+def test_vmap_for_bhqkv_matches_torch():
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * (h + 1) + (q_idx - kv_idx) * 0.5
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx + b) % 3 <= kv_idx % 4
+
+    b, h, q, kv = torch.arange(2), torch.arange(3), torch.arange(5), torch.arange(7)
+    scores = torch.randn(2, 3, 5, 7)
+    ours = flexc._vmap_for_bhqkv(mod, prefix=(0,))(scores, b, h, q, kv)
+    assert torch.equal(ours, torch_flex._vmap_for_bhqkv(mod, prefix=(0,))(scores, b, h, q, kv))
+    assert torch.equal(flexc._vmap_for_bhqkv(mask, prefix=())(b, h, q, kv),
+                       torch_flex._vmap_for_bhqkv(mask, prefix=())(b, h, q, kv))
+
+
+def test_vmap_for_bhqkv_group_dim_matches_torch():
+    def mask(b, h, q_idx, kv_idx):
+        return (h * 2 + q_idx) % 5 >= kv_idx % 3
+
+    args = (torch.arange(2), torch.arange(3), torch.arange(4), torch.arange(6))
+    ours = flexc._vmap_for_bhqkv(mask, prefix=(), group_dim=True)
+    theirs = torch_flex._vmap_for_bhqkv(mask, prefix=(), group_dim=True)
+    h2 = torch.arange(6).view(3, 2)  # the [hkv, g] head grid
+    assert torch.equal(ours(args[0], h2, args[2], args[3]), theirs(args[0], h2, args[2], args[3]))
+
+
+def test_block_table_converters_match_torch():
+    g = torch.Generator().manual_seed(0)
+    dense = (torch.rand(2, 3, 5, 6, generator=g) < 0.4).to(torch.int32)
+    ours, theirs = flexc._dense_to_ordered(dense), torch_flex._dense_to_ordered(dense)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, theirs))
+    assert torch.equal(flexc._ordered_to_dense(*ours, 6), torch_flex._ordered_to_dense(*theirs, 6))
+    square = dense[..., :5]
+    pair = torch_flex._dense_to_ordered(square)
+    assert all(torch.equal(a, b) for a, b in zip(flexc._transpose_ordered(*pair), torch_flex._transpose_ordered(*pair)))
+
+
+def test_create_nested_block_mask_is_document_masking_over_packed_sequences():
+    lengths = [5, 9, 3]
+    nt = torch.nested.nested_tensor([torch.randn(n, 2, 4) for n in lengths], layout=torch.jagged)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bm = flexc.create_nested_block_mask(causal, 3, 2, nt, BLOCK_SIZE=4)
+    total = sum(lengths)
+    assert bm.shape == (1, 2, total, total)
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    start = torch.tensor([0, 5, 14])
+    i = torch.arange(total)
+    expected = (doc[:, None] == doc[None, :]) & ((i - start[doc])[:, None] >= (i - start[doc])[None, :])
+    dense = flexc.create_mask(bm.mask_mod, 1, 2, total, total)
+    assert torch.equal(dense[0, 1], expected)
+    with pytest.raises(ValueError, match="jagged"):
+        flexc.create_nested_block_mask(causal, 1, 1, torch.randn(2, 5, 2, 4))
+
+
+# ---- the library, copied with its import lines changed -------------------------------------
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    """(torch's masklib, the same files importing flexc)."""
+    source = os.path.join(os.path.dirname(__file__), "masklib")
+    root = tmp_path_factory.mktemp("swapped")
+    target = root / "masklib_flexc"
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    changed = 0
+    for path in target.glob("*.py"):
+        text = path.read_text()
+        new = text.replace(_TORCH_IMPORT, "from flexc import")
+        changed += text != new
+        assert "torch.nn.attention.flex_attention" not in new
+        path.write_text(new)
+    assert changed == 5  # every module but __init__ imports torch's FlexAttention names
+    sys.path.insert(0, str(root))
+    try:
+        swapped = importlib.import_module("masklib_flexc")
+    finally:
+        sys.path.remove(str(root))
+    original = importlib.import_module("masklib")
+    assert re.search(r"^from flexc import", (target / "utils.py").read_text(), re.M)
+    return original, swapped
+
+
+def _masks(lib, L):
+    offsets = torch.tensor([0, 37, 100, L])
+    return {
+        "causal": lib.causal_mask,
+        "sliding": lib.generate_sliding_window(24),
+        "prefix_lm": lib.generate_prefix_lm_mask(40),
+        "documents": lib.generate_doc_mask_mod(lib.causal_mask, offsets),
+    }
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding", "prefix_lm", "documents"])
+def test_swapped_library_builds_the_same_block_masks(libraries, name):
+    original, swapped = libraries
+    L = 160
+    ref = original.build_block_mask(_masks(original, L)[name], 2, 1, L, L)
+    ours = swapped.build_block_mask(_masks(swapped, L)[name], 2, 1, L, L)
+    assert isinstance(ours, flexc.BlockMask)
+    assert ours.BLOCK_SIZE == ref.BLOCK_SIZE
+    for table in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(ours.to_dense() if table == "kv_indices" else getattr(ours, table),
+                           ref.to_dense() if table == "kv_indices" else getattr(ref, table)), table
+
+
+@pytest.mark.parametrize("name", ["causal", "documents"])
+def test_swapped_library_grids_match(libraries, name):
+    original, swapped = libraries
+    L = 130
+    assert torch.equal(swapped.mod_grid(_masks(swapped, L)[name], 1, 2, L, L),
+                       original.mod_grid(_masks(original, L)[name], 1, 2, L, L))
+    scores = torch.randn(1, 4, 9, 11)
+    assert torch.equal(swapped.mod_grid(swapped.generate_alibi_bias(4), 1, 4, 9, 11, scores),
+                       original.mod_grid(original.generate_alibi_bias(4), 1, 4, 9, 11, scores))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name,mods", [("sliding", ("alibi",)), ("documents", ("alibi", "softcap")),
+                                       ("prefix_lm", ())])
+def test_swapped_library_attends_like_torch(libraries, name, mods):
+    original, swapped = libraries
+    L = 160
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, L, 16, generator=g) for _ in range(3))
+
+    def run(lib):
+        factories = {"alibi": lambda: lib.generate_alibi_bias(4), "softcap": lambda: lib.generate_tanh_softcap(5.0)}
+        return lib.attend(q, k, v, _masks(lib, L)[name], *(factories[m]() for m in mods))
+
+    out, lse = run(swapped)
+    ref_out, ref_lse = run(original)
+    assert out.dtype == ref_out.dtype and lse.dtype == ref_lse.dtype
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
