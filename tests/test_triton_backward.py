@@ -170,14 +170,14 @@ def test_key_value_batch_broadcast_with_grouped_heads_and_value_dim():
 
 def test_no_block_mask_and_user_tiles():
     q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=10))
-    _check(q, k, v, score_catalogue(B, H, L, S)["relative_position"], bwd_BLOCK_M1=16, BLOCK_N2=16)
+    _check(q, k, v, score_catalogue(B, H, L, S)["relative_position"], bwd_BLOCK_M2=16, BLOCK_N1=16)
 
 
 def test_tiles_that_do_not_divide_the_blocks_are_rejected():
     q, k, v = _leaves(*random_qkv(B, H, H, 64, 64, E, dtype=torch.float64))
     bm = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
-    out = flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={**TRITON, "BLOCK_M2": 64})
-    with pytest.raises(ValueError, match=r"multiple of kernel_options\['BLOCK_M2'\]=64 for the backward"):
+    out = flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={**TRITON, "BLOCK_M1": 64})
+    with pytest.raises(ValueError, match=r"multiple of kernel_options\['BLOCK_M1'\]=64 for the backward"):
         out.sum().backward()
 
 
@@ -244,4 +244,4 @@ def test_cli_show_backward(tmp_path, capsys):
     assert "# flexc backward attention kernel" in out
     assert "d score_mod / d score = 1.0 - tanh(score) * tanh(score)" in out
     assert "d / d table[kv_idx] = 1.0" in out and "summed over the queries" in out
-    assert "BLOCK_M1=64 x BLOCK_N1=128, dK/dV programs BLOCK_M2=128 x BLOCK_N2=64" in out
+    assert "dQ programs BLOCK_M2=128 x BLOCK_N2=64, dK/dV programs BLOCK_M1=64 x BLOCK_N1=128" in out

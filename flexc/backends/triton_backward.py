@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codegen.backward import BackwardSpec
+from ..codegen.backward import BackwardSpec, generate_backward
 from ..tiles import cdiv, transpose_ordered
 from ..trace import TracedMod
 from . import triton_backend as fwd
@@ -24,6 +24,9 @@ RCP_LN2 = 1.4426950408889634
 
 def default_backward_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: str) -> tuple[int, ...]:
     """``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` for a dtype and head dims.
+
+    torch's names: dK/dV programs own ``BLOCK_N1`` keys and step over ``BLOCK_M1`` queries; dQ
+    programs own ``BLOCK_M2`` queries and step over ``BLOCK_N2`` keys.
 
     On CUDA, torch's Hopper choices for 16-bit inputs; fp32/fp64 use smaller tiles (their
     operands take twice or four times the shared memory). Under the interpreter each tile step
@@ -142,43 +145,20 @@ def _tables(block_mask: Any, spec: BackwardSpec, L: int, S: int, device: torch.d
 
 # ---- the launch ---------------------------------------------------------------------------
 
-def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, grad_lse,
-                    score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float):
-    """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``."""
+def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, dq, dk, dv, tables,
+                   grads, score_mod, mask_mod, scale: float) -> tuple[list, dict]:
+    """The backward kernel's positional arguments and constexprs for one launch."""
     B, Hq, L, E = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    grads = [torch.zeros(score_mod.buffers[s].shape, dtype=spec.grad_dtype(s), device=device)
-             for s in spec.grad_slots]
-    if query.numel() == 0 or S == 0:
-        return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
-                [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)])
-    # pre-pass: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-    delta = (out.to(acc) * grad_out.to(acc)).sum(-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(acc)
-    lse2 = torch.where(torch.isneginf(lse), float("inf"), lse.to(acc) * RCP_LN2)
-    delta, lse2 = delta.contiguous(), lse2.contiguous()
-    dq = torch.empty(query.shape, dtype=query.dtype, device=device)
-    # dk/dv per query batch; summed over it afterwards when key/value broadcast over the batch
-    summed = Bkv == 1 and B > 1
-    dk = torch.empty((B, Hkv, S, E), dtype=acc if summed else key.dtype, device=device)
-    dv = torch.empty((B, Hkv, S, Ev), dtype=acc if summed else value.dtype, device=device)
-    tables = _tables(block_mask, spec, L, S, device)
-    Bm, Hm, nQ = tables[0].shape
-    nKV = tables[1].shape[-1]
-    if nQ < cdiv(L, spec.q_block_size):
-        raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
-                         f"{cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
-    kernel = fwd.get_kernel(spec)
-    generated = kernel.generated
     buffers = (fwd._buffer_arguments(score_mod, generated.score_params, device)
                + fwd._buffer_arguments(mask_mod, generated.mask_params, device))
     by_slot = dict(zip(spec.grad_slots, grads))
     for p in generated.grad_params:
         g = by_slot[p.slot]
         buffers.append(g if p.what == "ptr" else g.stride(p.dim) if p.what == "stride" else g.shape[p.dim])
+    Bm, Hm, nQ = tables[0].shape
+    nKV = tables[1].shape[-1]
     stride_kb = key.stride(0) if Bkv == B else 0
     stride_vb = value.stride(0) if Bkv == B else 0
     shapes = [float(scale), L, S, Hq // Hkv,
@@ -188,8 +168,48 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, g
     constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
                      Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=E,
                      HEAD_DIM_PAD=fwd.padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=fwd.padded_head_dim(Ev))
-    G = Hq // Hkv
-    grid = (cdiv(S, spec.block_n2) + G * cdiv(L, spec.block_m1), Hkv, B)
+    return args, constants
+
+
+def _outputs(spec: BackwardSpec, query, key, value, score_mod) -> tuple:
+    """``(dq, dk, dv, summed, grads)``: dk/dv per query batch, summed afterwards when ``Bkv == 1 < B``."""
+    B, Hkv, S, E, Ev = query.shape[0], key.shape[1], key.shape[2], key.shape[3], value.shape[3]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    summed = key.shape[0] == 1 and B > 1
+    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    dk = torch.empty((B, Hkv, S, E), dtype=acc if summed else key.dtype, device=query.device)
+    dv = torch.empty((B, Hkv, S, Ev), dtype=acc if summed else value.dtype, device=query.device)
+    grads = [torch.zeros(score_mod.buffers[s].shape, dtype=spec.grad_dtype(s), device=query.device)
+             for s in spec.grad_slots]
+    return dq, dk, dv, summed, grads
+
+
+def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, grad_lse,
+                    score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float):
+    """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``."""
+    B, Hq, L, E = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    device = query.device
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    dq, dk, dv, summed, grads = _outputs(spec, query, key, value, score_mod)
+    if query.numel() == 0 or S == 0:
+        return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
+                [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)])
+    # pre-pass: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
+    delta = (out.to(acc) * grad_out.to(acc)).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(acc)
+    lse2 = torch.where(torch.isneginf(lse), float("inf"), lse.to(acc) * RCP_LN2)
+    delta, lse2 = delta.contiguous(), lse2.contiguous()
+    tables = _tables(block_mask, spec, L, S, device)
+    nQ = tables[0].shape[-1]
+    if nQ < cdiv(L, spec.q_block_size):
+        raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
+                         f"{cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
+    kernel = fwd.get_kernel(spec)
+    args, constants = _backward_args(spec, kernel.generated, query, key, value, grad_out, lse2, delta, dq, dk, dv,
+                                     tables, grads, score_mod, mask_mod, scale)
+    grid = (cdiv(S, spec.block_n1) + (Hq // Hkv) * cdiv(L, spec.block_m2), Hkv, B)
     if spec.target == "interpreter":
         with fwd.interpreting():
             kernel.fn[grid](*args, **constants)
@@ -201,6 +221,27 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, g
         dv = dv.sum(0, keepdim=True).to(value.dtype)
     buf_grads = [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)]
     return dq, dk, dv, buf_grads
+
+
+def compile_backward_offline(spec: BackwardSpec, inputs: tuple, capability: int = 90, warp_size: int = 32) -> Any:
+    """Compile the CUDA backward kernel for ``spec`` without a GPU, specialised like a real launch.
+
+    ``inputs`` is ``(query, key, value, block_mask)`` as for
+    :func:`flexc.backends.triton_backend.compile_offline` (e.g. from ``offline_inputs``).
+    """
+    if spec.target != "cuda":
+        raise ValueError(f"compile_backward_offline: spec.target must be 'cuda', got {spec.target!r}. "
+                         f"Fix: build the spec with target 'cuda'.")
+    query, key, value, block_mask = inputs
+    generated = generate_backward(spec)
+    module, _ = fwd.import_source(generated.source, "cuda")
+    dq, dk, dv, _, grads = _outputs(spec, query, key, value, spec.score_mod)
+    rows = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+    tables = _tables(block_mask, spec, query.shape[2], key.shape[2], query.device)
+    args, constants = _backward_args(spec, generated, query, key, value, torch.empty_like(query), rows, rows, dq, dk,
+                                     dv, tables, grads, spec.score_mod, spec.mask_mod, query.shape[-1] ** -0.5)
+    return fwd.compile_like_launcher(getattr(module, generated.kernel_name), args, constants, spec.num_warps,
+                                     spec.num_stages, capability, warp_size)
 
 
 def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: TracedMod | None,
@@ -243,5 +284,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["backward_source", "forward_for_training", "default_backward_config", "launch_backward", "make_backward_spec",
+__all__ = ["backward_source", "compile_backward_offline", "forward_for_training", "default_backward_config", "launch_backward", "make_backward_spec",
            "resolve_backward_config", "spec_for_call", "triton_backward"]

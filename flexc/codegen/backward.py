@@ -2,7 +2,7 @@
 
 Modelled on torch's FlexAttention backward template: one launch, two kinds of program.
 
-* A **dK/dV program** owns one tile of ``BLOCK_N2`` keys of one key head and batch. For every
+* A **dK/dV program** owns one tile of ``BLOCK_N1`` keys of one key head and batch. For every
   query head of its GQA group it walks the BlockMask's *query-direction* tables (partial query
   blocks, then full ones), recomputes the scores transposed (keys down, queries across), applies
   the score_mod (everywhere) and the mask_mod (partial blocks only), and accumulates
@@ -10,7 +10,7 @@ Modelled on torch's FlexAttention backward template: one launch, two kinds of pr
   the gradients of captured tensors (``d score_mod / d gathered element`` from
   :mod:`flexc.derivative`) at the gathered indices with atomic adds, summed inside the tile first
   along every axis the index does not depend on.
-* A **dQ program** owns one tile of ``BLOCK_M1`` queries of one query head: it walks the key
+* A **dQ program** owns one tile of ``BLOCK_M2`` queries of one query head: it walks the key
   tables like the forward and accumulates ``dq += ds·k``.
 
 dq, dk and dv are each written by exactly one program (no atomics). ``delta = rowsum(out·dO) −
@@ -36,8 +36,8 @@ KERNEL_NAME = "flex_attention_backward"
 class BackwardSpec:
     """What one generated backward kernel is specialised for.
 
-    ``block_m1``/``block_n1`` are the dQ programs' query tile and key step, ``block_m2``/``block_n2``
-    the dK/dV programs' query step and key tile. ``grad_slots`` are the score_mod's captured tensors
+    ``block_m1``/``block_n1`` are the dK/dV programs' query step and key tile, ``block_m2``/``block_n2``
+    the dQ programs' query tile and key step (torch's names and meanings). ``grad_slots`` are the score_mod's captured tensors
     that receive gradients. The other fields mean what they mean in :class:`ForwardSpec`.
     """
 
@@ -203,8 +203,8 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
         f"#   dtype {str(spec.dtype).removeprefix('torch.')}; head dim {E} (padded to {padded_head_dim(E)}), "
         f"value head dim {Ev} (padded to {padded_head_dim(Ev)})",
         f"#   BlockMask blocks: {spec.q_block_size} x {spec.kv_block_size} (query x key)",
-        f"#   tiles: dQ programs BLOCK_M1={spec.block_m1} x BLOCK_N1={spec.block_n1}, dK/dV programs "
-        f"BLOCK_M2={spec.block_m2} x BLOCK_N2={spec.block_n2}; num_warps={spec.num_warps}, "
+        f"#   tiles: dQ programs BLOCK_M2={spec.block_m2} x BLOCK_N2={spec.block_n2}, dK/dV programs "
+        f"BLOCK_M1={spec.block_m1} x BLOCK_N1={spec.block_n1}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; target: {spec.target}",
         "# One launch. Programs [0, NUM_KV_TILES) each own a key tile of one key head: they walk the",
         "# BlockMask's query tables for every query head of the GQA group and write dK, dV (and add",
@@ -294,7 +294,7 @@ def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -
         if "score" in reads or {"q_idx", "kv_idx"} <= reads:
             out.append(f"{indent}grad = {term}")
             if not {"q_idx", "kv_idx"} <= reads:  # an index read from the score alone: spread it over the tile
-                address = f"{address} + tl.full((BLOCK_N2, BLOCK_M2), 0, tl.int32)"
+                address = f"{address} + tl.full((BLOCK_N1, BLOCK_M1), 0, tl.int32)"
             out.append(f"{indent}tl.atomic_add({address}, grad, mask=valid)")
         elif "q_idx" in reads:  # constant along the keys: one add per query
             out.append(f"{indent}grad = {_reduce(spec, term, 0)}[None, :]  # summed over the keys")
@@ -309,7 +309,7 @@ def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -
 
 
 def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
-    tiles = spec.q_block_size // spec.block_m2
+    tiles = spec.q_block_size // spec.block_m1
     widen = _widen(spec)
     pad_e = spec.head_dim != padded_head_dim(spec.head_dim)
     pad_ev = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
@@ -321,7 +321,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     if buffers:
         params.append(", ".join(buffers) + ",")
     params += [
-        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr,",
+        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
     q_mask = "q_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if pad_e else "")
@@ -335,17 +335,17 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         "    # keys, columns are queries, so dv and dk accumulate without transposing p and ds.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        *_walk("block_count_ptr", "block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M2", "start_m"),
-        "        offs_m = tl.multiple_of(start_m, BLOCK_M2) + tl.arange(0, BLOCK_M2)",
+        *_walk("block_count_ptr", "block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m"),
+        "        offs_m = tl.multiple_of(start_m, BLOCK_M1) + tl.arange(0, BLOCK_M1)",
         "        q_in_range = offs_m < Q_LEN",
         f"        qT = tl.load(query_ptr + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd, mask={q_mask}, other=0.0){widen}",
         f"        do = tl.load(grad_out_ptr + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod, mask={do_mask}, other=0.0){widen}",
         "        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0",
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
         "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
-        f"        score = {_dot('k', 'qT', spec)} * scale  # [BLOCK_N2, BLOCK_M2]",
+        f"        score = {_dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
         "        valid = kv_in_range[:, None] & q_in_range[None, :]",
-        *_score_mod_lines(spec, score, mask, "(BLOCK_N2, BLOCK_M2)", "        "),
+        *_score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
         f"        pT = tl.exp2(qk * {RCP_LN2} - lse[None, :])",
         f"        dv = {_dot(_operand(spec, 'pT'), 'do', spec, 'dv')}",
     ]
@@ -366,7 +366,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
 
 
 def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
-    tiles = spec.kv_block_size // spec.block_n1
+    tiles = spec.kv_block_size // spec.block_n2
     widen = _widen(spec)
     pad_e = spec.head_dim != padded_head_dim(spec.head_dim)
     pad_ev = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
@@ -378,7 +378,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     if buffers:
         params.append(", ".join(buffers) + ",")
     params += [
-        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
+        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
     k_mask = "kv_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if pad_e else "")
@@ -391,15 +391,15 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         "    # One query tile against the key tiles of the listed key blocks.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        *_walk("block_count_ptr", "block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N1", "start_n"),
-        "        offs_n = tl.multiple_of(start_n, BLOCK_N1) + tl.arange(0, BLOCK_N1)",
+        *_walk("block_count_ptr", "block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n"),
+        "        offs_n = tl.multiple_of(start_n, BLOCK_N2) + tl.arange(0, BLOCK_N2)",
         "        kv_in_range = offs_n < KV_LEN",
         f"        kT = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen}",
         f"        vT = tl.load(value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd, mask={v_mask}, other=0.0){widen}",
         "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
-        f"        score = {_dot('q', 'kT', spec)} * scale  # [BLOCK_M1, BLOCK_N1]",
+        f"        score = {_dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
-        *_score_mod_lines(spec, score, mask, "(BLOCK_M1, BLOCK_N1)", "        "),
+        *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
         f"        p = tl.exp2(qk * {RCP_LN2} - lse[:, None])",
         f"        dp = {_dot('do', 'vT', spec)}",
         "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
@@ -448,7 +448,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             "q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
             f"{kind}_q_counts_ptr + mask_col, {kind}_q_indices_ptr + mask_col * MASK_Q_BLOCKS, scale, Q_LEN,",
             *buffer_args,
-            f"IS_FULL_BLOCKS={is_full}, BLOCK_M2=BLOCK_M2, BLOCK_N2=BLOCK_N2, Q_BLOCK_SIZE=Q_BLOCK_SIZE,",
+            f"IS_FULL_BLOCKS={is_full}, BLOCK_M1=BLOCK_M1, BLOCK_N1=BLOCK_N1, Q_BLOCK_SIZE=Q_BLOCK_SIZE,",
             dims,
         ]
         return ["            dk, dv = dkdv_blocks(", *("                " + a for a in args), "            )"]
@@ -459,7 +459,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_kv_counts_ptr + mask_row, {kind}_kv_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
             *dq_buffer_args,
-            f"IS_FULL_BLOCKS={is_full}, BLOCK_M1=BLOCK_M1, BLOCK_N1=BLOCK_N1, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
+            f"IS_FULL_BLOCKS={is_full}, BLOCK_M2=BLOCK_M2, BLOCK_N2=BLOCK_N2, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
             dims,
         ]
         return ["        dq = dq_blocks(", *("            " + a for a in args), "        )"]
@@ -478,23 +478,23 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "    b = tl.program_id(2)  # the batch index the mods see",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        "    NUM_KV_TILES = (KV_LEN + BLOCK_N2 - 1) // BLOCK_N2",
-        "    NUM_Q_TILES = (Q_LEN + BLOCK_M1 - 1) // BLOCK_M1",
+        "    NUM_KV_TILES = (KV_LEN + BLOCK_N1 - 1) // BLOCK_N1",
+        "    NUM_Q_TILES = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2",
         "    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
         "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh",
         "    if pid < NUM_KV_TILES:",
         "        # ---- a dK/dV program: one key tile, every query head of the group ----",
-        "        offs_n = pid * BLOCK_N2 + tl.arange(0, BLOCK_N2)",
+        "        offs_n = pid * BLOCK_N1 + tl.arange(0, BLOCK_N1)",
         "        kv_in_range = offs_n < KV_LEN",
         f"        k = tl.load(key_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask={k_mask}, other=0.0){widen}",
         f"        v = tl.load(value_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen}",
         "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
-        f"        dk = tl.full((BLOCK_N2, HEAD_DIM_PAD), 0.0, {acc})",
-        f"        dv = tl.full((BLOCK_N2, V_HEAD_DIM_PAD), 0.0, {acc})",
+        f"        dk = tl.full((BLOCK_N1, HEAD_DIM_PAD), 0.0, {acc})",
+        f"        dv = tl.full((BLOCK_N1, V_HEAD_DIM_PAD), 0.0, {acc})",
         "        for g in range(GQA_GROUP):",
         "            h = h_kv * GQA_GROUP + g  # the query head the mods see",
         "            # this tile's column of the BlockMask's query tables; batch and heads broadcast by modulo",
-        "            mask_col = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_KV_BLOCKS + (pid * BLOCK_N2) // KV_BLOCK_SIZE",
+        "            mask_col = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_KV_BLOCKS + (pid * BLOCK_N1) // KV_BLOCK_SIZE",
         "            q_base = query_ptr + b * stride_qb + h * stride_qh",
         "            do_base = grad_out_ptr + b * stride_dob + h * stride_doh",
         "            lse_base = lse_ptr + b * stride_lb + h * stride_lh",
@@ -514,9 +514,9 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "        tile = pid - NUM_KV_TILES",
         "        h = h_kv * GQA_GROUP + tile // NUM_Q_TILES  # the query head the mods see",
         "        q_tile = tile % NUM_Q_TILES",
-        "        offs_m = q_tile * BLOCK_M1 + tl.arange(0, BLOCK_M1)",
+        "        offs_m = q_tile * BLOCK_M2 + tl.arange(0, BLOCK_M2)",
         "        q_in_range = offs_m < Q_LEN",
-        f"        dq = tl.full((BLOCK_M1, HEAD_DIM_PAD), 0.0, {acc})",
+        f"        dq = tl.full((BLOCK_M2, HEAD_DIM_PAD), 0.0, {acc})",
     ]
     if not _ignores_score(d_score):
         body += [
@@ -527,7 +527,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             "        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=float(\"inf\"))",
             "        delta = tl.load(delta_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=0.0)",
             "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
-            "        mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M1) // Q_BLOCK_SIZE",
+            "        mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M2) // Q_BLOCK_SIZE",
             "        # 1. partial key blocks: score_mod and mask_mod",
             *dq_call("partial", False),
         ]
