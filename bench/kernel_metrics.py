@@ -309,15 +309,18 @@ def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers
         body += [f"    {n} = arg_{n}" for n in names]
         return "@triton.jit\ndef triton_tem_fused_bwd_0(" + argdefs + "):\n" + "\n".join(body)
 
+    def renumber(line: str) -> str:  # captured tensors follow the backward's 16 inputs (the forward's 9)
+        return re.sub(r"in_ptr(\d+)", lambda m: f"in_ptr{int(m.group(1)) + 7}", line)
+
     def modification(subgraph_number, output_name, **kwargs):
         if subgraph_number == 0:
-            lines = [line.replace("(qk)", f"({kwargs['score']})").replace("off_h)", f"{kwargs['h']})")
+            lines = [renumber(line).replace("(qk)", f"({kwargs['score']})").replace("off_h)", f"{kwargs['h']})")
                      for line in score_lines]
         elif subgraph_number == 1:
             lines = JOINT_LINES.get(case_name, ["grad_scores = ({ds})"])
             lines = [line.format(score=kwargs["score"], ds=kwargs["grad_score_mod"]) for line in lines]
         elif subgraph_number == 2:
-            lines = mask_lines
+            lines = [renumber(line) for line in mask_lines]
         else:  # captured-tensor gradient writes: none (torch's default for buffers without grad)
             return "pass"
         return "\n".join(lines)
