@@ -19,6 +19,7 @@ handful of whole-tensor operations over every batch and head at once:
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -43,6 +44,12 @@ def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 def _is_true(mod: TracedMod | None) -> bool:
     return mod is None or (mod.root.op == "const" and mod.root.attr is True)
+
+
+@functools.lru_cache(maxsize=256)
+def _reads(mod: TracedMod) -> tuple[str, ...]:
+    """The mod arguments the graph reads (traces are reused across calls, so this is too)."""
+    return tuple(sorted({node.attr for node in mod.root.walk() if node.op == "input"}))
 
 
 def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
@@ -105,13 +112,16 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     q = query.to(work) * (scale if general else scale * LOG2E)
     s = torch.matmul(q.reshape(B, Hkv, G * L, E), k_sel.to(work).transpose(-1, -2))
     s4 = s.view(B, Hq, L, n)
-    index = {"b": torch.arange(B, device=device).view(B, 1, 1, 1),
-             "h": torch.arange(Hq, device=device).view(1, Hq, 1, 1),
-             "q_idx": torch.arange(L, device=device).view(1, 1, L, 1),
-             "kv_idx": positions.view(1, 1, 1, n)}
+    shapes = {"b": (B, 1, 1, 1), "h": (1, Hq, 1, 1), "q_idx": (1, 1, L, 1)}
+
+    def index(name: str) -> torch.Tensor:  # only the index tensors a mod reads are built
+        if name == "kv_idx":
+            return positions.view(1, 1, 1, n)
+        shape = shapes[name]
+        return torch.arange(max(shape), device=device).view(shape)
+
     if general:
-        reads = {node.attr for node in score_mod.root.walk() if node.op == "input"}
-        modded = evaluate(score_mod, **{k: (s4 if k == "score" else index[k]) for k in reads})
+        modded = evaluate(score_mod, **{k: (s4 if k == "score" else index(k)) for k in _reads(score_mod)})
         if modded is not s4:
             s4.copy_(modded)
         s4.mul_(LOG2E)
@@ -119,23 +129,21 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     if partial is not None:
         allowed = partial
         if not _is_true(mask_mod):
-            reads = {node.attr for node in mask_mod.root.walk() if node.op == "input"}
-            allowed = allowed & evaluate(mask_mod, **{k: index[k] for k in reads})
+            allowed = allowed & evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})
         if full is not None:
             allowed = allowed | full
     elif not _is_true(mask_mod):  # no BlockMask tables but a mask_mod: evaluate it everywhere
-        reads = {node.attr for node in mask_mod.root.walk() if node.op == "input"}
-        allowed = evaluate(mask_mod, **{k: index[k] for k in reads})
+        allowed = evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})
     if allowed is not None:
         s4.masked_fill_(allowed.logical_not(), _NEG_INF)
 
     m = s4.amax(-1, keepdim=True)
-    m_safe = m.masked_fill(m == _NEG_INF, 0.0)  # a fully masked row: exp2(-inf - 0) = 0
+    m_safe = m.nan_to_num(neginf=0.0)  # a fully masked row: exp2(-inf - 0) = 0
     s4.sub_(m_safe).exp2_()
-    l = s4.sum(-1, keepdim=True)
-    o = torch.matmul(s, v_sel.to(work)).view(B, Hq, L, Ev)
-    live = l > 0
-    o = torch.where(live, o / torch.where(live, l, 1.0), 0.0)
-    lse = torch.where(live, (m_safe + torch.log2(torch.where(live, l, 1.0))) * LN2, _NEG_INF).squeeze(-1)
+    # a row with any allowed key has l >= 1 (its maximum contributes exp2(0)); a fully masked row
+    # has l = 0, P = 0 and m = -inf: clamping l to 1 gives it output 0 and lse -inf without a branch
+    l = s4.sum(-1, keepdim=True).clamp_min_(1.0)
+    o = torch.matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
+    lse = m.add_(l.log2_()).mul_(LN2).squeeze(-1) if not need_max else (m + l.log2()).mul_(LN2).squeeze(-1)
     row_max = (m * LN2).squeeze(-1).float() if need_max else None
     return o.to(query.dtype), lse.to(lse_dtype), row_max
