@@ -114,7 +114,8 @@ class _FlexAttentionFunction(torch.autograd.Function):
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: Any = None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, kernel_options: dict | None = None,
-                   *, return_aux: AuxRequest | None = None):
+                   *, return_aux: AuxRequest | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, AuxOutput]:
     """Attention with a programmable score and a block-sparse mask, with torch 2.13's semantics.
 
     Args:
