@@ -5,6 +5,7 @@ from .trace import TraceError, TracedMod, trace
 from .evaluate import evaluate, evaluate_grid
 from .mask_mods import and_masks, noop_mask, not_mask, or_masks
 from .block_mask import BlockMask, create_block_mask, create_mask
+from . import block_mask_pytree  # noqa: F401  (registers BlockMask as a pytree node)
 from .attention import AuxOutput, AuxRequest, flex_attention
 from .backends.triton_backend import cache_clear, cache_info, kernel_source
 # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`
