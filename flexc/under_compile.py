@@ -110,8 +110,8 @@ class _Plan(NamedTuple):
 
     mod_args: tuple[int, ...]  # input positions of score, b, h, q_idx, kv_idx
     tensors: tuple[int, ...]  # input positions of query, key, value and the present tables
-    score_out: torch.fx.Node
-    mask_out: torch.fx.Node
+    mod_outs: dict  # kind -> the subgraph node of that mod's value
+    traced: dict  # kind -> (mod_key, input positions of its buffers) once traced
 
 
 _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakKeyDictionary()
@@ -126,19 +126,33 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         query, key, value, *present = (inputs[i] for i in plan.tensors)
         tables = iter(present)
         tables = [next(tables) if p else None for p in spec.tables]
-        score = _trace_output(gm, plan, plan.score_out, inputs, SCORE_MOD, spec.score_name) if spec.score_name else None
-        mask = _trace_output(gm, plan, plan.mask_out, inputs, MASK_MOD, spec.mask_name) if spec.mask_name else None
+        score_key, score_buffers = _mod(gm, plan, inputs, SCORE_MOD, spec.score_name)
+        mask_key, mask_buffers = _mod(gm, plan, inputs, MASK_MOD, spec.mask_name)
         out, lse, row_max = custom_ops.flex_attention_op(
-            query, key, value, tables, list(score.buffers) if score else [], list(mask.buffers) if mask else [],
-            mod_key(score) if score else "", mod_key(mask) if mask else "", list(spec.block_size),
+            query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key, list(spec.block_size),
             list(spec.seq_lengths), spec.scale, spec.backend, spec.need_max)
         # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
         # the same type, never read
         fill = lambda node: torch.zeros(node.meta["example_value"].shape, dtype=node.meta["example_value"].dtype,
                                         device=query.device)
-        return out, lse, row_max, fill(plan.score_out), fill(plan.mask_out)
+        return out, lse, row_max, fill(plan.mod_outs[SCORE_MOD]), fill(plan.mod_outs[MASK_MOD])
 
     return run
+
+
+def _mod(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, kind: str, name: str | None) -> tuple[str, list]:
+    """``(mod_key, captured tensors)`` of one mod ("" and [] for none); traced once per subgraph."""
+    if name is None:
+        return "", []
+    if kind in plan.traced:
+        key, positions = plan.traced[kind]
+        return key, [inputs[i] for i in positions]
+    traced = _trace_output(gm, plan, plan.mod_outs[kind], inputs, kind, name)
+    key = mod_key(traced)
+    position = {id(t): i for i, t in enumerate(inputs)}
+    if all(id(t) in position for t in traced.buffers):  # else (tensors made in the mod) trace every call
+        plan.traced[kind] = (key, [position[id(t)] for t in traced.buffers])
+    return key, list(traced.buffers)
 
 
 def _read_plan(gm: torch.fx.GraphModule, n_tensors: int) -> _Plan:
@@ -156,7 +170,7 @@ def _read_plan(gm: torch.fx.GraphModule, n_tensors: int) -> _Plan:
                            f"after the torch.cat:\n{gm.code}")
     output = nodes[-1].args[0]
     return _Plan(tuple(position[a] for a in cat.args[0]), tuple(position[n.args[0]] for n in detaches),
-                 output[3], output[4])
+                 {SCORE_MOD: output[3], MASK_MOD: output[4]}, {})
 
 
 def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, inputs: tuple, kind: str, name: str):

@@ -172,3 +172,20 @@ def test_block_mask_is_a_pytree_node():
     torch.testing.assert_close(moved.to_dense(), bm.to_dense())
     keys = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(bm)[0]]
     assert ".kv_indices" in keys
+
+
+def test_graph_without_aot_reuses_the_trace_and_reads_new_captured_values():
+    """backend="eager" runs the dynamo graph itself, so the bridge runs on every call."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    table = torch.randn(2, 40, generator=g)
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[h, ki])
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+        table.mul_(-2.0)
+    assert counter.frame_count == 1
