@@ -8,11 +8,12 @@ PY := $(VENV)/bin/python
 setup: $(VENV)/.installed
 
 # torch==2.13.0 first: it is the CPU build on these machines; an unpinned torch would pull CUDA wheels.
+# The test extra brings triton and matplotlib; triton is pinned to the version README's table claims.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' triton==3.9.0
 	touch $@
 
 demo: setup

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import ir
+from . import ir, trace_cache
+from .promotion import weak_pair
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
 SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -110,11 +111,17 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
     """Trace ``fn`` once with proxies and return its :class:`TracedMod`.
 
     ``kind`` (``"score_mod"``/``"mask_mod"``) is inferred from the arity when omitted. Raises
-    :class:`TraceError` for code that cannot become a graph.
+    :class:`TraceError` for code that cannot become a graph. The trace is cached on the function and
+    reused while nothing the mod can read has changed (see :mod:`flexc.trace_cache`).
 
     >>> print(trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx))
     q_idx >= kv_idx
     """
+    token = None
+    if not isinstance(fn, TracedMod):
+        cached, token = trace_cache.lookup(fn, kind)
+        if cached is not None:
+            return cached
     actual = fn.kind if isinstance(fn, TracedMod) else mod_kind(fn)
     if kind is not None and kind != actual:
         source = fn.fn if isinstance(fn, TracedMod) else fn
@@ -125,7 +132,11 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
         )
     if isinstance(fn, TracedMod):
         return fn
-    return _Tracer(fn, actual).run()
+    tracer = _Tracer(fn, actual)
+    traced = tracer.run()
+    if not tracer.reads_values:  # a trace that baked in a tensor's value must be redone each call
+        trace_cache.remember(token, traced)
+    return traced
 
 
 # ---- the tracer ---------------------------------------------------------------------------
@@ -136,6 +147,7 @@ class _Tracer:
         self.buffers: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}
         self._site: tuple[str, str] | None = None  # overrides the error location once the mod returned
+        self.reads_values = False  # the mod read a concrete tensor value: the trace is not cached
 
     def run(self) -> TracedMod:
         names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
@@ -195,6 +207,10 @@ class _Tracer:
             if isinstance(x, float) and math.isnan(x):
                 self.fail("a NaN constant", "use a finite number or -inf")
             return ir.const(x)
+        if _is_numpy_array(x):
+            self.fail(f"{what} is a numpy array (shape {list(x.shape)}, {x.dtype}); flexc captures torch "
+                      f"tensors only", "convert it once, outside the mod: `table = torch.as_tensor(table)`, "
+                      "then index it with the mod's arguments")
         if hasattr(x, "dtype") and hasattr(x, "item") and not isinstance(x, torch.Tensor):  # numpy scalar
             return ir.const(x.item())
         if isinstance(x, torch.Tensor):
@@ -253,6 +269,7 @@ class _Tracer:
             self.fail(f"captured tensor {_describe(tensor)} is indexed with {k!r}", "index with integers or the mod's arguments")
         size = tensor.shape[dim]
         if isinstance(k, int) or (isinstance(k, torch.Tensor) and k.dim() == 0 and not k.is_floating_point()):
+            self.reads_values |= isinstance(k, torch.Tensor)
             i = int(k)
             if not -size <= i < size:
                 self.fail(f"index {i} is out of range for dimension {dim} of captured tensor {_describe(tensor)}",
@@ -336,6 +353,11 @@ def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
     if op in ir.LOGIC_OPS and ir.FLOAT in (a.kind, b.kind):
         t.fail(f"`{ir._SYMBOLS[op]}` on a float value ({a} {ir._SYMBOLS[op]} {b})",
                "use `&`, `|`, `^` on comparisons (bools) or integer indices")
+    if op in ("floordiv", "mod") and b.op == "const" and b.attr == 0 and ir.FLOAT not in (a.kind, b.kind):
+        t.fail(f"integer division by zero (`{a} {ir._SYMBOLS[op]} 0`); torch raises ZeroDivisionError for it",
+               "divide by a non-zero number, or use `/` (true division) on floats")
+    if op != "pow":  # torch converts a Python int to a narrow integer operand's dtype (wrapping)
+        a, b = weak_pair(a, b)
     return ir.binary(op, a, b)
 
 
@@ -419,6 +441,19 @@ class Proxy:
 
     def __getitem__(self, key):
         self.tracer.fail(f"indexing the traced scalar `{self.node}`", "index captured tensors, not the mod's arguments")
+
+    # -- numpy: it cannot build graph nodes, so every way a proxy reaches it is an error --
+    def __array__(self, *args, **kwargs):
+        self.tracer.fail(f"the traced value `{self.node}` was passed to numpy (a numpy function, or an index "
+                         f"into a numpy array); numpy needs concrete values", _NUMPY_FIX)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        self.tracer.fail(f"numpy's `np.{ufunc.__name__}` was called on the traced value `{self.node}`; numpy "
+                         f"cannot be traced", _NUMPY_FIX)
+
+    def __array_function__(self, func, types, args, kwargs):
+        self.tracer.fail(f"numpy's `np.{func.__name__}` was called on the traced value `{self.node}`; numpy "
+                         f"cannot be traced", _NUMPY_FIX)
 
     def __setitem__(self, key, value):
         self.tracer.fail("assigning into a traced value", "compute a new value instead")
@@ -541,7 +576,7 @@ def _masked_fill(t: _Tracer, x: Any, mask: Any, value: Any) -> "Proxy":
     if m.kind != ir.BOOL:
         t.fail(f"masked_fill's mask `{m}` is {'an' if m.kind == ir.INT else 'a'} {m.kind}, not a bool",
                "pass a comparison such as `q_idx < kv_idx`")
-    return t.wrap(ir.where(m, t.to_node(value), t.to_node(x)))
+    return t.wrap(ir.where(m, *weak_pair(t.to_node(value), t.to_node(x))))
 
 
 def _as_bool(t: _Tracer, x: Any) -> ir.Node:
@@ -552,9 +587,9 @@ def _as_bool(t: _Tracer, x: Any) -> ir.Node:
 def _clamp(t: _Tracer, x: Any, min: Any = None, max: Any = None) -> "Proxy":
     node = t.to_node(x)
     if min is not None:
-        node = ir.binary("max", node, t.to_node(min))
+        node = _binary(t, "max", node, t.to_node(min))
     if max is not None:
-        node = ir.binary("min", node, t.to_node(max))
+        node = _binary(t, "min", node, t.to_node(max))
     return t.wrap(node)
 
 
@@ -562,15 +597,15 @@ def _where(t: _Tracer, cond: Any, x: Any, y: Any) -> "Proxy":
     c = t.to_node(cond)
     if c.kind != ir.BOOL:
         t.fail(f"torch.where's condition `{c}` is {'an' if c.kind == ir.INT else 'a'} {c.kind}, not a bool", "pass a comparison such as `q_idx >= kv_idx`")
-    return t.wrap(ir.where(c, t.to_node(x), t.to_node(y)))
+    return t.wrap(ir.where(c, *weak_pair(t.to_node(x), t.to_node(y))))
 
 
 def _div(t: _Tracer, x: Any, y: Any, rounding_mode: str | None = None) -> "Proxy":
     a, b = t.to_node(x), t.to_node(y)
     if rounding_mode is None:
-        return t.wrap(ir.binary("truediv", a, b))
+        return t.wrap(_binary(t, "truediv", a, b))
     if rounding_mode == "floor":
-        return t.wrap(ir.binary("floordiv", a, b))
+        return t.wrap(_binary(t, "floordiv", a, b))
     t.fail(f"torch.div with rounding_mode={rounding_mode!r}", "use rounding_mode='floor' (or `//`), or plain `/`")
 
 
@@ -648,8 +683,34 @@ def _mutates(name: str) -> bool:
             or (name.endswith("_") and not name.endswith("__")))
 
 
+# torch functions that draw random numbers: traced once, their values would be frozen into the
+# graph, so they are rejected as torch's vmap rejects randomness.
+_RANDOM_FUNCS = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+    "bernoulli", "multinomial", "poisson", "binomial", "dropout", "alpha_dropout", "feature_alpha_dropout",
+    "dropout1d", "dropout2d", "dropout3d", "rrelu", "native_dropout",
+})
+
+
+def _reject_random(tracer: _Tracer, name: str) -> None:
+    if name in _RANDOM_FUNCS:
+        tracer.fail(f"`torch.{name}` draws random numbers inside the mod; flexc traces a mod once, so the values would "
+                    f"be frozen into one constant for every position (torch's vmap rejects this too)",
+                    "draw the tensor once outside the mod and capture it, e.g. `noise = torch.randn(L, S)` "
+                    "and return `score + noise[q_idx, kv_idx]`")
+
+
+def _is_numpy_array(x: Any) -> bool:
+    return type(x).__module__ == "numpy" and type(x).__name__ == "ndarray"
+
+
+_NUMPY_FIX = ("use the torch function instead (torch.where, torch.logical_and, torch.exp, `&`, `|`, ...), and "
+              "convert captured numpy arrays to tensors once, outside the mod: `table = torch.as_tensor(table)`")
+
+
 def _dispatch(tracer: _Tracer, func: Callable, args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", repr(func))
+    _reject_random(tracer, name)
     if name == "__getitem__" and isinstance(args[0], torch.Tensor):
         return tracer.index(args[0], args[1])
     if _mutates(name):
@@ -672,6 +733,11 @@ def _call_handler(tracer: _Tracer, name: str, handler: Callable, args: tuple, kw
                     f"call it as in the torch documentation with one value per operand, e.g. `torch.{name}(x, y)`")
 
 
+# tensor methods that turn a captured tensor's values into Python values the trace may bake in
+_VALUE_READS = frozenset({"__int__", "__float__", "__bool__", "__complex__", "__index__", "item", "tolist",
+                          "numpy", "__array__", "__format__", "__len__", "__iter__"})
+
+
 class _TraceMode(TorchFunctionMode):
     """Routes torch calls that touch a proxy into the graph; forbids mutating captured tensors."""
 
@@ -684,6 +750,9 @@ class _TraceMode(TorchFunctionMode):
         if any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
             return _dispatch(self.tracer, func, args, kwargs)
         name = getattr(func, "__name__", "")
+        _reject_random(self.tracer, name)
+        if name in _VALUE_READS:
+            self.tracer.reads_values = True
         if _mutates(name) and args and isinstance(args[0], torch.Tensor):
             self.tracer.fail(f"`{name}` mutates a tensor inside the mod",
                              "mods must be pure: compute new values instead of writing into captured tensors")

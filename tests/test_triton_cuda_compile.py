@@ -71,3 +71,11 @@ def test_default_configs_compile_and_fit_shared_memory(dtype, head_dim, v_head_d
 def test_kernel_without_block_mask_compiles():
     compile_for_hopper(lambda score, b, h, q_idx, kv_idx: score * 0.5, None, torch.bfloat16, 64, 64,
                        options={"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2})
+
+
+def test_offline_compile_specialises_like_the_launcher():
+    # 16-byte-aligned pointers and strides divisible by 16 let Triton pipeline K/V tiles through
+    # shared memory with asynchronous copies; typing every integer as a plain i32 loses both.
+    compiled = compile_for_hopper(None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, torch.bfloat16, 128, 128)
+    assert "cp.async" in compiled.asm["ptx"]
+    assert compiled.metadata.shared >= 96 * 1024  # 3 stages of 64 x 128 bf16 K and V tiles, plus Q

@@ -118,8 +118,9 @@ def _check_int_option(name: str, value: Any, power_of_2: bool, minimum: int) -> 
                         f"Fix: pass e.g. {name}=64.")
     if value < minimum or (power_of_2 and value & (value - 1)):
         what = f"a power of two >= {minimum}" if power_of_2 else f">= {minimum}"
-        raise ValueError(f"flexc: kernel_options[{name!r}] must be {what}, got {value}. Fix: use e.g. "
-                         f"{max(minimum, 64) if power_of_2 else max(minimum, 2)}.")
+        # Suggest the nearest valid value above the one given (num_warps=3 -> 4, BLOCK_M=48 -> 64).
+        suggestion = max(minimum, 1 << max(0, value - 1).bit_length()) if power_of_2 else minimum
+        raise ValueError(f"flexc: kernel_options[{name!r}] must be {what}, got {value}. Fix: use e.g. {suggestion}.")
     return value
 
 
@@ -208,6 +209,21 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
 
 # ---- the kernel cache ---------------------------------------------------------------------
 
+def require_triton() -> Any:
+    """The ``triton`` module, or an ImportError saying how to install it.
+
+    Triton is optional (the ``flexc[triton]`` extra): tracing, block masks, the CPU path and
+    kernel *source* need only torch; importing and running a generated kernel needs Triton.
+    """
+    try:
+        import triton
+    except ImportError as e:
+        raise ImportError("flexc: running a generated Triton kernel needs the `triton` package, which is not "
+                          "installed. Fix: pip install 'flexc[triton]' (or pip install triton), or use "
+                          "kernel_options={'BACKEND': 'TORCH'} on CPU tensors.") from e
+    return triton
+
+
 def _file_holds(path: str, text: str) -> bool:
     try:
         with open(path) as f:
@@ -221,7 +237,7 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
 
     With ``target="interpreter"`` its ``@triton.jit`` functions run on CPU tensors.
     """
-    import triton
+    triton = require_triton()
 
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     name = f"flexc_kernel_{digest}"
@@ -344,6 +360,25 @@ def _constexprs(spec: ForwardSpec) -> dict[str, int]:
                 V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
 
 
+def _kernel_args(generated: GeneratedForward, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor],
+                 score_mod: TracedMod | None, mask_mod: TracedMod | None, scale: float) -> list:
+    """The kernel's positional arguments, in the order of its signature (constexprs excluded)."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, _ = value.shape
+    Bm, Hm, nQ = tables[0].shape
+    stride_kb = key.stride(0) if Bkv == B else 0
+    stride_vb = value.stride(0) if Bkv == B else 0
+    shapes = [float(scale), L, S, Hq // Hkv,
+              *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *out.stride()]
+    if lse is not None:
+        shapes += [lse.stride(0), lse.stride(1)]
+    shapes += [Bm, Hm, nQ, tables[1].shape[-1]]
+    buffers = (_buffer_arguments(score_mod, generated.score_params, query.device)
+               + _buffer_arguments(mask_mod, generated.mask_params, query.device))
+    return [query, key, value, out] + ([lse] if lse is not None else []) + tables + buffers + shapes
+
+
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -363,23 +398,13 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
                          f"Fix: split the batch into chunks.")
     spec = resolve_fallback(spec)
     tables = _tables(block_mask, spec, S, device)
-    Bm, Hm, nQ = tables[0].shape
-    nKV = tables[1].shape[-1]
+    nQ = tables[0].shape[-1]
     if spec.q_block_size != NO_BLOCK_MASK and nQ < cdiv(L, spec.q_block_size):
         raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
                          f"{cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
-    stride_kb = key.stride(0) if Bkv == B else 0
-    stride_vb = value.stride(0) if Bkv == B else 0
-    shapes = [float(scale), L, S, Hq // Hkv,
-              *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *out.stride()]
-    if lse is not None:
-        shapes += [lse.stride(0), lse.stride(1)]
-    shapes += [Bm, Hm, nQ, nKV]
     while True:
         kernel = get_kernel(spec)
-        buffers = (_buffer_arguments(score_mod, kernel.generated.score_params, device)
-                   + _buffer_arguments(mask_mod, kernel.generated.mask_params, device))
-        args = [query, key, value, out] + ([lse] if lse is not None else []) + tables + buffers + shapes
+        args = _kernel_args(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod, scale)
         constants = _constexprs(spec)
         grid = (cdiv(L, spec.block_m), Hq, B)
         if spec.target == "interpreter":
@@ -403,9 +428,9 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
                           f"retrying with BLOCK_M={smaller.block_m}, BLOCK_N={smaller.block_n}, "
                           f"num_stages={smaller.num_stages}.", RuntimeWarning, stacklevel=3)
             with _cache_lock:
-                for key, replaced in list(_fallbacks.items()):
+                for replaced_key, replaced in list(_fallbacks.items()):
                     if replaced.key() == spec.key():
-                        _fallbacks[key] = smaller
+                        _fallbacks[replaced_key] = smaller
                 _fallbacks[spec.key()] = smaller
             spec = smaller
 
@@ -450,51 +475,73 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     return source_for(spec)
 
 
-_POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64",
-                  torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8",
-                  torch.uint8: "*u8", torch.bool: "*u8"}
+def compile_like_launcher(fn: Any, args: list, constants: dict, num_warps: int, num_stages: int,
+                          capability: int = 90, warp_size: int = 32) -> Any:
+    """Compile the ``@triton.jit`` kernel ``fn`` for a CUDA target as its launcher would for ``args``.
 
-
-def compile_offline(spec: ForwardSpec, capability: int = 90, warp_size: int = 32) -> Any:
-    """Compile the CUDA kernel for ``spec`` to a cubin without a GPU (Triton's ptxas runs on CPU).
-
-    Checks that generated source is valid Triton for a given architecture (90 = Hopper) and
-    reports its shared memory (``.metadata.shared``). Integer arguments are typed i32.
+    No GPU is needed: Triton's front end, LLVM and ptxas run on the CPU. The arguments are
+    specialised exactly as :meth:`JITFunction.run` does for a real launch (tensor pointers 16-byte
+    aligned, integers divisible by 16 marked, integers equal to 1 made constants,
+    ``do_not_specialize`` honoured), so the machine code is what a GPU would run: typing every
+    integer as i32 with no attributes instead changes shared memory, loads and spills.
+    ``args`` may hold CPU tensors; only their dtype and address alignment matter.
     """
-    import triton
+    triton = require_triton()
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
+    target = GPUTarget("cuda", capability, warp_size)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(constants, num_warps=num_warps, num_stages=num_stages)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def offline_inputs(spec: ForwardSpec, batch: int = 1, heads: int = 16, q_len: int = 4096, kv_len: int | None = None,
+                   block_mask: Any = None) -> tuple:
+    """CPU stand-ins ``(query, key, value, block_mask)`` for compiling ``spec`` offline.
+
+    Only their shapes, strides, dtypes and alignment reach the compiler; tensors are left
+    uninitialised. Without ``block_mask`` the BlockMask tables are all-zero tensors of the shape
+    ``create_block_mask`` gives for one batch and head (or none when ``spec`` has no BlockMask).
+    """
+    from types import SimpleNamespace
+
+    kv_len = q_len if kv_len is None else kv_len
+    query = torch.empty((batch, heads, q_len, spec.head_dim), dtype=spec.dtype)
+    key = torch.empty((batch, heads, kv_len, spec.head_dim), dtype=spec.dtype)
+    value = torch.empty((batch, heads, kv_len, spec.v_head_dim), dtype=spec.dtype)
+    if block_mask is None and spec.q_block_size != NO_BLOCK_MASK:
+        nq, nkv = cdiv(q_len, spec.q_block_size), cdiv(kv_len, spec.kv_block_size)
+        counts, indices = torch.zeros((1, 1, nq), dtype=torch.int32), torch.zeros((1, 1, nq, nkv), dtype=torch.int32)
+        block_mask = SimpleNamespace(kv_num_blocks=counts, kv_indices=indices, full_kv_num_blocks=counts,
+                                     full_kv_indices=indices, BLOCK_SIZE=(spec.q_block_size, spec.kv_block_size))
+    return query, key, value, block_mask
+
+
+def compile_offline(spec: ForwardSpec, capability: int = 90, warp_size: int = 32, inputs: tuple | None = None) -> Any:
+    """Compile the CUDA kernel for ``spec`` to a cubin without a GPU, specialised like a real launch.
+
+    ``inputs`` is ``(query, key, value, block_mask)`` (CPU tensors of the launch's shapes; default
+    :func:`offline_inputs`); the mods' captured tensors are their traced values. Returns Triton's
+    compiled kernel: ``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata.shared`` (bytes).
+    """
     if spec.target != "cuda":
         raise ValueError(f"compile_offline: spec.target must be 'cuda', got {spec.target!r}. "
                          f"Fix: build the spec with target 'cuda'.")
+    query, key, value, block_mask = inputs if inputs is not None else offline_inputs(spec)
     generated = generate_forward(spec)
     module, _ = import_source(generated.source, "cuda")
-    fn = getattr(module, KERNEL_NAME)
-    constants = _constexprs(spec)
-    buffer_types = {}
-    for traced, params in ((spec.score_mod, generated.score_params), (spec.mask_mod, generated.mask_params)):
-        for p in params:
-            if p.what == "ptr":
-                buffer_types[p.name] = _POINTER_TYPES[traced.buffers[p.slot].dtype]
-    signature = {}
-    for name in fn.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in ("query_ptr", "key_ptr", "value_ptr", "out_ptr"):
-            signature[name] = _POINTER_TYPES[spec.dtype]
-        elif name == "lse_ptr":
-            signature[name] = "*fp32"
-        elif name in buffer_types:
-            signature[name] = buffer_types[name]
-        elif name.endswith("_ptr"):
-            signature[name] = "*i32"  # the BlockMask tables
-        elif name == "scale":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants)
-    return triton.compile(source, target=GPUTarget("cuda", capability, warp_size),
-                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    out = _empty_like_query(query, value.shape[-1])
+    lse = torch.empty(query.shape[:3], dtype=torch.float32) if spec.output_lse else None
+    tables = _tables(block_mask, spec, key.shape[2], query.device)
+    args = _kernel_args(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
+                        query.shape[-1] ** -0.5)
+    return compile_like_launcher(getattr(module, KERNEL_NAME), args, _constexprs(spec), spec.num_warps,
+                                 spec.num_stages, capability, warp_size)
 
 
 def _register() -> None:
@@ -505,5 +552,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
-           "launch", "make_spec", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]
+__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "compile_like_launcher", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
+           "launch", "make_spec", "offline_inputs", "require_triton", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]

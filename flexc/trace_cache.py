@@ -1,0 +1,264 @@
+"""Reuse a mod's trace while nothing the mod can read has changed.
+
+Decoding calls attention once per token with the same mods, so tracing them on every call would
+cost more than the attention itself. :func:`lookup` returns the trace of an earlier call when the
+mod's *snapshot* is unchanged. The snapshot covers everything a trace can depend on:
+
+- the code object, ``__defaults__``, ``__kwdefaults__`` and ``__name__`` of the function;
+- the contents of its closure cells and the globals its code names (missing ones included, so a
+  global defined later is noticed); functions reached that way are snapshotted the same way
+  (``and_masks`` over user mods, helpers a mod calls), ``functools.partial`` arguments too;
+- attributes, named in the reading code, of objects, classes and user modules it reaches
+  (``cfg.window``, ``self.bias``); lists, tuples, dicts and sets by content.
+
+Python numbers, strings and dtypes are compared by value (``1``, ``1.0`` and ``True`` differ, as
+their traces do); tensors by identity plus dtype, shape and device, so new values written into a
+captured tensor reuse the trace (its buffers are the same tensors) while a rebound name re-traces.
+A tensor that does not require grad also matches an earlier one viewing the same memory (same
+storage, offset, shape, strides, dtype): ``input_pos[0]`` makes a new view each decoding step, but
+the old view, kept alive by the cache, always holds the same values. torch's own functions and
+modules, builtins and other C objects are compared by identity.
+
+The cache is keyed by the code object, so a closure re-created each step with the same captured
+state (``get_mask_mod(mask_mod, offset)`` in a decoding loop) finds the trace of its predecessor.
+Each code object keeps at most :data:`_MAX_ENTRIES` traces, oldest dropped first (an entry keeps
+the objects of its snapshot alive). A mod whose snapshot cannot be taken (an object of unknown kind,
+very deep or very long data) is traced every time, as is a trace that read a captured tensor's
+value (``int(t)``): never stale.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import types
+from collections import OrderedDict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+_MAX_ENTRIES = 16  # per code object: a mod re-created with new captured numbers evicts the oldest
+_MAX_CODES = 1024  # code objects with cached traces, least recently used dropped first
+_MAX_DEPTH = 12
+_MAX_ITEMS = 256  # longer Python containers are not snapshotted (the mod is traced each call)
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_LIBRARY_MODULES = ("torch", "math", "numpy", "functools", "operator", "builtins", "triton", "flexc", "sympy")
+_VALUE_TYPES = (type(None), bool, int, str, bytes, complex, type(Ellipsis), torch.dtype, torch.device,
+                torch.Size, torch.memory_format, torch.layout)
+_MISSING = ("missing",)
+
+
+class _Unknown(Exception):
+    """Some reachable object cannot be snapshotted: do not cache."""
+
+
+def _names_of(code: types.CodeType, _memo: dict = {}) -> frozenset:
+    """The names ``code`` and the code objects nested in it read as globals or attributes."""
+    entry = _memo.get(id(code))
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_of(const)
+    result = frozenset(names)
+    _memo[id(code)] = (code, result)  # the code object is kept so its id is never reused
+    return result
+
+
+def _is_library_function(fn: types.FunctionType) -> bool:
+    # torch's Python functions are treated like its C ones: they do not change between calls
+    return fn.__code__.co_filename.startswith(_TORCH_DIR)
+
+
+def _is_library_module(module: types.ModuleType) -> bool:
+    return module.__name__.split(".")[0] in _LIBRARY_MODULES or module.__name__ in sys.builtin_module_names
+
+
+class _Snapshot:
+    """Builds the hashable snapshot of one mod; ``keep`` holds every object whose id it contains."""
+
+    def __init__(self):
+        self.keep: list = []
+        self.active: set[int] = set()  # functions being snapshotted (recursion guard)
+
+    def ident(self, tag: str, obj: Any) -> tuple:
+        self.keep.append(obj)
+        return (tag, id(obj))
+
+    def value(self, x: Any, names: frozenset, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise _Unknown
+        t = type(x)
+        if t in _VALUE_TYPES:
+            return (t, x)
+        if t is float:
+            return (float, x.hex())  # keeps -0.0 apart from 0.0
+        if isinstance(x, torch.Tensor):
+            return self.tensor(x)
+        if isinstance(x, np.generic):
+            return (t, x.tobytes())
+        if t in (tuple, list):
+            if len(x) > _MAX_ITEMS:
+                raise _Unknown
+            return (t, tuple(self.value(v, names, depth + 1) for v in x))
+        if t is dict:
+            if len(x) > _MAX_ITEMS:
+                raise _Unknown
+            return (dict, tuple((self.value(k, names, depth + 1), self.value(v, names, depth + 1))
+                                for k, v in x.items()))
+        if t in (set, frozenset):
+            if len(x) > _MAX_ITEMS:
+                raise _Unknown
+            return (t, frozenset(self.value(v, names, depth + 1) for v in x))
+        if t is types.FunctionType:
+            return self.function(x, depth)
+        if t is functools.partial:
+            return ("partial", self.value(x.func, names, depth + 1), self.value(x.args, names, depth + 1),
+                    self.value(x.keywords, names, depth + 1))
+        if t is types.MethodType:
+            func = x.__func__
+            inner = _names_of(func.__code__) if hasattr(func, "__code__") else names
+            return ("method", self.value(func, names, depth + 1), self.value(x.__self__, inner, depth + 1))
+        if t is types.ModuleType:
+            if _is_library_module(x):
+                return self.ident("module", x)
+            return (*self.ident("module", x), self.attributes(x, names, depth))
+        if isinstance(x, (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
+                          types.MethodWrapperType, types.MethodDescriptorType, types.GetSetDescriptorType,
+                          torch._C._TensorMeta)) or t.__module__.split(".")[0] == "torch" and not hasattr(x, "__dict__"):
+            return self.ident("c", x)  # C functions and torch's own objects do not change
+        if isinstance(x, type):
+            if x.__module__.split(".")[0] in _LIBRARY_MODULES:
+                return self.ident("type", x)
+            return (*self.ident("type", x), self.attributes(x, names, depth))
+        if hasattr(x, "__dict__"):
+            # a user object (or callable object): its identity and the attributes the reading code
+            # can name, plus those its own __call__ reads
+            if id(x) in self.active:
+                return self.ident("recursive", x)
+            call = type(x).__call__ if callable(x) else None
+            code = getattr(call, "__code__", None)
+            if code is not None and not code.co_filename.startswith(_TORCH_DIR):
+                names = names | _names_of(code)
+            self.active.add(id(x))
+            out = (*self.ident("object", x), self.value(call, names, depth + 1) if call is not None else None,
+                   self.attributes(x, names, depth))
+            self.active.discard(id(x))
+            return out
+        raise _Unknown
+
+    def tensor(self, x: torch.Tensor) -> tuple:
+        if not x.requires_grad and x.layout == torch.strided and type(x) in (torch.Tensor, torch.nn.Parameter):
+            try:
+                storage = x.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # fake or meta tensors: identity only
+                storage = None
+            if storage:
+                # the same memory: a view made anew each call reads what the kept one reads
+                self.keep.append(x)
+                return ("memory", storage, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+        return (*self.ident("tensor", x), x.dtype, tuple(x.shape), x.device)
+
+    def attributes(self, obj: Any, names: frozenset, depth: int) -> tuple:
+        out = []
+        for name in sorted(names):
+            try:
+                value = getattr(obj, name)
+            except Exception:  # absent (or a property that fails): recorded as missing
+                value = _MISSING
+            out.append(_MISSING if value is _MISSING else self.value(value, names, depth + 1))
+        return tuple(out)
+
+    def function(self, fn: types.FunctionType, depth: int) -> tuple:
+        if _is_library_function(fn):
+            return self.ident("library", fn)
+        if id(fn) in self.active:  # recursion through a global or a cell
+            return self.ident("recursive", fn)
+        self.active.add(id(fn))
+        code = fn.__code__
+        names = _names_of(code)
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(self.value(cell.cell_contents, names, depth + 1))
+            except ValueError:  # a cell not yet assigned
+                cells.append(_MISSING)
+        globs = fn.__globals__
+        reads = tuple(self.value(globs.get(name, _MISSING), names, depth + 1) if name in globs else _MISSING
+                      for name in sorted(names))
+        self.active.discard(id(fn))
+        return (*self.ident("code", code), fn.__name__, self.value(fn.__defaults__, names, depth + 1),
+                self.value(fn.__kwdefaults__, names, depth + 1), tuple(cells), reads)
+
+
+def snapshot(fn: Callable) -> tuple[Any, list] | None:
+    """``(key, kept objects)`` describing everything ``fn``'s trace can depend on, or None if unknown."""
+    snap = _Snapshot()
+    try:
+        return snap.value(fn, frozenset(), 0), snap.keep
+    except (_Unknown, RecursionError):
+        return None
+
+
+# id(code) -> (code, OrderedDict(snapshot key -> (trace, kept objects))); the code object is kept
+# so that its id is never reused while the entry lives
+_STORES: OrderedDict = OrderedDict()
+
+
+def _code_of(fn: Callable) -> types.CodeType | None:
+    while type(fn) is functools.partial:
+        fn = fn.func
+    return fn.__code__ if type(fn) is types.FunctionType else None
+
+
+def _store(fn: Callable, create: bool = True) -> OrderedDict | None:
+    """The cache of ``fn``'s code object; None for callables that are not (partials of) functions."""
+    code = _code_of(fn)
+    if code is None:
+        return None
+    entry = _STORES.get(id(code))
+    if entry is not None and entry[0] is code:
+        _STORES.move_to_end(id(code))
+        return entry[1]
+    if not create:
+        return None
+    store: OrderedDict = OrderedDict()
+    _STORES[id(code)] = (code, store)
+    while len(_STORES) > _MAX_CODES:
+        _STORES.popitem(last=False)
+    return store
+
+
+def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
+    """``(cached trace or None, token)``; pass the token to :func:`remember` after tracing on a miss."""
+    store = _store(fn)
+    if store is None:
+        return None, None
+    snap = snapshot(fn)
+    if snap is None:
+        return None, None
+    key, keep = snap
+    entry = store.get(key)
+    if entry is not None and (kind is None or entry[0].kind == kind):
+        store.move_to_end(key)
+        return entry[0], None
+    return None, (store, key, keep)
+
+
+def remember(token: Any, traced: Any) -> None:
+    """Store ``traced`` under the snapshot taken by :func:`lookup` (a no-op for a None token)."""
+    if token is None:
+        return
+    store, key, keep = token
+    store[key] = (traced, keep)  # keep: the snapshot's ids stay valid while the entry lives
+    store.move_to_end(key)
+    while len(store) > _MAX_ENTRIES:
+        store.popitem(last=False)
+
+
+def clear() -> None:
+    """Forget every cached trace."""
+    _STORES.clear()
