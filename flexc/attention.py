@@ -239,7 +239,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
                          f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
     out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, backend,
                                                         want_max)
-    lse = lse.float()
+    out, lse = _laid_out_like(out, query), lse.to(_lse_dtype(query.dtype))  # as in eager
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores if want_max else None)
     if return_lse:
