@@ -453,6 +453,11 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
     (block sizes against tiles, devices of captured tensors).
     """
+    from . import triton_decode  # imports this module
+
+    if triton_decode.applies(query, key, block_mask):  # short queries: the split-KV decode kernel
+        return triton_decode.triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale,
+                                           kernel_options, need_lse)
     spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
     return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
 
@@ -471,6 +476,11 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                          enable_gqa, kernel_options)
+    from . import triton_decode
+
+    if triton_decode.applies(query, key, block_mask):  # short queries run the split-KV decode kernel
+        return triton_decode.source_for(triton_decode.make_spec(traced_score, traced_mask, query, key, value,
+                                                                block_mask))
     spec = _spec_for_call(query, value, traced_score, traced_mask, block_mask, options, return_lse)
     return source_for(spec)
 
