@@ -40,7 +40,7 @@ def _grads(q, k, v, score_mod=None, mask_mod=None, backend="TRITON", extra=(), b
            seed=1, **options):
     """Gradients of ``sum(out * w) + lse_weight * sum(finite lse)`` for (q, k, v, *extra).
 
-    lse is float32 by contract, so its incoming gradient is too: 0.25 keeps it exact.
+    lse may be float32 (then so is its incoming gradient): 0.25 keeps the weight exact.
     """
     Bq, Hq, Lq, _ = q.shape
     Sk = k.shape[2]
