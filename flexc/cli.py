@@ -245,9 +245,9 @@ def _check_call(args: argparse.Namespace, dtype: torch.dtype, head_dim: int, v_h
     """Validate the call ``flexc show`` describes as flex_attention would; return its kernel_options."""
     from .validate import check_kernel_options, check_tensors
 
-    # Zero-length stand-ins: flex_attention's own checks of dtypes and head dims, without data.
-    q = torch.empty(1, 1, 0, head_dim, dtype=dtype)
-    v = torch.empty(1, 1, 0, v_head_dim, dtype=dtype)
+    # One-row stand-ins: flex_attention's own checks of dtypes and head dims, on no real data.
+    q = torch.empty(1, 1, 1, head_dim, dtype=dtype)
+    v = torch.empty(1, 1, 1, v_head_dim, dtype=dtype)
     try:
         check_tensors(q, q, v, False)
     except (TypeError, ValueError) as e:
