@@ -37,6 +37,10 @@ def test_built_wheel_installs_into_a_fresh_venv_and_runs_the_readme_from_elsewhe
     # install the wheel alone (--no-deps --no-index), and let the fresh venv see this
     # environment's torch (the pinned one) through a .pth line. Only plain directories listed in a
     # .pth are added, so this environment's own (editable) flexc is not visible there.
+    import importlib.metadata
+
+    setuptools_major = int(importlib.metadata.version("setuptools").split(".")[0])
+    assert setuptools_major >= 77, "building the wheel offline needs setuptools>=77 here (make setup installs it)"
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -82,6 +86,15 @@ def test_readme_tested_versions_are_the_ones_this_suite_runs_with():
     assert torch.__version__.split("+")[0] == table["torch"]
     assert triton.__version__ == table["triton"]
     assert "%d.%d" % sys.version_info[:2] == table["Python"]
+
+
+def test_the_oldest_triton_allowed_is_the_one_ci_tests():
+    oldest = re.search(r"^\| triton, the oldest allowed \| ([0-9.]+) \|", README, re.M).group(1)
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(rf"^OLDEST_TRITON := {re.escape(oldest)}$", makefile, re.M)
+    floor = ".".join(oldest.split(".")[:2])
+    assert f'"triton>={floor}"' in (ROOT / "pyproject.toml").read_text()
+    assert "make test-oldest-triton" in (ROOT / ".ci" / "run").read_text()
 
 
 def _public_callables():
