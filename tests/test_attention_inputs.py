@@ -119,6 +119,22 @@ def test_nan_and_inf_in_masked_values_contribute_zero(backend, score_mod, fill):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_against_a_cache_with_garbage_past_its_length(backend):
+    """A few query rows (the decode paths) and a KV cache whose unused tail holds NaN/inf, as an
+    uninitialised cache may: the tail is masked, so it contributes nothing."""
+    q, k, v = random_qkv(2, 4, 2, 3, 200, 16, seed=11)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, 150:], v_bad[:, :, 150:] = math.nan, math.inf
+    v_bad[1, 0, 170] = -math.inf
+    mask = padding_mask(150)
+    block_mask = flexc.create_block_mask(mask, None, None, 3, 200, device="cpu", BLOCK_SIZE=64)
+    out, lse = attend(q, k_bad, v_bad, backend, block_mask=block_mask)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
 def test_an_allowed_non_finite_value_still_reaches_the_rows_that_allow_it(backend, fill):
     """Key 40 holds a non-finite value; causal rows >= 40 see it (as the dense reference says), rows

@@ -27,6 +27,7 @@ import torch
 from ..evaluate import evaluate
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
+from .nonfinite import all_finite, matmul_skipping_zeros
 
 MAX_ROWS = 16
 # Scores [B, Hq, L, n] above this many elements go to the row path (bounded working memory).
@@ -204,12 +205,16 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         s4.masked_fill_(allowed.logical_not(), _NEG_INF)
 
     m = s4.amax(-1, keepdim=True)
-    m_safe = m.nan_to_num(neginf=0.0)  # a fully masked row: exp2(-inf - 0) = 0
+    # a fully masked row: exp2(-inf - 0) = 0 (NaN and +inf maxima stay, so such rows get lse NaN)
+    m_safe = m.masked_fill(m == _NEG_INF, 0.0)
     s4.sub_(m_safe).exp2_()
     # a row with any allowed key has l >= 1 (its maximum contributes exp2(0)); a fully masked row
     # has l = 0, P = 0 and m = -inf: clamping l to 1 gives it output 0 and lse -inf without a branch
     l = s4.sum(-1, keepdim=True).clamp_min_(1.0)
-    o = torch.matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
+    # masked keys' NaN/inf values must not reach P @ V through 0 * NaN (an uninitialised cache)
+    masked = allowed is not None or (spans is not None and not _is_true(mask_mod))
+    matmul = torch.matmul if not masked or all_finite(v_sel) else matmul_skipping_zeros
+    o = matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
     lse = m.add_(l.log2_()).mul_(LN2).squeeze(-1) if not need_max else (m + l.log2()).mul_(LN2).squeeze(-1)
     row_max = (m * LN2).squeeze(-1).float() if need_max else None
     return o.to(query.dtype), lse.to(lse_dtype), row_max

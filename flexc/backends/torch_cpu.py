@@ -28,6 +28,7 @@ import torch
 from ..evaluate import evaluate
 from ..trace import TracedMod
 from . import decode_cpu, fused_cpu, workers
+from .nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
@@ -204,37 +205,6 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every element is finite: one sum per tensor (NaN and inf survive a sum). A sum that
-    overflows reports False, which only costs the slower NaN-safe path."""
-    return all(bool(torch.isfinite(t.sum(dtype=_work_dtype(t.dtype)))) for t in tensors)
-
-
-def _matmul_skipping_zeros(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in which an exact zero of ``a`` contributes 0 even where ``b`` holds NaN or inf.
-
-    A plain matmul gives ``0 * NaN = NaN``, so a masked key (probability 0) whose value row holds
-    NaN would poison its query row. Here non-finite entries of ``b`` are zeroed for the product and
-    what the nonzero entries of ``a`` make of them (NaN, +inf or -inf per output element) is added
-    back, from 0/1 products over the few key rows (dim -2 of ``b``) that hold such entries.
-    """
-    bad = ~torch.isfinite(b)
-    rows = bad.any(-1).reshape(-1, b.shape[-2]).any(0).nonzero().flatten()
-    if rows.numel() == 0:
-        return torch.matmul(a, b)
-    out = torch.matmul(a, b.masked_fill(bad, 0.0))
-    a_sel, b_sel = a[..., rows], b[..., rows, :]
-    pos, neg = (a_sel > 0).to(out.dtype), (a_sel < 0).to(out.dtype)
-    is_nan = b_sel.isnan().to(out.dtype)
-    is_pinf, is_ninf = (b_sel == float("inf")).to(out.dtype), (b_sel == float("-inf")).to(out.dtype)
-    n_nan = torch.matmul(pos + neg, is_nan)  # (a NaN in ``a`` already made the product NaN)
-    n_pinf = torch.matmul(pos, is_pinf) + torch.matmul(neg, is_ninf)
-    n_ninf = torch.matmul(pos, is_ninf) + torch.matmul(neg, is_pinf)
-    nan = (n_nan > 0) | ((n_pinf > 0) & (n_ninf > 0))
-    inf = torch.where(n_pinf > 0, float("inf"), torch.where(n_ninf > 0, float("-inf"), 0.0)).to(out.dtype)
-    return out.add_(inf.masked_fill_(nan, float("nan")))
-
-
 # ---- forward -----------------------------------------------------------------------------
 
 def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -267,7 +237,7 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     # Masked pairs must contribute exactly 0 whatever q/k/v hold; the fast paths (an additive -inf
     # mask, torch's fused kernel) turn NaN or inf there into NaN, so they need finite inputs.
     masked = bool(tasks) and tasks[0][1].mask_mod is not None
-    finite = not masked or _all_finite(query, key, value)
+    finite = not masked or all_finite(query, key, value)
     fused = bool(tasks) and finite and fused_cpu.supported(query, value, tasks[0][1], need_max)
     if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
         query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
@@ -384,7 +354,7 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
             # the first chunk overwrites (beta=0 ignores whatever the rows held)
             acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)
         else:
-            part = _matmul_skipping_zeros(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg))
+            part = matmul_skipping_zeros(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg))
             acc3.copy_(part) if first else acc3.add_(part)
         first = False
         m = m_new
@@ -428,7 +398,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
              else torch.zeros(B, Hq, L, 1, dtype=work, device=query.device))
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
-    finite = not (tasks and tasks[0][1].mask_mod is not None) or _all_finite(query, key, value)
+    finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
     sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
                                     for _ in range(n_workers - 1)]
@@ -533,7 +503,7 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
             _fill(ds, blocked, 0.0)  # masked entries never reach the output, whatever the mod's slope
             ds_g = ds.view(Bg, Hkvg, Gr, -1)
             # a masked pair (dS = 0) must not bring a NaN or inf key into dq, or such a query into dk
-            matmul = torch.matmul if finite or not blocked else _matmul_skipping_zeros
+            matmul = torch.matmul if finite or not blocked else matmul_skipping_zeros
             dq_r.add_(matmul(ds_g, kc), alpha=scale)
             dk_c = matmul(ds_g.transpose(-1, -2), qb)
             _add_rows(dk_g, chunk, dk_c.sum(0, keepdim=True) if sum_kv_batch else dk_c)
