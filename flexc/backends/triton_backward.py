@@ -166,7 +166,10 @@ def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, l
               delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(), *dv.stride(), Bm, Hm, nQ, nKV]
     args = [query, key, value, grad_out, lse2, delta, dq, dk, dv] + tables + buffers + shapes
     constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
-                     Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=E,
+                     Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
+                     # lengths that are multiples of every tile need no bounds checks (a second variant)
+                     DIVISIBLE=L % max(spec.block_m1, spec.block_m2) == 0 and S % max(spec.block_n1, spec.block_n2) == 0,
+                     HEAD_DIM=E,
                      HEAD_DIM_PAD=fwd.padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=fwd.padded_head_dim(Ev))
     return args, constants
 
