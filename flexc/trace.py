@@ -17,7 +17,7 @@ import linecache
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -54,6 +54,9 @@ class TracedMod:
     buffer_names: tuple
     name: str
     fn: Callable
+    # where each lookup and integer division was written: node -> (" (file:line)", source line);
+    # bounds errors (flexc.bounds) quote it
+    sites: dict = field(default_factory=dict, repr=False)
 
     @property
     def key(self) -> tuple:
@@ -148,6 +151,13 @@ class _Tracer:
         self._slots: dict[int, int] = {}
         self._site: tuple[str, str] | None = None  # overrides the error location once the mod returned
         self.reads_values = False  # the mod read a concrete tensor value: the trace is not cached
+        self.sites: dict = {}  # lookup / division node -> where the mod wrote it
+
+    def note_site(self, node: ir.Node) -> ir.Node:
+        """Remember where ``node`` (a lookup or an integer division) was written; the first place wins."""
+        if node not in self.sites:
+            self.sites[node] = self._site if self._site is not None else _user_site()
+        return node
 
     def run(self) -> TracedMod:
         names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
@@ -174,7 +184,7 @@ class _Tracer:
         if self.kind == SCORE_MOD and root.kind == ir.INT:
             root = ir.cast(root, "float32", ir.FLOAT)
         return TracedMod(self.kind, root, tuple(self.buffers), _buffer_names(self.fn, self.buffers),
-                         _mod_name(self.fn), self.fn)
+                         _mod_name(self.fn), self.fn, self.sites)
 
     # -- errors --
     def fail(self, what: str, fix: str) -> None:
@@ -253,7 +263,7 @@ class _Tracer:
             slots[dim] = self._index_node(tensor, dim, k)
         if any(node is None for node in slots):
             return _PartialLoad(tensor, tuple(slots), self)
-        return self.wrap(ir.load(self.buffer_node(tensor), tuple(slots)))
+        return self.wrap(self.note_site(ir.load(self.buffer_node(tensor), tuple(slots))))
 
     def _index_node(self, tensor: torch.Tensor, dim: int, k: Any) -> ir.Node | None:
         """The index node for ``k`` on dimension ``dim``; ``None`` when a full slice leaves it free."""
@@ -358,7 +368,8 @@ def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
                "divide by a non-zero number, or use `/` (true division) on floats")
     if op != "pow":  # torch converts a Python int to a narrow integer operand's dtype (wrapping)
         a, b = weak_pair(a, b)
-    return ir.binary(op, a, b)
+    node = ir.binary(op, a, b)
+    return t.note_site(node) if op in ("floordiv", "mod") else node
 
 
 class Proxy:
