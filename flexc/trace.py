@@ -57,6 +57,8 @@ class TracedMod:
     # where each lookup and integer division was written: node -> (" (file:line)", source line);
     # bounds errors (flexc.bounds) quote it
     sites: dict = field(default_factory=dict, repr=False)
+    # values of the graph's ``scalar`` nodes by index (set by flexc.codegen.scalars.lift_scalars)
+    scalars: tuple = ()
 
     @property
     def key(self) -> tuple:
@@ -821,9 +823,10 @@ def _return_site(fn: Callable) -> tuple[str, str]:
     return _site_of(code.co_filename, lines.pop() if len(lines) == 1 else code.co_firstlineno)
 
 
-def _buffer_names(fn: Callable, buffers: list) -> tuple:
-    """Names for captured tensors, found in the mod's closures, defaults, partial args and globals."""
-    found: dict[int, str] = {}
+def _captures(fn: Callable) -> list[tuple[str, Any]]:
+    """``(name, value)`` of every tensor and Python number the mod can reach by name: its closures,
+    defaults, ``functools.partial`` arguments and globals, and those of the functions it calls."""
+    found: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
     def visit(obj: Any, depth: int = 0) -> None:
@@ -855,8 +858,8 @@ def _buffer_names(fn: Callable, buffers: list) -> tuple:
                 note(name, globs[name], depth)
 
     def note(name: str, value: Any, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found.setdefault(id(value), name)
+        if isinstance(value, (torch.Tensor, int, float)):
+            found.append((name, value))
         elif callable(value) and not isinstance(value, type) and not inspect.ismodule(value):
             visit(value, depth + 1)
         elif isinstance(value, (list, tuple)):
@@ -865,6 +868,24 @@ def _buffer_names(fn: Callable, buffers: list) -> tuple:
                     visit(v, depth + 1)
 
     visit(fn)
+    return found
+
+
+def captured_numbers(fn: Callable) -> dict[str, int | float]:
+    """The Python ints and floats (not bools) a mod captures, by name (the first place wins)."""
+    numbers: dict[str, int | float] = {}
+    for name, value in _captures(fn):
+        if type(value) in (int, float) and name.isidentifier():
+            numbers.setdefault(name, value)
+    return numbers
+
+
+def _buffer_names(fn: Callable, buffers: list) -> tuple:
+    """Names for captured tensors, found in the mod's closures, defaults, partial args and globals."""
+    found: dict[int, str] = {}
+    for name, value in _captures(fn):
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), name)
     names, used = [], set()
     for slot, t in enumerate(buffers):
         name = found.get(id(t), f"buf{slot}")
