@@ -69,7 +69,13 @@ def test_structural_numbers_stay_literals():
 
     lifted = lift_scalars(flexc.trace(structural))
     assert lifted.scalars == ()  # a divisor, an exponent, a uint8 operand, a float64 operand
-    assert lift_scalars(flexc.trace(temperature_mod(2.0, 3))).scalars == (3, 2.0)
+    traced = flexc.trace(temperature_mod(2.0, 3))
+    lifted = lift_scalars(traced)
+    assert lifted.scalars == (3, 2.0) and str(lifted) == "where(q_idx - kv_idx <= window, score / temperature, score * 0.5)"
+    grid = dict(score=torch.randn(1, 1, 8, 8), b=torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                h=torch.zeros(1, 1, 1, 1, dtype=torch.long), q_idx=torch.arange(8).view(1, 1, 8, 1),
+                kv_idx=torch.arange(8).view(1, 1, 1, 8))
+    assert torch.equal(flexc.evaluate(lifted, **grid), flexc.evaluate(traced, **grid))
 
 
 def _run(mod):
