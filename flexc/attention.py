@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import bounds, validate
+from . import bounds, under_compile, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
 
@@ -114,7 +114,8 @@ class _FlexAttentionFunction(torch.autograd.Function):
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: Any = None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, kernel_options: dict | None = None,
-                   *, return_aux: AuxRequest | None = None):
+                   *, return_aux: AuxRequest | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, AuxOutput]:
     """Attention with a programmable score and a block-sparse mask, with torch 2.13's semantics.
 
     Args:
@@ -141,6 +142,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         >>> causal = flexc.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
         >>> out = flexc.flex_attention(q, k, v, block_mask=causal)
     """
+    if torch.compiler.is_compiling():
+        return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+                              return_lse, return_aux)
     scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
@@ -174,6 +178,29 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)
+    if return_lse:
+        return out, lse
+    return out
+
+
+def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse,
+                   return_aux):
+    """flex_attention under torch.compile: the same checks, then one custom-op node (:mod:`flexc.under_compile`)."""
+    validate.check_tensors(query, key, value, enable_gqa)
+    validate.check_flags(enable_gqa, return_lse, return_aux)
+    validate.check_mod(score_mod)
+    validate.check_block_mask(block_mask, query, key)
+    scale = validate.check_scale(scale, query)
+    backend = _choose_backend(validate.check_kernel_options(kernel_options), query.device)
+    want_max = bool(return_aux is not None and return_aux.max_scores)
+    if want_max and backend != "TORCH":
+        raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
+                         f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
+    out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, backend,
+                                                        want_max)
+    lse = lse.float()
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores if want_max else None)
     if return_lse:
         return out, lse
     return out

@@ -341,7 +341,7 @@ class BlockMask:
 
     def __str__(self) -> str:
         return (f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n"
-                f"{self.to_string().strip()}\n)")
+                f"{self.to_string().strip()}\n{TEXT_LEGEND}\n)")
 
     def __repr__(self) -> str:
         def shape_of(t):
@@ -449,6 +449,10 @@ def _product(dims: Sequence[int]):
     for i in range(dims[0]):
         for rest in _product(dims[1:]):
             yield (i, *rest)
+
+
+# The key to the pictures of BlockMask.to_string (printed under them by str(block_mask)).
+TEXT_LEGEND = "legend: ██ full tiles (mask_mod skipped)  ░░ partial (runs the mask_mod)  '  ' empty (skipped)"
 
 
 def _draw(classes: torch.Tensor, row_step: int, col_step: int) -> str:

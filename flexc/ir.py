@@ -62,7 +62,7 @@ class Node:
 
     __slots__ = ("op", "args", "attr", "kind", "__weakref__")
 
-    def __init__(self, op: str, args: tuple, attr: Any, kind: str):
+    def __init__(self, op: str, args: tuple, attr: Any, kind: str) -> None:
         self.op, self.args, self.attr, self.kind = op, args, attr, kind
 
     def __repr__(self) -> str:

@@ -27,7 +27,7 @@ import torch
 
 from ..evaluate import evaluate
 from ..trace import TracedMod
-from . import fused_cpu, workers
+from . import decode_cpu, fused_cpu, workers
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
@@ -221,6 +221,8 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
 
     ``lse_dtype`` lets the backward keep a float64 logsumexp for float64 inputs.
     """
+    if decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
+        return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype)
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     work = _work_dtype(query.dtype)

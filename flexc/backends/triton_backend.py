@@ -156,8 +156,9 @@ def _check_int_option(name: str, value: Any, power_of_2: bool, minimum: int) -> 
                         f"Fix: pass e.g. {name}=64.")
     if value < minimum or (power_of_2 and value & (value - 1)):
         what = f"a power of two >= {minimum}" if power_of_2 else f">= {minimum}"
-        raise ValueError(f"flexc: kernel_options[{name!r}] must be {what}, got {value}. Fix: use e.g. "
-                         f"{max(minimum, 64) if power_of_2 else max(minimum, 2)}.")
+        # Suggest the nearest valid value above the one given (num_warps=3 -> 4, BLOCK_M=48 -> 64).
+        suggestion = max(minimum, 1 << max(0, value - 1).bit_length()) if power_of_2 else minimum
+        raise ValueError(f"flexc: kernel_options[{name!r}] must be {what}, got {value}. Fix: use e.g. {suggestion}.")
     return value
 
 
@@ -246,6 +247,21 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
 
 # ---- the kernel cache ---------------------------------------------------------------------
 
+def require_triton() -> Any:
+    """The ``triton`` module, or an ImportError saying how to install it.
+
+    Triton is optional (the ``flexc[triton]`` extra): tracing, block masks, the CPU path and
+    kernel *source* need only torch; importing and running a generated kernel needs Triton.
+    """
+    try:
+        import triton
+    except ImportError as e:
+        raise ImportError("flexc: running a generated Triton kernel needs the `triton` package, which is not "
+                          "installed. Fix: pip install 'flexc[triton]' (or pip install triton), or use "
+                          "kernel_options={'BACKEND': 'TORCH'} on CPU tensors.") from e
+    return triton
+
+
 def _file_holds(path: str, text: str) -> bool:
     try:
         with open(path) as f:
@@ -259,6 +275,7 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
 
     With ``target="interpreter"`` its ``@triton.jit`` functions run on CPU tensors.
     """
+    require_triton()  # a clear ImportError before anything is written
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     name = f"flexc_kernel_{digest}"
     path = os.path.join(cache_dir(), name + ".py")
@@ -278,7 +295,7 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
 
 
 def _exec_module(name: str, path: str, target: str) -> Any:
-    import triton
+    triton = require_triton()
 
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -525,7 +542,7 @@ def compile_like_launcher(fn: Any, args: list, constants: dict, num_warps: int, 
     integer as i32 with no attributes instead changes shared memory, loads and spills.
     ``args`` may hold CPU tensors; only their dtype and address alignment matter.
     """
-    import triton
+    triton = require_triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -592,4 +609,4 @@ def _register() -> None:
 _register()
 
 __all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "cache_limit", "compile_like_launcher", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
-           "launch", "make_spec", "offline_inputs", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]
+           "launch", "make_spec", "offline_inputs", "require_triton", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]
