@@ -29,6 +29,8 @@ from .trace import TracedMod
 _proven: "OrderedDict[tuple, tuple | None]" = OrderedDict()
 _proven_lock = threading.Lock()
 _MAX_PROVEN = 512
+# TracedMod -> its checks (traces are reused across calls by flexc.trace_cache)
+_checks_memo: "weakref.WeakKeyDictionary[TracedMod, list]" = weakref.WeakKeyDictionary()
 # Exact checks evaluate at most this many index values at a time.
 _CHUNK = 1 << 22
 
@@ -42,7 +44,9 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
     by zero anywhere in ``[B, H, Q_LEN, KV_LEN]``; ``where`` names the caller in the message."""
     if traced is None:
         return
-    checks = _checks(traced)
+    checks = _checks_memo.get(traced)
+    if checks is None:
+        checks = _checks_memo[traced] = _checks(traced)
     if not checks:
         return
     sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
