@@ -11,7 +11,7 @@ setup: $(VENV)/.installed
 # The test extra brings triton and matplotlib; triton is pinned to the version README's table claims.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'  # tests build the wheel without build isolation
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]' triton==3.9.0
 	touch $@

@@ -26,6 +26,9 @@ from .trace import MASK_MOD, TracedMod, mod_kind, trace
 
 DEFAULT_BLOCK_SIZE = 128
 
+# create_block_mask inside torch.compile; flexc.under_compile installs it (it imports this module)
+compiled_builder: Callable | None = None
+
 _TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 _TENSOR_ATTRS = _TABLE_NAMES + ("dq_write_order", "dq_write_order_full", "dq_kv_order")
@@ -554,6 +557,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
     ([[[1, 1]]], [[[0, 1]]])
     """
+    if torch.compiler.is_compiling() and compiled_builder is not None:
+        # inside torch.compile: one custom-op node builds the tables (flexc.under_compile)
+        return compiled_builder(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full_blocks)
     where = "create_block_mask"
     traced = _trace_as(where, mask_mod, (MASK_MOD,))
     B = _positive_int(where, "B", B, allow_none=True) or 1

@@ -16,7 +16,7 @@ import torch
 
 from . import bounds
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
-from .block_mask import DERIVED, BlockMask
+from .block_mask import DERIVED, BlockMask, create_block_mask
 from .mod_key import traced_from_key
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
@@ -171,3 +171,23 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
 
 
 flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flexc::create_block_mask", mutates_args=())
+def create_block_mask_op(mask_buffers: list[torch.Tensor], mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
+                         Q_BLOCK: int, KV_BLOCK: int, device: torch.device
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kv tables ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` of
+    :func:`flexc.create_block_mask` for a mask_mod given as a mod key and its captured tensors."""
+    bm = create_block_mask(traced_from_key(mask_mod, mask_buffers), B, H, Q_LEN, KV_LEN, device=device,
+                           BLOCK_SIZE=(Q_BLOCK, KV_BLOCK))
+    return (bm.kv_num_blocks.contiguous(), bm.kv_indices.contiguous(), bm.full_kv_num_blocks.contiguous(),
+            bm.full_kv_indices.contiguous())
+
+
+@create_block_mask_op.register_fake
+def _(mask_buffers, mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device):
+    nq, nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    num = torch.empty((B, H, nq), dtype=torch.int32, device=device)
+    indices = torch.empty((B, H, nq, nkv), dtype=torch.int32, device=device)
+    return num, indices, torch.empty_like(num), torch.empty_like(indices)

@@ -29,7 +29,8 @@ import torch
 import torch.fx
 from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 
-from . import custom_ops
+from . import block_mask, custom_ops
+from .block_mask import DERIVED, BlockMask
 from .mod_key import mod_key
 from .trace import MASK_MOD, SCORE_MOD, trace
 
@@ -110,8 +111,8 @@ class _Plan(NamedTuple):
 
     mod_args: tuple[int, ...]  # input positions of score, b, h, q_idx, kv_idx
     tensors: tuple[int, ...]  # input positions of query, key, value and the present tables
-    score_out: torch.fx.Node
-    mask_out: torch.fx.Node
+    mod_outs: dict  # kind -> the subgraph node of that mod's value
+    traced: dict  # kind -> (mod_key, input positions of its buffers) once traced
 
 
 _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakKeyDictionary()
@@ -120,50 +121,64 @@ _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakK
 def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
     plan = _plans.get(gm)
     if plan is None:
-        plan = _plans[gm] = _read_plan(gm, 3 + sum(spec.tables))
+        plan = _plans[gm] = _read_plan(gm, 5, 3 + sum(spec.tables))
 
     def run(*inputs):
         query, key, value, *present = (inputs[i] for i in plan.tensors)
         tables = iter(present)
         tables = [next(tables) if p else None for p in spec.tables]
-        score = _trace_output(gm, plan, plan.score_out, inputs, SCORE_MOD, spec.score_name) if spec.score_name else None
-        mask = _trace_output(gm, plan, plan.mask_out, inputs, MASK_MOD, spec.mask_name) if spec.mask_name else None
+        score_key, score_buffers = _mod(gm, plan, inputs, SCORE_MOD, spec.score_name)
+        mask_key, mask_buffers = _mod(gm, plan, inputs, MASK_MOD, spec.mask_name)
         out, lse, row_max = custom_ops.flex_attention_op(
-            query, key, value, tables, list(score.buffers) if score else [], list(mask.buffers) if mask else [],
-            mod_key(score) if score else "", mod_key(mask) if mask else "", list(spec.block_size),
+            query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key, list(spec.block_size),
             list(spec.seq_lengths), spec.scale, spec.backend, spec.need_max)
         # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
         # the same type, never read
         fill = lambda node: torch.zeros(node.meta["example_value"].shape, dtype=node.meta["example_value"].dtype,
                                         device=query.device)
-        return out, lse, row_max, fill(plan.score_out), fill(plan.mask_out)
+        return out, lse, row_max, fill(plan.mod_outs[SCORE_MOD]), fill(plan.mod_outs[MASK_MOD])
 
     return run
 
 
-def _read_plan(gm: torch.fx.GraphModule, n_tensors: int) -> _Plan:
+def _mod(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, kind: str, name: str | None) -> tuple[str, list]:
+    """``(mod_key, captured tensors)`` of one mod ("" and [] for none); traced once per subgraph."""
+    if name is None:
+        return "", []
+    if kind in plan.traced:
+        key, positions = plan.traced[kind]
+        return key, [inputs[i] for i in positions]
+    traced = _trace_output(gm, plan, plan.mod_outs[kind], inputs, kind, name)
+    key = mod_key(traced)
+    position = {id(t): i for i, t in enumerate(inputs)}
+    if all(id(t) in position for t in traced.buffers):  # else (tensors made in the mod) trace every call
+        plan.traced[kind] = (key, [position[id(t)] for t in traced.buffers])
+    return key, list(traced.buffers)
+
+
+def _read_plan(gm: torch.fx.GraphModule, n_mod_args: int, n_tensors: int) -> _Plan:
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
     cat = body[0] if body else None
-    if cat is None or cat.target is not torch.cat or len(cat.args[0]) != 5:
+    if cat is None or cat.target is not torch.cat or len(cat.args[0]) != n_mod_args:
         raise RuntimeError(f"flexc: unexpected subgraph from torch.compile (first node {cat}); expected the "
                            f"torch.cat over the mod arguments that flexc.under_compile emits:\n{gm.code}")
     detaches = body[1:1 + n_tensors]
     if any(n.op != "call_method" or n.target != "detach" for n in detaches):
         raise RuntimeError(f"flexc: unexpected subgraph from torch.compile; expected {n_tensors} detach nodes "
                            f"after the torch.cat:\n{gm.code}")
-    output = nodes[-1].args[0]
-    return _Plan(tuple(position[a] for a in cat.args[0]), tuple(position[n.args[0]] for n in detaches),
-                 output[3], output[4])
+    output = nodes[-1].args[0]  # (op outputs..., score_mod value (a call only), mask_mod value)
+    outs = {MASK_MOD: output[-1], SCORE_MOD: output[-2] if n_mod_args == 5 else None}
+    return _Plan(tuple(position[a] for a in cat.args[0]), tuple(position[n.args[0]] for n in detaches), outs, {})
 
 
 def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, inputs: tuple, kind: str, name: str):
     """Trace the subgraph nodes that compute ``root`` as a ``kind`` mod of flexc's tracer."""
     needed = _ancestors(root)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    arg_slots = plan.mod_args if kind == SCORE_MOD else plan.mod_args[1:]
+    arg_slots = plan.mod_args if kind == SCORE_MOD else plan.mod_args[-4:]
 
     def mod(*args):
         env: dict = {}
@@ -216,3 +231,52 @@ def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict) -> Any:
     if node.op == "get_attr":
         return operator.attrgetter(node.target)(gm)
     raise RuntimeError(f"flexc: cannot replay subgraph node {node.format_node()}")
+
+
+# ---- create_block_mask inside a compiled region ----------------------------------------------
+
+def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device: Any,
+                      BLOCK_SIZE: Any, separate_full_blocks: bool):
+    """:func:`flexc.create_block_mask` as one ``flexc::create_block_mask`` node (same bridge as above)."""
+    block = tuple(BLOCK_SIZE) if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    sizes = (B or 1, H or 1, Q_LEN, KV_LEN, int(block[0]), int(block[1]))
+    index = lambda: torch.zeros(1, dtype=torch.int32, device=device)
+    b0, h0, q0, kv0 = index(), index(), index(), index()
+
+    def inner(b, h, q_idx, kv_idx):
+        torch.cat([b, h, q_idx, kv_idx])  # finds the mod arguments for the wrapper, as above
+        return (*_tables_meta(sizes, device), mask_mod(b, h, q_idx, kv_idx))
+
+    spec = (_name(mask_mod, "mask_mod"), sizes, device)
+    num, indices, full_num, full_indices, _ = dynamo_bypassing_wrapper(
+        functools.partial(_mask_wrapper, spec), inner, b0, h0, q0, kv0)
+    full = (full_num, full_indices) if separate_full_blocks else (None, None)
+    return BlockMask((Q_LEN, KV_LEN), num, indices, *full, DERIVED, DERIVED, DERIVED, DERIVED,
+                     BLOCK_SIZE=(sizes[4], sizes[5]), mask_mod=mask_mod)
+
+
+def _tables_meta(sizes: tuple, device: torch.device):
+    B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK = sizes
+    nq, nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    num = torch.empty((B, H, nq), dtype=torch.int32, device=device)
+    indices = torch.empty((B, H, nq, nkv), dtype=torch.int32, device=device)
+    return num, indices, torch.empty_like(num), torch.empty_like(indices)
+
+
+def _mask_wrapper(spec: tuple, gm: torch.fx.GraphModule) -> Callable:
+    name, sizes, device = spec
+    plan = _plans.get(gm)
+    if plan is None:
+        plan = _plans[gm] = _read_plan(gm, 4, 0)
+
+    def run(*inputs):
+        key, buffers = _mod(gm, plan, inputs, MASK_MOD, name)
+        tables = custom_ops.create_block_mask_op(buffers, key, *sizes, device)
+        meta = plan.mod_outs[MASK_MOD].meta["example_value"]
+        return (*tables, torch.zeros(meta.shape, dtype=meta.dtype, device=device))
+
+    return run
+
+
+block_mask.compiled_builder = create_block_mask

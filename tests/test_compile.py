@@ -111,7 +111,7 @@ def test_compiled_gqa_bias_table_lse_against_dense_reference():
     out, lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, bm)
     ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
     torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(lse, ref_lse.float())
+    torch.testing.assert_close(lse, ref_lse)  # float64 lse for float64 inputs, as eager
     w = torch.randn(out.shape, generator=g, dtype=torch.float64)
     mine = torch.autograd.grad((out * w).sum() + lse.sum(), (q, k, v, bias))
     ref = torch.autograd.grad((ref_out * w).sum() + ref_lse.sum(), (q, k, v, bias))
@@ -146,6 +146,11 @@ def test_custom_ops_pass_opcheck():
             0.3, "TORCH", False)
     torch.library.opcheck(custom_ops.flex_attention_op, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    doc = torch.tensor([0] * 20 + [1] * 25)
+    mask = flexc.trace(lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx))
+    torch.library.opcheck(custom_ops.create_block_mask_op,
+                          (list(mask.buffers), mod_key(mask), 2, 1, 45, 45, 16, 32, torch.device("cpu")),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_mod_key_round_trip_over_the_catalogue():
@@ -172,3 +177,49 @@ def test_block_mask_is_a_pytree_node():
     torch.testing.assert_close(moved.to_dense(), bm.to_dense())
     keys = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(bm)[0]]
     assert ".kv_indices" in keys
+
+
+def test_graph_without_aot_reuses_the_trace_and_reads_new_captured_values():
+    """backend="eager" runs the dynamo graph itself, so the bridge runs on every call."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    table = torch.randn(2, 40, generator=g)
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[h, ki])
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+        table.mul_(-2.0)
+    assert counter.frame_count == 1
+
+
+def test_block_mask_created_and_sliced_inside_the_compiled_region():
+    doc = torch.tensor([0] * 40 + [1] * 56)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, L, 8, generator=g) for _ in range(3))
+
+    def f(q, k, v):
+        bm = flexc.create_block_mask(document_causal, 2, None, L, L, BLOCK_SIZE=32)
+        first = bm[:1]  # slicing keeps the tables' meaning; the mask_mod is reattached as torch requires
+        first.mask_mod = document_causal
+        return flexc.flex_attention(q, k, v, block_mask=bm), flexc.flex_attention(q[:1], k[:1], v[:1], block_mask=first), bm
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for _ in range(2):
+        *got, bm = compiled(q, k, v)
+        *want, eager_bm = f(q, k, v)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+        for name in custom_ops.TABLE_NAMES:
+            assert torch.equal(getattr(bm, name), getattr(eager_bm, name)), name
+        torch.testing.assert_close(bm.to_dense(), eager_bm.to_dense())
+        doc[30:50] = 2  # new document ids, same shape: no recompile
+    assert counter.frame_count == 1

@@ -11,6 +11,7 @@ kernel arguments, never part of the source. :func:`cache_info` counts hits and m
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -24,6 +25,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..codegen.backward import BackwardSpec, generate_backward
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
                                padded_head_dim)
 from ..codegen.scalars import lift_scalars
@@ -42,7 +44,7 @@ class CacheInfo(NamedTuple):
 
 
 class _Kernel(NamedTuple):
-    generated: GeneratedForward
+    generated: Any  # GeneratedForward, or GeneratedBackward for a BackwardSpec
     fn: Any  # the imported @triton.jit kernel (an InterpretedFunction under the interpreter)
     path: str
 
@@ -56,6 +58,25 @@ _stats = {"hits": 0, "misses": 0}
 _cache_lock = threading.Lock()
 # Triton's interpreter patches triton.language globally while a kernel runs: one at a time.
 _interpreter_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def interpreting():
+    """Hold the interpreter, with its integer-overflow checks off while a kernel runs.
+
+    The interpreter checks every 32-bit ``+ - *`` for overflow in int64 (a debugging aid the
+    compiled kernel does not have); that was 45% of a backward launch at L = 72.
+    """
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    with _interpreter_lock:
+        options = builder.options
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+        try:
+            yield
+        finally:
+            builder.options = options
 
 
 def cache_info() -> CacheInfo:
@@ -312,8 +333,12 @@ def _exec_module(name: str, path: str, target: str) -> Any:
     return module
 
 
-def get_kernel(spec: ForwardSpec) -> _Kernel:
-    """The compiled kernel for ``spec``: from the cache, or generated, written and imported."""
+def _generate(spec: ForwardSpec | BackwardSpec) -> Any:
+    return generate_backward(spec) if isinstance(spec, BackwardSpec) else generate_forward(spec)
+
+
+def get_kernel(spec: ForwardSpec | BackwardSpec) -> _Kernel:
+    """The compiled kernel for ``spec`` (forward or backward): from the cache, or generated, written and imported."""
     key = spec.key()
     with _cache_lock:
         kernel = _cache.get(key)
@@ -321,9 +346,9 @@ def get_kernel(spec: ForwardSpec) -> _Kernel:
             _cache.move_to_end(key)
             _stats["hits"] += 1
             return kernel
-        generated = generate_forward(spec)
+        generated = _generate(spec)
         module, path = import_source(generated.source, spec.target)
-        kernel = _Kernel(generated, getattr(module, KERNEL_NAME), path)
+        kernel = _Kernel(generated, getattr(module, generated.kernel_name), path)
         _cache[key] = kernel
         _stats["misses"] += 1
         _evict()
@@ -352,7 +377,7 @@ def source_for(spec: ForwardSpec) -> str:
     spec = resolve_fallback(spec)
     with _cache_lock:
         kernel = _cache.get(spec.key())
-    return kernel.generated.source if kernel is not None else generate_forward(spec).source
+    return kernel.generated.source if kernel is not None else _generate(spec).source
 
 
 # ---- launching ----------------------------------------------------------------------------
@@ -434,14 +459,17 @@ def _kernel_args(generated: GeneratedForward, query: torch.Tensor, key: torch.Te
 
 
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the kernel for ``spec`` on these tensors; the mods supply the captured-tensor values."""
+           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+           lse_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the kernel for ``spec`` on these tensors; the mods supply the captured-tensor values.
+
+    ``lse_dtype`` float64 keeps a float64 call's logsumexp exact for its backward.
+    """
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
     out = _empty_like_query(query, Ev)
-    lse = torch.empty((B, Hq, L), dtype=torch.float32, device=device) if spec.output_lse else None
+    lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
     if out.numel() == 0 or S == 0:  # nothing to attend to: every row is fully masked
         out.zero_()
         if lse is not None:
@@ -462,7 +490,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
         constants = _constexprs(spec)
         grid = (cdiv(L, spec.block_m), Hq, B)
         if spec.target == "interpreter":
-            with _interpreter_lock:
+            with interpreting():
                 kernel.fn[grid](*args, **constants)
             return out, lse
         from triton.runtime.errors import OutOfResources
@@ -507,6 +535,11 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
     (block sizes against tiles, devices of captured tensors).
     """
+    from . import triton_decode  # imports this module
+
+    if triton_decode.applies(query, key, block_mask):  # short queries: the split-KV decode kernel
+        return triton_decode.triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale,
+                                           kernel_options, need_lse)
     score_mod, mask_mod = lift_scalars(score_mod), lift_scalars(mask_mod)  # captured numbers become arguments
     spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
     return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
@@ -514,11 +547,13 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
                   block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
-                  kernel_options: dict | None = None, *, return_lse: bool = False) -> str:
+                  kernel_options: dict | None = None, *, return_lse: bool = False, backward: bool = False) -> str:
     """The exact Triton source :func:`flexc.flex_attention` runs for these arguments.
 
     Takes ``flex_attention``'s arguments; ``return_lse=True`` (or training, which needs the
-    logsumexp) selects the variant that also writes it. Nothing is compiled.
+    logsumexp) selects the variant that also writes it. ``backward=True`` returns the backward
+    kernel a training call runs instead (captured tensors that require grad receive gradients).
+    Nothing is compiled.
 
     >>> print(flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=causal))  # doctest: +SKIP
     """
@@ -526,6 +561,15 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                          enable_gqa, kernel_options)
+    if backward:
+        from .triton_backward import backward_source
+
+        return backward_source(query, value, traced_score, traced_mask, block_mask, options)
+    from . import triton_decode
+
+    if triton_decode.applies(query, key, block_mask):  # short queries run the split-KV decode kernel
+        return triton_decode.source_for(triton_decode.make_spec(traced_score, traced_mask, query, key, value,
+                                                                block_mask))
     spec = _spec_for_call(query, value, lift_scalars(traced_score), lift_scalars(traced_mask), block_mask, options,
                           return_lse)
     return source_for(spec)
@@ -604,6 +648,7 @@ def _register() -> None:
     from .. import attention
 
     attention.BACKENDS.setdefault("TRITON", triton_forward)
+    from . import triton_backward  # noqa: F401  registers the generated backward for training
 
 
 _register()
