@@ -18,6 +18,7 @@ half on ties; ``where`` routes it to the branch taken; ``floor``/``ceil``/``sign
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -55,8 +56,7 @@ class ScoreModDerivative:
 
     def as_mod(self, root: ir.Node, name: str) -> TracedMod:
         """``root`` wrapped as a score_mod with the original captured tensors (for printing/evaluating)."""
-        mod = self.score_mod
-        return TracedMod(SCORE_MOD, root, mod.buffers, mod.buffer_names, name, mod.fn)
+        return dataclasses.replace(self.score_mod, root=root, name=name)
 
     def __str__(self) -> str:
         names = self.score_mod.buffer_names
@@ -300,7 +300,7 @@ def _local(n: ir.Node, A: ir.Node) -> list[tuple[ir.Node, ir.Node]]:
         return [(x, div(A, mul(x, _c(math.log(10.0)))))]
     if op == "cast":
         return [(x, A)] if x.kind == ir.FLOAT and n.kind == ir.FLOAT else []
-    if op in ("load", "input", "const", "buffer"):
+    if op in ("load", "input", "const", "buffer", "scalar"):
         return []
     if op in ir.COMPARE_OPS or op in ir.LOGIC_OPS or op in ("not", "lshift", "rshift"):
         return []

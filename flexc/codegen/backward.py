@@ -19,13 +19,14 @@ computed before the launch. :class:`BackwardSpec` is everything that shapes the 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .. import ir
 from ..derivative import ScoreModDerivative, differentiate
-from ..trace import SCORE_MOD, TracedMod
+from ..trace import TracedMod
 from .forward import RCP_LN2, _TL, _dot, _render, _stems, padded_head_dim
 from .printer import HELPERS, BufferParam, RenderedMod, python_literal, render_mod
 
@@ -141,8 +142,8 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
                 stem += "_"
             stems = {n + slot: stem}
             names = spec.score_mod.buffer_names + tuple(f"{name}_grad" for name in spec.score_mod.buffer_names)
-            target = TracedMod(SCORE_MOD, ir.load(grad_buf, g.indices), spec.score_mod.buffers, names,
-                               f"gather{j}_address", spec.score_mod.fn)
+            target = dataclasses.replace(spec.score_mod, root=ir.load(grad_buf, g.indices), buffer_names=names,
+                                         name=f"gather{j}_address")
             address = render_mod(target, f"gather{j}_address", stems, address=True)
             grad = render_mod(derivative.as_mod(g.grad, f"gather{j}_grad"), f"gather{j}_grad", score_stems)
             what = ir.format_expr(g.load, spec.score_mod.buffer_names)
@@ -155,10 +156,12 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     mods += [r for g in gathers for r in (g.grad, g.address)]
     helpers = set().union(*(r.helpers for r in mods)) if mods else set()
     n_buf = len(spec.score_mod.buffers) if spec.score_mod is not None else 0
+    # captured numbers (flexc.codegen.scalars) an address reads are the score_mod's, like its tensors
     score_params = _unique([p for r in (score, d_score) if r is not None for p in r.params]
-                           + [p for g in gathers for p in g.grad.params])
+                           + [p for g in gathers for p in g.grad.params]
+                           + [p for g in gathers for p in g.address.params if p.what == "scalar"])
     mask_params = tuple(mask.params) if mask is not None else ()
-    grad_params = _unique([p for g in gathers for p in g.address.params])
+    grad_params = _unique([p for g in gathers for p in g.address.params if p.what != "scalar"])
     buffers = [p.name for p in score_params] + [p.name for p in mask_params] + [p.name for p in grad_params]
 
     lines = _header(spec, derivative, gathers)
