@@ -49,8 +49,8 @@ class ContextParallelPlan:
         blocks: per rank, the global block indices it holds, ascending (its shard is their tokens in order).
         work: per rank, non-empty tiles of its query blocks, summed over the mask's batch and heads.
         fetch: ``fetch[r][s]``: the key/value blocks rank ``r`` receives from rank ``s`` (empty for ``s == r``).
-        layout: ``"zigzag"`` (2R equal-length chunks, rank r holding chunks r and 2R-1-r) or
-            ``"balanced-zigzag"`` (the same pairing over 2R chunks of equal work).
+        layout: ``"zigzag"`` (2R equal-length chunks, rank r holding chunks r and 2R-1-r),
+            ``"balanced-zigzag"`` (the same pairing over 2R chunks of equal work) or ``"contiguous"``.
     """
 
     world_size: int
@@ -174,7 +174,10 @@ def _zigzag(bounds: list[int], world_size: int) -> tuple[tuple[int, ...], ...]:
                  for r in range(world_size))
 
 
-def plan_context_parallel(block_mask: Any, world_size: int) -> ContextParallelPlan:
+LAYOUTS = ("auto", "zigzag", "balanced-zigzag", "contiguous")
+
+
+def plan_context_parallel(block_mask: Any, world_size: int, layout: str = "auto") -> ContextParallelPlan:
     """The sharding and exchange plan of ``block_mask`` over ``world_size`` ranks (no attention compute).
 
     Query blocks are weighed by their non-empty tiles (over all batches and heads). The sequence is cut
@@ -182,10 +185,15 @@ def plan_context_parallel(block_mask: Any, world_size: int) -> ContextParallelPl
     cut with the smaller maximum work wins, equal length on ties. A causal mask therefore gets the
     zig-zag split; documents get chunks of equal document area. Rank r then fetches from rank s the
     key blocks of s that share a non-empty tile with one of r's query blocks.
+
+    ``layout`` forces one split: ``"zigzag"``, ``"balanced-zigzag"``, or ``"contiguous"`` (R chunks of
+    equal length in rank order: least traffic for local masks, unbalanced for causal ones).
     """
     where = "plan_context_parallel"
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{where}: world_size must be a positive int, got {world_size!r}.")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{where}: layout must be one of {list(LAYOUTS)}, got {layout!r}.")
     L, block = _square_block_mask(where, block_mask)
     nonempty = _tile_classes(block_mask) > 0  # [B, H, nQ, nKV]
     n = nonempty.shape[-2]
@@ -193,12 +201,18 @@ def plan_context_parallel(block_mask: Any, world_size: int) -> ContextParallelPl
         raise ValueError(f"{where}: the mask has {n} query blocks but {world_size} ranks need at least "
                          f"{2 * world_size} (two chunks per rank). Fix: use a smaller BLOCK_SIZE or fewer ranks.")
     weights = nonempty.sum(dim=(0, 1, 3)).tolist()
+    splits = {
+        "zigzag": lambda: _zigzag([round(i * n / (2 * world_size)) for i in range(2 * world_size + 1)], world_size),
+        "balanced-zigzag": lambda: _zigzag(_chunks_by(weights, 2 * world_size), world_size),
+        "contiguous": lambda: tuple(tuple(range(round(r * n / world_size), round((r + 1) * n / world_size)))
+                                    for r in range(world_size)),
+    }
+    names = ("zigzag", "balanced-zigzag") if layout == "auto" else (layout,)
     candidates = []
-    for layout, bounds in (("zigzag", [round(i * n / (2 * world_size)) for i in range(2 * world_size + 1)]),
-                           ("balanced-zigzag", _chunks_by(weights, 2 * world_size))):
-        blocks = _zigzag(bounds, world_size)
+    for name in names:
+        blocks = splits[name]()
         work = tuple(sum(weights[b] for b in bs) for bs in blocks)
-        candidates.append((max(work), len(candidates), layout, blocks, work))
+        candidates.append((max(work), len(candidates), name, blocks, work))
     _, _, layout, blocks, work = min(candidates)
     owner = torch.empty(n, dtype=torch.int64)
     for r, bs in enumerate(blocks):

@@ -204,3 +204,14 @@ def test_plan_rejects_bad_masks():
     bm = flexc.create_block_mask(_causal, None, None, 128, 128, BLOCK_SIZE=32)
     with pytest.raises(ValueError, match="smaller BLOCK_SIZE"):
         cp.plan_context_parallel(bm, 4)
+
+
+def test_flex_attention_errors_name_the_fix():
+    q = torch.randn(1, 1, 64, 8)
+    with pytest.raises(ValueError, match="block_mask is required"):
+        cp.flex_attention(q, q, q)
+    bm = flexc.create_block_mask(_causal, None, None, 64, 64, BLOCK_SIZE=16)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp.flex_attention(q, q, q, block_mask=bm)
+    with pytest.raises(ValueError, match="layout"):
+        cp.plan_context_parallel(bm, 2, layout="ring")
