@@ -46,7 +46,6 @@ class CallSpec(NamedTuple):
     scale: float
     backend: str
     need_max: bool
-    score_dtype: torch.dtype
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
@@ -65,11 +64,12 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         block_size = tuple(int(x) for x in block_mask.BLOCK_SIZE)
         seq_lengths = tuple(int(x) for x in block_mask.seq_lengths)
     present = [t for t in tables if t is not None]
+    # torch scores in float32 (float64 for float64 inputs); indices are int32, as in torch
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     spec = CallSpec(_name(score_mod, "score_mod") if score_mod is not None else None,
                     _name(mask_mod, "mask_mod") if mask_mod is not None else None,
                     tuple(t is not None for t in tables), block_size, seq_lengths, float(scale), backend,
-                    need_max, score_dtype)
+                    need_max)
     # the mods' arguments: one-element tensors, so dynamo records the mods' arithmetic elementwise
     # (indexing a captured tensor by a 0-d tensor would be data-dependent for dynamo)
     index = lambda: torch.zeros(1, dtype=torch.int32, device=query.device)
