@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import ir, trace_cache
+from . import elementwise, ir, trace_cache
 from .promotion import weak_pair
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
@@ -389,6 +389,21 @@ class Proxy:
     __and__, __rand__ = _binop("and"), _binop("and", True)
     __or__, __ror__ = _binop("or"), _binop("or", True)
     __xor__, __rxor__ = _binop("xor"), _binop("xor", True)
+
+    def __lshift__(self, other):
+        return _shift(self.tracer, "lshift", self, other)
+
+    def __rlshift__(self, other):
+        return _shift(self.tracer, "lshift", other, self)
+
+    def __rshift__(self, other):
+        return _shift(self.tracer, "rshift", self, other)
+
+    def __rrshift__(self, other):
+        return _shift(self.tracer, "rshift", other, self)
+
+    def __round__(self, ndigits=None):  # Python's round() on a tensor is torch.round
+        return _unary_math("round")(self.tracer, self, ndigits or 0)
     __eq__, __ne__ = _binop("eq"), _binop("ne")
     __lt__, __le__ = _binop("lt"), _binop("le")
     __gt__, __ge__ = _binop("gt"), _binop("ge")
@@ -477,11 +492,8 @@ class Proxy:
             self.tracer.fail(f"the operator `{symbol}` is not supported on traced values", fix)
         return method
 
-    __lshift__ = __rlshift__ = _unsupported_operator("<<", "multiply by a power of two instead")
-    __rshift__ = __rrshift__ = _unsupported_operator(">>", "floor-divide by a power of two (`//`) instead")
     __matmul__ = __rmatmul__ = _unsupported_operator("@", "a traced value is a scalar: use `*`")
     __divmod__ = __rdivmod__ = _unsupported_operator("divmod", "use `//` and `%` separately")
-    __round__ = _unsupported_operator("round()", "use torch.floor(x + 0.5) or torch.floor/torch.ceil")
     del _unsupported_operator
 
     @property
@@ -671,6 +683,91 @@ _TORCH_FUNCS.update(
     zeros_like=lambda t, x, dtype=None, **k: _full(t, 0, dtype, x),
     full_like=lambda t, x, value, dtype=None, **k: _full(t, value, dtype, x),
 )
+
+
+# ---- shifts and the rest of torch's elementwise math ------------------------------------------
+
+def _shift(t: _Tracer, op: str, x: Any, y: Any) -> "Proxy":
+    """``x << y`` / ``x >> y`` on integers. A shift by a constant is the multiplication or floor
+    division by a power of two it equals (also for negative x: >> is arithmetic, as in torch), which
+    the range analysis decides exactly; other shifts become shift nodes."""
+    a, b = t.to_node(x), t.to_node(y)
+    if ir.FLOAT in (a.kind, b.kind):
+        t.fail(f"`{'<<' if op == 'lshift' else '>>'}` on a float value ({a}, {b})",
+               "shift integers only, e.g. convert with `.long()` first")
+    if b.op == "const" and not isinstance(b.attr, bool) and 0 <= b.attr < 63 and a.kind == ir.INT:
+        return t.wrap(_binary(t, "mul" if op == "lshift" else "floordiv", a, ir.const(1 << b.attr)))
+    return t.wrap(_binary(t, op, a, b))
+
+
+def _options(t: _Tracer, name: str, values: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An activation's options as Python values; ``inplace=True`` would mutate a traced value."""
+    kwargs = dict(kwargs)
+    if kwargs.pop("inplace", False):
+        t.fail(f"`{name}(..., inplace=True)` mutates its input inside the mod", "pass inplace=False (the default)")
+    for v in (*values, *kwargs.values()):
+        if isinstance(v, (Proxy, _PartialLoad, torch.Tensor)):
+            t.fail(f"an option of `{name}` is a tensor or traced value ({v!r})",
+                   f"pass {name}'s options as Python numbers; compute a tensor-dependent variant from arithmetic")
+    return values, kwargs
+
+
+def _activation(name: str, builder: Callable) -> Callable:
+    def handler(t: _Tracer, x: Any, *options: Any, **kwargs: Any) -> "Proxy":
+        options, kwargs = _options(t, name, options, kwargs)
+        try:
+            return t.wrap(builder(t.to_node(x), *options, **kwargs))
+        except ValueError as e:
+            t.fail(f"`{name}`: {e}", f"call {name} with the options torch documents")
+    return handler
+
+
+def _unary_math(op: str) -> Callable:
+    def handler(t: _Tracer, x: Any, decimals: int = 0) -> "Proxy":
+        node = t.to_node(x)
+        if op in ("trunc", "round") and node.kind != ir.FLOAT:
+            return t.wrap(node)  # an integer is its own trunc and round
+        if decimals:  # torch.round(x, decimals=d): round(x * 10**d) / 10**d
+            scaled = ir.unary(op, ir.binary("mul", node, ir.const(10.0 ** decimals)))
+            return t.wrap(ir.binary("truediv", scaled, ir.const(10.0 ** decimals)))
+        return t.wrap(ir.unary(op, node))
+    return handler
+
+
+def _logit(t: _Tracer, x: Any, eps: float | None = None) -> "Proxy":
+    node = t.to_node(x)
+    if eps is not None:
+        node = ir.binary("min", ir.binary("max", node, ir.const(float(eps))), ir.const(1.0 - eps))
+    return t.wrap(elementwise.logit(node))
+
+
+def _elementwise_table() -> dict[str, Callable]:
+    table: dict[str, Callable] = {}
+    for name, op in elementwise.UNARY_ALIASES.items():
+        table[name] = _unary_math(op)
+    for name, op in elementwise.BINARY_ALIASES.items():
+        table[name] = functools.partial(lambda op, t, x, y: t.wrap(_binary(t, op, t.to_node(x), t.to_node(y))), op)
+    for name, builder in elementwise.ACTIVATIONS.items():
+        table[name] = _activation(name, builder)
+    table["_threshold"] = table["threshold"]  # torch.nn.functional.threshold's own name
+    for name, builder in elementwise.OPERAND_FUNCS.items():
+        table[name] = functools.partial(
+            lambda builder, t, *xs: t.wrap(builder(*(t.to_node(x) for x in xs))), builder)
+    table["logit"] = _logit
+    table["positive"] = lambda t, x: x
+    table["__lshift__"] = table["bitwise_left_shift"] = lambda t, x, y: _shift(t, "lshift", x, y)
+    table["__rshift__"] = table["bitwise_right_shift"] = lambda t, x, y: _shift(t, "rshift", x, y)
+    table["__rlshift__"] = lambda t, x, y: _shift(t, "lshift", y, x)
+    table["__rrshift__"] = lambda t, x, y: _shift(t, "rshift", y, x)
+    # torch.special.* arrive as special_<name>
+    for name in ("erf", "erfc", "expm1", "log1p", "logit", "sinc", "xlogy", "round", "exp2", "expit"):
+        table[f"special_{name}"] = table.get(name) or _TORCH_FUNCS[name]
+    return table
+
+
+_ELEMENTWISE = _elementwise_table()
+_METHODS.update({k: v for k, v in _ELEMENTWISE.items() if not k.startswith("special_")})
+_TORCH_FUNCS.update(_ELEMENTWISE)
 
 
 _INPLACE_DUNDERS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",

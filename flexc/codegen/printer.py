@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from .. import ir
 from ..evaluate import evaluate
 from ..trace import TracedMod
+from .math_helpers import HELPER_SOURCES, MATH_HELPERS, with_needs
 
 # Python operator precedence (higher binds tighter); what decides where parentheses go.
 _ATOM, _POW, _UNARY, _MUL, _ADD, _BAND, _BXOR, _BOR, _CMP = 12, 11, 10, 9, 8, 6, 5, 4, 3
+_SHIFT = 7  # between + and &, as in Python
 _BINARY = {
     "add": ("+", _ADD), "sub": ("-", _ADD), "mul": ("*", _MUL), "and": ("&", _BAND),
     "or": ("|", _BOR), "xor": ("^", _BXOR), "eq": ("==", _CMP), "ne": ("!=", _CMP),
@@ -97,6 +99,7 @@ def float_pow(a, b):
     return tl.where(b == 0, 1.0, result)
 ''',
 }
+HELPERS.update(HELPER_SOURCES)  # tan, atan, expm1, log1p, ... (flexc.codegen.math_helpers)
 
 
 @dataclass(frozen=True)
@@ -275,11 +278,32 @@ class _Printer:
                 return self.text[id(args[0])]
             self.helpers.add("sign")
             return f"sign({self.operand(args[0], 0)})", _ATOM
+        if op in ("lshift", "rshift"):  # integers only; Triton's >> on signed integers is arithmetic, as torch's
+            sym = "<<" if op == "lshift" else ">>"
+            return f"{self.as_number(args[0], _SHIFT)} {sym} {self.as_number(args[1], _SHIFT + 1)}", _SHIFT
+        if op == "fmod" and n.kind != ir.FLOAT:  # Triton's integer % truncates toward 0: torch.fmod
+            return f"{self.as_number(args[0], _MUL)} % {self.as_number(args[1], _MUL + 1)}", _MUL
+        if op == "erf":
+            return f"tl.erf({self.as_float(args[0], 0)})", _ATOM
+        if op in MATH_HELPERS:
+            name = MATH_HELPERS[op]
+            self.helpers |= with_needs({name})
+            return f"{name}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
         raise NotImplementedError(f"flexc codegen: no Triton printing for IR op {op!r} in {self.traced!r}")
 
     def render_load(self, n: ir.Node) -> str:
+        dtype = n.args[0].attr[1]
+        load = f"tl.load({self.render_address(n)})"
+        if dtype in ("float16", "bfloat16"):
+            # computed in fp32, as Inductor does (Triton's interpreter has no 16-bit arithmetic)
+            return f"{load}.to(tl.float32)"
+        # bool tensors travel as uint8 (Triton has no bool pointers on every version)
+        return f"({load} != 0)" if dtype == "bool" else load
+
+    def render_address(self, n: ir.Node) -> str:
+        """The pointer a ``load`` node reads: the tensor's pointer plus index times stride per dim."""
         buf, indices = n.args[0], n.args[1:]
-        slot, dtype, _ = buf.attr
+        slot = buf.attr[0]
         terms = []
         for dim, index in enumerate(indices):
             stride = self.param(slot, "stride", dim)
@@ -294,13 +318,7 @@ class _Printer:
                 self.helpers.add("wrap_index")
                 text = f"wrap_index({self.operand(index, 0)}, {self.param(slot, 'size', dim)})"
             terms.append(f"{text} * {stride}")
-        address = " + ".join([self.param(slot, "ptr")] + terms)
-        load = f"tl.load({address})"
-        if dtype in ("float16", "bfloat16"):
-            # computed in fp32, as Inductor does (Triton's interpreter has no 16-bit arithmetic)
-            return f"{load}.to(tl.float32)"
-        # bool tensors travel as uint8 (Triton has no bool pointers on every version)
-        return f"({load} != 0)" if dtype == "bool" else load
+        return " + ".join([self.param(slot, "ptr")] + terms)
 
     def render_division(self, n: ir.Node) -> str:
         a, b = n.args
@@ -360,12 +378,15 @@ def _pow_repeats(n: ir.Node, literal: dict) -> int:
     return 1 if float(e).is_integer() and int(e) % 2 == 0 else 2  # the sign test reads x again
 
 
-def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None) -> RenderedMod:
+def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None,
+               address: bool = False) -> RenderedMod:
     """Print ``traced`` as the Triton device function ``fn_name``.
 
     ``buffer_stems`` names each captured tensor's parameters (slot -> stem); by default the mod's
     own ``buffer_names``. The function takes the mod's arguments (``score, b, h, q_idx, kv_idx``
     or ``b, h, q_idx, kv_idx``) then the captured-tensor parameters in ``RenderedMod.params``.
+    With ``address=True`` the root must be a ``load`` and the function returns the pointer it
+    would read (the backward adds captured-tensor gradients there).
     """
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
@@ -397,6 +418,10 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
             body.append(f"    {name} = {text}")
             text, prec = name, _ATOM
         p.text[id(n)] = (text, prec)
+    if address:
+        if traced.root.op != "load":
+            raise ValueError(f"render_mod(address=True) needs a load at the root, got `{traced.root}`")
+        p.text[id(traced.root)] = (p.render_address(traced.root), _ADD)
 
     args = list(traced.arg_names) + [param.name for param in _ordered(p.params)]
     comment = f"    # {fn_name}: {expression}"
