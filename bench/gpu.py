@@ -4,6 +4,7 @@
     python bench/gpu.py --quick         # D=64, L=1K and 4K only
     python bench/gpu.py --budget 300    # stop starting new cells after 300 s
     python bench/gpu.py --backward      # forward + backward: gradients checked, then training TFLOP/s
+    python bench/gpu.py --decode        # decoding (one query row, KV cache 1K..16K): bench/decode.py on the GPU
 
 1. Correctness: six mods (full, causal, sliding window, document, ALiBi, soft-capping + causal) at
    L=2048 plus a ragged causal case (L=1000, D=96), bf16; flexc, torch's compiled FlexAttention and
@@ -341,7 +342,14 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=ints, default=(1024, 2048, 4096, 8192, 16384),
                         help="sequence lengths, comma-separated (1024,...,16384)")
     parser.add_argument("--backward", action="store_true", help="check gradients and time forward + backward")
+    parser.add_argument("--decode", action="store_true", help="the decoding table of bench/decode.py on this GPU")
     args = parser.parse_args(argv)
+    if args.decode:  # one query row per head against a KV cache: flexc's split-KV decode kernel
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import decode
+
+        decode.main(["--device", "cuda"] + (["--quick"] if args.quick else []))
+        return 0
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device on this machine; this benchmark needs an NVIDIA GPU. Nothing was run.")
         return 0
