@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..codegen.backward import BackwardSpec, generate_backward
+from ..codegen.decode import DecodeSpec, generate_decode
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
                                padded_head_dim)
 from ..codegen.scalars import lift_scalars
@@ -333,12 +334,15 @@ def _exec_module(name: str, path: str, target: str) -> Any:
     return module
 
 
-def _generate(spec: ForwardSpec | BackwardSpec) -> Any:
-    return generate_backward(spec) if isinstance(spec, BackwardSpec) else generate_forward(spec)
+def _generate(spec: ForwardSpec | BackwardSpec | DecodeSpec) -> Any:
+    if isinstance(spec, BackwardSpec):
+        return generate_backward(spec)
+    return generate_decode(spec) if isinstance(spec, DecodeSpec) else generate_forward(spec)
 
 
-def get_kernel(spec: ForwardSpec | BackwardSpec) -> _Kernel:
-    """The compiled kernel for ``spec`` (forward or backward): from the cache, or generated, written and imported."""
+def get_kernel(spec: ForwardSpec | BackwardSpec | DecodeSpec) -> _Kernel:
+    """The compiled kernel for ``spec`` (forward, backward or decode): from the cache, or generated,
+    written and imported. One LRU cache holds all three kinds."""
     key = spec.key()
     with _cache_lock:
         kernel = _cache.get(key)
