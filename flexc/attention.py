@@ -77,7 +77,14 @@ def _strides_like(shape: tuple, reference_strides: tuple) -> list[int]:
             strides[d], step = step, step * shape[d]
         return strides
 
-    order = sorted(range(len(shape)), key=lambda d: (reference_strides[d], -d))
+    # insertion sort by (stride, -dim), written out: dynamo cannot sort by symbolic sizes (sorted's key)
+    order: list[int] = []
+    for d in range(len(shape)):
+        i = len(order)
+        while i > 0 and (reference_strides[d] < reference_strides[order[i - 1]]
+                         or reference_strides[d] == reference_strides[order[i - 1]]):
+            i -= 1
+        order.insert(i, d)
     strides = dense(order)
     if strides[-1] != 1:
         last = len(shape) - 1
