@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import under_compile, validate
+from . import bounds, under_compile, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
 
@@ -77,7 +77,14 @@ def _strides_like(shape: tuple, reference_strides: tuple) -> list[int]:
             strides[d], step = step, step * shape[d]
         return strides
 
-    order = sorted(range(len(shape)), key=lambda d: (reference_strides[d], -d))
+    # insertion sort by (stride, -dim), written out: dynamo cannot sort by symbolic sizes (sorted's key)
+    order: list[int] = []
+    for d in range(len(shape)):
+        i = len(order)
+        while i > 0 and (reference_strides[d] < reference_strides[order[i - 1]]
+                         or reference_strides[d] == reference_strides[order[i - 1]]):
+            i -= 1
+        order.insert(i, d)
     strides = dense(order)
     if strides[-1] != 1:
         last = len(shape) - 1
@@ -203,6 +210,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
     backend = _choose_backend(options, query.device)
+    # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
+    B, Hq, L, _ = query.shape
+    bounds.check_mod(traced_score, B, Hq, L, key.shape[-2], "flex_attention")
+    bounds.check_mod(traced_mask, B, Hq, L, key.shape[-2], "flex_attention")
     want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
     want_max = bool(return_aux is not None and return_aux.max_scores)
 

@@ -46,7 +46,6 @@ class CallSpec(NamedTuple):
     scale: float
     backend: str
     need_max: bool
-    score_dtype: torch.dtype
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
@@ -65,11 +64,12 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         block_size = tuple(int(x) for x in block_mask.BLOCK_SIZE)
         seq_lengths = tuple(int(x) for x in block_mask.seq_lengths)
     present = [t for t in tables if t is not None]
+    # torch scores in float32 (float64 for float64 inputs); indices are int32, as in torch
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     spec = CallSpec(_name(score_mod, "score_mod") if score_mod is not None else None,
                     _name(mask_mod, "mask_mod") if mask_mod is not None else None,
                     tuple(t is not None for t in tables), block_size, seq_lengths, float(scale), backend,
-                    need_max, score_dtype)
+                    need_max)
     # the mods' arguments: one-element tensors, so dynamo records the mods' arithmetic elementwise
     # (indexing a captured tensor by a 0-d tensor would be data-dependent for dynamo)
     index = lambda: torch.zeros(1, dtype=torch.int32, device=query.device)
@@ -191,18 +191,30 @@ def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, in
                 env[node] = _run_node(gm, node, env)
         return env[root]
 
-    traced = trace(_fixed_arity(mod, 5 if kind == SCORE_MOD else 4), kind)
+    traced = trace(_ScoreReplay(mod) if kind == SCORE_MOD else _MaskReplay(mod), kind)
     # name the captured tensors after the subgraph inputs they came from (e.g. l_self_slopes_)
     names = {id(inputs[i]): node.name for i, node in enumerate(placeholders)}
     return replace(traced, name=name, fn=_named(mod, name),
                    buffer_names=tuple(names.get(id(t), f"buf{i}") for i, t in enumerate(traced.buffers)))
 
 
-def _fixed_arity(fn: Callable, n: int) -> Callable:
-    """``fn`` with the 5 (score_mod) or 4 (mask_mod) named parameters flexc's tracer reads."""
-    if n == 5:
-        return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)
-    return lambda b, h, q_idx, kv_idx: fn(b, h, q_idx, kv_idx)
+class _ScoreReplay:
+    """The replayed subgraph as a score_mod. A callable object rather than a function, so the trace
+    cache (which keys functions by what they capture) leaves it alone: it captures this call's
+    inputs, fake tensors and symbolic sizes included."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+
+class _MaskReplay(_ScoreReplay):
+    """The replayed subgraph as a mask_mod (see :class:`_ScoreReplay`)."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
 
 
 def _named(fn: Callable, name: str) -> Callable:

@@ -223,3 +223,17 @@ def test_block_mask_created_and_sliced_inside_the_compiled_region():
         torch.testing.assert_close(bm.to_dense(), eager_bm.to_dense())
         doc[30:50] = 2  # new document ids, same shape: no recompile
     assert counter.frame_count == 1
+
+
+def test_new_lengths_compile_once_more_with_symbolic_sizes():
+    bias = torch.randn(2, generator=torch.Generator().manual_seed(7))
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h] * (qi - ki))
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter)
+    for n in (32, 48, 64):
+        q, k, v = (torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n)) for _ in range(3))
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+    assert counter.frame_count == 2  # the second length recompiles with symbolic sizes; the third reuses it
