@@ -11,11 +11,12 @@ literals, and a node used twice is computed once into a temporary ``t<k>``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 from .. import ir
 from ..evaluate import evaluate
+from ..reductions import has_reductions, unroll
 from ..trace import TracedMod
 from .math_helpers import HELPER_SOURCES, MATH_HELPERS, with_needs
 
@@ -381,6 +382,8 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     own ``buffer_names``. The function takes the mod's arguments (``score, b, h, q_idx, kv_idx``
     or ``b, h, q_idx, kv_idx``) then the captured-tensor parameters in ``RenderedMod.params``.
     """
+    if has_reductions(traced.root):  # a reduction over a small captured axis prints as its unrolled terms
+        traced = replace(traced, root=unroll(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
     p = _Printer(traced, buffer_stems)
