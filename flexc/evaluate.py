@@ -105,6 +105,8 @@ def evaluate(
             v = torch.where(cond, args[1], args[2])
         elif op in ("min", "max"):
             v = _min_max(op, args[0], args[1], device)
+        elif op == "autograd_function":  # through apply: autograd then uses the Function's own backward
+            v = node.attr.apply(*args[1:])
         elif op == "axis":
             v = torch.arange(node.attr, device=device).view(node.attr, *([1] * ndim))
         elif op == "reduce":

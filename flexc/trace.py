@@ -10,6 +10,7 @@ with the offending line and a fix.
 """
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import inspect
@@ -17,13 +18,14 @@ import linecache
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import elementwise, ir, reductions, trace_cache
+from . import elementwise, ir, lowering, reductions, trace_cache
 from .promotion import weak_pair
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
@@ -152,7 +154,7 @@ class _Tracer:
     def run(self) -> TracedMod:
         names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
         proxies = [Proxy(ir.input_(n), self) for n in names]
-        with _TraceMode(self):
+        with _TraceMode(self), _hook_function_apply(self):
             out = self.fn(*proxies)
         # the mod has returned: problems with its result point at its return statement
         self._site = _return_site(self.fn)
@@ -235,6 +237,23 @@ class _Tracer:
             return ir.load(self.buffer_node(x), ())
         self.fail(f"{what} has unsupported type {type(x).__name__}", "use tensors, Python numbers or the mod's arguments")
 
+    def function_apply(self, fn_class: type, args: tuple, kwargs: dict) -> "Proxy":
+        """``fn_class.apply(*args)`` for a torch.autograd.Function: its forward is traced into the
+        graph, and the node keeps the class, so evaluation calls ``apply`` and autograd runs the
+        Function's own backward."""
+        name = f"{fn_class.__name__}.apply"
+        if kwargs:
+            self.fail(f"`{name}` with keyword arguments", "pass the Function's inputs positionally")
+        inputs = tuple(self.to_node(a, what=f"an input of {name}") for a in args)
+        call_args = [a if isinstance(a, (bool, int, float)) else self.wrap(n) for a, n in zip(args, inputs)]
+        if torch.autograd.function._is_setup_context_defined(fn_class.setup_context):
+            out = fn_class.forward(*call_args)
+        else:
+            out = fn_class.forward(_TracingCtx(self, name), *call_args)
+        if isinstance(out, (tuple, list)):
+            self.fail(f"`{name}` returns {len(out)} outputs; a score_mod can use one", "return a single tensor from forward")
+        return self.wrap(lowering.autograd_function(fn_class, self.to_node(out, what=f"the output of {name}"), inputs))
+
     def wrap(self, node: ir.Node) -> "Proxy":
         return Proxy(node, self)
 
@@ -300,6 +319,61 @@ class _Tracer:
             )
         self.fail(f"captured tensor {_describe(tensor)} is indexed with a {type(k).__name__}",
                   "index with integers, slices of one element, or the mod's arguments")
+
+
+class _TracingCtx:
+    """The ``ctx`` a Function's forward sees while it is traced: what it saves is not needed, since
+    its backward runs later on real tensors (through ``apply`` in evaluation)."""
+
+    def __init__(self, tracer: _Tracer, name: str):
+        self._tracer, self._name = tracer, name
+        self.needs_input_grad = ()
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: Any) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+    def mark_dirty(self, *tensors: Any) -> None:
+        self._tracer.fail(f"`{self._name}` marks an input dirty (it mutates it)", "return a new tensor instead")
+
+
+# torch.autograd.Function.apply is routed to the tracer while a mod is traced (a Function's
+# apply does not reach __torch_function__). The hook is installed only while some thread traces,
+# and calls without a traced value go to torch's own apply unchanged.
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
+_apply_lock = threading.Lock()
+_apply_users = 0
+_active = threading.local()
+
+
+def _traced_apply(cls, *args, **kwargs):
+    tracer = getattr(_active, "tracer", None)
+    if tracer is None or not any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    return tracer.function_apply(cls, args, kwargs)
+
+
+@contextlib.contextmanager
+def _hook_function_apply(tracer: _Tracer):
+    global _apply_users
+    with _apply_lock:
+        if _apply_users == 0:
+            torch.autograd.Function.apply = classmethod(_traced_apply)
+        _apply_users += 1
+    previous, _active.tracer = getattr(_active, "tracer", None), tracer
+    try:
+        yield
+    finally:
+        _active.tracer = previous
+        with _apply_lock:
+            _apply_users -= 1
+            if _apply_users == 0:
+                torch.autograd.Function.apply = _ORIGINAL_APPLY
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from .. import ir
 from ..evaluate import evaluate
-from ..reductions import has_reductions, unroll
+from ..lowering import scalar_form
 from ..trace import TracedMod
 from .math_helpers import HELPER_SOURCES, MATH_HELPERS, with_needs
 
@@ -382,8 +382,10 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     own ``buffer_names``. The function takes the mod's arguments (``score, b, h, q_idx, kv_idx``
     or ``b, h, q_idx, kv_idx``) then the captured-tensor parameters in ``RenderedMod.params``.
     """
-    if has_reductions(traced.root):  # a reduction over a small captured axis prints as its unrolled terms
-        traced = replace(traced, root=unroll(traced.root))
+    # a reduction over a small captured axis prints as its unrolled terms; an autograd Function as
+    # its traced forward (the kernels are forward-only)
+    if scalar_form(traced.root) is not traced.root:
+        traced = replace(traced, root=scalar_form(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
     p = _Printer(traced, buffer_stems)
