@@ -388,7 +388,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     if spec.output_lse:
         body += [
             f"    lse = (m_i + tl.log2(l_safe)) * {LN2}  # natural log",
-            "    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m, lse.to(tl.float32), mask=q_in_range)",
+            "    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m, lse.to(lse_ptr.dtype.element_ty), mask=q_in_range)",
         ]
     return body
 
