@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import under_compile, validate
+from . import bounds, under_compile, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .lowering import AUTOGRAD_FUNCTION
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
@@ -225,6 +225,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
     backend = _choose_backend(options, query.device)
+    # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
+    B, Hq, L, _ = query.shape
+    bounds.check_mod(traced_score, B, Hq, L, key.shape[-2], "flex_attention")
+    bounds.check_mod(traced_mask, B, Hq, L, key.shape[-2], "flex_attention")
     want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
     want_max = bool(return_aux is not None and return_aux.max_scores)
 

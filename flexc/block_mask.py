@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import bounds
 from .mask_mods import noop_mask
 from .tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_ordered,
                     evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
@@ -575,6 +576,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                                   f"FLASH backend) is not supported by flexc; pass False.")
     _check_captured_sizes(where, traced, {"b": ("B", B), "h": ("H", H), "q_idx": ("Q_LEN", Q_LEN),
                                           "kv_idx": ("KV_LEN", KV_LEN)})
+    bounds.check_mod(traced, B, H, Q_LEN, KV_LEN, where)
     device = _resolve_device(device, traced)
 
     classes = _classify_tiles(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, _analytic)
@@ -609,4 +611,5 @@ def create_mask(mod_fn: Callable, B: int | None, H: int | None, Q_LEN: int, KV_L
     KV_LEN = _positive_int(where, "KV_LEN", KV_LEN)
     _check_captured_sizes(where, traced, {"b": ("B", B), "h": ("H", H), "q_idx": ("Q_LEN", Q_LEN),
                                           "kv_idx": ("KV_LEN", KV_LEN)})
+    bounds.check_mod(traced, B, H, Q_LEN, KV_LEN, where)
     return dense_mask(traced, B, H, Q_LEN, KV_LEN, _resolve_device(device, traced))

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from . import bounds
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .block_mask import DERIVED, BlockMask, create_block_mask
 from .mod_key import traced_from_key
@@ -84,6 +85,8 @@ def flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
+    for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
+        bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
     if need_max or lse_dtype(query, backend) == torch.float64:
         out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
                                              lse_dtype=lse_dtype(query, backend))

@@ -94,6 +94,8 @@ def evaluate(
                 raise ValueError(f"evaluate: the mod reads `{node.attr}` but no value was given for it")
         elif op == "const":
             v = node.attr
+        elif op == "scalar":  # a captured number lifted out of the graph (flexc.codegen.scalars)
+            v = mod.scalars[node.attr[0]]
         elif op == "buffer":
             v = bufs[node.attr[0]]
         elif op == "load":

@@ -195,6 +195,16 @@ def range_over_box(expr: ir.Node, box: dict, buffers: tuple = (), sizes: dict | 
     return None
 
 
+def domain_bounds(traced: TracedMod, sizes: dict, device: Any = "cpu") -> dict[int, Any]:
+    """Bounds of every integer and bool node of ``traced`` over the whole index domain.
+
+    ``sizes`` maps ``b``, ``h``, ``q_idx``, ``kv_idx`` to their extents. Returns ``id(node)`` ->
+    :class:`IntRange` / :class:`BoolRange` (0-d float64 / bool tensors; infinite bounds mean
+    unknown) or None for float nodes. :mod:`flexc.bounds` proves lookups in range with it.
+    """
+    return _Analysis(traced.root, traced.buffers, sizes, torch.device(device)).static
+
+
 class _Analysis:
     """Range analysis of one expression for one call (domain sizes and captured tensor values)."""
 

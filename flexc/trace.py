@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -56,6 +56,11 @@ class TracedMod:
     buffer_names: tuple
     name: str
     fn: Callable
+    # where each lookup and integer division was written: node -> (" (file:line)", source line);
+    # bounds errors (flexc.bounds) quote it
+    sites: dict = field(default_factory=dict, repr=False)
+    # values of the graph's ``scalar`` nodes by index (set by flexc.codegen.scalars.lift_scalars)
+    scalars: tuple = ()
 
     @property
     def key(self) -> tuple:
@@ -150,6 +155,13 @@ class _Tracer:
         self._slots: dict[int, int] = {}
         self._site: tuple[str, str] | None = None  # overrides the error location once the mod returned
         self.reads_values = False  # the mod read a concrete tensor value: the trace is not cached
+        self.sites: dict = {}  # lookup / division node -> where the mod wrote it
+
+    def note_site(self, node: ir.Node) -> ir.Node:
+        """Remember where ``node`` (a lookup or an integer division) was written; the first place wins."""
+        if node not in self.sites:
+            self.sites[node] = self._site if self._site is not None else _user_site()
+        return node
 
     def run(self) -> TracedMod:
         names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
@@ -181,7 +193,7 @@ class _Tracer:
         if self.kind == SCORE_MOD and root.kind == ir.INT:
             root = ir.cast(root, "float32", ir.FLOAT)
         return TracedMod(self.kind, root, tuple(self.buffers), _buffer_names(self.fn, self.buffers),
-                         _mod_name(self.fn), self.fn)
+                         _mod_name(self.fn), self.fn, self.sites)
 
     # -- errors --
     def fail(self, what: str, fix: str) -> None:
@@ -284,7 +296,7 @@ class _Tracer:
             slots[dim] = self._index_node(tensor, dim, k)
         if any(node is None for node in slots):
             return _PartialLoad(tensor, tuple(slots), self)
-        return self.wrap(ir.load(self.buffer_node(tensor), tuple(slots)))
+        return self.wrap(self.note_site(ir.load(self.buffer_node(tensor), tuple(slots))))
 
     def _index_node(self, tensor: torch.Tensor, dim: int, k: Any) -> ir.Node | None:
         """The index node for ``k`` on dimension ``dim``; ``None`` when a full slice leaves it free."""
@@ -469,7 +481,8 @@ def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
                "divide by a non-zero number, or use `/` (true division) on floats")
     if op != "pow":  # torch converts a Python int to a narrow integer operand's dtype (wrapping)
         a, b = weak_pair(a, b)
-    return ir.binary(op, a, b)
+    node = ir.binary(op, a, b)
+    return t.note_site(node) if op in ("floordiv", "mod") else node
 
 
 class Proxy:
@@ -1134,9 +1147,10 @@ def _return_site(fn: Callable) -> tuple[str, str]:
     return _site_of(code.co_filename, lines.pop() if len(lines) == 1 else code.co_firstlineno)
 
 
-def _buffer_names(fn: Callable, buffers: list) -> tuple:
-    """Names for captured tensors, found in the mod's closures, defaults, partial args and globals."""
-    found: dict[int, str] = {}
+def _captures(fn: Callable) -> list[tuple[str, Any]]:
+    """``(name, value)`` of every tensor and Python number the mod can reach by name: its closures,
+    defaults, ``functools.partial`` arguments and globals, and those of the functions it calls."""
+    found: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
     def visit(obj: Any, depth: int = 0) -> None:
@@ -1168,8 +1182,8 @@ def _buffer_names(fn: Callable, buffers: list) -> tuple:
                 note(name, globs[name], depth)
 
     def note(name: str, value: Any, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found.setdefault(id(value), name)
+        if isinstance(value, (torch.Tensor, int, float)):
+            found.append((name, value))
         elif callable(value) and not isinstance(value, type) and not inspect.ismodule(value):
             visit(value, depth + 1)
         elif isinstance(value, (list, tuple)):
@@ -1178,6 +1192,24 @@ def _buffer_names(fn: Callable, buffers: list) -> tuple:
                     visit(v, depth + 1)
 
     visit(fn)
+    return found
+
+
+def captured_numbers(fn: Callable) -> dict[str, int | float]:
+    """The Python ints and floats (not bools) a mod captures, by name (the first place wins)."""
+    numbers: dict[str, int | float] = {}
+    for name, value in _captures(fn):
+        if type(value) in (int, float) and name.isidentifier():
+            numbers.setdefault(name, value)
+    return numbers
+
+
+def _buffer_names(fn: Callable, buffers: list) -> tuple:
+    """Names for captured tensors, found in the mod's closures, defaults, partial args and globals."""
+    found: dict[int, str] = {}
+    for name, value in _captures(fn):
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), name)
     names, used = [], set()
     for slot, t in enumerate(buffers):
         name = found.get(id(t), f"buf{slot}")

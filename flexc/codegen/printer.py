@@ -108,8 +108,8 @@ class BufferParam:
     """One kernel parameter that carries a captured tensor: its pointer, a stride or a size."""
 
     name: str
-    slot: int
-    what: str  # "ptr", "stride" or "size"
+    slot: int  # the captured tensor's slot; for "scalar", the index into TracedMod.scalars
+    what: str  # "ptr", "stride", "size", or "scalar" (a captured Python number, see codegen.scalars)
     dim: int = -1
 
 
@@ -153,8 +153,9 @@ def _safe_name(name: str, slot: int) -> str:
 
 
 class _Printer:
-    def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str]):
+    def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str], fn_name: str = "mod"):
         self.traced = traced
+        self.fn_name = fn_name
         self.prefix = buffer_prefix  # slot -> parameter stem, e.g. "slopes" for slopes_ptr
         self.params: dict[tuple, BufferParam] = {}
         self.helpers: set[str] = set()
@@ -208,6 +209,13 @@ class _Printer:
         self.params.setdefault((slot, what, dim), BufferParam(name, slot, what, dim))
         return name
 
+    def scalar_param(self, n: ir.Node) -> str:
+        # prefixed with the function name: unique in the kernel, and never a kernel local
+        index, _, name = n.attr
+        param = f"{self.fn_name}_{name}"
+        self.params.setdefault((index, "scalar", -1), BufferParam(param, index, "scalar"))
+        return param
+
     # -- printing --------------------------------------------------------------------------
     def operand(self, n: ir.Node, min_prec: int) -> str:
         text, prec = self.text[id(n)]
@@ -238,6 +246,8 @@ class _Printer:
             return text, _UNARY if negative else _ATOM
         if op == "input":
             return n.attr, _ATOM
+        if op == "scalar":
+            return self.scalar_param(n), _ATOM
         if op == "load":
             return self.render_load(n), _ATOM
         if op == "cast":
@@ -395,7 +405,7 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         traced = replace(traced, root=scalar_form(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
-    p = _Printer(traced, buffer_stems)
+    p = _Printer(traced, buffer_stems, fn_name)
     nodes = list(traced.root.walk())
     p.fold_constants(nodes)
     p.infer_dtypes(nodes)
@@ -416,7 +426,7 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         if n.op == "buffer":
             continue
         text, prec = p.render(n)
-        shared = uses.get(id(n), 0) > 1 and n.op not in ("input", "const") and id(n) not in p.literal
+        shared = uses.get(id(n), 0) > 1 and n.op not in ("input", "const", "scalar") and id(n) not in p.literal
         if shared and n is not traced.root:
             name = f"t{temps}"
             temps += 1
@@ -442,8 +452,9 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
 
 
 def _ordered(params: dict) -> tuple[BufferParam, ...]:
-    order = {"ptr": 0, "stride": 1, "size": 2}
-    return tuple(sorted(params.values(), key=lambda q: (q.slot, order[q.what], q.dim)))
+    order = {"ptr": 0, "stride": 1, "size": 2, "scalar": 3}
+    # tensors first (pointer, strides, sizes of each), then the captured numbers
+    return tuple(sorted(params.values(), key=lambda q: (q.what == "scalar", q.slot, order[q.what], q.dim)))
 
 
 def _wrap_comment(line: str, width: int = 110) -> list[str]:
