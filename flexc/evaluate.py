@@ -7,6 +7,7 @@ score_mods.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Sequence
 
@@ -49,6 +50,12 @@ def _min_max(op: str, x: Any, y: Any, device: torch.device) -> torch.Tensor:
     return torch.minimum(x, y) if op == "min" else torch.maximum(x, y)
 
 
+@functools.lru_cache(maxsize=1024)
+def _order(root: ir.Node) -> tuple:
+    """``root.walk()`` once per graph: traces are reused across calls (the trace cache), so is this."""
+    return tuple(root.walk())
+
+
 def evaluate(
     mod: TracedMod | ir.Node,
     *,
@@ -69,7 +76,7 @@ def evaluate(
     given = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
     device = given[0].device if given else torch.device("cpu")
     values: dict[int, Any] = {}
-    for node in root.walk():
+    for node in _order(root):
         op, args = node.op, [values[id(a)] for a in node.args]
         if op == "input":
             v = inputs[node.attr]
