@@ -4,7 +4,9 @@ For causal, sliding-window and document(+causal) masks at 2, 4 and 8 ranks, prin
 (key/value bytes received in total, max/mean work per rank) next to an all-gather of keys and
 values (what torch's experimental context_parallel moves, whatever the mask) and next to a
 contiguous split of the sequence planned the same way. No attention is computed: the plan reads the
-BlockMask's tile tables. Bytes assume bf16 keys and values with 8 kv heads of dim 128.
+BlockMask's tile tables. Bytes assume bf16 keys and values with 8 kv heads of dim 128. Wall times
+of the distributed call are left to examples/context_parallel.py: on a CPU host shared by all ranks
+they measure the host's core count, not the exchange.
 
     python bench/context_parallel.py                  # 64K tokens
     python bench/context_parallel.py --tokens 131072 --window 2048

@@ -173,7 +173,7 @@ def test_two_ranks_match_single_process():
 
 
 def test_four_ranks_skip_pairs_they_do_not_need():
-    _spawn(4, [("sliding", 256, 32, 2, 1, True)])
+    _spawn(4, [("sliding", 256, 32, 2, 1, True), ("document_alibi", 232, 32, 4, 2, False)])
 
 
 # ---- the plan, without processes ---------------------------------------------------------------
@@ -215,3 +215,8 @@ def test_flex_attention_errors_name_the_fix():
         cp.flex_attention(q, q, q, block_mask=bm)
     with pytest.raises(ValueError, match="layout"):
         cp.plan_context_parallel(bm, 2, layout="ring")
+
+
+def test_plan_reads_torch_block_masks():
+    bm = flexc.create_block_mask(lambda b, h, q, kv: (kv < 64) | (q >= kv), None, None, 512, 512, BLOCK_SIZE=64)
+    assert cp.plan_context_parallel(bm.to_torch(), 2) == cp.plan_context_parallel(bm, 2)
