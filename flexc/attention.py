@@ -79,7 +79,14 @@ def _strides_like(shape: tuple, reference_strides: tuple) -> list[int]:
             strides[d], step = step, step * shape[d]
         return strides
 
-    order = sorted(range(len(shape)), key=lambda d: (reference_strides[d], -d))
+    # insertion sort by (stride, -dim), written out: dynamo cannot sort by symbolic sizes (sorted's key)
+    order: list[int] = []
+    for d in range(len(shape)):
+        i = len(order)
+        while i > 0 and (reference_strides[d] < reference_strides[order[i - 1]]
+                         or reference_strides[d] == reference_strides[order[i - 1]]):
+            i -= 1
+        order.insert(i, d)
     strides = dense(order)
     if strides[-1] != 1:
         last = len(shape) - 1
@@ -275,12 +282,13 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     validate.check_mod(score_mod)
     validate.check_block_mask(block_mask, query, key)
     scale = validate.check_scale(scale, query)
-    backend = _choose_backend(validate.check_kernel_options(kernel_options), query.device)
+    options = validate.check_kernel_options(kernel_options)
+    backend = options["BACKEND"] = _choose_backend(options, query.device)
     want_max = bool(return_aux is not None and return_aux.max_scores)
     if want_max and backend != "TORCH":
         raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
                          f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
-    out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, backend,
+    out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, options,
                                                         want_max)
     out, lse = _laid_out_like(out, query), lse.to(_lse_dtype(query.dtype))  # as in eager
     if return_aux is not None:

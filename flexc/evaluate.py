@@ -7,6 +7,7 @@ score_mods.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Sequence
 
@@ -64,6 +65,12 @@ def _reduce(op: str, n: int, body: torch.Tensor, ndim: int) -> torch.Tensor:
     return body.amax(0) if op == "max" else body.amin(0)
 
 
+@functools.lru_cache(maxsize=1024)
+def _order(root: ir.Node) -> tuple:
+    """``root.walk()`` once per graph: traces are reused across calls (the trace cache), so is this."""
+    return tuple(root.walk())
+
+
 def evaluate(
     mod: TracedMod | ir.Node,
     *,
@@ -86,7 +93,7 @@ def evaluate(
     # a reduction's axis runs along one extra leading dimension, in front of the inputs' broadcast dims
     ndim = max((t.dim() for t in given), default=0)
     values: dict[int, Any] = {}
-    for node in root.walk():
+    for node in _order(root):
         op, args = node.op, [values[id(a)] for a in node.args]
         if op == "input":
             v = inputs[node.attr]
