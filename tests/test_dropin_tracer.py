@@ -118,8 +118,7 @@ GRAD_MODS = {
 }
 
 
-# the TRITON backend trains these through the torch backward (no derivative rules for them yet),
-# so one Triton case covers its forward-for-training path
+# one TRITON case: its generated backward differentiates these ops through flexc.derivative
 @pytest.mark.parametrize("name,backend", [(name, "TORCH") for name in sorted(GRAD_MODS)] + [("trig", "TRITON")])
 def test_elementwise_score_mod_gradients_match_float64(name, backend):
     mod = GRAD_MODS[name]
