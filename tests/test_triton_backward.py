@@ -267,3 +267,27 @@ def test_cli_show_backward(tmp_path, capsys):
     assert "d score_mod / d score = 1.0 - tanh(score) * tanh(score)" in out
     assert "d / d table[kv_idx] = 1.0" in out and "summed over the queries" in out
     assert "dQ programs BLOCK_M2=128 x BLOCK_N2=64, dK/dV programs BLOCK_M1=64 x BLOCK_N1=128" in out
+
+
+# ---- the CUDA variant compiles for Hopper without a GPU ----------------------------------------
+
+def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend is not installed")
+    from flexc.backends import triton_backend, triton_backward
+
+    slopes = torch.rand(4, requires_grad=True)
+    table = torch.zeros(2000, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score) + slopes[h] * (kv_idx - q_idx) + table[q_idx - kv_idx + 1000]
+
+    score_mod, mask_mod = flexc.trace(biased), flexc.trace(MASKS["causal"])
+    # lengths not multiples of the tiles: the bounds-checked variant, with fp32 atomics for both tensors
+    # (head dim 32, one stage: the smallest kernel that still has every part, to compile in seconds)
+    spec = triton_backward.make_backward_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128),
+                                              {"bwd_num_stages": 1}, "cuda", (0, 1))
+    fwd_spec = triton_backend.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
+    inputs = triton_backend.offline_inputs(fwd_spec, 1, 4, 1000, 1000)
+    compiled = triton_backward.compile_backward_offline(spec, inputs)
+    assert 0 < compiled.metadata.shared <= 232448  # fits an H100's 227 KiB
+    assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"]

@@ -176,7 +176,7 @@ def _flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, positi
             mask[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
         mask = fused_cpu._stack_heads(mask, G)
     o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E), k_sel, v_sel, attn_mask=mask, scale=scale)
-    if mask is not None:
+    if mask is not None and sum(length for _, length in spans) == n:  # no full block: rows may be dead
         fused_cpu._fix_dead_rows(lse, mask)
     lse = lse.masked_fill(lse.isposinf(), float("nan"))  # a +inf score: NaN, as on the other paths
     return o.reshape(B, Hq, L, v_sel.shape[-1]).contiguous(), lse.reshape(B, Hq, L)
