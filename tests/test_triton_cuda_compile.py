@@ -79,3 +79,15 @@ def test_offline_compile_specialises_like_the_launcher():
     compiled = compile_for_hopper(None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, torch.bfloat16, 128, 128)
     assert "cp.async" in compiled.asm["ptx"]
     assert compiled.metadata.shared >= 96 * 1024  # 3 stages of 64 x 128 bf16 K and V tiles, plus Q
+
+
+def test_int64_offset_variant_compiles(monkeypatch):
+    # strides equal to 1 are compile-time constants there: widening them must still compile
+    def wide_multiplies():
+        compiled = compile_for_hopper(SCORE_MODS["captured_1d_negative_index"], None, torch.bfloat16, 64, 64,
+                                      options={"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2})
+        return compiled.asm["ptx"].count("mul.lo.s64")
+
+    narrow = wide_multiplies()
+    monkeypatch.setattr(triton_backend, "INT32_OFFSET_LIMIT", 1)
+    assert wide_multiplies() > narrow
