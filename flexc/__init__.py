@@ -1,9 +1,11 @@
 """flexc: a compiler for attention variants, drop-in for torch's FlexAttention."""
+from ._version import __version__
 from .ir import Node
 from .trace import TraceError, TracedMod, trace
 from .evaluate import evaluate, evaluate_grid
 from .mask_mods import and_masks, noop_mask, not_mask, or_masks
 from .block_mask import BlockMask, create_block_mask, create_mask
+from . import block_mask_pytree  # noqa: F401  (registers BlockMask as a pytree node)
 from .attention import AuxOutput, AuxRequest, flex_attention
 from .backends.triton_backend import cache_clear, cache_info, kernel_source
 # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`
@@ -12,8 +14,10 @@ from .compat import (FlexKernelOptions, _Backend, _DEFAULT_SPARSE_BLOCK_SIZE, _L
                      _ModificationType, _dense_to_ordered, _get_mod_type, _identity, _mask_mod_signature,
                      _ordered_to_dense, _round_up_to_multiple, _score_mod_signature, _transpose_ordered,
                      _vmap_for_bhqkv, create_nested_block_mask)
+from .plot import plot  # matplotlib is imported only when plot() runs
 
 __all__ = ["Node", "TraceError", "TracedMod", "trace", "evaluate", "evaluate_grid",
            "BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "not_mask", "noop_mask",
            "flex_attention", "AuxRequest", "AuxOutput",
-           "kernel_source", "cache_info", "cache_clear", "FlexKernelOptions", "create_nested_block_mask"]
+           "kernel_source", "cache_info", "cache_clear", "FlexKernelOptions", "create_nested_block_mask",
+           "plot", "__version__"]

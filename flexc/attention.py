@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import validate
+from . import under_compile, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
 
@@ -23,7 +23,8 @@ class AuxRequest(NamedTuple):
 
 
 class AuxOutput(NamedTuple):
-    """Extra outputs: fp32 ``[B, Hq, L]`` tensors, or None when not requested."""
+    """Extra outputs: ``[B, Hq, L]`` tensors (lse float64 for float64 inputs, else fp32; max_scores
+    fp32), or None when not requested."""
 
     lse: torch.Tensor | None = None
     max_scores: torch.Tensor | None = None
@@ -54,6 +55,39 @@ def _triton_available() -> bool:
         except ImportError:
             return False
     return "TRITON" in BACKENDS
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """torch's logsumexp dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _strides_like(shape: tuple, reference_strides: tuple) -> list[int]:
+    """Dense strides for ``shape`` that lay dimensions out in the order of ``reference_strides``
+    (torch's rule for outputs and gradients): smallest stride innermost, ties put the later
+    dimension inside, and the last dimension innermost whatever the reference says."""
+    def dense(order):
+        strides, step = [0] * len(shape), 1
+        for d in order:
+            strides[d], step = step, step * shape[d]
+        return strides
+
+    order = sorted(range(len(shape)), key=lambda d: (reference_strides[d], -d))
+    strides = dense(order)
+    if strides[-1] != 1:
+        last = len(shape) - 1
+        strides = dense([last] + [d for d in order if d != last])
+    return strides
+
+
+def _laid_out_like(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``t`` (dense) in the dimension order of ``reference``, as torch returns outputs and gradients
+    (a query permuted from [B, L, H, D] gives an output whose transpose back is free); copies only
+    when the layouts differ."""
+    strides = _strides_like(tuple(t.shape), reference.stride())
+    if list(t.stride()) == strides:
+        return t
+    return t.new_empty_strided(t.shape, strides).copy_(t)
 
 
 def _grad_slots(score_mod: TracedMod | None) -> tuple[int, ...]:
@@ -91,14 +125,14 @@ class _FlexAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, forward, score_mod, mask_mod, block_mask, scale, options, slots, *grad_buffers):
         if forward is torch_forward and query.dtype == torch.float64:
-            # keep the logsumexp in float64 for the backward; users get torch's float32
+            # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
                                            need_max=False, lse_dtype=torch.float64)
         else:
             out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
-        return out, lse.float()
+        return out, lse.to(_lse_dtype(query.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -108,13 +142,15 @@ class _FlexAttentionFunction(torch.autograd.Function):
             grad_out = torch.zeros_like(out)
         dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod,
                                                mask_mod, block_mask, scale, slots)
+        dq, dk, dv = (_laid_out_like(g, t) for g, t in ((dq, query), (dk, key), (dv, value)))
         return (dq, dk, dv, None, None, None, None, None, None, None, *buf_grads)
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: Any = None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, kernel_options: dict | None = None,
-                   *, return_aux: AuxRequest | None = None):
+                   *, return_aux: AuxRequest | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, AuxOutput]:
     """Attention with a programmable score and a block-sparse mask, with torch 2.13's semantics.
 
     Args:
@@ -134,13 +170,19 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     Returns:
         ``out [B, Hq, L, Ev]`` in the query's dtype; with ``return_lse`` also ``lse``, with
-        ``return_aux`` also an :class:`AuxOutput`. lse is natural-log, fp32, ``[B, Hq, L]``. A query
+        ``return_aux`` also an :class:`AuxOutput`. ``out`` keeps the query's dimension order (a
+        query permuted from ``[B, L, H, E]`` gives an output whose transpose back is free), as
+        torch's does. lse is natural-log ``[B, Hq, L]``, float64 for float64 inputs and fp32
+        otherwise. A query
         row with nothing allowed gets output 0, lse ``-inf`` and zero gradients.
 
     Example:
         >>> causal = flexc.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
         >>> out = flexc.flex_attention(q, k, v, block_mask=causal)
     """
+    if torch.compiler.is_compiling():
+        return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+                              return_lse, return_aux)
     scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
@@ -164,12 +206,42 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             with torch.no_grad():
                 max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale)[2]
     elif want_max:
-        out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale)
+        out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
+                                                lse_dtype=_lse_dtype(query.dtype))
+    elif want_lse and backend == "TORCH" and query.dtype == torch.float64:  # a float64 lse, as torch's
+        out, lse, _ = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
+                                       need_max=False, lse_dtype=torch.float64)
     else:
         out, lse = BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options, want_lse)
+    out = _laid_out_like(out, query)
+    if lse is not None:
+        lse = lse.to(_lse_dtype(query.dtype))
 
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)
+    if return_lse:
+        return out, lse
+    return out
+
+
+def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse,
+                   return_aux):
+    """flex_attention under torch.compile: the same checks, then one custom-op node (:mod:`flexc.under_compile`)."""
+    validate.check_tensors(query, key, value, enable_gqa)
+    validate.check_flags(enable_gqa, return_lse, return_aux)
+    validate.check_mod(score_mod)
+    validate.check_block_mask(block_mask, query, key)
+    scale = validate.check_scale(scale, query)
+    backend = _choose_backend(validate.check_kernel_options(kernel_options), query.device)
+    want_max = bool(return_aux is not None and return_aux.max_scores)
+    if want_max and backend != "TORCH":
+        raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
+                         f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
+    out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, backend,
+                                                        want_max)
+    out, lse = _laid_out_like(out, query), lse.to(_lse_dtype(query.dtype))  # as in eager
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores if want_max else None)
     if return_lse:
         return out, lse
     return out

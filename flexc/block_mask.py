@@ -25,9 +25,22 @@ from .trace import MASK_MOD, TracedMod, mod_kind, trace
 
 DEFAULT_BLOCK_SIZE = 128
 
+# create_block_mask inside torch.compile; flexc.under_compile installs it (it imports this module)
+compiled_builder: Callable | None = None
+
 _TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 _TENSOR_ATTRS = _TABLE_NAMES + ("dq_write_order", "dq_write_order_full", "dq_kv_order")
+
+
+class _Derived:
+    """Marks q-direction tables that are derived from the kv tables on first use."""
+
+    def __repr__(self) -> str:
+        return "DERIVED"
+
+
+DERIVED = _Derived()
 
 
 def _sliced_mask_mod_error(b, h, q_idx, kv_idx):
@@ -133,6 +146,12 @@ class BlockMask:
     tables are int32 with leading batch dims ``[B, H]``; ``BLOCK_SIZE`` is ``(Q_BLOCK, KV_BLOCK)``
     and ``seq_lengths`` is ``(Q_LEN, KV_LEN)``. ``full_*`` tables are None when full tiles are not
     kept apart; ``q_*`` tables are None when not computed.
+
+    The ``q_*`` tables (the transposes that backward walks) are built lazily: masks from
+    :func:`create_block_mask`, :meth:`from_kv_blocks` and slicing derive them from the kv tables on
+    first access (``block_mask.q_indices``, backward, :meth:`to_torch`), so decoding, which slices a
+    mask every step and never needs them, does not pay for them. Pass :data:`DERIVED` as the four
+    q tables to the constructor for the same behaviour.
     """
 
     def __init__(self, seq_lengths: tuple[int, int], kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
@@ -148,6 +167,11 @@ class BlockMask:
                              f"got {kv_indices if not isinstance(kv_indices, torch.Tensor) else list(kv_indices.shape)}.")
         if not isinstance(kv_num_blocks, torch.Tensor):
             raise TypeError(f"BlockMask: kv_num_blocks must be a tensor, got {type(kv_num_blocks).__name__}.")
+        q_tables = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+        derived = [t is DERIVED for t in q_tables]
+        if any(derived) and not all(derived):
+            raise ValueError("BlockMask: pass DERIVED for all four q tables (q_num_blocks, q_indices, "
+                             "full_q_num_blocks, full_q_indices) or for none of them.")
         pairs = {"full_kv": (full_kv_num_blocks, full_kv_indices), "full_q": (full_q_num_blocks, full_q_indices)}
         for prefix, (num, idx) in pairs.items():
             if (num is None) != (idx is None):
@@ -158,12 +182,39 @@ class BlockMask:
         self.seq_lengths = tuple(seq_lengths)
         self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
         self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
-        self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
-        self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
+        # None: derive from the kv tables on first access (see the class docstring)
+        self._q_tables: tuple | None = None if all(derived) else q_tables
         self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
         self.dq_kv_order, self.dq_kv_order_spt = dq_kv_order, dq_kv_order_spt
         self.BLOCK_SIZE = tuple(BLOCK_SIZE)
         self.mask_mod = mask_mod
+
+    # -- the q-direction tables, derived on first use --
+    def _q(self) -> tuple:
+        if self._q_tables is None:
+            q = transpose_ordered(self.kv_num_blocks, self.kv_indices)
+            full = (transpose_ordered(self.full_kv_num_blocks, self.full_kv_indices)
+                    if self.full_kv_num_blocks is not None else (None, None))
+            self._q_tables = (*q, *full)
+        return self._q_tables
+
+    def _set_q(self, slot: int, value: torch.Tensor | None) -> None:
+        tables = list(self._q())
+        tables[slot] = value
+        self._q_tables = tuple(tables)
+
+    def _has_q_tables(self) -> bool:
+        """Whether q tables exist (built or still to be derived), without building them."""
+        return self._q_tables is None or self._q_tables[1] is not None
+
+    q_num_blocks = property(lambda self: self._q()[0], lambda self, v: self._set_q(0, v),
+                            doc="int32 ``[..., nKV]``: partial q blocks per kv block (derived on first use).")
+    q_indices = property(lambda self: self._q()[1], lambda self, v: self._set_q(1, v),
+                         doc="int32 ``[..., nKV, nQ]``: their q-block rows, valid entries first.")
+    full_q_num_blocks = property(lambda self: self._q()[2], lambda self, v: self._set_q(2, v),
+                                 doc="int32 ``[..., nKV]``: full q blocks per kv block, or None.")
+    full_q_indices = property(lambda self: self._q()[3], lambda self, v: self._set_q(3, v),
+                              doc="int32 ``[..., nKV, nQ]``: their q-block rows, or None.")
 
     # -- construction --
     @classmethod
@@ -189,12 +240,7 @@ class BlockMask:
         block = _block_sizes(where, BLOCK_SIZE)
         if dq_kv_order is not None and not isinstance(dq_kv_order, (bool, torch.Tensor)):
             raise TypeError(f"{where}: dq_kv_order must be a bool, a tensor or None, got {type(dq_kv_order).__name__}.")
-        q_tables: tuple = (None, None, None, None)
-        if compute_q_blocks:
-            q_num, q_idx = transpose_ordered(kv_num_blocks, kv_indices)
-            full_q = (transpose_ordered(full_kv_num_blocks, full_kv_indices)
-                      if full_kv_num_blocks is not None else (None, None))
-            q_tables = (q_num, q_idx, *full_q)
+        q_tables = (DERIVED,) * 4 if compute_q_blocks else (None,) * 4
         if seq_lengths is None:
             seq_lengths = (kv_indices.shape[-2] * block[0], kv_indices.shape[-1] * block[1])
         return cls(tuple(seq_lengths), kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
@@ -297,13 +343,22 @@ class BlockMask:
 
     def __str__(self) -> str:
         return (f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n"
-                f"{self.to_string().strip()}\n)")
+                f"{self.to_string().strip()}\n{TEXT_LEGEND}\n)")
 
     def __repr__(self) -> str:
         def shape_of(t):
             return t.shape if t is not None else None
 
-        lines = [f"    {name}={shape_of(getattr(self, name))}," for name in _TABLE_NAMES]
+        shapes = {name: shape_of(getattr(self, name)) for name in _TABLE_NAMES[:4]}
+        if self._q_tables is None:  # the shapes the derived tables will have, without deriving them
+            *batch, nq, nkv = self.kv_indices.shape
+            for prefix in ("", "full_"):
+                present = shapes[f"{prefix}kv_num_blocks"] is not None
+                shapes[f"{prefix}q_num_blocks"] = torch.Size([*batch, nkv]) if present else None
+                shapes[f"{prefix}q_indices"] = torch.Size([*batch, nkv, nq]) if present else None
+        else:
+            shapes.update({name: shape_of(getattr(self, name)) for name in _TABLE_NAMES[4:]})
+        lines = [f"    {name}={shapes[name]}," for name in _TABLE_NAMES]
         name = getattr(self.mask_mod, "__name__", self.mask_mod)
         return ("BlockMask(\n" + "\n".join(lines) + f"\n    BLOCK_SIZE={self.BLOCK_SIZE},\n    shape={self.shape},"
                 f"\n    sparsity={self.sparsity():.2f}%,\n    mask_mod={name}\n)")
@@ -336,7 +391,7 @@ class BlockMask:
                 if self.full_kv_num_blocks is not None else (None, None))
         sliced = BlockMask.from_kv_blocks(self.kv_num_blocks[index], self.kv_indices[index], *full,
                                           BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_sliced_mask_mod_error,
-                                          seq_lengths=self.seq_lengths, compute_q_blocks=self.q_indices is not None)
+                                          seq_lengths=self.seq_lengths, compute_q_blocks=self._has_q_tables())
         sliced.dq_kv_order_spt = self.dq_kv_order_spt
         return sliced
 
@@ -362,14 +417,19 @@ class BlockMask:
                                             *crop(self.full_kv_num_blocks, self.full_kv_indices),
                                             BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
                                             seq_lengths=(new_q_len, new_kv_len),
-                                            compute_q_blocks=self.q_indices is not None)
+                                            compute_q_blocks=self._has_q_tables())
         adjusted.dq_kv_order_spt = self.dq_kv_order_spt
         return adjusted
 
     def to(self, device: torch.device | str) -> "BlockMask":
         """A new BlockMask with every table on ``device``."""
-        moved = {n: (t.to(device) if isinstance(t, torch.Tensor) else t)
-                 for n, t in ((n, getattr(self, n)) for n in _TENSOR_ATTRS)}
+        # still-lazy q tables stay lazy on the new device; a meta device cannot derive them (the
+        # derivation reads values), so they are built here first
+        lazy = self._q_tables is None and torch.device(device).type != "meta"
+        moved = {n: DERIVED if lazy and n.startswith(("q_", "full_q_")) else
+                 (t.to(device) if isinstance(t, torch.Tensor) else t)
+                 for n, t in ((n, None if lazy and n.startswith(("q_", "full_q_")) else getattr(self, n))
+                              for n in _TENSOR_ATTRS)}
         return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
                          dq_kv_order_spt=self.dq_kv_order_spt)
 
@@ -391,6 +451,10 @@ def _product(dims: Sequence[int]):
     for i in range(dims[0]):
         for rest in _product(dims[1:]):
             yield (i, *rest)
+
+
+# The key to the pictures of BlockMask.to_string (printed under them by str(block_mask)).
+TEXT_LEGEND = "legend: ██ full tiles (mask_mod skipped)  ░░ partial (runs the mask_mod)  '  ' empty (skipped)"
 
 
 def _draw(classes: torch.Tensor, row_step: int, col_step: int) -> str:
@@ -492,6 +556,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
     ([[[1, 1]]], [[[0, 1]]])
     """
+    if torch.compiler.is_compiling() and compiled_builder is not None:
+        # inside torch.compile: one custom-op node builds the tables (flexc.under_compile)
+        return compiled_builder(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full_blocks)
     where = "create_block_mask"
     traced = _trace_as(where, mask_mod, (MASK_MOD,))
     B = _positive_int(where, "B", B, allow_none=True) or 1
@@ -519,10 +586,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     else:
         partial, full = classes != EMPTY, None
     kv_tables = dense_to_ordered(partial)
-    q_tables = dense_to_ordered(partial.transpose(-2, -1))
     full_kv = dense_to_ordered(full) if full is not None else (None, None)
-    full_q = dense_to_ordered(full.transpose(-2, -1)) if full is not None else (None, None)
-    return BlockMask((Q_LEN, KV_LEN), *kv_tables, *full_kv, *q_tables, *full_q,
+    return BlockMask((Q_LEN, KV_LEN), *kv_tables, *full_kv, *(DERIVED,) * 4,
                      BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
 
 

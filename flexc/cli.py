@@ -2,6 +2,8 @@
 
 ``flexc trace FILE.py[:NAME]`` prints the traced expression of the mods in a file.
 ``flexc show FILE.py[:NAME[,NAME]]`` prints the Triton kernel flexc generates for them.
+``flexc draw FILE.py[:NAME[,NAME]] --png OUT.png`` draws a mask_mod's BlockMask, or a score_mod's
+values (masked by a mask_mod), with :func:`flexc.plot`.
 
 ``NAME`` is a score_mod or mask_mod defined in the file, or a Python expression evaluated in the
 file's namespace (``"masks.py:generate_sliding_window(128)"``). Without ``NAME`` every top-level
@@ -17,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ._version import __version__
 from .trace import MASK_MOD, SCORE_MOD, TracedMod, TraceError, mod_kind, trace
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -41,6 +44,12 @@ def _load_namespace(path: str) -> dict[str, Any]:
     sys.path.insert(0, directory)  # the file may import its neighbours
     try:
         return runpy.run_path(path, run_name="__flexc_cli__")
+    except SyntaxError as e:
+        raise CliError(f"{path} does not import: SyntaxError at line {e.lineno}: {e.msg}. "
+                       f"Fix: correct the file (python {path} shows the same error).") from None
+    except (Exception, SystemExit) as e:  # whatever the user's module raised while running
+        raise CliError(f"{path} does not import: {type(e).__name__}: {e}. "
+                       f"Fix: make `python {path}` run without errors.") from None
     finally:
         sys.path.remove(directory)
 
@@ -55,26 +64,39 @@ def _is_mod(value: Any) -> bool:
     return True
 
 
-def _find_mods(path: str, names: str | None) -> list[tuple[str, Callable]]:
-    """``(label, function)`` for each requested mod, or every mod defined at the file's top level."""
+def _resolve(namespace: dict[str, Any], path: str, name: str) -> Callable:
+    """The mod ``name`` (a name or an expression) denotes in the file's namespace, else CliError."""
+    if name.isidentifier():
+        if name not in namespace:
+            candidates = ", ".join(sorted(k for k, v in namespace.items() if _is_mod(v))) or "none"
+            raise CliError(f"{path} defines no {name!r}. Mods defined there: {candidates}.")
+        value = namespace[name]
+    else:
+        try:
+            value = eval(name, namespace)  # noqa: S307 - the user's own file and expression
+        except Exception as e:  # the user's expression: report whatever it raised
+            raise CliError(f"evaluating {name!r} in {path} raised {type(e).__name__}: {e}") from None
+    if not _is_mod(value):
+        raise CliError(f"{name!r} in {path} is not a score_mod (score, b, h, q_idx, kv_idx) or mask_mod "
+                       f"(b, h, q_idx, kv_idx); got {type(value).__name__}.")
+    return value
+
+
+def _find_mods(path: str, names: str | None, keep_going: bool = False) -> list[tuple[str, Any]]:
+    """``(label, function)`` for each requested mod, or every mod defined at the file's top level.
+
+    With ``keep_going`` a name that does not resolve yields ``(label, CliError)`` instead of raising.
+    """
     namespace = _load_namespace(path)
     if names:
-        found = []
+        found: list[tuple[str, Any]] = []
         for name in (n.strip() for n in _split_names(names)):
-            if name.isidentifier():
-                if name not in namespace:
-                    candidates = ", ".join(sorted(k for k, v in namespace.items() if _is_mod(v))) or "none"
-                    raise CliError(f"{path} defines no {name!r}. Mods defined there: {candidates}.")
-                value = namespace[name]
-            else:
-                try:
-                    value = eval(name, namespace)  # noqa: S307 - the user's own file and expression
-                except Exception as e:  # the user's expression: report whatever it raised
-                    raise CliError(f"evaluating {name!r} in {path} raised {type(e).__name__}: {e}") from None
-            if not _is_mod(value):
-                raise CliError(f"{name!r} in {path} is not a score_mod (score, b, h, q_idx, kv_idx) or mask_mod "
-                               f"(b, h, q_idx, kv_idx); got {type(value).__name__}.")
-            found.append((name, value))
+            try:
+                found.append((name, _resolve(namespace, path, name)))
+            except CliError as e:
+                if not keep_going:
+                    raise
+                found.append((name, e))
         return found
     found = [(k, v) for k, v in namespace.items()
              if not k.startswith("_") and _is_mod(v) and _defined_in(v, path)]
@@ -121,14 +143,24 @@ def _describe_buffers(t: TracedMod) -> list[str]:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
+    """Print every mod that traces; report each one that does not (exit 2) without losing the others."""
     path, names = _split_target(args.target)
-    for label, t in _trace_all(_find_mods(path, names)):
+    failed = 0
+    for label, fn in _find_mods(path, names, keep_going=True):
+        try:
+            if isinstance(fn, CliError):
+                raise fn
+            t = trace(fn)
+        except (CliError, TraceError) as e:
+            failed += 1
+            print(f"flexc trace: {label}: {e}", file=sys.stderr)
+            continue
         print(f"{label} ({t.kind}): {t}")
         lines = _describe_buffers(t)
         if lines:
             print("  captured tensors:")
             print("\n".join(lines))
-    return 0
+    return 2 if failed else 0
 
 
 def _block_size(text: str) -> tuple[int, int]:
@@ -141,6 +173,32 @@ def _block_size(text: str) -> tuple[int, int]:
     if len(parts) != 2 or min(parts) <= 0:
         raise argparse.ArgumentTypeError(f"--block-size takes N or Q,KV with positive sizes, got {text!r}")
     return parts[0], parts[1]
+
+
+def _positive(flag: str) -> Callable[[str], int]:
+    """An argparse type: an int >= 1 (a head dim or a length), named after its flag in errors."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
+        return value
+    return parse
+
+
+def _non_negative(flag: str) -> Callable[[str], int]:
+    """An argparse type: an int >= 0 (a batch or head index)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes an integer >= 0, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {value}")
+        return value
+    return parse
 
 
 def _option(text: str) -> tuple[str, int]:
@@ -169,9 +227,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     mask = next((t for _, t in traced if t.kind == MASK_MOD), None)
     head_dim = args.head_dim
     v_head_dim = args.v_head_dim or head_dim
-    block_size = args.block_size if mask is not None else None
+    options = _check_call(args, _DTYPES[args.dtype], head_dim, v_head_dim)
+    if args.block_size is not None and mask is None:
+        raise CliError("--block-size sets the BlockMask's block size, but no mask_mod was given. "
+                       "Fix: drop --block-size, or name a mask_mod too (FILE.py:SCORE_MOD,MASK_MOD).")
+    block_size = (args.block_size or (128, 128)) if mask is not None else None
     try:
-        spec = make_spec(score, mask, _DTYPES[args.dtype], head_dim, v_head_dim, block_size, dict(args.option),
+        spec = make_spec(score, mask, _DTYPES[args.dtype], head_dim, v_head_dim, block_size, options,
                          "interpreter" if args.device == "cpu" else "cuda", args.lse)
     except (TypeError, ValueError) as e:
         raise CliError(str(e).removeprefix("flexc: ")) from None
@@ -179,8 +241,67 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_call(args: argparse.Namespace, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> dict:
+    """Validate the call ``flexc show`` describes as flex_attention would; return its kernel_options."""
+    from .validate import check_kernel_options, check_tensors
+
+    # One-row stand-ins: flex_attention's own checks of dtypes and head dims, on no real data.
+    q = torch.empty(1, 1, 1, head_dim, dtype=dtype)
+    v = torch.empty(1, 1, 1, v_head_dim, dtype=dtype)
+    try:
+        check_tensors(q, q, v, False)
+    except (TypeError, ValueError) as e:
+        raise CliError(f"--head-dim {head_dim} / --v-head-dim {v_head_dim}: {str(e).removeprefix('flex_attention: ')}") from None
+    try:
+        options = check_kernel_options(dict(args.option))
+    except (TypeError, ValueError) as e:
+        raise CliError(f"-o/--option: {str(e).removeprefix('flex_attention: ')}") from None
+    options.pop("BACKEND")  # the kernel is shown whatever backend would run it
+    return options
+
+
+def cmd_draw(args: argparse.Namespace) -> int:
+    """Draw the named mask_mod (its BlockMask) or score_mod (a heat map, masked by a mask_mod) to a PNG."""
+    from .block_mask import create_block_mask
+    from .plot import plot
+
+    path, names = _split_target(args.target)
+    mods = _find_mods(path, names)
+    traced = _trace_all(mods)
+    kinds = [t.kind for _, t in traced]
+    if len(traced) > 2 or kinds.count(SCORE_MOD) > 1 or kinds.count(MASK_MOD) > 1:
+        raise CliError(f"draw takes one mask_mod, one score_mod, or one of each; got "
+                       f"{', '.join(label for label, _ in traced)}. Fix: choose with FILE.py:NAME[,NAME].")
+    fns = {kind: fn for kind, (_, fn) in zip(kinds, mods)}
+    if args.block_size is not None and MASK_MOD not in fns:
+        raise CliError("--block-size sets the BlockMask's block size, but no mask_mod was given. "
+                       "Fix: drop --block-size, or name a mask_mod too (FILE.py:SCORE_MOD,MASK_MOD).")
+    for flag, value, size, sizes in (("--batch", args.batch, args.B, "-B"), ("--head", args.head, args.H, "-H")):
+        if value >= size:
+            raise CliError(f"{flag} {value} is out of range for {sizes} {size}. "
+                           f"Fix: pass {flag} below {size}, or raise {sizes}.")
+    q_len = args.q_len
+    kv_len = args.kv_len or q_len
+    try:
+        block_mask = None
+        if MASK_MOD in fns:
+            block_mask = create_block_mask(fns[MASK_MOD], args.B, args.H, q_len, kv_len, device="cpu",
+                                           BLOCK_SIZE=args.block_size or 128)
+        if SCORE_MOD in fns:  # a heat map, blank where the mask_mod (if any) masks
+            plot(fns[SCORE_MOD], args.B, args.H, q_len, kv_len, mask_mod=block_mask, batch=args.batch,
+                 head=args.head, max_pixels=args.max_pixels, path=args.png, dpi=args.dpi)
+        else:
+            plot(block_mask, batch=args.batch, head=args.head, max_pixels=args.max_pixels, path=args.png,
+                 dpi=args.dpi)
+    except (ImportError, TypeError, ValueError) as e:  # no matplotlib; flexc's checks of sizes and mods
+        raise CliError(str(e)) from None
+    print(f"wrote {args.png}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexc", description="flexc: trace attention mods and show their kernels.")
+    parser.add_argument("--version", action="version", version=f"flexc {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("trace", help="print the traced expression of the mods in FILE.py[:NAME]")
     p.add_argument("target", metavar="FILE.py[:NAME]")
@@ -188,15 +309,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print the Triton kernel generated for FILE.py[:NAME[,NAME]]")
     p.add_argument("target", metavar="FILE.py[:NAME[,NAME]]")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="query/key/value dtype (bfloat16)")
-    p.add_argument("--head-dim", type=int, default=64, help="query/key head dim (64)")
-    p.add_argument("--v-head-dim", type=int, default=None, help="value head dim (the head dim)")
-    p.add_argument("--block-size", type=_block_size, default=(128, 128), help="BlockMask block size N or Q,KV (128)")
+    p.add_argument("--head-dim", type=_positive("--head-dim"), default=64, help="query/key head dim (64)")
+    p.add_argument("--v-head-dim", type=_positive("--v-head-dim"), default=None, help="value head dim (the head dim)")
+    p.add_argument("--block-size", type=_block_size, default=None,
+                   help="BlockMask block size N or Q,KV (128); needs a mask_mod")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda: the compiled kernel; cpu: the variant run by Triton's interpreter")
     p.add_argument("--lse", action="store_true", help="the variant that also writes the logsumexp")
     p.add_argument("--option", "-o", type=_option, action="append", default=[], metavar="NAME=VALUE",
                    help="a kernel option, e.g. -o BLOCK_M=64 -o num_warps=8")
     p.set_defaults(run=cmd_show)
+    p = sub.add_parser("draw", help="draw FILE.py[:NAME[,NAME]] (a mask_mod's BlockMask, a score_mod's values) to a PNG")
+    p.add_argument("target", metavar="FILE.py[:NAME[,NAME]]")
+    p.add_argument("--png", required=True, metavar="OUT.png", help="the file to write")
+    p.add_argument("--q-len", type=_positive("--q-len"), default=1024, help="query length Q_LEN (1024)")
+    p.add_argument("--kv-len", type=_positive("--kv-len"), default=None, help="key length KV_LEN (Q_LEN)")
+    p.add_argument("--block-size", type=_block_size, default=None, help="BlockMask block size N or Q,KV (128)")
+    p.add_argument("-B", type=_positive("-B"), default=1, help="batches the mods see (1)")
+    p.add_argument("-H", type=_positive("-H"), default=1, help="heads the mods see (1)")
+    p.add_argument("--batch", type=_non_negative("--batch"), default=0, help="the batch drawn (0)")
+    p.add_argument("--head", type=_non_negative("--head"), default=0, help="the head drawn (0)")
+    p.add_argument("--max-pixels", type=_positive("--max-pixels"), default=1024,
+                   help="cells per side at most; longer sequences show each cell's centre element (1024)")
+    p.add_argument("--dpi", type=_positive("--dpi"), default=100, help="resolution of the PNG (100)")
+    p.set_defaults(run=cmd_draw)
     return parser
 
 

@@ -21,12 +21,17 @@ _BINARY = {
     "and": operator.and_, "or": operator.or_, "xor": operator.xor,
     "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
     "gt": operator.gt, "ge": operator.ge,
+    "lshift": operator.lshift, "rshift": operator.rshift, "fmod": torch.fmod, "atan2": torch.atan2,
 }
 _UNARY = {
     "neg": operator.neg, "not": operator.invert, "abs": torch.abs, "sign": torch.sign,
     "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2, "sqrt": torch.sqrt,
     "rsqrt": torch.rsqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin,
     "cos": torch.cos, "floor": torch.floor, "ceil": torch.ceil,
+    "tan": torch.tan, "atan": torch.atan, "asin": torch.asin, "acos": torch.acos, "sinh": torch.sinh,
+    "cosh": torch.cosh, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh, "erf": torch.erf,
+    "erfc": torch.erfc, "expm1": torch.expm1, "log1p": torch.log1p, "log10": torch.log10,
+    "trunc": torch.trunc, "round": torch.round,
 }
 
 
@@ -85,7 +90,10 @@ def evaluate(
             v = _min_max(op, args[0], args[1], device)
         elif op in _BINARY:
             x, y = args
-            if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+            if op in ("fmod", "atan2"):  # torch functions: a tensor first (and second, for atan2)
+                x = _tensor(x, device)
+                y = _tensor(y, device) if op == "atan2" else y
+            elif not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
                 x = _tensor(x, device)
             v = _BINARY[op](x, y)
         elif op in _UNARY:

@@ -23,21 +23,27 @@ UNARY_OPS = {
     "exp": FLOAT, "exp2": FLOAT, "log": FLOAT, "log2": FLOAT, "sqrt": FLOAT, "rsqrt": FLOAT,
     "tanh": FLOAT, "sigmoid": FLOAT, "sin": FLOAT, "cos": FLOAT,
     "floor": "same", "ceil": "same",
+    # the rest of torch's elementwise math (flexc.elementwise maps torch's names onto these)
+    "tan": FLOAT, "atan": FLOAT, "asin": FLOAT, "acos": FLOAT, "sinh": FLOAT, "cosh": FLOAT,
+    "asinh": FLOAT, "acosh": FLOAT, "atanh": FLOAT, "erf": FLOAT, "erfc": FLOAT, "expm1": FLOAT,
+    "log1p": FLOAT, "log10": FLOAT, "trunc": "same", "round": "same",
 }
-ARITH_OPS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "min", "max"}
+ARITH_OPS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "min", "max", "fmod"}
+SHIFT_OPS = {"lshift", "rshift"}  # integers only; shifts by a constant are traced as * and //
+FLOAT_BINARY_OPS = {"atan2"}  # float result whatever the operands
 LOGIC_OPS = {"and", "or", "xor"}
 COMPARE_OPS = {"eq", "ne", "lt", "le", "gt", "ge"}
-BINARY_OPS = ARITH_OPS | LOGIC_OPS | COMPARE_OPS
+BINARY_OPS = ARITH_OPS | LOGIC_OPS | COMPARE_OPS | SHIFT_OPS | FLOAT_BINARY_OPS
 
 _SYMBOLS = {
     "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
-    "and": "&", "or": "|", "xor": "^",
+    "and": "&", "or": "|", "xor": "^", "lshift": "<<", "rshift": ">>",
     "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
 }
 # Python precedence, higher binds tighter; used by the printer to drop needless parentheses.
 _PRECEDENCE = {
     "or": 1, "xor": 2, "and": 3,
-    "eq": 4, "ne": 4, "lt": 4, "le": 4, "gt": 4, "ge": 4,
+    "eq": 4, "ne": 4, "lt": 4, "le": 4, "gt": 4, "ge": 4, "lshift": 5, "rshift": 5,
     "add": 6, "sub": 6, "mul": 7, "truediv": 7, "floordiv": 7, "mod": 7,
     "neg": 8, "not": 8, "pow": 9,
 }
@@ -62,7 +68,7 @@ class Node:
 
     __slots__ = ("op", "args", "attr", "kind", "__weakref__")
 
-    def __init__(self, op: str, args: tuple, attr: Any, kind: str):
+    def __init__(self, op: str, args: tuple, attr: Any, kind: str) -> None:
         self.op, self.args, self.attr, self.kind = op, args, attr, kind
 
     def __repr__(self) -> str:
@@ -128,9 +134,9 @@ def infer_kind(op: str, args: tuple, attr: Any) -> str:
         return BOOL
     if op in LOGIC_OPS:
         return promote(*kinds)
-    if op == "truediv":
+    if op == "truediv" or op in FLOAT_BINARY_OPS:
         return FLOAT
-    if op in ARITH_OPS:
+    if op in ARITH_OPS or op in SHIFT_OPS:
         return promote(*kinds)
     if op in UNARY_OPS:
         rule = UNARY_OPS[op]
@@ -227,6 +233,8 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
             return f"where({fmt(n.args[0])}, {fmt(n.args[1])}, {fmt(n.args[2])})"
         if op in ("min", "max"):
             return f"{op}imum({fmt(n.args[0])}, {fmt(n.args[1])})"
+        if op in BINARY_OPS and op not in _SYMBOLS:  # fmod, atan2: function form
+            return f"{op}({fmt(n.args[0])}, {fmt(n.args[1])})"
         if op in BINARY_OPS:
             prec = _PRECEDENCE[op]
             # comparisons and bitwise ops get explicit parentheses as operands: `(a >= b) & (c < d)`

@@ -30,6 +30,7 @@ import torch
 
 from . import ir
 from .affine import AffineForm, affine_difference
+from .promotion import node_dtype
 from .range_tables import RangeMinMax
 from .tiles import cdiv
 from .trace import MASK_MOD, TracedMod
@@ -641,47 +642,16 @@ def _sign(x: Any) -> Any:
 # ---- machine integer ranges ---------------------------------------------------------------------
 
 def _dtype_limits(root: ir.Node) -> dict[int, tuple[float, float]]:
-    """For each integer node, the range of the dtype torch computes it in.
-
-    Python constants are "weak" (they take the other operand's dtype, as in torch); index inputs
-    are int64; lookups have their tensor's dtype; casts their target dtype.
-    """
-    dtypes: dict[int, Any] = {}
+    """For each integer node, the range of the dtype torch computes it in
+    (:func:`flexc.promotion.node_dtype`; arithmetic on constants only is done in int64)."""
     limits: dict[int, tuple[float, float]] = {}
     for node in root.walk():
-        if node.op == "input":
+        if node.kind != ir.INT:
+            continue
+        dt = node_dtype(node)
+        if dt is None and node.args:
             dt = torch.int64
-        elif node.op == "const":
-            dt = None
-        elif node.op == "buffer":
-            dt = getattr(torch, node.attr[1])
-        elif node.op == "load":
-            dt = dtypes[id(node.args[0])]
-        elif node.op == "cast":
-            dt = getattr(torch, node.attr)
-        elif node.op in ir.COMPARE_OPS:
-            dt = torch.bool
-        elif node.op == "where":
-            dt = _promote(dtypes[id(node.args[1])], dtypes[id(node.args[2])], node.kind)
-        else:
-            dt = None
-            for arg in node.args:
-                dt = _promote(dt, dtypes[id(arg)], node.kind)
-            if dt is None and node.args:
-                dt = torch.int64 if node.kind == ir.INT else None  # all-constant arithmetic is done in int64
-        dtypes[id(node)] = dt
-        if node.kind == ir.INT and isinstance(dt, torch.dtype) and not dt.is_floating_point and dt != torch.bool:
+        if isinstance(dt, torch.dtype) and not dt.is_floating_point and dt != torch.bool:
             info = torch.iinfo(dt)
             limits[id(node)] = (float(info.min), float(info.max))
     return limits
-
-
-def _promote(a: Any, b: Any, kind: str) -> Any:
-    if a is None and b is None:
-        return None
-    if a is None or b is None:
-        dt = a if b is None else b
-        if kind == ir.INT and dt == torch.bool:
-            return torch.int64  # bool tensor with a Python int: torch promotes to int64
-        return dt
-    return torch.promote_types(a, b)

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import ir, trace_cache
+from . import elementwise, ir, trace_cache
+from .promotion import weak_pair
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
 SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -206,6 +207,10 @@ class _Tracer:
             if isinstance(x, float) and math.isnan(x):
                 self.fail("a NaN constant", "use a finite number or -inf")
             return ir.const(x)
+        if _is_numpy_array(x):
+            self.fail(f"{what} is a numpy array (shape {list(x.shape)}, {x.dtype}); flexc captures torch "
+                      f"tensors only", "convert it once, outside the mod: `table = torch.as_tensor(table)`, "
+                      "then index it with the mod's arguments")
         if hasattr(x, "dtype") and hasattr(x, "item") and not isinstance(x, torch.Tensor):  # numpy scalar
             return ir.const(x.item())
         if isinstance(x, torch.Tensor):
@@ -348,6 +353,11 @@ def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
     if op in ir.LOGIC_OPS and ir.FLOAT in (a.kind, b.kind):
         t.fail(f"`{ir._SYMBOLS[op]}` on a float value ({a} {ir._SYMBOLS[op]} {b})",
                "use `&`, `|`, `^` on comparisons (bools) or integer indices")
+    if op in ("floordiv", "mod") and b.op == "const" and b.attr == 0 and ir.FLOAT not in (a.kind, b.kind):
+        t.fail(f"integer division by zero (`{a} {ir._SYMBOLS[op]} 0`); torch raises ZeroDivisionError for it",
+               "divide by a non-zero number, or use `/` (true division) on floats")
+    if op != "pow":  # torch converts a Python int to a narrow integer operand's dtype (wrapping)
+        a, b = weak_pair(a, b)
     return ir.binary(op, a, b)
 
 
@@ -379,6 +389,21 @@ class Proxy:
     __and__, __rand__ = _binop("and"), _binop("and", True)
     __or__, __ror__ = _binop("or"), _binop("or", True)
     __xor__, __rxor__ = _binop("xor"), _binop("xor", True)
+
+    def __lshift__(self, other):
+        return _shift(self.tracer, "lshift", self, other)
+
+    def __rlshift__(self, other):
+        return _shift(self.tracer, "lshift", other, self)
+
+    def __rshift__(self, other):
+        return _shift(self.tracer, "rshift", self, other)
+
+    def __rrshift__(self, other):
+        return _shift(self.tracer, "rshift", other, self)
+
+    def __round__(self, ndigits=None):  # Python's round() on a tensor is torch.round
+        return _unary_math("round")(self.tracer, self, ndigits or 0)
     __eq__, __ne__ = _binop("eq"), _binop("ne")
     __lt__, __le__ = _binop("lt"), _binop("le")
     __gt__, __ge__ = _binop("gt"), _binop("ge")
@@ -432,6 +457,19 @@ class Proxy:
     def __getitem__(self, key):
         self.tracer.fail(f"indexing the traced scalar `{self.node}`", "index captured tensors, not the mod's arguments")
 
+    # -- numpy: it cannot build graph nodes, so every way a proxy reaches it is an error --
+    def __array__(self, *args, **kwargs):
+        self.tracer.fail(f"the traced value `{self.node}` was passed to numpy (a numpy function, or an index "
+                         f"into a numpy array); numpy needs concrete values", _NUMPY_FIX)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        self.tracer.fail(f"numpy's `np.{ufunc.__name__}` was called on the traced value `{self.node}`; numpy "
+                         f"cannot be traced", _NUMPY_FIX)
+
+    def __array_function__(self, func, types, args, kwargs):
+        self.tracer.fail(f"numpy's `np.{func.__name__}` was called on the traced value `{self.node}`; numpy "
+                         f"cannot be traced", _NUMPY_FIX)
+
     def __setitem__(self, key, value):
         self.tracer.fail("assigning into a traced value", "compute a new value instead")
 
@@ -454,11 +492,8 @@ class Proxy:
             self.tracer.fail(f"the operator `{symbol}` is not supported on traced values", fix)
         return method
 
-    __lshift__ = __rlshift__ = _unsupported_operator("<<", "multiply by a power of two instead")
-    __rshift__ = __rrshift__ = _unsupported_operator(">>", "floor-divide by a power of two (`//`) instead")
     __matmul__ = __rmatmul__ = _unsupported_operator("@", "a traced value is a scalar: use `*`")
     __divmod__ = __rdivmod__ = _unsupported_operator("divmod", "use `//` and `%` separately")
-    __round__ = _unsupported_operator("round()", "use torch.floor(x + 0.5) or torch.floor/torch.ceil")
     del _unsupported_operator
 
     @property
@@ -553,7 +588,7 @@ def _masked_fill(t: _Tracer, x: Any, mask: Any, value: Any) -> "Proxy":
     if m.kind != ir.BOOL:
         t.fail(f"masked_fill's mask `{m}` is {'an' if m.kind == ir.INT else 'a'} {m.kind}, not a bool",
                "pass a comparison such as `q_idx < kv_idx`")
-    return t.wrap(ir.where(m, t.to_node(value), t.to_node(x)))
+    return t.wrap(ir.where(m, *weak_pair(t.to_node(value), t.to_node(x))))
 
 
 def _as_bool(t: _Tracer, x: Any) -> ir.Node:
@@ -564,9 +599,9 @@ def _as_bool(t: _Tracer, x: Any) -> ir.Node:
 def _clamp(t: _Tracer, x: Any, min: Any = None, max: Any = None) -> "Proxy":
     node = t.to_node(x)
     if min is not None:
-        node = ir.binary("max", node, t.to_node(min))
+        node = _binary(t, "max", node, t.to_node(min))
     if max is not None:
-        node = ir.binary("min", node, t.to_node(max))
+        node = _binary(t, "min", node, t.to_node(max))
     return t.wrap(node)
 
 
@@ -574,15 +609,15 @@ def _where(t: _Tracer, cond: Any, x: Any, y: Any) -> "Proxy":
     c = t.to_node(cond)
     if c.kind != ir.BOOL:
         t.fail(f"torch.where's condition `{c}` is {'an' if c.kind == ir.INT else 'a'} {c.kind}, not a bool", "pass a comparison such as `q_idx >= kv_idx`")
-    return t.wrap(ir.where(c, t.to_node(x), t.to_node(y)))
+    return t.wrap(ir.where(c, *weak_pair(t.to_node(x), t.to_node(y))))
 
 
 def _div(t: _Tracer, x: Any, y: Any, rounding_mode: str | None = None) -> "Proxy":
     a, b = t.to_node(x), t.to_node(y)
     if rounding_mode is None:
-        return t.wrap(ir.binary("truediv", a, b))
+        return t.wrap(_binary(t, "truediv", a, b))
     if rounding_mode == "floor":
-        return t.wrap(ir.binary("floordiv", a, b))
+        return t.wrap(_binary(t, "floordiv", a, b))
     t.fail(f"torch.div with rounding_mode={rounding_mode!r}", "use rounding_mode='floor' (or `//`), or plain `/`")
 
 
@@ -650,6 +685,91 @@ _TORCH_FUNCS.update(
 )
 
 
+# ---- shifts and the rest of torch's elementwise math ------------------------------------------
+
+def _shift(t: _Tracer, op: str, x: Any, y: Any) -> "Proxy":
+    """``x << y`` / ``x >> y`` on integers. A shift by a constant is the multiplication or floor
+    division by a power of two it equals (also for negative x: >> is arithmetic, as in torch), which
+    the range analysis decides exactly; other shifts become shift nodes."""
+    a, b = t.to_node(x), t.to_node(y)
+    if ir.FLOAT in (a.kind, b.kind):
+        t.fail(f"`{'<<' if op == 'lshift' else '>>'}` on a float value ({a}, {b})",
+               "shift integers only, e.g. convert with `.long()` first")
+    if b.op == "const" and not isinstance(b.attr, bool) and 0 <= b.attr < 63 and a.kind == ir.INT:
+        return t.wrap(_binary(t, "mul" if op == "lshift" else "floordiv", a, ir.const(1 << b.attr)))
+    return t.wrap(_binary(t, op, a, b))
+
+
+def _options(t: _Tracer, name: str, values: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An activation's options as Python values; ``inplace=True`` would mutate a traced value."""
+    kwargs = dict(kwargs)
+    if kwargs.pop("inplace", False):
+        t.fail(f"`{name}(..., inplace=True)` mutates its input inside the mod", "pass inplace=False (the default)")
+    for v in (*values, *kwargs.values()):
+        if isinstance(v, (Proxy, _PartialLoad, torch.Tensor)):
+            t.fail(f"an option of `{name}` is a tensor or traced value ({v!r})",
+                   f"pass {name}'s options as Python numbers; compute a tensor-dependent variant from arithmetic")
+    return values, kwargs
+
+
+def _activation(name: str, builder: Callable) -> Callable:
+    def handler(t: _Tracer, x: Any, *options: Any, **kwargs: Any) -> "Proxy":
+        options, kwargs = _options(t, name, options, kwargs)
+        try:
+            return t.wrap(builder(t.to_node(x), *options, **kwargs))
+        except ValueError as e:
+            t.fail(f"`{name}`: {e}", f"call {name} with the options torch documents")
+    return handler
+
+
+def _unary_math(op: str) -> Callable:
+    def handler(t: _Tracer, x: Any, decimals: int = 0) -> "Proxy":
+        node = t.to_node(x)
+        if op in ("trunc", "round") and node.kind != ir.FLOAT:
+            return t.wrap(node)  # an integer is its own trunc and round
+        if decimals:  # torch.round(x, decimals=d): round(x * 10**d) / 10**d
+            scaled = ir.unary(op, ir.binary("mul", node, ir.const(10.0 ** decimals)))
+            return t.wrap(ir.binary("truediv", scaled, ir.const(10.0 ** decimals)))
+        return t.wrap(ir.unary(op, node))
+    return handler
+
+
+def _logit(t: _Tracer, x: Any, eps: float | None = None) -> "Proxy":
+    node = t.to_node(x)
+    if eps is not None:
+        node = ir.binary("min", ir.binary("max", node, ir.const(float(eps))), ir.const(1.0 - eps))
+    return t.wrap(elementwise.logit(node))
+
+
+def _elementwise_table() -> dict[str, Callable]:
+    table: dict[str, Callable] = {}
+    for name, op in elementwise.UNARY_ALIASES.items():
+        table[name] = _unary_math(op)
+    for name, op in elementwise.BINARY_ALIASES.items():
+        table[name] = functools.partial(lambda op, t, x, y: t.wrap(_binary(t, op, t.to_node(x), t.to_node(y))), op)
+    for name, builder in elementwise.ACTIVATIONS.items():
+        table[name] = _activation(name, builder)
+    table["_threshold"] = table["threshold"]  # torch.nn.functional.threshold's own name
+    for name, builder in elementwise.OPERAND_FUNCS.items():
+        table[name] = functools.partial(
+            lambda builder, t, *xs: t.wrap(builder(*(t.to_node(x) for x in xs))), builder)
+    table["logit"] = _logit
+    table["positive"] = lambda t, x: x
+    table["__lshift__"] = table["bitwise_left_shift"] = lambda t, x, y: _shift(t, "lshift", x, y)
+    table["__rshift__"] = table["bitwise_right_shift"] = lambda t, x, y: _shift(t, "rshift", x, y)
+    table["__rlshift__"] = lambda t, x, y: _shift(t, "lshift", y, x)
+    table["__rrshift__"] = lambda t, x, y: _shift(t, "rshift", y, x)
+    # torch.special.* arrive as special_<name>
+    for name in ("erf", "erfc", "expm1", "log1p", "logit", "sinc", "xlogy", "round", "exp2", "expit"):
+        table[f"special_{name}"] = table.get(name) or _TORCH_FUNCS[name]
+    return table
+
+
+_ELEMENTWISE = _elementwise_table()
+_METHODS.update({k: v for k, v in _ELEMENTWISE.items() if not k.startswith("special_")})
+_TORCH_FUNCS.update(_ELEMENTWISE)
+
+
 _INPLACE_DUNDERS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
                                               "and", "or", "xor", "lshift", "rshift", "matmul")}
 
@@ -660,8 +780,34 @@ def _mutates(name: str) -> bool:
             or (name.endswith("_") and not name.endswith("__")))
 
 
+# torch functions that draw random numbers: traced once, their values would be frozen into the
+# graph, so they are rejected as torch's vmap rejects randomness.
+_RANDOM_FUNCS = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+    "bernoulli", "multinomial", "poisson", "binomial", "dropout", "alpha_dropout", "feature_alpha_dropout",
+    "dropout1d", "dropout2d", "dropout3d", "rrelu", "native_dropout",
+})
+
+
+def _reject_random(tracer: _Tracer, name: str) -> None:
+    if name in _RANDOM_FUNCS:
+        tracer.fail(f"`torch.{name}` draws random numbers inside the mod; flexc traces a mod once, so the values would "
+                    f"be frozen into one constant for every position (torch's vmap rejects this too)",
+                    "draw the tensor once outside the mod and capture it, e.g. `noise = torch.randn(L, S)` "
+                    "and return `score + noise[q_idx, kv_idx]`")
+
+
+def _is_numpy_array(x: Any) -> bool:
+    return type(x).__module__ == "numpy" and type(x).__name__ == "ndarray"
+
+
+_NUMPY_FIX = ("use the torch function instead (torch.where, torch.logical_and, torch.exp, `&`, `|`, ...), and "
+              "convert captured numpy arrays to tensors once, outside the mod: `table = torch.as_tensor(table)`")
+
+
 def _dispatch(tracer: _Tracer, func: Callable, args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", repr(func))
+    _reject_random(tracer, name)
     if name == "__getitem__" and isinstance(args[0], torch.Tensor):
         return tracer.index(args[0], args[1])
     if _mutates(name):
@@ -701,6 +847,7 @@ class _TraceMode(TorchFunctionMode):
         if any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
             return _dispatch(self.tracer, func, args, kwargs)
         name = getattr(func, "__name__", "")
+        _reject_random(self.tracer, name)
         if name in _VALUE_READS:
             self.tracer.reads_values = True
         if _mutates(name) and args and isinstance(args[0], torch.Tensor):

@@ -14,11 +14,17 @@ mod's *snapshot* is unchanged. The snapshot covers everything a trace can depend
 Python numbers, strings and dtypes are compared by value (``1``, ``1.0`` and ``True`` differ, as
 their traces do); tensors by identity plus dtype, shape and device, so new values written into a
 captured tensor reuse the trace (its buffers are the same tensors) while a rebound name re-traces.
-torch's own functions and modules, builtins and other C objects are compared by identity.
+A tensor that does not require grad also matches an earlier one viewing the same memory (same
+storage, offset, shape, strides, dtype): ``input_pos[0]`` makes a new view each decoding step, but
+the old view, kept alive by the cache, always holds the same values. torch's own functions and
+modules, builtins and other C objects are compared by identity.
 
-A mod whose snapshot cannot be taken (an object of unknown kind, very deep or very long data) is
-traced every time, as is a trace that read a captured tensor's value (``int(t)``): never stale.
-The cache lives on the function object itself (a few entries each), so it dies with the function.
+The cache is keyed by the code object, so a closure re-created each step with the same captured
+state (``get_mask_mod(mask_mod, offset)`` in a decoding loop) finds the trace of its predecessor.
+Each code object keeps at most :data:`_MAX_ENTRIES` traces, oldest dropped first (an entry keeps
+the objects of its snapshot alive). A mod whose snapshot cannot be taken (an object of unknown kind,
+very deep or very long data) is traced every time, as is a trace that read a captured tensor's
+value (``int(t)``): never stale.
 """
 from __future__ import annotations
 
@@ -32,8 +38,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-_ATTR = "__flexc_traces__"
-_MAX_ENTRIES = 8  # per function: a mod re-created with new captured numbers evicts the oldest
+_MAX_ENTRIES = 16  # per code object: a mod re-created with new captured numbers evicts the oldest
+_MAX_CODES = 1024  # code objects with cached traces, least recently used dropped first
 _MAX_DEPTH = 12
 _MAX_ITEMS = 256  # longer Python containers are not snapshotted (the mod is traced each call)
 
@@ -91,7 +97,7 @@ class _Snapshot:
         if t is float:
             return (float, x.hex())  # keeps -0.0 apart from 0.0
         if isinstance(x, torch.Tensor):
-            return (*self.ident("tensor", x), x.dtype, tuple(x.shape), x.device)
+            return self.tensor(x)
         if isinstance(x, np.generic):
             return (t, x.tobytes())
         if t in (tuple, list):
@@ -144,6 +150,18 @@ class _Snapshot:
             return out
         raise _Unknown
 
+    def tensor(self, x: torch.Tensor) -> tuple:
+        if not x.requires_grad and x.layout == torch.strided and type(x) in (torch.Tensor, torch.nn.Parameter):
+            try:
+                storage = x.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # fake or meta tensors: identity only
+                storage = None
+            if storage:
+                # the same memory: a view made anew each call reads what the kept one reads
+                self.keep.append(x)
+                return ("memory", storage, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+        return (*self.ident("tensor", x), x.dtype, tuple(x.shape), x.device)
+
     def attributes(self, obj: Any, names: frozenset, depth: int) -> tuple:
         out = []
         for name in sorted(names):
@@ -185,13 +203,32 @@ def snapshot(fn: Callable) -> tuple[Any, list] | None:
         return None
 
 
-def _store(fn: Callable) -> OrderedDict | None:
-    """The per-function cache, created on first use; None for callables that cannot carry one."""
-    if type(fn) not in (types.FunctionType, functools.partial):
+# id(code) -> (code, OrderedDict(snapshot key -> (trace, kept objects))); the code object is kept
+# so that its id is never reused while the entry lives
+_STORES: OrderedDict = OrderedDict()
+
+
+def _code_of(fn: Callable) -> types.CodeType | None:
+    while type(fn) is functools.partial:
+        fn = fn.func
+    return fn.__code__ if type(fn) is types.FunctionType else None
+
+
+def _store(fn: Callable, create: bool = True) -> OrderedDict | None:
+    """The cache of ``fn``'s code object; None for callables that are not (partials of) functions."""
+    code = _code_of(fn)
+    if code is None:
         return None
-    store = fn.__dict__.get(_ATTR)
-    if store is None:
-        store = fn.__dict__[_ATTR] = OrderedDict()
+    entry = _STORES.get(id(code))
+    if entry is not None and entry[0] is code:
+        _STORES.move_to_end(id(code))
+        return entry[1]
+    if not create:
+        return None
+    store: OrderedDict = OrderedDict()
+    _STORES[id(code)] = (code, store)
+    while len(_STORES) > _MAX_CODES:
+        _STORES.popitem(last=False)
     return store
 
 
@@ -222,8 +259,6 @@ def remember(token: Any, traced: Any) -> None:
         store.popitem(last=False)
 
 
-def clear(fn: Callable) -> None:
-    """Forget the cached traces of ``fn``."""
-    store = _store(fn)
-    if store is not None:
-        store.clear()
+def clear() -> None:
+    """Forget every cached trace."""
+    _STORES.clear()

@@ -77,7 +77,7 @@ def _check(q, k, v, mask_mod, score_mod=None, gqa=False, atol=2e-5, block=BLOCK,
     out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
     ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod, mask_mod)
     torch.testing.assert_close(out.double(), ref_out.to(torch.float64), atol=atol, rtol=0)
-    # lse is float32 for every input dtype; -inf matches -inf only
+    # lse is float32 (float64 for float64 inputs); -inf matches -inf only
     torch.testing.assert_close(lse.double(), ref_lse, atol=max(atol, 2e-5), rtol=0)
     return out, lse
 

@@ -169,9 +169,8 @@ def test_gradcheck_at_tiny_sizes():
 
     def fn(q, k, v, bias, scalar):
         mod = lambda s, b, h, q_idx, kv_idx: torch.tanh(s * scalar) * 2 + bias[h, q_idx - kv_idx + 8]
-        # lse is float32 by contract, too coarse for finite differences; it is checked against the
-        # dense reference in test_gradients_match_float64_dense_autograd instead
-        return flexc.flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True)
+        # lse is float64 for float64 inputs, as torch's, so finite differences check it too
+        return flexc.flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True, return_lse=True)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, bias, scalar), eps=1e-6, atol=1e-7)
 

@@ -85,7 +85,115 @@ def test_bad_kernel_option_is_reported(mods_file, capsys):
 
 
 def test_console_script_module_runs(mods_file):
-    done = subprocess.run([sys.executable, "-m", "flexc.cli", "trace", f"{mods_file}:causal"],
+    done = subprocess.run([sys.executable, "-m", "flexc", "trace", f"{mods_file}:causal"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "causal (mask_mod): q_idx >= kv_idx"
+
+
+# ---- argument validation: every argument checked as flex_attention checks its inputs ----------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--head-dim", "-5"], "--head-dim must be >= 1, got -5"),
+    (["--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+    (["--v-head-dim", "0"], "--v-head-dim must be >= 1, got 0"),
+    (["--head-dim", "x"], "--head-dim takes a positive integer, got 'x'"),
+    (["--block-size", "0"], "--block-size takes N or Q,KV with positive sizes"),
+])
+def test_show_rejects_bad_sizes_before_generating_anything(mods_file, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["show", f"{mods_file}:alibi,causal", *argv])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+def test_show_rejects_kernel_options_flex_attention_rejects(mods_file, capsys):
+    assert main(["show", f"{mods_file}:causal", "-o", "FOO=1"]) == 2
+    err = capsys.readouterr().err
+    assert "-o/--option: unknown kernel_options key 'FOO'" in err
+    with pytest.raises(ValueError, match="unknown kernel_options key 'FOO'"):  # the same rule in the call
+        q = torch.randn(1, 1, 16, 16)
+        flexc.flex_attention(q, q, q, kernel_options={"FOO": 1})
+
+
+def test_a_bad_power_of_two_option_suggests_the_next_power_of_two(mods_file, capsys):
+    assert main(["show", f"{mods_file}:causal", "-o", "num_warps=3"]) == 2
+    assert "kernel_options['num_warps'] must be a power of two >= 1, got 3. Fix: use e.g. 4." in capsys.readouterr().err
+    assert main(["show", f"{mods_file}:causal", "-o", "BLOCK_M=48"]) == 2
+    assert "got 48. Fix: use e.g. 64." in capsys.readouterr().err
+
+
+def test_block_size_without_a_mask_mod_is_an_error_not_ignored(mods_file, capsys):
+    assert main(["show", f"{mods_file}:alibi", "--block-size", "64"]) == 2
+    assert "--block-size sets the BlockMask's block size, but no mask_mod was given" in capsys.readouterr().err
+
+
+# ---- files and mods that fail --------------------------------------------------------------
+
+def test_trace_reports_each_failing_mod_and_still_prints_the_others(tmp_path, capsys):
+    path = tmp_path / "some_bad.py"
+    path.write_text(MODS + textwrap.dedent('''
+        def branchy(b, h, q_idx, kv_idx):
+            if q_idx > 3:
+                return q_idx >= kv_idx
+            return q_idx < kv_idx
+    '''))
+    assert main(["trace", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "alibi (score_mod):" in captured.out and "causal (mask_mod): q_idx >= kv_idx" in captured.out
+    assert "flexc trace: branchy: cannot trace mask_mod branchy" in captured.err
+    assert main(["trace", f"{path}:causal,missing,alibi"]) == 2
+    captured = capsys.readouterr()
+    assert "causal (mask_mod)" in captured.out and "alibi (score_mod)" in captured.out
+    assert "flexc trace: missing: " in captured.err and "defines no 'missing'" in captured.err
+
+
+@pytest.mark.parametrize("source,message", [
+    ("def causal(b, h, q_idx, kv_idx:\n    return q_idx >= kv_idx\n", "does not import: SyntaxError at line 1"),
+    ("import no_such_module_for_flexc\n", "does not import: ModuleNotFoundError: No module named "
+                                          "'no_such_module_for_flexc'"),
+    ("raise RuntimeError('boom')\n", "does not import: RuntimeError: boom"),
+    ("import sys\nsys.exit(3)\n", "does not import: SystemExit: 3"),
+])
+def test_a_file_that_does_not_import_gives_one_clean_line(tmp_path, capsys, source, message):
+    path = tmp_path / "broken.py"
+    path.write_text(source)
+    for command in ("trace", "show"):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+
+
+# ---- version and pictures -------------------------------------------------------------------
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flexc {flexc.__version__} (torch {torch.__version__})"
+
+
+def test_draw_writes_the_png_plot_writes(mods_file, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "drawn.png"
+    assert main(["draw", f"{mods_file}:alibi,causal", "--png", str(out), "--q-len", "200", "--kv-len", "300",
+                 "--block-size", "64", "-H", "4", "--head", "2", "--dpi", "40"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    namespace = {}
+    exec(MODS, namespace)
+    expected = tmp_path / "expected.png"
+    block_mask = flexc.create_block_mask(namespace["causal"], 1, 4, 200, 300, device="cpu", BLOCK_SIZE=64)
+    flexc.plot(namespace["alibi"], 1, 4, 200, 300, mask_mod=block_mask, head=2, path=str(expected), dpi=40)
+    assert out.read_bytes() == expected.read_bytes()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--head", "4", "-H", "4"], "--head 4 is out of range for -H 4"),
+    (["--batch", "1"], "--batch 1 is out of range for -B 1"),
+])
+def test_draw_rejects_selections_outside_the_problem(mods_file, tmp_path, capsys, argv, message):
+    assert main(["draw", f"{mods_file}:causal", "--png", str(tmp_path / "x.png"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

@@ -283,3 +283,43 @@ def test_random_mutations_never_give_a_stale_trace():
             bias.__defaults__ = None
         assert_current(bias)
         assert_current(mask)
+
+
+def _offset_mask(mask_mod, offset):
+    """gpt-fast's decoding idiom: a new closure per step that shifts q_idx by the cache position."""
+    def shifted(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + offset, kv_idx)
+    return shifted
+
+
+def test_recreated_closures_and_fresh_views_of_the_same_memory_reuse_the_trace(runs):
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    input_pos = torch.tensor([5])
+    first = trace(_offset_mask(causal, input_pos[0]))
+    for step in range(3):
+        input_pos += 1  # in place, as a decoding loop advances
+        again = trace(_offset_mask(causal, input_pos[0]))  # new closure, new 0-d view, same memory
+        assert again is first
+        # the kept view reads the current position
+        grid = torch.arange(10)
+        torch.testing.assert_close(again(torch.tensor(0), torch.tensor(0), torch.tensor(0), grid),
+                                   grid <= int(input_pos))
+    assert runs[0] == 1
+    other = torch.tensor([5])
+    assert trace(_offset_mask(causal, other[0])) is not first  # other memory: a new trace
+    assert trace(_offset_mask(causal, 3)).root != first.root  # a number instead of a tensor
+    assert runs[0] == 3
+
+
+def test_views_that_require_grad_are_matched_by_identity_only():
+    slopes = torch.randn(4, requires_grad=True)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    first = trace(alibi)
+    slopes = slopes.detach().requires_grad_()  # same memory, a new leaf that requires grad
+    second = assert_current(alibi)
+    assert second is not first and second.buffers[0] is slopes

@@ -100,7 +100,7 @@ CONCRETE_VALUE_CASES = [
 
 
 def unsupported_torch_function(score, b, h, q_idx, kv_idx):
-    return torch.erf(score)  # BAD
+    return torch.lgamma(score)  # BAD
 
 
 def unsupported_tensor_method(score, b, h, q_idx, kv_idx):
@@ -201,12 +201,8 @@ def augmented_assignment_on_captured(score, b, h, q_idx, kv_idx):
     return score
 
 
-def shift_operator(b, h, q_idx, kv_idx):
-    return (q_idx >> 4) == (kv_idx >> 4)  # BAD
-
-
-def round_builtin(score, b, h, q_idx, kv_idx):
-    return score + round(q_idx / 3)  # BAD
+def shift_operator(score, b, h, q_idx, kv_idx):
+    return score + (score >> 4)  # BAD
 
 
 def where_with_one_argument(b, h, q_idx, kv_idx):
@@ -230,7 +226,7 @@ def nan_constant(score, b, h, q_idx, kv_idx):
 
 
 OTHER_CASES = [
-    (unsupported_torch_function, ["`erf`", "not supported", "torch.where"]),
+    (unsupported_torch_function, ["`lgamma`", "not supported", "torch.where"]),
     (unsupported_tensor_method, ["`.erfinv()`", "not supported", "use one of"]),
     (unsupported_rounding_mode, ["rounding_mode='trunc'", "rounding_mode='floor'"]),
     (mask_returns_int, ["must return a bool", "an int", "q_idx >= kv_idx"]),
@@ -255,8 +251,7 @@ OTHER_CASES = [
     (where_with_int_condition, ["condition", "is an int", "comparison"]),
     (nan_constant, ["NaN constant", "finite"]),
     (augmented_assignment_on_captured, ["`__setitem__` mutates", "pure"]),
-    (shift_operator, ["`>>` is not supported", "floor-divide"]),
-    (round_builtin, ["`round()` is not supported", "torch.floor"]),
+    (shift_operator, ["`>>` on a float value", "shift integers only"]),
     (where_with_one_argument, ["`where` was called with arguments", "torch.where"]),
     (method_with_wrong_arguments, ["`clamp` was called with arguments", "torch.clamp"]),
     (reduction_max, ["`max` with one operand is a reduction", "torch.maximum"]),

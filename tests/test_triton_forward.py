@@ -119,7 +119,7 @@ def test_low_and_high_precision_dtypes(dtype, atol):
     q, k, v = qkv(dtype=dtype, seed=4)
     block_mask = flexc.create_block_mask(MASKS["sliding_window_17"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
     out, lse = triton_attention(q, k, v, score_mod=SCORES["alibi_captured_slopes"], block_mask=block_mask)
-    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=SCORES["alibi_captured_slopes"],
                                           mask_mod=MASKS["sliding_window_17"])
     assert_matches(out, lse, ref_out, ref_lse.float(), atol=max(atol, 1e-5 if dtype == torch.float64 else atol))

@@ -27,7 +27,7 @@ import torch
 
 from ..evaluate import evaluate
 from ..trace import TracedMod
-from . import fused_cpu, workers
+from . import decode_cpu, fused_cpu, workers
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
@@ -221,6 +221,8 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
 
     ``lse_dtype`` lets the backward keep a float64 logsumexp for float64 inputs.
     """
+    if decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
+        return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype)
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     work = _work_dtype(query.dtype)
@@ -367,10 +369,10 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         buffers[slot] = buffers[slot].detach().requires_grad_()
         leaves.append(buffers[slot])
     buf_grads = [torch.zeros_like(t) for t in leaves]
-    # delta = rowsum(dO * out) - dLSE: the softmax Jacobian's correction, as in the flash backward
-    delta = (grad_out.to(work) * out.to(work)).sum(-1, keepdim=True)
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(work).unsqueeze(-1)
+    # the dLSE part of the softmax Jacobian's correction; the dO part (rowsum(dO * P * dP)) is summed
+    # per row by _backward_row from its own probabilities
+    delta = (-grad_lse.to(work).unsqueeze(-1) if grad_lse is not None
+             else torch.zeros(B, Hq, L, 1, dtype=work, device=query.device))
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
@@ -400,6 +402,37 @@ def _add_rows(acc_rows: torch.Tensor, chunk: Chunk, update: torch.Tensor) -> Non
         off += end - start
 
 
+# Probabilities and dO @ V^T kept from the first pass of a row for its second pass, up to this
+# many elements per row task (beyond it the second pass recomputes them).
+_KEEP_ELEMENTS = 1 << 22
+
+
+def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods, q0: int, q1: int, Hqg: int,
+                 work, grad: bool):
+    """One chunk's ``(kc, s4, post, p, dp, blocked)``: scores, the score_mod's output (with its graph
+    when ``grad``), softmax probabilities from the saved logsumexp, and ``dO @ V^T``."""
+    Bg, r = qb.shape[0], q1 - q0
+    kv = chunk_kv_index(chunk, mods.kv_pos)
+    kc = chunk_rows(k_g, chunk).to(work)
+    vc = chunk_rows(v_g, chunk).to(work)
+    s4 = torch.matmul(qb, kc.transpose(-1, -2)).view(Bg, Hqg, r, chunk.n_cols)
+    blocked = mods.blocked(chunk, q0, q1, kv)
+    post = None
+    if mods.score_mod is not None:
+        if grad and "score" in mods.score_reads:
+            s4.requires_grad_()
+        with torch.set_grad_enabled(grad):
+            post = mods.score(s4, q0, q1, kv, buffers).expand(s4.shape)
+        p = torch.empty_like(s4).copy_(post.detach())
+    else:
+        p = s4
+    _fill(p, blocked, _NEG_INF)
+    # natural exp, as the softmax of the reference: exp2 of (s - lse) * log2(e) adds one rounding
+    p.sub_(lse_r).exp_()
+    dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
+    return kc, s4, post, p, dp, blocked
+
+
 def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
                   g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool):
     q0, q1 = row.q0, row.q1
@@ -408,31 +441,27 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
     Hqg, r = Hkvg * g.G, q1 - q0
     dob = grad_out[g.b, g.qh, q0:q1].to(work)
     dob_g = dob.reshape(Bg, Hkvg, Gr, -1)
-    delta_r = delta[g.b, g.qh, q0:q1]
     lse_r = lse_safe[g.b, g.qh, q0:q1]
     k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
     dk_g, dv_g = dk[g.kb, g.kvh], dv[g.kb, g.kvh]
     dq_r = torch.zeros(Bg, Hkvg, Gr, E, dtype=work, device=query.device)
+    args = (qb, k_g, v_g, dob_g, lse_r, buffers)
+    # Pass 1: delta = rowsum(P * dP) - dLSE from this backward's own probabilities. The flash
+    # identity rowsum(dO * out) equals it only up to the forward's rounding, and that mismatch
+    # doubled dq/dk errors with learnable biases (fp32 rmse vs float64, L=256: dq 1.25x -> 1.12x
+    # of SDPA's, dbias 1.35x -> 1.19x).
+    delta_r = delta[g.b, g.qh, q0:q1].clone()
+    kept, budget = [], _KEEP_ELEMENTS
     for chunk in row.chunks:
-        kv = chunk_kv_index(chunk, mods.kv_pos)
-        kc = chunk_rows(k_g, chunk).to(work)
-        vc = chunk_rows(v_g, chunk).to(work)
-        s4 = torch.matmul(qb, kc.transpose(-1, -2)).view(Bg, Hqg, r, chunk.n_cols)
-        blocked = mods.blocked(chunk, q0, q1, kv)
-        post = None
-        if mods.score_mod is not None:
-            if "score" in mods.score_reads:
-                s4.requires_grad_()
-            with torch.enable_grad():
-                post = mods.score(s4, q0, q1, kv, buffers).expand(s4.shape)
-            p = torch.empty_like(s4).copy_(post.detach())
-        else:
-            p = s4
-        _fill(p, blocked, _NEG_INF)
-        p.sub_(lse_r).mul_(LOG2E).exp2_()  # softmax probabilities from the saved logsumexp
+        keep = budget >= Bg * Hqg * r * chunk.n_cols
+        piece = _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=keep)
+        delta_r += (piece[3] * piece[4]).sum(-1, keepdim=True)
+        kept.append(piece if keep else None)
+        budget -= Bg * Hqg * r * chunk.n_cols if keep else 0
+    for chunk, piece in zip(row.chunks, kept):
+        kc, s4, post, p, dp, blocked = piece or _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=True)
         p_g = p.view(Bg, Hkvg, Gr, -1)
         dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
-        dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
         ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
         if post is not None:
             wrt = ([s4] if s4.requires_grad else []) + leaves

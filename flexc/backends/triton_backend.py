@@ -126,8 +126,9 @@ def _check_int_option(name: str, value: Any, power_of_2: bool, minimum: int) -> 
                         f"Fix: pass e.g. {name}=64.")
     if value < minimum or (power_of_2 and value & (value - 1)):
         what = f"a power of two >= {minimum}" if power_of_2 else f">= {minimum}"
-        raise ValueError(f"flexc: kernel_options[{name!r}] must be {what}, got {value}. Fix: use e.g. "
-                         f"{max(minimum, 64) if power_of_2 else max(minimum, 2)}.")
+        # Suggest the nearest valid value above the one given (num_warps=3 -> 4, BLOCK_M=48 -> 64).
+        suggestion = max(minimum, 1 << max(0, value - 1).bit_length()) if power_of_2 else minimum
+        raise ValueError(f"flexc: kernel_options[{name!r}] must be {what}, got {value}. Fix: use e.g. {suggestion}.")
     return value
 
 
@@ -235,6 +236,21 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
 
 # ---- the kernel cache ---------------------------------------------------------------------
 
+def require_triton() -> Any:
+    """The ``triton`` module, or an ImportError saying how to install it.
+
+    Triton is optional (the ``flexc[triton]`` extra): tracing, block masks, the CPU path and
+    kernel *source* need only torch; importing and running a generated kernel needs Triton.
+    """
+    try:
+        import triton
+    except ImportError as e:
+        raise ImportError("flexc: running a generated Triton kernel needs the `triton` package, which is not "
+                          "installed. Fix: pip install 'flexc[triton]' (or pip install triton), or use "
+                          "kernel_options={'BACKEND': 'TORCH'} on CPU tensors.") from e
+    return triton
+
+
 def _file_holds(path: str, text: str) -> bool:
     try:
         with open(path) as f:
@@ -248,7 +264,7 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
 
     With ``target="interpreter"`` its ``@triton.jit`` functions run on CPU tensors.
     """
-    import triton
+    triton = require_triton()
 
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     name = f"flexc_kernel_{digest}"
@@ -478,6 +494,11 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
     (block sizes against tiles, devices of captured tensors).
     """
+    from . import triton_decode  # imports this module
+
+    if triton_decode.applies(query, key, block_mask):  # short queries: the split-KV decode kernel
+        return triton_decode.triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale,
+                                           kernel_options, need_lse)
     spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
     return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
 
@@ -496,6 +517,11 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                          enable_gqa, kernel_options)
+    from . import triton_decode
+
+    if triton_decode.applies(query, key, block_mask):  # short queries run the split-KV decode kernel
+        return triton_decode.source_for(triton_decode.make_spec(traced_score, traced_mask, query, key, value,
+                                                                block_mask))
     spec = _spec_for_call(query, value, traced_score, traced_mask, block_mask, options, return_lse)
     return source_for(spec)
 
@@ -511,7 +537,7 @@ def compile_like_launcher(fn: Any, args: list, constants: dict, num_warps: int, 
     integer as i32 with no attributes instead changes shared memory, loads and spills.
     ``args`` may hold CPU tensors; only their dtype and address alignment matter.
     """
-    import triton
+    triton = require_triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -579,4 +605,4 @@ def _register() -> None:
 _register()
 
 __all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "compile_like_launcher", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
-           "launch", "make_spec", "offline_inputs", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]
+           "launch", "make_spec", "offline_inputs", "require_triton", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]

@@ -26,9 +26,11 @@ NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row cov
 
 _TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
        torch.float64: "tl.float64"}
-# Parameter stems the kernel itself uses; a captured tensor with one of these names is renamed.
+# Parameter stems the kernel itself uses (every ``<stem>_ptr`` parameter of the kernel and of
+# attend_blocks); a captured tensor with one of these names is renamed.
 _RESERVED = {"query", "key", "value", "out", "lse", "partial_block_counts", "partial_block_indices",
-             "full_block_counts", "full_block_indices", "block_counts", "block_indices"}
+             "full_block_counts", "full_block_indices", "block_counts", "block_indices", "block_count",
+             "block_index"}
 
 
 def next_power_of_2(n: int) -> int:

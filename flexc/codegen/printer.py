@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from .. import ir
 from ..evaluate import evaluate
 from ..trace import TracedMod
+from .math_helpers import HELPER_SOURCES, MATH_HELPERS, with_needs
 
 # Python operator precedence (higher binds tighter); what decides where parentheses go.
 _ATOM, _POW, _UNARY, _MUL, _ADD, _BAND, _BXOR, _BOR, _CMP = 12, 11, 10, 9, 8, 6, 5, 4, 3
+_SHIFT = 7  # between + and &, as in Python
 _BINARY = {
     "add": ("+", _ADD), "sub": ("-", _ADD), "mul": ("*", _MUL), "and": ("&", _BAND),
     "or": ("|", _BOR), "xor": ("^", _BXOR), "eq": ("==", _CMP), "ne": ("!=", _CMP),
@@ -97,6 +99,7 @@ def float_pow(a, b):
     return tl.where(b == 0, 1.0, result)
 ''',
 }
+HELPERS.update(HELPER_SOURCES)  # tan, atan, expm1, log1p, ... (flexc.codegen.math_helpers)
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,17 @@ class _Printer:
                 return self.text[id(args[0])]
             self.helpers.add("sign")
             return f"sign({self.operand(args[0], 0)})", _ATOM
+        if op in ("lshift", "rshift"):  # integers only; Triton's >> on signed integers is arithmetic, as torch's
+            sym = "<<" if op == "lshift" else ">>"
+            return f"{self.as_number(args[0], _SHIFT)} {sym} {self.as_number(args[1], _SHIFT + 1)}", _SHIFT
+        if op == "fmod" and n.kind != ir.FLOAT:  # Triton's integer % truncates toward 0: torch.fmod
+            return f"{self.as_number(args[0], _MUL)} % {self.as_number(args[1], _MUL + 1)}", _MUL
+        if op == "erf":
+            return f"tl.erf({self.as_float(args[0], 0)})", _ATOM
+        if op in MATH_HELPERS:
+            name = MATH_HELPERS[op]
+            self.helpers |= with_needs({name})
+            return f"{name}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
         raise NotImplementedError(f"flexc codegen: no Triton printing for IR op {op!r} in {self.traced!r}")
 
     def render_load(self, n: ir.Node) -> str:

@@ -1,0 +1,154 @@
+"""Per-token attention cost while decoding with a KV cache (CPU, one thread, fp32, D=64).
+
+One process, interleaved rounds, medians. For each cache size (1K/4K/16K), head layout (H=8, and
+GQA 32 query / 8 key heads) and mask (causal, sliding window 1024), one query row at the last
+cache position, with the slicing idiom torch users know (gpt-fast):
+
+    mask = block_mask[:, :, pos // 128]; mask.mask_mod = shifted(mask_mod, input_pos[0]); mask.seq_lengths = (1, S)
+
+- flexc: that idiom on a flexc BlockMask, then flexc.flex_attention;
+- torch eager / torch compiled: the same idiom with torch's BlockMask and flex_attention, the
+  compiled one as one ``torch.compile``d decode step (slice + attention, as gpt-fast compiles it);
+- SDPA: ``scaled_dot_product_attention`` on the cache slice the mask allows (the lower bound).
+
+Also printed: the host overhead of a call with L=128 and no mask (flexc vs SDPA), and the time to
+slice a 16K causal BlockMask for one query block.
+
+Usage: python bench/decode.py [--quick] [--no-compile] [--rounds N]
+  --quick: only cache 4096 with H=8 (the issue's acceptance case)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import flex_attention as tfa
+
+import flexc
+
+WINDOW = 1024
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+
+def shifted(mask_mod, offset):
+    """gpt-fast's get_mask_mod: query row 0 sits at ``offset`` in the cache."""
+    def mask(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + offset, kv_idx)
+    return mask
+
+
+def per_call(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved(fns: dict, rounds: int, calls: int) -> dict:
+    """Median seconds per call of each function, measured in alternating rounds."""
+    for fn in fns.values():  # warm up (and compile)
+        for _ in range(3):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(per_call(fn, calls))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds: int) -> dict:
+    D = 64
+    q = torch.randn(1, Hq, 1, D)
+    k, v = torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
+    gqa = Hq != Hkv
+    pos = S - 1
+    input_pos = torch.tensor([pos])
+    ours = flexc.create_block_mask(mask_mod, None, None, S, S)
+    theirs = tfa.create_block_mask(mask_mod, None, None, S, S, device="cpu")
+    lo = max(0, pos - WINDOW + 1) if mask_mod is sliding else 0
+
+    def flexc_step():
+        mask = ours[:, :, input_pos // 128]
+        mask.mask_mod, mask.seq_lengths = shifted(mask_mod, input_pos[0]), (1, S)
+        return flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+    def torch_step(q, k, v, input_pos):
+        mask = theirs[:, :, input_pos // 128]
+        mask.mask_mod, mask.seq_lengths = shifted(mask_mod, input_pos[0]), (1, S)
+        return tfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+    def sdpa_step():
+        return F.scaled_dot_product_attention(q, k[:, :, lo:pos + 1], v[:, :, lo:pos + 1], enable_gqa=gqa)
+
+    fns = {"flexc": flexc_step, "torch eager": lambda: torch_step(q, k, v, input_pos), "SDPA": sdpa_step}
+    if compile_torch:
+        compiled = torch.compile(torch_step)
+        try:
+            compiled(q, k, v, input_pos)
+            fns["torch compiled"] = lambda: compiled(q, k, v, input_pos)
+        except Exception as e:  # report, keep measuring the rest
+            print(f"  torch.compile failed: {type(e).__name__}: {str(e)[:120]}")
+    # every implementation agrees before anything is timed
+    ref = sdpa_step()
+    for name, fn in fns.items():
+        torch.testing.assert_close(fn(), ref, atol=2e-5, rtol=2e-5, msg=f"{name} differs from SDPA")
+    calls = max(5, min(200, 4_000_000 // (S * Hq * 8)))
+    return interleaved(fns, rounds, calls)
+
+
+def host_overhead(rounds: int) -> dict:
+    q, k, v = (torch.randn(1, 8, 128, 64) for _ in range(3))
+    fns = {"flexc": lambda: flexc.flex_attention(q, k, v),
+           "SDPA": lambda: F.scaled_dot_product_attention(q, k, v)}
+    torch.testing.assert_close(fns["flexc"](), fns["SDPA"](), atol=2e-5, rtol=2e-5)
+    return interleaved(fns, rounds, 50)
+
+
+def slice_time(rounds: int) -> float:
+    bm = flexc.create_block_mask(causal, None, None, 16384, 16384)
+    rows = iter(range(10**9))
+    return interleaved({"slice": lambda: bm[:, :, next(rows) % 128]}, rounds, 200)["slice"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="only cache 4096 with H=8")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    torch.set_num_threads(1)
+    print("per-call time, one query row, fp32, D=64, one thread (medians of interleaved rounds)")
+    print(f"{'cache':>6} {'Hq/Hkv':>7} {'mask':>8} | {'flexc':>9} {'SDPA':>9} {'eager':>9} {'compiled':>9}"
+          f" | {'/SDPA':>6} {'/eager':>7} {'/compiled':>9}")
+    sizes = [4096] if args.quick else [1024, 4096, 16384]
+    heads = [(8, 8)] if args.quick else [(8, 8), (32, 8)]
+    for S in sizes:
+        for Hq, Hkv in heads:
+            for mask_mod in (causal, sliding):
+                t = decode_case(S, Hq, Hkv, mask_mod, not args.no_compile, args.rounds)
+                ms = lambda name: f"{t[name] * 1e3:8.3f}m" if name in t else f"{'n/a':>9}"
+                ratio = lambda name: f"{t['flexc'] / t[name]:.2f}x" if name in t else "n/a"
+                print(f"{S:>6} {f'{Hq}/{Hkv}':>7} {mask_mod.__name__:>8} | {ms('flexc')} {ms('SDPA')} "
+                      f"{ms('torch eager')} {ms('torch compiled')} | {ratio('SDPA'):>6} {ratio('torch eager'):>7} "
+                      f"{ratio('torch compiled'):>9}")
+    t = host_overhead(args.rounds)
+    print(f"L=128, no mask, H=8: flexc {t['flexc'] * 1e3:.3f} ms, SDPA {t['SDPA'] * 1e3:.3f} ms, "
+          f"ratio {t['flexc'] / t['SDPA']:.2f}x (target <= 2x)")
+    print(f"slicing a 16K causal BlockMask for one query block: {slice_time(args.rounds) * 1e3:.4f} ms "
+          f"(target <= 0.1 ms)")
+
+
+if __name__ == "__main__":
+    main()

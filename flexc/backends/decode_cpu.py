@@ -1,0 +1,149 @@
+"""The CPU forward for short queries (decoding with a KV cache): a few batched ops, no row loop.
+
+With at most :data:`MAX_ROWS` query rows the cost of a call is its Python and dispatch overhead,
+not arithmetic, so this path trades the row machinery of :mod:`flexc.backends.torch_cpu` for a
+handful of whole-tensor operations over every batch and head at once:
+
+1. the key blocks any ``(batch, head, query block)`` lists (partial or full) form one sorted set;
+   their key rows are a slice of the cache when the set is contiguous (causal, sliding windows),
+   else one ``index_select``;
+2. GQA-packed scores: the ``G`` query heads of a key head are stacked as rows, so
+   ``q [B, Hkv, G*L, E] @ k^T [Bkv, Hkv, E, n]`` reads each key row once for its whole group;
+3. the score_mod, then ``allowed = full tile | (partial tile & mask_mod)`` (the mask_mod is
+   evaluated over the gathered positions; full tiles ignore it, as the kernels do), each tile
+   looked up per element from the BlockMask's kv tables;
+4. a base-2 softmax, ``P @ V`` with the same head packing, and the logsumexp. A query row that
+   allows no key gets output 0 and logsumexp ``-inf``.
+
+:func:`applies` decides when this path is used: short queries whose scores fit a modest budget.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..evaluate import evaluate
+from ..tiles import ordered_to_dense
+from ..trace import TracedMod
+
+MAX_ROWS = 16
+# Scores [B, Hq, L, n] above this many elements go to the row path (bounded working memory).
+MAX_SCORES = 1 << 24
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_NEG_INF = float("-inf")
+
+
+def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """True for at most :data:`MAX_ROWS` query rows whose full score matrix stays under :data:`MAX_SCORES`."""
+    B, Hq, L, _ = query.shape
+    return 0 < L <= MAX_ROWS and B * Hq * L * key.shape[2] <= MAX_SCORES and key.shape[2] > 0
+
+
+def _is_true(mod: TracedMod | None) -> bool:
+    return mod is None or (mod.root.op == "const" and mod.root.attr is True)
+
+
+@functools.lru_cache(maxsize=256)
+def _reads(mod: TracedMod) -> tuple[str, ...]:
+    """The mod arguments the graph reads (traces are reused across calls, so this is too)."""
+    return tuple(sorted({node.attr for node in mod.root.walk() if node.op == "input"}))
+
+
+def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
+    """``(positions, start, partial, full)``: sorted key positions of every listed block, the
+    start when they form one contiguous range (else None), and per-element tile lookups
+    ``partial``/``full`` (bool ``[Bm, Hm, L, n]``, ``full`` None without full tables)."""
+    q_block, kv_block = (block_mask.BLOCK_SIZE if isinstance(block_mask.BLOCK_SIZE, (tuple, list))
+                         else (block_mask.BLOCK_SIZE, block_mask.BLOCK_SIZE))
+    q_block, kv_block = int(q_block), int(kv_block)
+    n_cols = block_mask.kv_indices.shape[-1]
+    q_rows = torch.arange(L, device=device) // q_block
+    # tile occupancy of the query blocks these rows fall in: [Bm, Hm, L, nKV]
+    partial = ordered_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, n_cols).bool()[:, :, q_rows]
+    full = None
+    if getattr(block_mask, "full_kv_num_blocks", None) is not None:
+        full = ordered_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, n_cols).bool()[:, :, q_rows]
+    visited = partial if full is None else partial | full
+    listed = visited.flatten(0, -2).any(0)[: -(-S // kv_block)]
+    blocks = listed.nonzero().flatten()
+    if blocks.numel() == 0:
+        return None, None, None, None
+    lo, hi = int(blocks[0]), int(blocks[-1])
+    if hi - lo + 1 == blocks.numel():  # one contiguous range: the cache rows are a view
+        start, end = lo * kv_block, min((hi + 1) * kv_block, S)
+        positions = torch.arange(start, end, device=device)
+    else:
+        start = None
+        positions = (blocks[:, None] * kv_block + torch.arange(kv_block, device=device)).flatten()
+        positions = positions[positions < S]
+    cols = positions // kv_block
+    return positions, start, partial[..., cols], (full[..., cols] if full is not None else None)
+
+
+def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+            mask_mod: TracedMod | None, block_mask: Any, scale: float, need_max: bool = False,
+            lse_dtype: torch.dtype = torch.float32):
+    """``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] in lse_dtype, row maxima or None)``."""
+    B, Hq, L, E = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    G = Hq // Hkv
+    device = query.device
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if block_mask is None:
+        positions, start = torch.arange(S, device=device), 0
+        partial = full = None
+    else:
+        positions, start, partial, full = _visited_positions(block_mask, L, S, device)
+    if positions is None:  # no key block listed anywhere
+        out = torch.zeros(B, Hq, L, Ev, dtype=query.dtype, device=device)
+        dead = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=device)
+        return out, dead, (dead.float() if need_max else None)
+    n = positions.numel()
+    if start is not None:
+        k_sel, v_sel = key[:, :, start:start + n], value[:, :, start:start + n]
+    else:
+        k_sel, v_sel = key.index_select(2, positions), value.index_select(2, positions)
+
+    # scores in log2 units unless a score_mod needs natural ones: [B, Hkv, G*L, n] read as [B, Hq, L, n]
+    general = score_mod is not None
+    q = query.to(work) * (scale if general else scale * LOG2E)
+    s = torch.matmul(q.reshape(B, Hkv, G * L, E), k_sel.to(work).transpose(-1, -2))
+    s4 = s.view(B, Hq, L, n)
+    shapes = {"b": (B, 1, 1, 1), "h": (1, Hq, 1, 1), "q_idx": (1, 1, L, 1)}
+
+    def index(name: str) -> torch.Tensor:  # only the index tensors a mod reads are built
+        if name == "kv_idx":
+            return positions.view(1, 1, 1, n)
+        shape = shapes[name]
+        return torch.arange(max(shape), device=device).view(shape)
+
+    if general:
+        modded = evaluate(score_mod, **{k: (s4 if k == "score" else index(k)) for k in _reads(score_mod)})
+        if modded is not s4:
+            s4.copy_(modded)
+        s4.mul_(LOG2E)
+    allowed = None
+    if partial is not None:
+        allowed = partial
+        if not _is_true(mask_mod):
+            allowed = allowed & evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})
+        if full is not None:
+            allowed = allowed | full
+    elif not _is_true(mask_mod):  # no BlockMask tables but a mask_mod: evaluate it everywhere
+        allowed = evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})
+    if allowed is not None:
+        s4.masked_fill_(allowed.logical_not(), _NEG_INF)
+
+    m = s4.amax(-1, keepdim=True)
+    m_safe = m.nan_to_num(neginf=0.0)  # a fully masked row: exp2(-inf - 0) = 0
+    s4.sub_(m_safe).exp2_()
+    # a row with any allowed key has l >= 1 (its maximum contributes exp2(0)); a fully masked row
+    # has l = 0, P = 0 and m = -inf: clamping l to 1 gives it output 0 and lse -inf without a branch
+    l = s4.sum(-1, keepdim=True).clamp_min_(1.0)
+    o = torch.matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
+    lse = m.add_(l.log2_()).mul_(LN2).squeeze(-1) if not need_max else (m + l.log2()).mul_(LN2).squeeze(-1)
+    row_max = (m * LN2).squeeze(-1).float() if need_max else None
+    return o.to(query.dtype), lse.to(lse_dtype), row_max

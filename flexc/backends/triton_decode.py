@@ -1,0 +1,140 @@
+"""Launcher of the split-KV decode kernel (:mod:`flexc.codegen.decode`) and the merge of its splits.
+
+:func:`applies` says when the TRITON backend runs it instead of the forward kernel: at most
+:data:`MAX_ROWS` query rows whose packed heads share one BlockMask row. Kernels are cached by
+their spec's key, like the forward kernels (:func:`flexc.cache_info` does not count them).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from ..codegen.decode import KERNEL_NAME, DecodeSpec, generate_decode
+from ..codegen.forward import next_power_of_2
+from ..tiles import cdiv
+from ..trace import TracedMod
+from . import triton_backend as tb
+
+MAX_ROWS = 16  # query rows per head (as the CPU decode path)
+MAX_PACKED = 128  # GQA group x query rows in one tile
+
+_cache: dict[tuple, tuple[Any, Any]] = {}
+_lock = threading.Lock()
+
+
+def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
+    """True when the decode kernel serves this call (short queries, packed heads share a mask row)."""
+    B, Hq, L, _ = query.shape
+    G = Hq // key.shape[1]
+    if not 0 < L <= MAX_ROWS or G * L > MAX_PACKED or key.shape[2] == 0:
+        return False
+    if block_mask is None:
+        return True
+    q_block, _ = tb._block_sizes(block_mask)
+    return L <= q_block and (block_mask.kv_num_blocks.shape[1] == 1 or G == 1)
+
+
+def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, block_mask: Any) -> DecodeSpec:
+    B, Hq, L, E = query.shape
+    G = Hq // key.shape[1]
+    target = tb._target(query.device)
+    if block_mask is None:
+        kv_block, has_full = 128, True
+        mask_mod = None
+    else:
+        kv_block = tb._block_sizes(block_mask)[1]
+        has_full = getattr(block_mask, "full_kv_num_blocks", None) is not None
+    # the interpreter pays per tile, so it takes whole key blocks; GPUs take 64-key tiles
+    block_n = tb._largest_pow2_divisor(kv_block, kv_block if target == "interpreter" else 64)
+    if block_n < 16:
+        raise ValueError(f"flexc: the BlockMask's key block size {kv_block} must be a multiple of 16 for the "
+                         f"Triton decode kernel. Fix: build the BlockMask with BLOCK_SIZE a multiple of 16 (e.g. 128).")
+    return DecodeSpec(score_mod, mask_mod, query.dtype, E, value.shape[-1], kv_block,
+                      max(16, next_power_of_2(G * L)), block_n, 4, 2, has_full, target, tb._fp32_precision(target))
+
+
+def _kernel(spec: DecodeSpec):
+    key = spec.key()
+    with _lock:
+        entry = _cache.get(key)
+        if entry is None:
+            generated = generate_decode(spec)
+            module, _ = tb.import_source(generated.source, spec.target)
+            entry = _cache[key] = (generated, getattr(module, KERNEL_NAME))
+        return entry
+
+
+def source_for(spec: DecodeSpec) -> str:
+    with _lock:
+        entry = _cache.get(spec.key())
+    return entry[0].source if entry is not None else generate_decode(spec).source
+
+
+def default_splits(query: torch.Tensor, key: torch.Tensor, n_blocks: int) -> int:
+    """Splits per (batch, key head): enough programs to fill the GPU twice over, never more than
+    the blocks a row can list. The interpreter uses two (any count is correct; two exercises the merge)."""
+    B, Hkv = query.shape[0], key.shape[1]
+    if query.device.type != "cuda":
+        return max(1, min(2, n_blocks))
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    return max(1, min(n_blocks, cdiv(2 * sms, B * Hkv), 64))
+
+
+def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, Hq: int, L: int, dtype: torch.dtype):
+    """Merge ``[B, Hkv, splits, M, Ev]`` partial outputs and their logsumexps into ``[B, Hq, L, Ev]``
+    and ``[B, Hq, L]``: each split weighs ``exp(lse_split - lse)``. A row dead in every split
+    (all ``-inf``) gets output 0 and lse ``-inf``."""
+    B, Hkv, _, _, Ev = out_split.shape
+    rows = Hq // Hkv * L
+    out_split, lse_split = out_split[:, :, :, :rows], lse_split[:, :, :, :rows]
+    m = lse_split.amax(2, keepdim=True)
+    weights = torch.exp(lse_split - m.nan_to_num(neginf=0.0))  # dead splits weigh 0
+    total = weights.sum(2, keepdim=True).clamp_min_(1.0)  # a live row's best split weighs 1
+    out = (weights.unsqueeze(-1) * out_split).sum(2) / total.squeeze(2).unsqueeze(-1)
+    lse = (m + torch.log(total)).squeeze(2)
+    return out.reshape(B, Hq, L, Ev).to(dtype), lse.reshape(B, Hq, L)
+
+
+def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+           num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the decode kernel and merge its splits: ``(out [B,Hq,L,Ev], lse [B,Hq,L] fp32)``."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    device = query.device
+    tables = tb._tables(block_mask, spec, S, device)
+    splits = num_splits or default_splits(query, key, tables[1].shape[-1])
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out_split = torch.empty(B, Hkv, splits, spec.block_m, Ev, dtype=work, device=device)
+    lse_split = torch.empty(B, Hkv, splits, spec.block_m, dtype=work, device=device)
+    generated, fn = _kernel(spec)
+    Bm, Hm, nQ = tables[0].shape
+    stride_kb = key.stride(0) if Bkv == B else 0
+    stride_vb = value.stride(0) if Bkv == B else 0
+    buffers = (tb._buffer_arguments(score_mod, generated.score_params, device)
+               + tb._buffer_arguments(mask_mod, generated.mask_params, device))
+    args = [query, key, value, out_split, lse_split, *tables, *buffers,
+            float(scale), L, S, Hq // Hkv, Hkv, splits, *query.stride(), stride_kb, *key.stride()[1:],
+            stride_vb, *value.stride()[1:], Bm, Hm, nQ, tables[1].shape[-1]]
+    constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, KV_BLOCK_SIZE=spec.kv_block_size,
+                     HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=tb.padded_head_dim(spec.head_dim),
+                     V_HEAD_DIM=spec.v_head_dim, V_HEAD_DIM_PAD=tb.padded_head_dim(spec.v_head_dim))
+    grid = (splits, Hkv, B)
+    if spec.target == "interpreter":
+        with tb._interpreter_lock:
+            fn[grid](*args, **constants)
+    else:
+        with torch.cuda.device(device):
+            fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
+    out, lse = merge_splits(out_split, lse_split, Hq, L, query.dtype)
+    return out, lse.float()
+
+
+def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):
+    """The TRITON backend's forward for short queries (same contract as ``triton_forward``)."""
+    spec = make_spec(score_mod, mask_mod, query, key, value, block_mask)
+    out, lse = launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
+    return out, (lse if need_lse else None)

@@ -1,0 +1,255 @@
+"""Generate the split-KV decode kernel: attention for a few query rows against a long KV cache.
+
+With one query row per head, the forward kernel's grid (query tiles x heads x batch) has only
+``B * Hq`` programs, each a 128-row tile holding one valid row. This kernel, modelled on torch's
+flex_decode, instead
+
+- packs the ``G = Hq / Hkv`` query heads that share a key head, times the ``L`` query rows, into
+  the rows of one tile (``BLOCK_M >= G * L``, at least 16 for ``tl.dot``), so each key tile is
+  loaded once per key head and the mods see vectors of ``h`` and ``q_idx``;
+- splits each row of the BlockMask (its partial blocks, then its full blocks) into ``NUM_SPLITS``
+  contiguous ranges, one program each: the grid is ``(NUM_SPLITS, Hkv, B)``;
+- writes per split the normalised output and logsumexp; the launcher merges the splits by
+  logsumexp (:func:`flexc.backends.triton_decode.merge_splits`). A row that allows no key in a
+  split writes 0 and ``-inf`` there, so a fully masked row ends as output 0, logsumexp ``-inf``.
+
+The packed rows share one row of the BlockMask's tables, so the kernel applies when the mask
+does not vary by query head within a group (``Hm == 1`` or ``G == 1``) and the ``L`` rows lie in
+its first query block; the launcher checks that and otherwise runs the forward kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..trace import TracedMod
+from .forward import (LN2, RCP_LN2, _TL, _buffer_args, _describe, _dot, _mask_lines, _render, _row_max, _row_sum,
+                      _score_lines, padded_head_dim)
+from .printer import HELPERS, BufferParam
+
+KERNEL_NAME = "flex_decode_split"
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """What one generated decode kernel is specialised for (its :meth:`key` is the cache key).
+
+    ``block_m`` holds the packed rows (``G * L`` padded to a power of two, at least 16);
+    ``block_n`` divides the BlockMask's key block size ``kv_block_size``.
+    """
+
+    score_mod: TracedMod | None
+    mask_mod: TracedMod | None
+    dtype: torch.dtype
+    head_dim: int
+    v_head_dim: int
+    kv_block_size: int
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    has_full_blocks: bool = True
+    target: str = "cuda"
+    fp32_precision: str = "ieee"
+
+    def key(self) -> tuple:
+        return ("decode",
+                self.score_mod.key if self.score_mod is not None else None,
+                self.mask_mod.key if self.mask_mod is not None else None,
+                self.dtype, self.head_dim, self.v_head_dim, self.kv_block_size, self.block_m, self.block_n,
+                self.num_warps, self.num_stages, self.has_full_blocks, self.target, self.fp32_precision)
+
+
+@dataclass(frozen=True)
+class GeneratedDecode:
+    source: str
+    kernel_name: str
+    score_params: tuple[BufferParam, ...]
+    mask_params: tuple[BufferParam, ...]
+
+
+def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
+    """The Triton source of the split-KV decode kernel described by ``spec``."""
+    score, mask = _render(spec)
+    helpers = set()
+    for r in (score, mask):
+        if r is not None:
+            helpers |= r.helpers
+    E, Ev = spec.head_dim, spec.v_head_dim
+    widen = spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
+    acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
+    header = [
+        "# flexc split-KV decode kernel (generated; flexc.kernel_source() returns this text).",
+        _describe(spec.score_mod, "score_mod"),
+        _describe(spec.mask_mod, "mask_mod"),
+        f"#   dtype {str(spec.dtype).removeprefix('torch.')}; head dim {E} (padded to {padded_head_dim(E)}), "
+        f"value head dim {Ev} (padded to {padded_head_dim(Ev)})",
+        f"#   BlockMask key blocks of {spec.kv_block_size}; tiles: BLOCK_M={spec.block_m} packed query rows, "
+        f"BLOCK_N={spec.block_n} keys; num_warps={spec.num_warps}, num_stages={spec.num_stages}; "
+        f"target: {spec.target}",
+        "# One program per (split, key head, batch). Its tile's rows are the GQA_GROUP query heads that",
+        "# share the key head times the Q_LEN query rows (row r: head h_kv * GQA_GROUP + r // Q_LEN,",
+        "# q_idx r % Q_LEN). It walks its share of the BlockMask row's listed key blocks (partial: score_mod",
+        "# and mask_mod; full: score_mod only) with an online softmax in base 2, and writes its normalised",
+        "# output and logsumexp; the launcher merges the splits by logsumexp.",
+    ]
+    if widen:
+        header.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
+        header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
+    lines = header + ["import triton", "import triton.language as tl", "", ""]
+    for name in sorted(helpers):
+        lines += [HELPERS[name], ""]
+    for r in (score, mask):
+        if r is not None:
+            lines += [r.source, ""]
+    lines += _attend_range(spec, score, mask, widen)
+    lines += ["", ""]
+    lines += _kernel(spec, score, mask, widen, acc_dtype)
+    return GeneratedDecode("\n".join(lines).rstrip() + "\n", KERNEL_NAME,
+                           score.params if score is not None else (), mask.params if mask is not None else ())
+
+
+def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
+    """The online-softmax loop over listed blocks ``[first, last)`` of one table row."""
+    buffers = _buffer_args(score, mask)
+    tiles = spec.kv_block_size // spec.block_n
+    k_mask = "kv_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if spec.head_dim != padded_head_dim(spec.head_dim) else "")
+    v_mask = "kv_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if spec.v_head_dim != padded_head_dim(spec.v_head_dim) else "")
+    widen_t = ".to(tl.float32)" if widen else ""
+    p_operand = f"p.to({_TL[spec.dtype]}).to(tl.float32)" if widen else f"p.to({_TL[spec.dtype]})"
+    params = [
+        "acc, l_i, m_i, q, b, h, q_idx,",
+        "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
+        "block_index_ptr, first, last, scale, KV_LEN,",
+        *([", ".join(buffers) + ","] if buffers else []),
+        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,",
+        "KV_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,",
+        "V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+    ]
+    if tiles == 1:
+        walk = ["    for i in range(first, last):",
+                "        start_n = tl.load(block_index_ptr + i) * KV_BLOCK_SIZE  # the i-th listed key block"]
+    else:
+        walk = [f"    # each BlockMask key block spans {tiles} tiles of BLOCK_N keys",
+                f"    for i in range(first * {tiles}, last * {tiles}):",
+                f"        start_n = tl.load(block_index_ptr + i // {tiles}) * KV_BLOCK_SIZE + (i % {tiles}) * BLOCK_N"]
+    body = [
+        "@triton.jit",
+        "def attend_range(",
+        *("    " + p for p in params),
+        "):",
+        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
+        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *walk,
+        "        offs_n = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)",
+        "        kv_in_range = offs_n < KV_LEN",
+        f"        k = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen_t}",
+        *([f"        qk = {_dot('q', 'k', spec)} * scale"] if score is not None else
+          [f"        qk = {_dot('q', 'k', spec)} * (scale * {RCP_LN2})  # scaled and in base 2 at once: no score_mod"]),
+        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
+        *_score_lines(spec, score, "        "),
+    ]
+    masked = _mask_lines(spec, mask, "            ")
+    if masked:
+        body += ["        if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
+    body += [
+        "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
+        *([f"        qk = qk * {RCP_LN2}  # to base 2"] if score is not None else []),
+        f"        m_new = tl.maximum(m_i, {_row_max(spec, 'qk')})",
+        "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # nothing allowed yet: no -inf - -inf",
+        "        alpha = tl.exp2(m_i - m_safe)",
+        "        p = tl.exp2(qk - m_safe[:, None])",
+        f"        l_i = l_i * alpha + {_row_sum(spec, 'p')}",
+        f"        v = tl.load(value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen_t}",
+        f"        acc = {_dot(p_operand, 'v', spec, 'acc * alpha[:, None]')}",
+        "        m_i = m_new",
+        "    return acc, l_i, m_i",
+    ]
+    return body
+
+
+def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[str]:
+    buffers = _buffer_args(score, mask)
+    q_mask = "row_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if spec.head_dim != padded_head_dim(spec.head_dim) else "")
+    o_mask = "row_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if spec.v_head_dim != padded_head_dim(spec.v_head_dim) else "")
+    params = [
+        "query_ptr, key_ptr, value_ptr, out_split_ptr, lse_split_ptr,",
+        "partial_block_counts_ptr, partial_block_indices_ptr,"
+        + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
+        *([", ".join(buffers) + ","] if buffers else []),
+        "scale, Q_LEN, KV_LEN, GQA_GROUP, KV_HEADS, NUM_SPLITS,",
+        "stride_qb, stride_qh, stride_qm, stride_qd,",
+        "stride_kb, stride_kh, stride_kn, stride_kd,",
+        "stride_vb, stride_vh, stride_vn, stride_vd,",
+        "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
+        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
+        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+    ]
+    unspecialised = ["Q_LEN", "KV_LEN", "NUM_SPLITS"] + [b for b in buffers if not b.endswith("_ptr")]
+
+    def call(kind: str, first: str, last: str, full: bool) -> list[str]:
+        args = [
+            "acc, l_i, m_i, q, b, h, q_idx,",
+            "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
+            f"{kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, {first}, {last}, scale, KV_LEN,",
+            *([", ".join(buffers) + ","] if buffers else []),
+            f"IS_FULL_BLOCKS={full}, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
+            "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,",
+        ]
+        return ["    acc, l_i, m_i = attend_range(", *("        " + a for a in args), "    )"]
+
+    full_count = "tl.load(full_block_counts_ptr + mask_row)" if spec.has_full_blocks else "0"
+    body = [
+        f"@triton.jit(do_not_specialize={unspecialised!r})",
+        f"def {KERNEL_NAME}(",
+        *("    " + p for p in params),
+        "):",
+        "    split = tl.program_id(0)",
+        "    h_kv = tl.program_id(1)",
+        "    b = tl.program_id(2)  # the batch index the mods see",
+        "    # the packed rows: GQA_GROUP query heads x Q_LEN query rows (padding rows repeat the last one)",
+        "    rows = tl.arange(0, BLOCK_M)",
+        "    packed = GQA_GROUP * Q_LEN",
+        "    row_in_range = rows < packed",
+        "    r = tl.minimum(rows, packed - 1)",
+        "    h = (h_kv * GQA_GROUP + r // Q_LEN)[:, None]  # the query head of each row, as the mods see it",
+        "    q_idx = (r % Q_LEN)[:, None]",
+        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
+        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        "    q = tl.load(query_ptr + b * stride_qb + h * stride_qh + q_idx * stride_qm + offs_d[None, :] * stride_qd,",
+        f"                mask={q_mask}, other=0.0){'.to(tl.float32)' if widen else ''}",
+        "    # the group's row of the BlockMask tables (shared by its heads: MASK_HEADS is 1 or GQA_GROUP is 1)",
+        "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + (h_kv * GQA_GROUP) % MASK_HEADS) * MASK_Q_BLOCKS",
+        "    n_partial = tl.load(partial_block_counts_ptr + mask_row)",
+        f"    n_full = {full_count}",
+        "    # this split's share of the row's listed blocks: partial ones first, then full ones",
+        "    per_split = (n_partial + n_full + NUM_SPLITS - 1) // NUM_SPLITS",
+        "    first = split * per_split",
+        "    last = tl.minimum(first + per_split, n_partial + n_full)",
+        "    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
+        "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh",
+        f"    m_i = tl.full((BLOCK_M,), float(\"-inf\"), {acc_dtype})",
+        f"    l_i = tl.full((BLOCK_M,), 0.0, {acc_dtype})",
+        f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})",
+        "    # 1. partial blocks: score_mod and mask_mod",
+        *call("partial", "tl.minimum(first, n_partial)", "tl.minimum(last, n_partial)", False),
+    ]
+    if spec.has_full_blocks:
+        body += ["    # 2. full blocks: score_mod only",
+                 *call("full", "tl.maximum(first - n_partial, 0)", "tl.maximum(last - n_partial, 0)", True)]
+    body += [
+        "    # a row with nothing allowed in this split has l_i == 0, m_i == -inf: output 0, lse -inf",
+        "    l_safe = tl.where(l_i == 0.0, 1.0, l_i)",
+        "    out = acc / l_safe[:, None]",
+        f"    lse = tl.where(l_i == 0.0, float(\"-inf\"), (m_i + tl.log2(l_safe)) * {LN2})  # natural log",
+        "    # per-split results: out_split [B, Hkv, NUM_SPLITS, BLOCK_M, V_HEAD_DIM], lse_split [B, Hkv, NUM_SPLITS, BLOCK_M]",
+        "    slot = (b * KV_HEADS + h_kv) * NUM_SPLITS + split",
+        "    tl.store(out_split_ptr + (slot * BLOCK_M + rows[:, None]) * V_HEAD_DIM + offs_dv[None, :],",
+        f"             out.to(out_split_ptr.dtype.element_ty), mask={o_mask})",
+        "    tl.store(lse_split_ptr + slot * BLOCK_M + rows, lse.to(lse_split_ptr.dtype.element_ty), mask=row_in_range)",
+    ]
+    return body
+
+
+__all__ = ["DecodeSpec", "GeneratedDecode", "KERNEL_NAME", "generate_decode"]

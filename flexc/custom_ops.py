@@ -1,0 +1,190 @@
+"""flexc's attention as torch custom operators, so ``torch.compile`` sees one opaque node per call.
+
+``flexc::flex_attention`` (forward) and ``flexc::flex_attention_backward`` take only tensors and
+constants: query/key/value, the BlockMask's tables, the tensors each mod captured, and the mods'
+structure as strings (:mod:`flexc.mod_key`). Each has a fake implementation (shapes and dtypes
+only) for tracing, and the forward's autograd formula calls the backward op, so compiled
+training runs flexc's own backward and captured tensors that require grad receive gradients.
+:mod:`flexc.under_compile` is what calls these ops from inside a compiled region.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
+from .block_mask import DERIVED, BlockMask, create_block_mask
+from .mod_key import traced_from_key
+
+# The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
+# The forward and the backward walk query rows, so the q-direction tables are never needed.
+TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
+def lse_dtype(query: torch.Tensor, backend: str) -> torch.dtype:
+    """The saved logsumexp's dtype: float64 for float64 inputs on the torch path (for an exact
+    backward), float32 otherwise; users always get float32."""
+    return torch.float64 if backend == "TORCH" and query.dtype == torch.float64 else torch.float32
+
+
+def _block_mask(tables: list, block_size: list[int], seq_lengths: list[int], mask_mod) -> BlockMask | None:
+    if not block_size:
+        return None
+    return BlockMask(tuple(seq_lengths), *tables, *(DERIVED,) * 4, BLOCK_SIZE=tuple(block_size),
+                     mask_mod=mask_mod if mask_mod is not None else _noop)
+
+
+def _noop(b, h, q_idx, kv_idx):
+    return q_idx >= 0  # stands in only for the mask of a BlockMask rebuilt without a mask_mod
+
+
+def _mods(score_key: str, score_buffers, mask_key: str, mask_buffers):
+    score = traced_from_key(score_key, score_buffers) if score_key else None
+    mask = traced_from_key(mask_key, mask_buffers) if mask_key else None
+    return score, mask
+
+
+def _forward_backend(name: str):
+    if name == "TRITON":
+        from .backends.triton_backend import triton_forward
+        return triton_forward
+    return torch_forward
+
+
+# A custom op's implementation runs with autograd's dispatch keys excluded; the backward needs them
+# back to differentiate the score_mod (torch.autograd.grad over its recomputed scores).
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther)
+
+
+@contextlib.contextmanager
+def _autograd_enabled():
+    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in _AUTOGRAD_KEYS]
+    try:
+        for k in _AUTOGRAD_KEYS:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for k, excluded in zip(_AUTOGRAD_KEYS, before):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
+
+
+@torch.library.custom_op("flexc::flex_attention", mutates_args=())
+def flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
+                      mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
+                      block_size: list[int], seq_lengths: list[int], scale: float, backend: str,
+                      need_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward: ``(out [B,Hq,L,Ev], lse [B,Hq,L], max_scores [B,Hq,L] or empty)``.
+
+    ``score_mod``/``mask_mod`` are :func:`flexc.mod_key.mod_key` strings ("" for none);
+    ``block_size`` is empty when there is no BlockMask.
+    """
+    score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
+    block_mask = _block_mask(tables, block_size, seq_lengths, mask)
+    if need_max or lse_dtype(query, backend) == torch.float64:
+        out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
+                                             lse_dtype=lse_dtype(query, backend))
+    else:
+        out, lse = _forward_backend(backend)(query, key, value, score, mask, block_mask, scale,
+                                             {"BACKEND": backend}, True)
+        row_max = None
+    if row_max is None:
+        row_max = query.new_empty((0,), dtype=torch.float32)
+    # contiguous whatever a backend chose, as the fake implementation promises
+    return out.contiguous(), lse.contiguous(), row_max
+
+
+@flex_attention_op.register_fake
+def _(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths,
+      scale, backend, need_max):
+    B, Hq, L, _ = query.shape
+    Ev = value.shape[-1]
+    out = query.new_empty((B, Hq, L, Ev))
+    lse = query.new_empty((B, Hq, L), dtype=lse_dtype(query, backend))
+    row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
+    return out, lse, row_max
+
+
+@torch.library.custom_op("flexc::flex_attention_backward", mutates_args=())
+def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                               lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                               tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
+                               mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
+                               block_size: list[int], seq_lengths: list[int], scale: float,
+                               grad_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``."""
+    score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
+    block_mask = _block_mask(tables, block_size, seq_lengths, mask)
+    with _autograd_enabled():  # carries dS through the score_mod
+        dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
+                                               block_mask, scale, tuple(grad_slots))
+    # contiguous whatever the inputs' strides, as the fake implementation promises
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), [g.contiguous() for g in buf_grads]
+
+
+@flex_attention_backward_op.register_fake
+def _(query, key, value, out, lse, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
+      mask_mod, block_size, seq_lengths, scale, grad_slots):
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+            [score_buffers[i].new_empty(score_buffers[i].shape) for i in grad_slots])
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths,
+     scale, backend, need_max) = inputs
+    out, lse, _ = output
+    # captured float tensors that require grad (learnable biases, ALiBi slopes) get gradients
+    ctx.grad_slots = [i for i, t in enumerate(score_buffers) if t.is_floating_point() and t.requires_grad]
+    ctx.n_tables, ctx.n_score, ctx.n_mask = len(tables), len(score_buffers), len(mask_buffers)
+    ctx.table_present = [t is not None for t in tables]
+    ctx.constants = (score_mod, mask_mod, list(block_size), list(seq_lengths), scale)
+    # the gradients mirror the inputs' pytree: a list of ints is a leaf (grad None), an empty list is not
+    ctx.int_list_grads = [None if len(x) else [] for x in (block_size, seq_lengths)]
+    ctx.save_for_backward(query, key, value, out, lse, *[t for t in tables if t is not None],
+                          *score_buffers, *mask_buffers)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_max):
+    saved = list(ctx.saved_tensors)
+    query, key, value, out, lse = saved[:5]
+    rest = iter(saved[5:])
+    tables = [next(rest) if present else None for present in ctx.table_present]
+    score_buffers = [next(rest) for _ in range(ctx.n_score)]
+    mask_buffers = [next(rest) for _ in range(ctx.n_mask)]
+    score_mod, mask_mod, block_size, seq_lengths, scale = ctx.constants
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, buf_grads = flex_attention_backward_op(
+        query, key, value, out, lse, grad_out.contiguous(), grad_lse, tables, score_buffers, mask_buffers,
+        score_mod, mask_mod, block_size, seq_lengths, scale, ctx.grad_slots)
+    score_grads: list = [None] * ctx.n_score
+    for slot, g in zip(ctx.grad_slots, buf_grads):
+        score_grads[slot] = g
+    return (dq, dk, dv, [None] * ctx.n_tables, score_grads, [None] * ctx.n_mask, None, None,
+            *ctx.int_list_grads, None, None, None)
+
+
+flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flexc::create_block_mask", mutates_args=())
+def create_block_mask_op(mask_buffers: list[torch.Tensor], mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
+                         Q_BLOCK: int, KV_BLOCK: int, device: torch.device
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kv tables ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` of
+    :func:`flexc.create_block_mask` for a mask_mod given as a mod key and its captured tensors."""
+    bm = create_block_mask(traced_from_key(mask_mod, mask_buffers), B, H, Q_LEN, KV_LEN, device=device,
+                           BLOCK_SIZE=(Q_BLOCK, KV_BLOCK))
+    return (bm.kv_num_blocks.contiguous(), bm.kv_indices.contiguous(), bm.full_kv_num_blocks.contiguous(),
+            bm.full_kv_indices.contiguous())
+
+
+@create_block_mask_op.register_fake
+def _(mask_buffers, mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device):
+    nq, nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    num = torch.empty((B, H, nq), dtype=torch.int32, device=device)
+    indices = torch.empty((B, H, nq, nkv), dtype=torch.int32, device=device)
+    return num, indices, torch.empty_like(num), torch.empty_like(indices)

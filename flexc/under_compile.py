@@ -1,0 +1,282 @@
+"""``flex_attention`` inside ``torch.compile``: the mods pass through dynamo to flexc's tracer.
+
+A mod is a Python function whose captured tensors (ALiBi slopes, document ids, a bias table) must
+become inputs of the compiled graph: otherwise they are baked in as constants, receive no
+gradients, and a new value recompiles. flexc's tracer cannot run under dynamo (it swaps in proxy
+objects and a TorchFunctionMode), and a custom op cannot take a function. The bridge is torch's
+``dynamo_bypassing_wrapper`` higher-order op:
+
+1. dynamo *speculates* an inner function that calls the mods on one-element index tensors, so it
+   records their arithmetic as a subgraph and lifts every tensor they capture (closures of
+   functions created inside the compiled region included) to an explicit input of that subgraph;
+2. the op then calls ``wrapper(subgraph)(*inputs)`` outside dynamo, both when AOT autograd traces
+   the graph (fake tensors) and when a graph runs without AOT (real tensors). :func:`_wrapper`
+   replays the subgraph's mod nodes on flexc's proxies (:func:`flexc.trace`), so the captured
+   tensors become the traced mods' buffers, and calls ``flexc::flex_attention`` with them.
+
+The compiled graph therefore holds one custom-op node per call (and its backward op), whatever the
+mods; dynamo never enters the tracer, the analysis or a backend. See docs/torch_compile.md.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import weakref
+from dataclasses import replace
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.fx
+from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
+
+from . import block_mask, custom_ops
+from .block_mask import DERIVED, BlockMask
+from .mod_key import mod_key
+from .trace import MASK_MOD, SCORE_MOD, trace
+
+
+class CallSpec(NamedTuple):
+    """The constants of one call, fixed per compiled graph (dynamo guards on them)."""
+
+    score_name: str | None  # None: no score_mod
+    mask_name: str | None  # None: no mask_mod
+    tables: tuple[bool, ...]  # which BlockMask tables are present
+    block_size: tuple[int, ...]  # () without a BlockMask
+    seq_lengths: tuple[int, ...]
+    scale: float
+    backend: str
+    need_max: bool
+    score_dtype: torch.dtype
+
+
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
+                   block_mask: Any, scale: float, backend: str, need_max: bool):
+    """``(out, lse, max_scores)`` of one call, as one ``flexc::flex_attention`` node of the compiled graph.
+
+    Runs under dynamo: only code that dynamo traces cleanly belongs here (no flexc tracing).
+    """
+    mask_mod = None
+    tables: list = []
+    block_size: tuple = ()
+    seq_lengths: tuple = ()
+    if block_mask is not None:
+        mask_mod = block_mask.mask_mod
+        tables = [getattr(block_mask, name, None) for name in custom_ops.TABLE_NAMES]
+        block_size = tuple(int(x) for x in block_mask.BLOCK_SIZE)
+        seq_lengths = tuple(int(x) for x in block_mask.seq_lengths)
+    present = [t for t in tables if t is not None]
+    score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    spec = CallSpec(_name(score_mod, "score_mod") if score_mod is not None else None,
+                    _name(mask_mod, "mask_mod") if mask_mod is not None else None,
+                    tuple(t is not None for t in tables), block_size, seq_lengths, float(scale), backend,
+                    need_max, score_dtype)
+    # the mods' arguments: one-element tensors, so dynamo records the mods' arithmetic elementwise
+    # (indexing a captured tensor by a 0-d tensor would be data-dependent for dynamo)
+    index = lambda: torch.zeros(1, dtype=torch.int32, device=query.device)
+    score0 = torch.zeros(1, dtype=score_dtype, device=query.device)
+    b0, h0, q0, kv0 = index(), index(), index(), index()
+
+    def inner(score, b, h, q_idx, kv_idx, query, key, value, *tables):
+        # one node that reads the five mod arguments in order, so the wrapper can find them
+        torch.cat([score, b, h, q_idx, kv_idx])
+        # one node per tensor argument, in order, for the same reason
+        for t in (query, key, value, *tables):
+            t.detach()
+        score_out = score_mod(score, b, h, q_idx, kv_idx) if score_mod is not None else score
+        mask_out = mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else q_idx >= 0
+        return (*_output_meta(query, value, backend, need_max), score_out, mask_out)
+
+    out, lse, row_max, _, _ = dynamo_bypassing_wrapper(functools.partial(_wrapper, spec), inner,
+                                                       score0, b0, h0, q0, kv0, query, key, value, *present)
+    return out, lse, row_max
+
+
+def _name(fn: Any, default: str) -> str:
+    return getattr(fn, "__name__", None) or default
+
+
+def _output_meta(query: torch.Tensor, value: torch.Tensor, backend: str, need_max: bool):
+    """Empty tensors shaped like the op's outputs (what dynamo records as the call's result)."""
+    B, Hq, L, _ = query.shape
+    out = query.new_empty((B, Hq, L, value.shape[-1]))
+    lse = query.new_empty((B, Hq, L), dtype=custom_ops.lse_dtype(query, backend))
+    row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
+    return out, lse, row_max
+
+
+# ---- outside dynamo: from the speculated subgraph to the custom op ---------------------------
+
+class _Plan(NamedTuple):
+    """Where the wrapper finds things among the subgraph's inputs."""
+
+    mod_args: tuple[int, ...]  # input positions of score, b, h, q_idx, kv_idx
+    tensors: tuple[int, ...]  # input positions of query, key, value and the present tables
+    mod_outs: dict  # kind -> the subgraph node of that mod's value
+    traced: dict  # kind -> (mod_key, input positions of its buffers) once traced
+
+
+_plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakKeyDictionary()
+
+
+def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
+    plan = _plans.get(gm)
+    if plan is None:
+        plan = _plans[gm] = _read_plan(gm, 5, 3 + sum(spec.tables))
+
+    def run(*inputs):
+        query, key, value, *present = (inputs[i] for i in plan.tensors)
+        tables = iter(present)
+        tables = [next(tables) if p else None for p in spec.tables]
+        score_key, score_buffers = _mod(gm, plan, inputs, SCORE_MOD, spec.score_name)
+        mask_key, mask_buffers = _mod(gm, plan, inputs, MASK_MOD, spec.mask_name)
+        out, lse, row_max = custom_ops.flex_attention_op(
+            query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key, list(spec.block_size),
+            list(spec.seq_lengths), spec.scale, spec.backend, spec.need_max)
+        # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
+        # the same type, never read
+        fill = lambda node: torch.zeros(node.meta["example_value"].shape, dtype=node.meta["example_value"].dtype,
+                                        device=query.device)
+        return out, lse, row_max, fill(plan.mod_outs[SCORE_MOD]), fill(plan.mod_outs[MASK_MOD])
+
+    return run
+
+
+def _mod(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, kind: str, name: str | None) -> tuple[str, list]:
+    """``(mod_key, captured tensors)`` of one mod ("" and [] for none); traced once per subgraph."""
+    if name is None:
+        return "", []
+    if kind in plan.traced:
+        key, positions = plan.traced[kind]
+        return key, [inputs[i] for i in positions]
+    traced = _trace_output(gm, plan, plan.mod_outs[kind], inputs, kind, name)
+    key = mod_key(traced)
+    position = {id(t): i for i, t in enumerate(inputs)}
+    if all(id(t) in position for t in traced.buffers):  # else (tensors made in the mod) trace every call
+        plan.traced[kind] = (key, [position[id(t)] for t in traced.buffers])
+    return key, list(traced.buffers)
+
+
+def _read_plan(gm: torch.fx.GraphModule, n_mod_args: int, n_tensors: int) -> _Plan:
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    position = {n: i for i, n in enumerate(placeholders)}
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    cat = body[0] if body else None
+    if cat is None or cat.target is not torch.cat or len(cat.args[0]) != n_mod_args:
+        raise RuntimeError(f"flexc: unexpected subgraph from torch.compile (first node {cat}); expected the "
+                           f"torch.cat over the mod arguments that flexc.under_compile emits:\n{gm.code}")
+    detaches = body[1:1 + n_tensors]
+    if any(n.op != "call_method" or n.target != "detach" for n in detaches):
+        raise RuntimeError(f"flexc: unexpected subgraph from torch.compile; expected {n_tensors} detach nodes "
+                           f"after the torch.cat:\n{gm.code}")
+    output = nodes[-1].args[0]  # (op outputs..., score_mod value (a call only), mask_mod value)
+    outs = {MASK_MOD: output[-1], SCORE_MOD: output[-2] if n_mod_args == 5 else None}
+    return _Plan(tuple(position[a] for a in cat.args[0]), tuple(position[n.args[0]] for n in detaches), outs, {})
+
+
+def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, inputs: tuple, kind: str, name: str):
+    """Trace the subgraph nodes that compute ``root`` as a ``kind`` mod of flexc's tracer."""
+    needed = _ancestors(root)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    arg_slots = plan.mod_args if kind == SCORE_MOD else plan.mod_args[-4:]
+
+    def mod(*args):
+        env: dict = {}
+        for i, node in enumerate(placeholders):
+            env[node] = inputs[i]
+        for i, value in zip(arg_slots, args):
+            env[placeholders[i]] = value
+        for node in gm.graph.nodes:
+            if node in needed and node.op != "placeholder":
+                env[node] = _run_node(gm, node, env)
+        return env[root]
+
+    traced = trace(_fixed_arity(mod, 5 if kind == SCORE_MOD else 4), kind)
+    # name the captured tensors after the subgraph inputs they came from (e.g. l_self_slopes_)
+    names = {id(inputs[i]): node.name for i, node in enumerate(placeholders)}
+    return replace(traced, name=name, fn=_named(mod, name),
+                   buffer_names=tuple(names.get(id(t), f"buf{i}") for i, t in enumerate(traced.buffers)))
+
+
+def _fixed_arity(fn: Callable, n: int) -> Callable:
+    """``fn`` with the 5 (score_mod) or 4 (mask_mod) named parameters flexc's tracer reads."""
+    if n == 5:
+        return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)
+    return lambda b, h, q_idx, kv_idx: fn(b, h, q_idx, kv_idx)
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def _ancestors(root: torch.fx.Node) -> set:
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict) -> Any:
+    args = torch.fx.node.map_arg(node.args, lambda n: env[n])
+    kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if node.op == "get_attr":
+        return operator.attrgetter(node.target)(gm)
+    raise RuntimeError(f"flexc: cannot replay subgraph node {node.format_node()}")
+
+
+# ---- create_block_mask inside a compiled region ----------------------------------------------
+
+def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device: Any,
+                      BLOCK_SIZE: Any, separate_full_blocks: bool):
+    """:func:`flexc.create_block_mask` as one ``flexc::create_block_mask`` node (same bridge as above)."""
+    block = tuple(BLOCK_SIZE) if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    sizes = (B or 1, H or 1, Q_LEN, KV_LEN, int(block[0]), int(block[1]))
+    index = lambda: torch.zeros(1, dtype=torch.int32, device=device)
+    b0, h0, q0, kv0 = index(), index(), index(), index()
+
+    def inner(b, h, q_idx, kv_idx):
+        torch.cat([b, h, q_idx, kv_idx])  # finds the mod arguments for the wrapper, as above
+        return (*_tables_meta(sizes, device), mask_mod(b, h, q_idx, kv_idx))
+
+    spec = (_name(mask_mod, "mask_mod"), sizes, device)
+    num, indices, full_num, full_indices, _ = dynamo_bypassing_wrapper(
+        functools.partial(_mask_wrapper, spec), inner, b0, h0, q0, kv0)
+    full = (full_num, full_indices) if separate_full_blocks else (None, None)
+    return BlockMask((Q_LEN, KV_LEN), num, indices, *full, DERIVED, DERIVED, DERIVED, DERIVED,
+                     BLOCK_SIZE=(sizes[4], sizes[5]), mask_mod=mask_mod)
+
+
+def _tables_meta(sizes: tuple, device: torch.device):
+    B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK = sizes
+    nq, nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    num = torch.empty((B, H, nq), dtype=torch.int32, device=device)
+    indices = torch.empty((B, H, nq, nkv), dtype=torch.int32, device=device)
+    return num, indices, torch.empty_like(num), torch.empty_like(indices)
+
+
+def _mask_wrapper(spec: tuple, gm: torch.fx.GraphModule) -> Callable:
+    name, sizes, device = spec
+    plan = _plans.get(gm)
+    if plan is None:
+        plan = _plans[gm] = _read_plan(gm, 4, 0)
+
+    def run(*inputs):
+        key, buffers = _mod(gm, plan, inputs, MASK_MOD, name)
+        tables = custom_ops.create_block_mask_op(buffers, key, *sizes, device)
+        meta = plan.mod_outs[MASK_MOD].meta["example_value"]
+        return (*tables, torch.zeros(meta.shape, dtype=meta.dtype, device=device))
+
+    return run
+
+
+block_mask.compiled_builder = create_block_mask

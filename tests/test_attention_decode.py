@@ -1,0 +1,139 @@
+"""Short queries (decoding with a KV cache) on the CPU decode path, against torch's FlexAttention
+and the float64 dense reference: every catalogue mask and score_mod, query rows at an offset
+into the cache, GQA, batch > 1, ragged per-batch cache lengths, the gpt-fast slicing idiom."""
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import flexc
+from flexc.backends import decode_cpu
+from catalogue import mask_catalogue, score_catalogue
+from reference import dense_attention, random_qkv
+
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
+
+B, HQ, HKV, S, E = 2, 4, 2, 170, 16  # 170: a ragged last key block
+BLOCK = 32
+MASKS = mask_catalogue(B, HQ, S, S)  # built for the whole sequence; decoding reads rows at an offset
+SCORES = score_catalogue(B, HQ, S, S)
+
+
+def shifted(mod, offset, score=False):
+    """The mod for query rows that sit at ``offset`` in the sequence (q_idx 0 is position offset)."""
+    if score:
+        return lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_idx + offset, kv_idx)
+    return lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + offset, kv_idx)
+
+
+def _close(actual, expected, atol=3e-5):
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_every_catalogue_mask_decodes_like_torch_and_dense(name):
+    L, offset = 3, 150  # rows 150..152 of a 170-key cache: inside one 32-row block (128..159)
+    q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=3)
+    mask_mod = shifted(MASKS[name], offset)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
+    bm = flexc.create_block_mask(mask_mod, B, HQ, L, S, BLOCK_SIZE=BLOCK)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    _close(out, ref_out)
+    _close(lse, ref_lse)
+    # the slicing idiom on a whole-sequence mask gives the same rows
+    whole = flexc.create_block_mask(MASKS[name], B, HQ, S, S, BLOCK_SIZE=BLOCK)
+    sliced = whole[:, :, offset // BLOCK]
+    sliced.mask_mod, sliced.seq_lengths = mask_mod, (L, S)
+    out2, lse2 = flexc.flex_attention(q, k, v, block_mask=sliced, enable_gqa=True, return_lse=True)
+    _close(out2, ref_out)
+    _close(lse2, ref_lse)
+    # torch's own FlexAttention on torch's BlockMask
+    tbm = torch_flex.create_block_mask(mask_mod, B, HQ, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    t_out, t_lse = torch_flex.flex_attention(q, k, v, block_mask=tbm, enable_gqa=True, return_lse=True)
+    _close(out, t_out)
+    _close(lse, t_lse)
+
+
+@pytest.mark.parametrize("name", sorted(SCORES))
+def test_every_catalogue_score_mod_decodes_like_torch_and_dense(name):
+    L, offset = 1, 169
+    q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=4)
+    score_mod = shifted(SCORES[name], offset, score=True)
+    mask_mod = shifted(MASKS["causal"], offset)
+    bm = flexc.create_block_mask(mask_mod, None, None, L, S, BLOCK_SIZE=BLOCK)
+    for block_mask, mm in ((None, None), (bm, mask_mod)):
+        out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                        enable_gqa=True, return_lse=True)
+        ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mm)
+        _close(out, ref_out)
+        _close(lse, ref_lse)
+    tbm = torch_flex.create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    t_out, t_lse = torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm, enable_gqa=True,
+                                             return_lse=True)
+    _close(out, t_out)
+    _close(lse, t_lse)
+
+
+def test_ragged_cache_lengths_batch_broadcast_and_dead_rows(monkeypatch):
+    """Per-batch cache lengths through a captured tensor; a batch with an empty cache gives 0 / -inf."""
+    lengths = torch.tensor([170, 70, 0])
+    Bq = 3
+
+    def in_cache(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    q, k, v = random_qkv(Bq, 8, 2, 2, S, E, seed=5, Bkv=1)  # key/value batch broadcast
+    bm = flexc.create_block_mask(in_cache, Bq, None, 2, S, BLOCK_SIZE=BLOCK)
+    calls = []
+    original = decode_cpu.forward
+    monkeypatch.setattr(decode_cpu, "forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert calls, "the decode path was not picked for a 2-row query"
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=in_cache)
+    _close(out, ref_out)
+    _close(lse, ref_lse)
+    assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
+    lengths[1] = 10  # new values in the captured tensor: same trace, new answer
+    bm = flexc.create_block_mask(in_cache, Bq, None, 2, S, BLOCK_SIZE=BLOCK)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    _close(out, dense_attention(q, k, v, mask_mod=in_cache)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_dtypes_max_scores_and_gradients(dtype):
+    L, offset = 4, 100
+    q, k, v = random_qkv(1, 4, 4, L, S, E, dtype=dtype, seed=6)
+    mask_mod = shifted(MASKS["sliding_window_17"] if "sliding_window_17" in MASKS else MASKS["causal"], offset)
+    bm = flexc.create_block_mask(mask_mod, None, None, L, S, BLOCK_SIZE=BLOCK)
+    out, aux = flexc.flex_attention(q, k, v, block_mask=bm, return_aux=flexc.AuxRequest(lse=True, max_scores=True))
+    ref_out, ref_lse, ref_max = dense_attention(q, k, v, mask_mod=mask_mod)
+    atol = 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-10
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=atol)
+    torch.testing.assert_close(aux.lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux.max_scores.double(), ref_max, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float64:  # the backward sees the decode forward's lse
+        q.requires_grad_()
+        flexc.flex_attention(q, k, v, block_mask=bm).sum().backward()
+        qr = q.detach().clone().requires_grad_()
+        dense_attention(qr, k, v, mask_mod=mask_mod)[0].sum().backward()
+        torch.testing.assert_close(q.grad, qr.grad, atol=1e-10, rtol=1e-8)
+
+
+def test_non_contiguous_blocks_are_gathered():
+    """A mask whose listed key blocks are not one range (a document mask over several blocks)."""
+    L = 1
+    keep = torch.zeros(S, dtype=torch.bool)
+    keep[:40] = True
+    keep[100:130] = True
+
+    def sparse(b, h, q_idx, kv_idx):
+        return keep[kv_idx]
+
+    q, k, v = random_qkv(1, 2, 2, L, S, E, seed=7)
+    bm = flexc.create_block_mask(sparse, None, None, L, S, BLOCK_SIZE=32)
+    positions, start, _, _ = decode_cpu._visited_positions(bm, L, S, q.device)
+    assert start is None and positions.numel() == 4 * 32  # blocks 0, 1 (keys 0..39), 3, 4 (100..129)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=sparse)
+    _close(out, ref_out)
+    _close(lse, ref_lse)

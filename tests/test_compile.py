@@ -1,0 +1,225 @@
+"""flexc inside torch.compile: one custom-op node per call, fullgraph, gradients, no recompiles.
+
+Compiled results are compared with flexc's eager path and with the float64 dense reference;
+graphs are compiled with the ``aot_eager`` backend (AOT autograd traces the custom ops exactly
+as inductor does, without minutes of C++ compilation on a small machine).
+"""
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import flexc
+from flexc import custom_ops
+from flexc.mod_key import mod_key, traced_from_key
+from catalogue import mask_catalogue, score_catalogue
+from reference import dense_attention
+
+H, D, L = 4, 8, 96
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block whose attention is flexc with ALiBi on learnable slopes."""
+
+    def __init__(self, dim=H * D):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+        self.slopes = torch.nn.Parameter(2.0 ** -torch.linspace(1, 8, H))
+
+    def forward(self, x, block_mask):
+        B, L, C = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        slopes = self.slopes
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        a = flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, L, C))
+        return x + self.mlp(self.norm2(x))
+
+
+def _document_causal(doc):
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    return flexc.create_block_mask(document_causal, None, None, L, L, BLOCK_SIZE=32)
+
+
+def _step(model, x, block_mask):
+    """Output and the gradients of x and every parameter for a fixed random cotangent."""
+    for p in model.parameters():
+        p.grad = None
+    x = x.detach().requires_grad_()
+    out = model(x, block_mask)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out * w).sum().backward()
+    return [out.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+
+
+def test_transformer_block_fullgraph_matches_eager_without_graph_breaks_or_recompiles():
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, L, H * D)
+    block_mask = _document_causal(torch.tensor([0] * 40 + [1] * 56))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for got, want in zip(_step(compiled, x, block_mask), _step(model, x, block_mask)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert model.slopes.grad.abs().sum() > 0  # the slopes learn
+
+    # new slope values and new document ids (same shapes): same graph, new results
+    with torch.no_grad():
+        model.slopes.mul_(1.7)
+    block_mask = _document_causal(torch.tensor([0] * 10 + [1] * 30 + [2] * 56))
+    for got, want in zip(_step(compiled, x, block_mask), _step(model, x, block_mask)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
+
+    explained = torch._dynamo.explain(model)(x, block_mask)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_compiled_gqa_bias_table_lse_against_dense_reference():
+    """A captured bias table requiring grad, GQA, return_lse and a head-dependent BlockMask, compiled,
+    against autograd through the float64 dense reference."""
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, Lq, S, E = 2, 4, 2, 40, 56, 8
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+    q, k, v = make(B, Hq, Lq, E), make(B, Hkv, S, E), make(B, Hkv, S, E)
+    bias = (torch.randn(Hq, S, generator=g, dtype=torch.float64) * 0.5).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * 0.5 + bias[h, kv_idx]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 8 + 4 * h) | (kv_idx % 7 == 0)
+
+    bm = flexc.create_block_mask(mask_mod, None, Hq, Lq, S, BLOCK_SIZE=16)
+
+    def f(q, k, v, bm):
+        return flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True)
+
+    out, lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, bm)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)  # float64 lse for float64 inputs, as eager
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad((out * w).sum() + lse.sum(), (q, k, v, bias))
+    ref = torch.autograd.grad((ref_out * w).sum() + ref_lse.sum(), (q, k, v, bias))
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_compiled_aux_max_scores_and_no_mods():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 33, 8, generator=g) for _ in range(3))
+
+    def f(q, k, v):
+        plain = flexc.flex_attention(q, k, v)
+        out, aux = flexc.flex_attention(q, k, v, return_aux=flexc.AuxRequest(lse=True, max_scores=True))
+        return plain, out, aux.lse, aux.max_scores
+
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    for a, b in zip(got, f(q, k, v)):
+        torch.testing.assert_close(a, b)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake implementation and autograd registration agree with the real kernels."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g, requires_grad=True) for _ in range(3))
+    slopes = torch.rand(2, generator=g, requires_grad=True)
+    score = flexc.trace(lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx))
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 32, 32, BLOCK_SIZE=16)
+    tables = [getattr(bm, name) for name in custom_ops.TABLE_NAMES]
+    mask = flexc.trace(bm.mask_mod)
+    args = (q, k, v, tables, [slopes], list(mask.buffers), mod_key(score), mod_key(mask), [16, 16], [32, 32],
+            0.3, "TORCH", False)
+    torch.library.opcheck(custom_ops.flex_attention_op, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    doc = torch.tensor([0] * 20 + [1] * 25)
+    mask = flexc.trace(lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx))
+    torch.library.opcheck(custom_ops.create_block_mask_op,
+                          (list(mask.buffers), mod_key(mask), 2, 1, 45, 45, 16, 32, torch.device("cpu")),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_mod_key_round_trip_over_the_catalogue():
+    mods = {**score_catalogue(2, 4, 64, 48), **mask_catalogue(2, 4, 64, 48)}
+    for name, mod in mods.items():
+        traced = flexc.trace(mod)
+        rebuilt = traced_from_key(mod_key(traced), traced.buffers)
+        assert rebuilt.root is traced.root and rebuilt.kind == traced.kind, name  # hash-consed: same nodes
+        assert rebuilt.buffer_names == traced.buffer_names, name
+
+
+def test_block_mask_is_a_pytree_node():
+    doc = torch.tensor([0] * 40 + [1] * 56)
+    bm = _document_causal(doc)
+    lazy = bm._q_tables is None
+    leaves, spec = pytree.tree_flatten({"mask": bm})
+    assert (bm._q_tables is None) == lazy  # flattening does not build q tables still to be derived
+    assert sum(isinstance(t, torch.Tensor) for t in leaves) >= 4
+    back = pytree.tree_unflatten(leaves, spec)["mask"]
+    assert back.mask_mod is bm.mask_mod and back.BLOCK_SIZE == bm.BLOCK_SIZE
+    for a, b in zip(back.as_tuple()[2:10], bm.as_tuple()[2:10]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    moved = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, bm)
+    torch.testing.assert_close(moved.to_dense(), bm.to_dense())
+    keys = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(bm)[0]]
+    assert ".kv_indices" in keys
+
+
+def test_graph_without_aot_reuses_the_trace_and_reads_new_captured_values():
+    """backend="eager" runs the dynamo graph itself, so the bridge runs on every call."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    table = torch.randn(2, 40, generator=g)
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[h, ki])
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+        table.mul_(-2.0)
+    assert counter.frame_count == 1
+
+
+def test_block_mask_created_and_sliced_inside_the_compiled_region():
+    doc = torch.tensor([0] * 40 + [1] * 56)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, L, 8, generator=g) for _ in range(3))
+
+    def f(q, k, v):
+        bm = flexc.create_block_mask(document_causal, 2, None, L, L, BLOCK_SIZE=32)
+        first = bm[:1]  # slicing keeps the tables' meaning; the mask_mod is reattached as torch requires
+        first.mask_mod = document_causal
+        return flexc.flex_attention(q, k, v, block_mask=bm), flexc.flex_attention(q[:1], k[:1], v[:1], block_mask=first), bm
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for _ in range(2):
+        *got, bm = compiled(q, k, v)
+        *want, eager_bm = f(q, k, v)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+        for name in custom_ops.TABLE_NAMES:
+            assert torch.equal(getattr(bm, name), getattr(eager_bm, name)), name
+        torch.testing.assert_close(bm.to_dense(), eager_bm.to_dense())
+        doc[30:50] = 2  # new document ids, same shape: no recompile
+    assert counter.frame_count == 1

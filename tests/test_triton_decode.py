@@ -1,0 +1,127 @@
+"""The split-KV Triton decode kernel, run on CPU through Triton's interpreter, against the float64
+dense reference (and torch's FlexAttention for a GQA case): catalogue masks and score_mods at an
+offset into the cache, GQA packing with head-dependent mods, batch > 1 with ragged cache lengths
+and an empty one, any number of splits, dtypes, and kernel_source showing the kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import flexc
+from flexc.backends import triton_decode
+from catalogue import mask_catalogue, score_catalogue
+from reference import dense_attention, random_qkv
+
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
+
+B, H, S, E = 2, 2, 150, 16  # 150: the last 32-key block is ragged
+BLOCK = 32
+OFFSET = 120  # the query rows sit at positions 120.. of the sequence (inside the 4th 32-row block)
+MASKS = mask_catalogue(B, H, S, S)
+SCORES = score_catalogue(B, H, S, S)
+TRITON = {"BACKEND": "TRITON"}
+
+
+def shifted(mod, score=False):
+    if score:
+        return lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_idx + OFFSET, kv_idx)
+    return lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + OFFSET, kv_idx)
+
+
+def check(out, lse, ref_out, ref_lse, atol=2e-5):
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.double(), ref_out.double(), atol=atol, rtol=0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    live = ~torch.isneginf(ref_lse)
+    # lse is float32 for every input dtype, as torch returns it
+    torch.testing.assert_close(lse[live].double(), ref_lse[live].double(), atol=max(atol, 1e-6), rtol=0)
+
+
+def run(q, k, v, score_mod=None, block_mask=None):
+    assert triton_decode.applies(q, k, block_mask)
+    return flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True,
+                                enable_gqa=q.shape[1] != k.shape[1], kernel_options=TRITON)
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_every_catalogue_mask(name):
+    L = 2
+    q, k, v = random_qkv(B, H, H, L, S, E, seed=1)
+    mask_mod = shifted(MASKS[name])
+    bm = flexc.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=BLOCK)
+    out, lse = run(q, k, v, block_mask=bm)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
+    check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("name", ["alibi_captured_slopes", "soft_capping_tanh", "full_4d_bias", "head_index_bias",
+                                  "relative_position"])
+def test_score_mods_see_packed_heads_and_rows(name):
+    """GQA 8/2: the four query heads of a key head share a tile; head-dependent mods must see each row's head."""
+    assert name in SCORES
+    scores = score_catalogue(B, 8, S, S)
+    q, k, v = random_qkv(B, 8, 2, 3, S, E, seed=2)
+    score_mod = shifted(scores[name], score=True)
+    mask_mod = shifted(MASKS["causal"])
+    bm = flexc.create_block_mask(mask_mod, None, None, 3, S, BLOCK_SIZE=BLOCK)
+    out, lse = run(q, k, v, score_mod=score_mod, block_mask=bm)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    check(out, lse, ref_out, ref_lse, atol=3e-5)
+    if name == "alibi_captured_slopes":
+        tbm = torch_flex.create_block_mask(mask_mod, None, None, 3, S, device="cpu", BLOCK_SIZE=BLOCK)
+        t_out, t_lse = torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm, enable_gqa=True,
+                                                 return_lse=True)
+        check(out, lse, t_out, t_lse, atol=3e-5)
+
+
+def test_ragged_cache_lengths_empty_rows_and_any_split_count():
+    lengths = torch.tensor([150, 47, 0])
+
+    def in_cache(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    q, k, v = random_qkv(3, 4, 2, 1, S, E, seed=3, Bkv=1)  # key/value broadcast over the batch
+    bm = flexc.create_block_mask(in_cache, 3, None, 1, S, BLOCK_SIZE=BLOCK)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=in_cache)
+    traced = flexc.trace(in_cache)
+    spec = triton_decode.make_spec(None, traced, q, k, v, bm)
+    for splits in (1, 2, 3, 7):  # more splits than listed blocks leaves some splits empty
+        out, lse = triton_decode.launch(spec, q, k, v, None, traced, bm, E ** -0.5, num_splits=splits)
+        check(out, lse, ref_out, ref_lse)
+    assert torch.all(out[2] == 0) and torch.all(torch.isneginf(lse[2]))
+
+
+def test_no_block_mask_and_dtypes():
+    for dtype, atol in ((torch.float64, 1e-10), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)):
+        q, k, v = random_qkv(1, 4, 4, 1, S, E, dtype=dtype, seed=4)
+        out, lse = run(q, k, v)
+        ref_out, ref_lse, _ = dense_attention(q, k, v)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        check(out, lse.double(), ref_out, ref_lse, atol=atol)
+
+
+def test_per_head_masks_with_gqa_fall_back_to_the_forward_kernel():
+    """Packed heads need one shared mask row: a per-head mask under GQA runs the forward kernel."""
+    heads = score_catalogue(1, 4, S, S)  # noqa: F841  (keeps the catalogue's RNG use comparable)
+    windows = torch.tensor([4, 9, 30, 64])
+
+    def per_head(b, h, q_idx, kv_idx):
+        return (q_idx + OFFSET >= kv_idx) & (q_idx + OFFSET - kv_idx < windows[h])
+
+    q, k, v = random_qkv(1, 4, 2, 1, S, E, seed=5)
+    bm = flexc.create_block_mask(per_head, None, 4, 1, S, BLOCK_SIZE=BLOCK)
+    assert not triton_decode.applies(q, k, bm)
+    src = flexc.kernel_source(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=TRITON)
+    assert "flex_decode_split" not in src
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True, kernel_options=TRITON)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=per_head)
+    check(out, lse, ref_out, ref_lse)
+
+
+def test_kernel_source_shows_the_decode_kernel():
+    q, k, v = random_qkv(1, 8, 2, 1, S, E, seed=6)
+    bm = flexc.create_block_mask(shifted(MASKS["causal"]), None, None, 1, S, BLOCK_SIZE=BLOCK)
+    src = flexc.kernel_source(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=TRITON)
+    assert "def flex_decode_split(" in src and "split-KV decode kernel" in src
+    assert "BLOCK_M=16 packed query rows" in src
