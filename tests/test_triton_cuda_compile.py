@@ -91,3 +91,19 @@ def test_int64_offset_variant_compiles(monkeypatch):
     narrow = wide_multiplies()
     monkeypatch.setattr(triton_backend, "INT32_OFFSET_LIMIT", 1)
     assert wide_multiplies() > narrow
+
+
+def test_math_functions_use_libdevice_on_cuda():
+    def every_math_function(score, b, h, q_idx, kv_idx):
+        s = score * 0.1
+        return (torch.tanh(s) + torch.tan(s) + torch.atan(s) + torch.asin(s * 0.1) + torch.acos(s * 0.1)
+                + torch.sinh(s) + torch.cosh(s) + torch.asinh(s) + torch.acosh(s * s + 1.0) + torch.atanh(s * 0.1)
+                + torch.expm1(s) + torch.log1p(s * s) + torch.erfc(s) + torch.log10(s * s + 1.0) + torch.trunc(s)
+                + torch.round(s) + torch.atan2(s, s + 2.0) + torch.fmod(s, 0.3) + torch.sigmoid(s))
+
+    spec = triton_backend.make_spec(flexc.trace(every_math_function), None, torch.bfloat16, 64, 64, None,
+                                    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}, "cuda", True)
+    source = triton_backend.source_for(spec)
+    assert "libdevice.tanh(" in source and "libdevice.rint(" in source and "def tanh(" not in source
+    compile_for_hopper(every_math_function, None, torch.bfloat16, 64, 64,
+                       options={"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2})

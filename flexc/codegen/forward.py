@@ -114,15 +114,17 @@ def _stems(traced: TracedMod | None, taken: set[str], suffix: str) -> dict[int, 
     return stems
 
 
-def _render(spec: ForwardSpec) -> tuple[RenderedMod | None, RenderedMod | None]:
+def _render(spec, target: str | None = None, index_dtype: str = "int32"
+            ) -> tuple[RenderedMod | None, RenderedMod | None]:
+    """The spec's mods as device functions (``target``/``index_dtype`` as in :func:`render_mod`)."""
     taken: set[str] = set()
     score = mask = None
     if spec.score_mod is not None:
         score = render_mod(spec.score_mod, "score_mod", _stems(spec.score_mod, taken, "score"),
-                           target=spec.target, index_dtype=spec.index_dtype)
+                           target=target, index_dtype=index_dtype)
     if spec.mask_mod is not None:
         mask = render_mod(spec.mask_mod, "mask_mod", _stems(spec.mask_mod, taken, "mask"),
-                          target=spec.target, index_dtype=spec.index_dtype)
+                          target=target, index_dtype=index_dtype)
         if mask.is_constant and mask.literal is True:
             mask = None  # allows everything: nothing to apply
     if score is not None and spec.score_mod.root.op == "input":
@@ -139,7 +141,7 @@ def _describe(traced: TracedMod | None, what: str) -> str:
 
 def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     """The Triton source of the forward kernel described by ``spec``."""
-    score, mask = _render(spec)
+    score, mask = _render(spec, spec.target, spec.index_dtype)
     score_params = score.params if score is not None else ()
     mask_params = mask.params if mask is not None else ()
     helpers = set()

@@ -35,6 +35,8 @@ _TL_DTYPES = {
     "bool": "tl.int1",
 }
 _WIDE_FLOATS = ("float32", "float64")
+# math helpers whose libdevice function has another name (CUDA target)
+_LIBDEVICE = {"round_half_even": "rint", "float_fmod": "fmod"}
 _INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx")  # never negative inside the kernel
 
 # Device helpers the printed mods may call; each is emitted once, only when used.
@@ -302,6 +304,10 @@ class _Printer:
             return f"tl.erf({self.as_float(args[0], 0)})", _ATOM
         if op in MATH_HELPERS:
             name = MATH_HELPERS[op]
+            if self.target == "cuda":  # the same functions, tuned for the hardware
+                self.uses_libdevice = True
+                fn = _LIBDEVICE.get(name, name)
+                return f"libdevice.{fn}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
             self.helpers |= with_needs({name})
             return f"{name}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
         raise NotImplementedError(f"flexc codegen: no Triton printing for IR op {op!r} in {self.traced!r}")
