@@ -14,8 +14,10 @@ cache position, with the slicing idiom torch users know (gpt-fast):
 Also printed: the host overhead of a call with L=128 and no mask (flexc vs SDPA), and the time to
 slice a 16K causal BlockMask for one query block.
 
-Usage: python bench/decode.py [--quick] [--no-compile] [--rounds N]
+Usage: python bench/decode.py [--quick] [--no-compile] [--rounds N] [--device cuda]
   --quick: only cache 4096 with H=8 (the issue's acceptance case)
+  --device cuda: the same table on a GPU in bf16 (flexc's split-KV Triton decode kernel); also
+                 reached as ``python bench/gpu.py --decode``
 """
 from __future__ import annotations
 
@@ -49,9 +51,12 @@ def shifted(mask_mod, offset):
 
 
 def per_call(fn, calls: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    sync()
     return (time.perf_counter() - start) / calls
 
 
@@ -67,15 +72,16 @@ def interleaved(fns: dict, rounds: int, calls: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds: int) -> dict:
+def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds: int, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> dict:
     D = 64
-    q = torch.randn(1, Hq, 1, D)
-    k, v = torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
+    q = torch.randn(1, Hq, 1, D, device=device, dtype=dtype)
+    k, v = (torch.randn(1, Hkv, S, D, device=device, dtype=dtype) for _ in range(2))
     gqa = Hq != Hkv
     pos = S - 1
-    input_pos = torch.tensor([pos])
-    ours = flexc.create_block_mask(mask_mod, None, None, S, S)
-    theirs = tfa.create_block_mask(mask_mod, None, None, S, S, device="cpu")
+    input_pos = torch.tensor([pos], device=device)
+    ours = flexc.create_block_mask(mask_mod, None, None, S, S, device=device)
+    theirs = tfa.create_block_mask(mask_mod, None, None, S, S, device=device)
     lo = max(0, pos - WINDOW + 1) if mask_mod is sliding else 0
 
     def flexc_step():
@@ -101,9 +107,10 @@ def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds
             print(f"  torch.compile failed: {type(e).__name__}: {str(e)[:120]}")
     # every implementation agrees before anything is timed
     ref = sdpa_step()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
     for name, fn in fns.items():
-        torch.testing.assert_close(fn(), ref, atol=2e-5, rtol=2e-5, msg=f"{name} differs from SDPA")
-    calls = max(5, min(200, 4_000_000 // (S * Hq * 8)))
+        torch.testing.assert_close(fn(), ref, atol=tol, rtol=tol, msg=f"{name} differs from SDPA")
+    calls = 100 if device == "cuda" else max(5, min(200, 4_000_000 // (S * Hq * 8)))
     return interleaved(fns, rounds, calls)
 
 
@@ -121,15 +128,25 @@ def slice_time(rounds: int) -> float:
     return interleaved({"slice": lambda: bm[:, :, next(rows) % 128]}, rounds, 200)["slice"]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only cache 4096 with H=8")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-    torch.set_num_threads(1)
-    print("per-call time, one query row, fp32, D=64, one thread (medians of interleaved rounds)")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench/decode.py --device cuda: no CUDA device on this machine; nothing was run.")
+            return
+        dtype = torch.bfloat16
+        print(f"per-call time on {torch.cuda.get_device_name()}, one query row, bf16, D=64 "
+              f"(medians of interleaved rounds; flexc runs its split-KV Triton decode kernel)")
+    else:
+        dtype = torch.float32
+        torch.set_num_threads(1)
+        print("per-call time, one query row, fp32, D=64, one thread (medians of interleaved rounds)")
     print(f"{'cache':>6} {'Hq/Hkv':>7} {'mask':>8} | {'flexc':>9} {'SDPA':>9} {'eager':>9} {'compiled':>9}"
           f" | {'/SDPA':>6} {'/eager':>7} {'/compiled':>9}")
     sizes = [4096] if args.quick else [1024, 4096, 16384]
@@ -137,12 +154,14 @@ def main() -> None:
     for S in sizes:
         for Hq, Hkv in heads:
             for mask_mod in (causal, sliding):
-                t = decode_case(S, Hq, Hkv, mask_mod, not args.no_compile, args.rounds)
+                t = decode_case(S, Hq, Hkv, mask_mod, not args.no_compile, args.rounds, args.device, dtype)
                 ms = lambda name: f"{t[name] * 1e3:8.3f}m" if name in t else f"{'n/a':>9}"
                 ratio = lambda name: f"{t['flexc'] / t[name]:.2f}x" if name in t else "n/a"
                 print(f"{S:>6} {f'{Hq}/{Hkv}':>7} {mask_mod.__name__:>8} | {ms('flexc')} {ms('SDPA')} "
                       f"{ms('torch eager')} {ms('torch compiled')} | {ratio('SDPA'):>6} {ratio('torch eager'):>7} "
                       f"{ratio('torch compiled'):>9}")
+    if args.device == "cuda":
+        return
     t = host_overhead(args.rounds)
     print(f"L=128, no mask, H=8: flexc {t['flexc'] * 1e3:.3f} ms, SDPA {t['SDPA'] * 1e3:.3f} ms, "
           f"ratio {t['flexc'] / t['SDPA']:.2f}x (target <= 2x)")

@@ -3,6 +3,8 @@
     python bench/gpu.py                 # correctness for 6 mods, then the TFLOP/s table (< 10 minutes)
     python bench/gpu.py --quick         # D=64, L=1K and 4K only
     python bench/gpu.py --budget 300    # stop starting new cells after 300 s
+    python bench/gpu.py --backward      # forward + backward: gradients checked, then training TFLOP/s
+    python bench/gpu.py --decode        # decoding (one query row, KV cache 1K..16K): bench/decode.py on the GPU
 
 1. Correctness: six mods (full, causal, sliding window, document, ALiBi, soft-capping + causal) at
    L=2048 plus a ragged causal case (L=1000, D=96), bf16; flexc, torch's compiled FlexAttention and
@@ -11,6 +13,11 @@
    causal / sliding-window / document / ALiBi mods. FLOPs count only allowed (query, key) pairs
    (4 * D per pair), the same for every column, so SDPA, which computes masked pairs too, is
    charged for what it wastes.
+
+With ``--backward`` the correctness part also compares dq, dk, dv with the float32 reference's
+gradients, and the table times one forward plus one backward (flexc's generated backward kernel,
+torch's compiled FlexAttention backward, SDPA's backward), counting 14 * D FLOPs per allowed pair
+(4 forward, 10 backward: the recomputed scores, dP, dV, dQ and dK products).
 
 Needs a CUDA GPU; on a machine without one it says so and exits with status 0. Every cell is
 guarded: a failure prints one line and the table continues; a watchdog prints what was measured
@@ -157,9 +164,19 @@ def short_error(e: BaseException) -> str:
 
 # ---- the two parts ------------------------------------------------------------------------
 
+def _grad_errors(q, k, v, out, ref) -> float:
+    """Largest |error| of flexc's dq, dk, dv against the float32 reference's, for one random dO."""
+    grad_out = torch.randn_like(out)
+    mine = torch.autograd.grad(out, (q, k, v), grad_out)
+    want = torch.autograd.grad(ref, (q, k, v), grad_out.float(), retain_graph=True)  # ref serves twice
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(mine, want))
+
+
 def check_correctness(flexc, torch_flex, compiled_flex, device: str, L_main: int = 2048,
-                      ragged: tuple[int, int] = (1000, 96)) -> bool:
+                      ragged: tuple[int, int] = (1000, 96), backward: bool = False) -> bool:
     print("\n== correctness (bf16; max |error| against a float32 dense reference) ==")
+    if backward:
+        print("(with gradients: 'flexc grad' is the largest |error| of dq, dk, dv; torch's for comparison)")
     print(f"{'mod':<16} {'L':>5} {'D':>4} {'flexc out':>10} {'flexc lse':>10} {'torch flex':>11} {'SDPA':>9}  verdict")
     ok_all = True
     cases = [(name, L_main, 64) for name in ("full", "causal", "sliding", "document", "alibi", "softcap_causal")]
@@ -170,7 +187,8 @@ def check_correctness(flexc, torch_flex, compiled_flex, device: str, L_main: int
             mods = make_mods(L, H, device)
             score_mod, mask_mod, sdpa_kind = mods[name]
             gen = torch.Generator(device=device).manual_seed(1)
-            q, k, v = (torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+            q, k, v = (torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16, generator=gen)
+                       .requires_grad_(backward) for _ in range(3))
             ref, ref_lse = dense_reference(q, k, v, score_mod, mask_mod)
             bm = flexc.create_block_mask(mask_mod, None, None, L, L, device=device) if mask_mod else None
             out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True,
@@ -186,9 +204,16 @@ def check_correctness(flexc, torch_flex, compiled_flex, device: str, L_main: int
                 s_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
                 s_err = (s_out.float() - ref).abs().max().item()
             ok = err <= max(2e-2, 2 * t_err) and lse_err <= 2e-2 and not out.isnan().any().item()
+            grads = ""
+            if backward:
+                g_err = _grad_errors(q, k, v, out, ref)
+                t_out = compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm)
+                t_g_err = _grad_errors(q, k, v, t_out, ref)
+                ok = ok and g_err <= max(5e-2, 2 * t_g_err)
+                grads = f" flexc grad {g_err:.2e} torch grad {t_g_err:.2e}"
             ok_all &= ok
             print(f"{name:<16} {L:>5} {D:>4} {err:>10.2e} {lse_err:>10.2e} {t_err:>11.2e} {s_err:>9.2e}  "
-                  f"{'PASS' if ok else 'FAIL'}")
+                  f"{'PASS' if ok else 'FAIL'}{grads}")
         except OutOfTime:
             raise
         except Exception as e:
@@ -197,22 +222,30 @@ def check_correctness(flexc, torch_flex, compiled_flex, device: str, L_main: int
     return ok_all
 
 
-def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device: str, deadline: float) -> dict:
+def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device: str, deadline: float,
+             backward: bool = False) -> dict:
     B = max(1, TOKENS // L)
     mods = make_mods(L, HEADS, device)
     score_mod, mask_mod, sdpa_kind = mods[name]
-    flops = 4 * B * HEADS * D * allowed_pairs(name, L, mods["_lengths"])
+    flops = (14 if backward else 4) * B * HEADS * D * allowed_pairs(name, L, mods["_lengths"])
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, HEADS, L, D, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(B, HEADS, L, D, device=device, dtype=torch.bfloat16, generator=gen)
+               .requires_grad_(backward) for _ in range(3))
     row = {"B": B}
+
+    def timed(forward):
+        if not backward:
+            return forward
+        grad_out = torch.randn_like(q)
+        return lambda: torch.autograd.grad(forward(), (q, k, v), grad_out)
 
     def tflops(ms: float) -> float:
         return flops / (ms * 1e-3) / 1e12
 
     try:
         bm = flexc.create_block_mask(mask_mod, None, None, L, L, device=device) if mask_mod else None
-        fn = lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
-                                          kernel_options={"BACKEND": "TRITON"})
+        fn = timed(lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                                kernel_options={"BACKEND": "TRITON"}))
         t0 = time.time()
         fn()
         sync(device)
@@ -225,7 +258,7 @@ def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device
     if time.time() < deadline - 45:  # a first compile of torch's kernel can take half a minute
         try:
             tbm = torch_flex.create_block_mask(mask_mod, None, None, L, L, device=device) if mask_mod else None
-            fn = lambda: compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm)
+            fn = timed(lambda: compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm))
             fn()
             row["torch"] = tflops(bench_ms(fn))
         except OutOfTime:
@@ -240,7 +273,8 @@ def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device
             row["sdpa"] = "skipped (mask > 4 GB)"
         else:
             mask, is_causal = sdpa_inputs(sdpa_kind, score_mod, mask_mod, L, HEADS, q.dtype, device)
-            fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+            fn = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                is_causal=is_causal))
             row["sdpa"] = tflops(bench_ms(fn))
             del mask
     except OutOfTime:
@@ -253,7 +287,8 @@ def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device
     return row
 
 
-def run_table(flexc, torch_flex, compiled_flex, device: str, dims, lengths, deadline: float) -> list:
+def run_table(flexc, torch_flex, compiled_flex, device: str, dims, lengths, deadline: float,
+              backward: bool = False) -> list:
     """One row per (D, L, mask): TFLOP/s of each implementation, or why it has none."""
     rows: list = []
     for D in dims:
@@ -264,7 +299,7 @@ def run_table(flexc, torch_flex, compiled_flex, device: str, dims, lengths, dead
                     continue
                 try:
                     rows.append(((D, L, name), run_cell(flexc, torch_flex, compiled_flex, name, L, D, device,
-                                                        deadline)))
+                                                        deadline, backward)))
                 except OutOfTime:
                     raise
                 except Exception as e:  # e.g. out of memory: report it, keep going
@@ -278,8 +313,9 @@ def fmt(x) -> str:
     return f"{x:8.1f}" if isinstance(x, float) else "       -"
 
 
-def print_table(rows: list) -> None:
-    print("\n== forward TFLOP/s (bf16, 16 heads, B*L = 16K tokens; allowed pairs only) ==")
+def print_table(rows: list, backward: bool = False) -> None:
+    what = "forward + backward" if backward else "forward"
+    print(f"\n== {what} TFLOP/s (bf16, 16 heads, B*L = 16K tokens; allowed pairs only) ==")
     print(f"{'D':>4} {'L':>6} {'B':>3} {'mask':<9} {'flexc':>8} {'torch.compile(flex)':>20} {'SDPA':>8} "
           f"{'flexc/flex':>10} {'flexc 1st call s':>16}")
     notes = []
@@ -305,7 +341,15 @@ def main(argv=None) -> int:
     parser.add_argument("--dims", type=ints, default=(64, 128), help="head dims, comma-separated (64,128)")
     parser.add_argument("--lengths", type=ints, default=(1024, 2048, 4096, 8192, 16384),
                         help="sequence lengths, comma-separated (1024,...,16384)")
+    parser.add_argument("--backward", action="store_true", help="check gradients and time forward + backward")
+    parser.add_argument("--decode", action="store_true", help="the decoding table of bench/decode.py on this GPU")
     args = parser.parse_args(argv)
+    if args.decode:  # one query row per head against a KV cache: flexc's split-KV decode kernel
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import decode
+
+        decode.main(["--device", "cuda"] + (["--quick"] if args.quick else []))
+        return 0
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device on this machine; this benchmark needs an NVIDIA GPU. Nothing was run.")
         return 0
@@ -339,17 +383,17 @@ def main(argv=None) -> int:
     ok = False
     rows: list = []
     try:
-        ok = check_correctness(flexc, torch_flex, compiled_flex, device)
+        ok = check_correctness(flexc, torch_flex, compiled_flex, device, backward=args.backward)
         dims = (64,) if args.quick else args.dims
         lengths = (1024, 4096) if args.quick else args.lengths
-        rows = run_table(flexc, torch_flex, compiled_flex, device, dims, lengths, deadline)
+        rows = run_table(flexc, torch_flex, compiled_flex, device, dims, lengths, deadline, args.backward)
     except OutOfTime:
         print("\n(time budget exhausted: the table below is partial)")
     except Exception:
         traceback.print_exc()
     finally:
         signal.alarm(0)
-    print_table(rows)
+    print_table(rows, args.backward)
     info = flexc.cache_info()
     print(f"\nflexc kernel cache: {info.misses} compiled, {info.hits} reused; total {time.time() - start:.0f} s; "
           f"correctness {'PASS' if ok else 'FAIL'}")

@@ -2,6 +2,7 @@
 
     python bench/kernel_metrics.py                    # the five mods at D=64 and D=128, bf16, sm_90
     python bench/kernel_metrics.py --cases causal --head-dims 128 --show-torch-source
+    python bench/kernel_metrics.py --backward         # the backward kernels beside torch's backward template
 
 Each kernel is compiled for ``GPUTarget("cuda", 90, 32)`` on the CPU (Triton's front end, LLVM and
 the ptxas bundled with Triton) with its arguments specialised as Triton's launcher specialises a
@@ -93,6 +94,19 @@ def make_cases(L: int, H: int) -> dict:
             "tmp5 = tmp3 * tmp4", "post_mod_scores = tmp5"],
             ["tmp6 = (m)", "tmp7 = (n)", "tmp8 = tmp6 >= tmp7", "mask_mod_output = tmp8"]),
     }
+
+
+# The backward's joint graph as Inductor lowers it (subgraph 1 of torch's backward template):
+# grad_scores from grad_score_mod ({ds}) and the pre-mod score ({score}).
+JOINT_LINES = {
+    "soft-cap + causal": ["tmp20 = ({score})", "tmp21 = 0.05", "tmp22 = tmp20 * tmp21",
+                          "tmp23 = libdevice.tanh(tmp22)", "tmp24 = tmp23 * tmp23", "tmp25 = 1.0", "tmp26 = tmp25 - tmp24",
+                          "tmp27 = 20.0", "tmp28 = ({ds}) * tmp27", "tmp29 = tmp28 * tmp26", "tmp30 = tmp29 * tmp21",
+                          "grad_scores = tmp30"],
+}
+BACKWARD_CASES = ("causal", "alibi + causal", "soft-cap + causal")
+# torch 2.13's Hopper defaults for the backward template: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, stages, warps)
+TORCH_H100_BWD_CONFIG = {64: (64, 128, 128, 64, 3, 8), 128: (64, 128, 128, 64, 3, 8)}
 
 
 # ---- measuring a compiled kernel ----------------------------------------------------------
@@ -237,6 +251,152 @@ def compile_torch(case, dtype, head_dim, L: int, H: int):
     return source, compiled, config
 
 
+# ---- the backward ----------------------------------------------------------------------------
+
+def compile_flexc_backward(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=None):
+    from flexc.backends import triton_backward
+
+    score = flexc.trace(score_mod) if score_mod is not None else None
+    mask = flexc.trace(mask_mod) if mask_mod is not None else None
+    block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
+    spec = triton_backward.make_backward_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
+                                              options, "cuda", (), mask is not None)
+    fwd_spec = triton_backend.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
+                                        None, "cuda", False, mask is not None)
+    inputs = triton_backend.offline_inputs(fwd_spec, BATCH, H, L, L, block_mask)
+    return spec, triton_backward.compile_backward_offline(spec, inputs, CAPABILITY)
+
+
+def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers, head_dim, L: int, H: int,
+                                   config) -> str:
+    """torch's flex_attention backward template rendered for one static-shape case, as Inductor would."""
+    import jinja2
+    import torch._inductor.kernel.flex as flex
+
+    m1, n1, m2, n2, _, _ = config
+    folder = os.path.join(os.path.dirname(flex.__file__), "templates")
+    text = "\n".join(open(os.path.join(folder, f"{name}.py.jinja")).read()
+                     for name in ("flex_backwards", "utilities"))
+    defines = dict(PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, WRITE_DQ=True,
+                   OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False, FLOAT32_PRECISION="'ieee'",
+                   IS_DIVISIBLE=L % 128 == 0, SM_SCALE=head_dim ** -0.5, GQA_SHARED_HEADS=1, HAS_FULL_BLOCKS=True,
+                   QK_HEAD_DIM=head_dim, QK_HEAD_DIM_ROUNDED=head_dim, V_HEAD_DIM=head_dim,
+                   V_HEAD_DIM_ROUNDED=head_dim, SAFE_HEAD_DIM=True, USE_TMA=False, BLOCK_M1=m1, BLOCK_N1=n1,
+                   BLOCK_M2=m2, BLOCK_N2=n2, SPARSE_Q_BLOCK_SIZE=128, SPARSE_KV_BLOCK_SIZE=128,
+                   INDEX_DTYPE="tl.int32")
+    inputs = ["Q", "K", "V", "LSE", "DELTA", "DO", "DQ", "DV", "KV_NUM_BLKS", "KV_IDX", "Q_NUM_BLKS", "Q_IDX",
+              "FULL_KV_NUM_BLKS", "FULL_KV_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX"]
+    argdefs = ", ".join([f"arg_{n}" for n in inputs] + [f"in_ptr{16 + i}" for i in range(n_buffers)] + ["out_ptr0"])
+    n_blocks = L // 128
+    qkv = (BATCH, H, L, head_dim)
+    shapes = {"Q": qkv, "K": qkv, "V": qkv, "DO": qkv, "DQ": qkv, "DV": qkv, "LSE": (BATCH, H, L),
+              "DELTA": (BATCH, H, L)}
+    for name in ("KV", "Q", "FULL_KV", "FULL_Q"):
+        shapes[f"{name}_NUM_BLKS"] = (1, 1, n_blocks)
+        shapes[f"{name}_IDX"] = (1, 1, n_blocks, n_blocks)
+
+    def strides(name):
+        shape, out = shapes[name], []
+        for d in range(len(shape)):
+            out.append(int(torch.tensor(shape[d + 1:]).prod()) if d + 1 < len(shape) else 1)
+        return out
+
+    def gen_defines():
+        return "\n".join(f"{k} : tl.constexpr = {v}" for k, v in defines.items())
+
+    def def_kernel(*names):
+        body = [f"    {k} : tl.constexpr = {v}" for k, v in defines.items()]
+        body += [f"    {n} = arg_{n}" for n in names]
+        return "@triton.jit\ndef triton_tem_fused_bwd_0(" + argdefs + "):\n" + "\n".join(body)
+
+    def renumber(line: str) -> str:  # captured tensors follow the backward's 16 inputs (the forward's 9)
+        return re.sub(r"in_ptr(\d+)", lambda m: f"in_ptr{int(m.group(1)) + 7}", line)
+
+    def modification(subgraph_number, output_name, **kwargs):
+        if subgraph_number == 0:
+            lines = [renumber(line).replace("(qk)", f"({kwargs['score']})").replace("off_h)", f"{kwargs['h']})")
+                     for line in score_lines]
+        elif subgraph_number == 1:
+            lines = JOINT_LINES.get(case_name, ["grad_scores = ({ds})"])
+            lines = [line.format(score=kwargs["score"], ds=kwargs["grad_score_mod"]) for line in lines]
+        elif subgraph_number == 2:
+            lines = [renumber(line) for line in mask_lines]
+        else:  # captured-tensor gradient writes: none (torch's default for buffers without grad)
+            return "pass"
+        return "\n".join(lines)
+
+    def store_output(indices, value, mask, indent_width=4, val_shape=None):
+        zq, hkv, n, k = indices
+        s = strides("K")
+        pad = " " * indent_width
+        return (f"xindex = {k} + {s[2]}*{n} + {s[1]}*{hkv} + {s[0]}*{zq}\n"
+                f"{pad}tl.store(out_ptr0 + (tl.broadcast_to(xindex, {list(val_shape)})), {value}, {mask})"
+                .replace("'", ""))
+
+    def indent_except_first(text, n):
+        return text.replace("\n", "\n" + "    " * n)
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters["indent_except_first"] = indent_except_first
+    source = env.from_string(text).render(
+        def_kernel=def_kernel, gen_argdefs=lambda: argdefs, gen_defines=gen_defines, modification=modification,
+        store_output=store_output, stride=lambda name, dim=None: ", ".join(map(str, strides(name))) if dim is None
+        else str(strides(name)[dim]), size=lambda name, dim: str(shapes[name][dim]), **defines)
+    header = ("# torch's flex_attention backward template (installed torch), rendered by bench/kernel_metrics.py\n"
+              "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice\n\n")
+    return header + source
+
+
+def compile_torch_backward(case_name, case, dtype, head_dim, L: int, H: int):
+    _, _, buffers, score_lines, mask_lines = case
+    config = TORCH_H100_BWD_CONFIG[head_dim]
+    source = render_torch_backward_template(case_name, score_lines, mask_lines, len(buffers), head_dim, L, H, config)
+    module, _ = triton_backend.import_source(source, "cuda")
+    n_blocks = L // 128
+    q = torch.empty((BATCH, H, L, head_dim), dtype=dtype)
+    rows = torch.empty((BATCH, H, L), dtype=torch.float32)
+    counts = torch.zeros((1, 1, n_blocks), dtype=torch.int32)
+    indices = torch.zeros((1, 1, n_blocks, n_blocks), dtype=torch.int32)
+    args = [q, torch.empty_like(q), torch.empty_like(q), rows, rows, torch.empty_like(q), torch.empty_like(q),
+            torch.empty_like(q), counts, indices, counts, indices, counts, indices, counts, indices,
+            *buffers, torch.empty_like(q)]
+    stages, warps = config[4], config[5]
+    compiled = triton_backend.compile_like_launcher(module.triton_tem_fused_bwd_0, args, {}, warps, stages, CAPABILITY)
+    return source, compiled, config
+
+
+def main_backward(args) -> int:
+    """The backward table: flexc's generated backward beside torch's backward template, per case and D."""
+    dtype, L, H = torch.bfloat16, args.length, HEADS
+    cases = make_cases(L, H)
+    names = args.cases or list(BACKWARD_CASES)
+    print(f"backward, sm_{CAPABILITY}, bf16, B={BATCH}, H={H}, L=S={L}; per kernel: registers, spill stores/loads (B), "
+          f"shared memory, SASS instructions per loop iteration (outermost loops in program order)")
+    print(f"{'case':<20} {'D':>3} {'flexc tiles (M1,N1,M2,N2)':<26} {'flexc':<40} {'torch tiles':<26} {'torch':<40}")
+    spilling = 0
+    for head_dim in args.head_dims:
+        for name in names:
+            case = cases[name]
+            spec, compiled = compile_flexc_backward(case[0], case[1], dtype, head_dim, L, H)
+            ours = measure(compiled)
+            source, torch_compiled, config = compile_torch_backward(name, case, dtype, head_dim, L, H)
+            theirs = measure(torch_compiled)
+            if args.show_torch_source:
+                print(source)
+            if args.show_flexc_source:
+                print(triton_backend.source_for(spec))
+            spilling += bool(ours["spill_stores"] or ours["spill_loads"])
+            flexc_tiles = (f"{spec.block_m1},{spec.block_n1},{spec.block_m2},{spec.block_n2} "
+                           f"w{spec.num_warps} s{spec.num_stages}")
+            torch_tiles = f"{config[0]},{config[1]},{config[2]},{config[3]} w{config[5]} s{config[4]}"
+            print(f"{name:<20} {head_dim:>3} {flexc_tiles:<26} {_row(ours):<40} {torch_tiles:<26} {_row(theirs):<40}",
+                  flush=True)
+            for w in ours["warnings"]:
+                print(f"  flexc ptxas: {w}")
+    print(f"backward kernel metrics: spilling flexc kernels {spilling}")
+    return 0
+
+
 # ---- the table ----------------------------------------------------------------------------
 
 def _loops(report) -> str:
@@ -255,7 +415,11 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=LENGTH)
     parser.add_argument("--show-torch-source", action="store_true")
     parser.add_argument("--show-flexc-source", action="store_true")
+    parser.add_argument("--backward", action="store_true", help="the backward kernels (default cases: "
+                        + ", ".join(BACKWARD_CASES) + ")")
     args = parser.parse_args(argv)
+    if args.backward:
+        return main_backward(args)
     dtype, L, H = torch.bfloat16, args.length, HEADS
     cases = make_cases(L, H)
     names = args.cases or list(cases)

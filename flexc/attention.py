@@ -36,6 +36,11 @@ class AuxOutput(NamedTuple):
 # score_mod/mask_mod are TracedMod or None; block_mask is a BlockMask (flexc or torch) or None
 # (everything allowed). "TORCH" is the CPU block-sparse path; the Triton backend adds "TRITON".
 BACKENDS: dict[str, Callable] = {"TORCH": torch_forward}
+# Backends that also generate their backward: name -> (forward, backward). The forward has the
+#   signature forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options)
+#   -> (out, lse natural log, float64 for float64 inputs); the backward is torch_backward's plus
+#   kernel_options. Backends not listed train through the torch row loop (torch_backward).
+TRAINING: dict[str, tuple[Callable, Callable]] = {}
 
 
 def _choose_backend(options: dict, device: torch.device) -> str:
@@ -123,8 +128,13 @@ class _FlexAttentionFunction(torch.autograd.Function):
     """Forward on the chosen backend; backward recomputes scores per query row on the torch path."""
 
     @staticmethod
-    def forward(ctx, query, key, value, forward, score_mod, mask_mod, block_mask, scale, options, slots, *grad_buffers):
-        if forward is torch_forward and query.dtype == torch.float64:
+    def forward(ctx, query, key, value, forward, training, score_mod, mask_mod, block_mask, scale, options, slots,
+                *grad_buffers):
+        ctx.backward_fn = training[1] if training is not None else None
+        ctx.options = options
+        if training is not None:
+            out, lse = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options)
+        elif forward is torch_forward and query.dtype == torch.float64:
             # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
                                            need_max=False, lse_dtype=torch.float64)
@@ -140,10 +150,14 @@ class _FlexAttentionFunction(torch.autograd.Function):
         score_mod, mask_mod, block_mask, scale, slots = ctx.mods
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod,
-                                               mask_mod, block_mask, scale, slots)
+        if ctx.backward_fn is not None:  # the backend's generated backward
+            dq, dk, dv, buf_grads = ctx.backward_fn(query, key, value, out, lse, grad_out, grad_lse, score_mod,
+                                                    mask_mod, block_mask, scale, slots, ctx.options)
+        else:
+            dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod,
+                                                   mask_mod, block_mask, scale, slots)
         dq, dk, dv = (_laid_out_like(g, t) for g, t in ((dq, query), (dk, key), (dv, value)))
-        return (dq, dk, dv, None, None, None, None, None, None, None, *buf_grads)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None, *buf_grads)
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -200,8 +214,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if needs_grad:
         forward = BACKENDS[backend]
         grad_buffers = [traced_score.buffers[i] for i in slots]
-        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, traced_score, traced_mask,
-                                                block_mask, scale, options, slots, *grad_buffers)
+        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, TRAINING.get(backend), traced_score,
+                                                traced_mask, block_mask, scale, options, slots, *grad_buffers)
         if want_max:
             with torch.no_grad():
                 max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale)[2]

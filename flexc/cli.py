@@ -232,9 +232,17 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise CliError("--block-size sets the BlockMask's block size, but no mask_mod was given. "
                        "Fix: drop --block-size, or name a mask_mod too (FILE.py:SCORE_MOD,MASK_MOD).")
     block_size = (args.block_size or (128, 128)) if mask is not None else None
+    target = "interpreter" if args.device == "cpu" else "cuda"
     try:
-        spec = make_spec(score, mask, _DTYPES[args.dtype], head_dim, v_head_dim, block_size, options,
-                         "interpreter" if args.device == "cpu" else "cuda", args.lse)
+        if args.backward:  # captured tensors that require grad receive gradients, as in training
+            from .attention import _grad_slots
+            from .backends.triton_backward import make_backward_spec
+
+            spec = make_backward_spec(score, mask, _DTYPES[args.dtype], head_dim, v_head_dim, block_size, options,
+                                      target, _grad_slots(score))
+        else:
+            spec = make_spec(score, mask, _DTYPES[args.dtype], head_dim, v_head_dim, block_size, options, target,
+                             args.lse)
     except (TypeError, ValueError) as e:
         raise CliError(str(e).removeprefix("flexc: ")) from None
     sys.stdout.write(source_for(spec))
@@ -316,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda: the compiled kernel; cpu: the variant run by Triton's interpreter")
     p.add_argument("--lse", action="store_true", help="the variant that also writes the logsumexp")
+    p.add_argument("--backward", action="store_true",
+                   help="the backward kernel (dQ, dK, dV and gradients of captured tensors that require grad)")
     p.add_argument("--option", "-o", type=_option, action="append", default=[], metavar="NAME=VALUE",
                    help="a kernel option, e.g. -o BLOCK_M=64 -o num_warps=8")
     p.set_defaults(run=cmd_show)

@@ -46,6 +46,14 @@ def test_every_catalogue_mask_decodes_like_torch_and_dense(name):
     out2, lse2 = flexc.flex_attention(q, k, v, block_mask=sliced, enable_gqa=True, return_lse=True)
     _close(out2, ref_out)
     _close(lse2, ref_lse)
+    # one batch and head: a single table row, served by the per-span plan (mask_mod on partial spans only)
+    q1, k1, v1 = q[:1, :1], k[:1, :1], v[:1, :1]
+    one_row = flexc.create_block_mask(mask_mod, 1, 1, L, S, BLOCK_SIZE=BLOCK)
+    assert decode_cpu._one_row_plan(one_row, L, S, q.device) is not None
+    out1, lse1 = flexc.flex_attention(q1, k1, v1, block_mask=one_row, return_lse=True)
+    ref_out1, ref_lse1, _ = dense_attention(q1, k1, v1, mask_mod=mask_mod)
+    _close(out1, ref_out1)
+    _close(lse1, ref_lse1)
     # torch's own FlexAttention on torch's BlockMask
     tbm = torch_flex.create_block_mask(mask_mod, B, HQ, L, S, device="cpu", BLOCK_SIZE=BLOCK)
     t_out, t_lse = torch_flex.flex_attention(q, k, v, block_mask=tbm, enable_gqa=True, return_lse=True)

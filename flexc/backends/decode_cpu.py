@@ -52,13 +52,67 @@ def _reads(mod: TracedMod) -> tuple[str, ...]:
     return tuple(sorted({node.attr for node in mod.root.walk() if node.op == "input"}))
 
 
+_MAX_SPANS = 4  # more partial spans than this: the mask_mod is evaluated over every position at once
+
+
+def _block_sizes(block_mask: Any) -> tuple[int, int]:
+    size = block_mask.BLOCK_SIZE
+    size = size if isinstance(size, (tuple, list)) else (size, size)
+    return int(size[0]), int(size[1])
+
+
+def _one_row_plan(block_mask: Any, L: int, S: int, device: torch.device):
+    """The plan for the usual decoding mask: every batch and head share one table row (a
+    broadcast mask sliced to one block row). ``(positions, start, spans)`` with ``spans`` the
+    ``(offset, length)`` runs of partial-block columns, the only ones the mask_mod is evaluated
+    on (as in the kernels); ``(None, None, [])`` when no block is listed; None when the mask has
+    several rows or too many partial runs (the general plan then serves it).
+
+    The row is read with two ``tolist`` calls; the rest is Python on at most nKV block numbers.
+    """
+    q_block, kv_block = _block_sizes(block_mask)
+    num = block_mask.kv_num_blocks
+    if num.shape[0] != 1 or num.shape[1] != 1 or L > q_block:
+        return None
+    n_blocks = -(-S // kv_block)
+    classes: dict[int, bool] = {}  # block -> is partial
+    for counts, indices, partial in ((num, block_mask.kv_indices, True),
+                                     (getattr(block_mask, "full_kv_num_blocks", None),
+                                      getattr(block_mask, "full_kv_indices", None), False)):
+        if counts is None:
+            continue
+        count = int(counts.view(-1)[0])
+        for block in indices.view(-1)[:count].tolist():
+            if block < n_blocks:
+                classes[block] = classes.get(block, False) or partial
+    if not classes:
+        return None, None, []
+    blocks = sorted(classes)
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for block in blocks:
+        length = min(kv_block, S - block * kv_block)
+        if classes[block]:
+            if spans and spans[-1][0] + spans[-1][1] == offset:  # extends the previous run
+                spans[-1] = (spans[-1][0], spans[-1][1] + length)
+            else:
+                spans.append((offset, length))
+        offset += length
+    if len(spans) > _MAX_SPANS:
+        return None
+    if blocks[-1] - blocks[0] + 1 == len(blocks):
+        start = blocks[0] * kv_block
+        return torch.arange(start, start + offset, device=device), start, spans
+    block_t = torch.tensor(blocks, device=device)
+    positions = (block_t[:, None] * kv_block + torch.arange(kv_block, device=device)).flatten()
+    return positions[positions < S], None, spans
+
+
 def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
     """``(positions, start, partial, full)``: sorted key positions of every listed block, the
     start when they form one contiguous range (else None), and per-element tile lookups
     ``partial``/``full`` (bool ``[Bm, Hm, L, n]``, ``full`` None without full tables)."""
-    q_block, kv_block = (block_mask.BLOCK_SIZE if isinstance(block_mask.BLOCK_SIZE, (tuple, list))
-                         else (block_mask.BLOCK_SIZE, block_mask.BLOCK_SIZE))
-    q_block, kv_block = int(q_block), int(kv_block)
+    q_block, kv_block = _block_sizes(block_mask)
     n_cols = block_mask.kv_indices.shape[-1]
     q_rows = torch.arange(L, device=device) // q_block
     # tile occupancy of the query blocks these rows fall in: [Bm, Hm, L, nKV]
@@ -92,11 +146,16 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     G = Hq // Hkv
     device = query.device
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    spans = None  # (offset, length) column runs that need the mask_mod, when known per column
+    partial = full = None
     if block_mask is None:
         positions, start = torch.arange(S, device=device), 0
-        partial = full = None
     else:
-        positions, start, partial, full = _visited_positions(block_mask, L, S, device)
+        plan = _one_row_plan(block_mask, L, S, device)
+        if plan is not None:
+            positions, start, spans = plan
+        else:
+            positions, start, partial, full = _visited_positions(block_mask, L, S, device)
     if positions is None:  # no key block listed anywhere
         out = torch.zeros(B, Hq, L, Ev, dtype=query.dtype, device=device)
         dead = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=device)
@@ -126,7 +185,14 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
             s4.copy_(modded)
         s4.mul_(LOG2E)
     allowed = None
-    if partial is not None:
+    if spans is not None:
+        if not _is_true(mask_mod):
+            reads = _reads(mask_mod)
+            for offset, length in spans:  # only partial blocks run the mask_mod; full ones need nothing
+                args = {k: (positions[offset:offset + length].view(1, 1, 1, -1) if k == "kv_idx" else index(k))
+                        for k in reads}
+                s4[..., offset:offset + length].masked_fill_(evaluate(mask_mod, **args).logical_not(), _NEG_INF)
+    elif partial is not None:
         allowed = partial
         if not _is_true(mask_mod):
             allowed = allowed & evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})

@@ -11,6 +11,7 @@ kernel arguments, never part of the source. :func:`cache_info` counts hits and m
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -23,6 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..codegen.backward import BackwardSpec, generate_backward
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
                                padded_head_dim)
 from ..codegen.index_width import index_dtype as _index_dtype
@@ -45,7 +47,7 @@ class CacheInfo(NamedTuple):
 
 
 class _Kernel(NamedTuple):
-    generated: GeneratedForward
+    generated: Any  # GeneratedForward, or GeneratedBackward for a BackwardSpec
     fn: Any  # the imported @triton.jit kernel (an InterpretedFunction under the interpreter)
     path: str
 
@@ -57,6 +59,25 @@ _stats = {"hits": 0, "misses": 0}
 _cache_lock = threading.Lock()
 # Triton's interpreter patches triton.language globally while a kernel runs: one at a time.
 _interpreter_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def interpreting():
+    """Hold the interpreter, with its integer-overflow checks off while a kernel runs.
+
+    The interpreter checks every 32-bit ``+ - *`` for overflow in int64 (a debugging aid the
+    compiled kernel does not have); that was 45% of a backward launch at L = 72.
+    """
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    with _interpreter_lock:
+        options = builder.options
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+        try:
+            yield
+        finally:
+            builder.options = options
 
 
 def cache_info() -> CacheInfo:
@@ -290,17 +311,21 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
     return module, path
 
 
-def get_kernel(spec: ForwardSpec) -> _Kernel:
-    """The compiled kernel for ``spec``: from the cache, or generated, written and imported."""
+def _generate(spec: ForwardSpec | BackwardSpec) -> Any:
+    return generate_backward(spec) if isinstance(spec, BackwardSpec) else generate_forward(spec)
+
+
+def get_kernel(spec: ForwardSpec | BackwardSpec) -> _Kernel:
+    """The compiled kernel for ``spec`` (forward or backward): from the cache, or generated, written and imported."""
     key = spec.key()
     with _cache_lock:
         kernel = _cache.get(key)
         if kernel is not None:
             _stats["hits"] += 1
             return kernel
-        generated = generate_forward(spec)
+        generated = _generate(spec)
         module, path = import_source(generated.source, spec.target)
-        kernel = _Kernel(generated, getattr(module, KERNEL_NAME), path)
+        kernel = _Kernel(generated, getattr(module, generated.kernel_name), path)
         _cache[key] = kernel
         _stats["misses"] += 1
         return kernel
@@ -328,7 +353,7 @@ def source_for(spec: ForwardSpec) -> str:
     spec = resolve_fallback(spec)
     with _cache_lock:
         kernel = _cache.get(spec.key())
-    return kernel.generated.source if kernel is not None else generate_forward(spec).source
+    return kernel.generated.source if kernel is not None else _generate(spec).source
 
 
 # ---- launching ----------------------------------------------------------------------------
@@ -419,14 +444,17 @@ def _kernel_args(generated: GeneratedForward, query: torch.Tensor, key: torch.Te
 
 
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the kernel for ``spec`` on these tensors; the mods supply the captured-tensor values."""
+           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+           lse_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the kernel for ``spec`` on these tensors; the mods supply the captured-tensor values.
+
+    ``lse_dtype`` float64 keeps a float64 call's logsumexp exact for its backward.
+    """
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
     out = _empty_like_query(query, Ev)
-    lse = torch.empty((B, Hq, L), dtype=torch.float32, device=device) if spec.output_lse else None
+    lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
     if out.numel() == 0 or S == 0:  # nothing to attend to: every row is fully masked
         out.zero_()
         if lse is not None:
@@ -447,7 +475,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
         constants = _constexprs(spec, L, S, args)
         grid = (cdiv(L, spec.block_m), Hq, B)
         if spec.target == "interpreter":
-            with _interpreter_lock:
+            with interpreting():
                 kernel.fn[grid](*args, **constants)
             return out, lse
         from triton.runtime.errors import OutOfResources
@@ -505,11 +533,13 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
                   block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
-                  kernel_options: dict | None = None, *, return_lse: bool = False) -> str:
+                  kernel_options: dict | None = None, *, return_lse: bool = False, backward: bool = False) -> str:
     """The exact Triton source :func:`flexc.flex_attention` runs for these arguments.
 
     Takes ``flex_attention``'s arguments; ``return_lse=True`` (or training, which needs the
-    logsumexp) selects the variant that also writes it. Nothing is compiled.
+    logsumexp) selects the variant that also writes it. ``backward=True`` returns the backward
+    kernel a training call runs instead (captured tensors that require grad receive gradients).
+    Nothing is compiled.
 
     >>> print(flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=causal))  # doctest: +SKIP
     """
@@ -517,6 +547,10 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                          enable_gqa, kernel_options)
+    if backward:
+        from .triton_backward import backward_source
+
+        return backward_source(query, value, traced_score, traced_mask, block_mask, options)
     from . import triton_decode
 
     if triton_decode.applies(query, key, block_mask):  # short queries run the split-KV decode kernel
@@ -600,6 +634,7 @@ def _register() -> None:
     from .. import attention
 
     attention.BACKENDS.setdefault("TRITON", triton_forward)
+    from . import triton_backward  # noqa: F401  registers the generated backward for training
 
 
 _register()

@@ -101,7 +101,8 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, Hq: int, L: i
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
            num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the decode kernel and merge its splits: ``(out [B,Hq,L,Ev], lse [B,Hq,L] fp32)``."""
+    """Run the decode kernel and merge its splits: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
+    (float64 for float64 inputs)."""
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
@@ -129,8 +130,7 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     else:
         with torch.cuda.device(device):
             fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
-    out, lse = merge_splits(out_split, lse_split, Hq, L, query.dtype)
-    return out, lse.float()
+    return merge_splits(out_split, lse_split, Hq, L, query.dtype)  # lse float64 for float64 inputs
 
 
 def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):

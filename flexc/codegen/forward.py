@@ -530,7 +530,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     if spec.output_lse:
         lse_ptrs = "lse_ptr + b * stride_lb + h * stride_lh + offs_m"
         body += [
-            f"    lse = ((m_i + tl.log2(l_safe)) * {LN2}).to(tl.float32)  # natural log",
+            f"    lse = ((m_i + tl.log2(l_safe)) * {LN2}).to(lse_ptr.dtype.element_ty)  # natural log",
             "    if Q_LEN_DIVISIBLE:",
             f"        tl.store({lse_ptrs}, lse)",
             "    else:",

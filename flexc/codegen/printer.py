@@ -313,8 +313,18 @@ class _Printer:
         raise NotImplementedError(f"flexc codegen: no Triton printing for IR op {op!r} in {self.traced!r}")
 
     def render_load(self, n: ir.Node) -> str:
+        dtype = n.args[0].attr[1]
+        load = f"tl.load({self.render_address(n)})"
+        if dtype in ("float16", "bfloat16"):
+            # computed in fp32, as Inductor does (Triton's interpreter has no 16-bit arithmetic)
+            return f"{load}.to(tl.float32)"
+        # bool tensors travel as uint8 (Triton has no bool pointers on every version)
+        return f"({load} != 0)" if dtype == "bool" else load
+
+    def render_address(self, n: ir.Node) -> str:
+        """The pointer a ``load`` node reads: the tensor's pointer plus index times stride per dim."""
         buf, indices = n.args[0], n.args[1:]
-        slot, dtype, _ = buf.attr
+        slot = buf.attr[0]
         terms = []
         for dim, index in enumerate(indices):
             stride = self.param(slot, "stride", dim)
@@ -329,13 +339,7 @@ class _Printer:
                 self.helpers.add("wrap_index")
                 text = f"wrap_index({self.operand(index, 0)}, {self.param(slot, 'size', dim)})"
             terms.append(f"{text} * {stride}")
-        address = " + ".join([self.param(slot, "ptr")] + terms)
-        load = f"tl.load({address})"
-        if dtype in ("float16", "bfloat16"):
-            # computed in fp32, as Inductor does (Triton's interpreter has no 16-bit arithmetic)
-            return f"{load}.to(tl.float32)"
-        # bool tensors travel as uint8 (Triton has no bool pointers on every version)
-        return f"({load} != 0)" if dtype == "bool" else load
+        return " + ".join([self.param(slot, "ptr")] + terms)
 
     def render_division(self, n: ir.Node) -> str:
         a, b = n.args
@@ -395,16 +399,19 @@ def _pow_repeats(n: ir.Node, literal: dict) -> int:
     return 1 if float(e).is_integer() and int(e) % 2 == 0 else 2  # the sign test reads x again
 
 
-def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None, *,
-               target: str | None = None, index_dtype: str = "int32") -> RenderedMod:
+def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None,
+               address: bool = False, *, target: str | None = None, index_dtype: str = "int32") -> RenderedMod:
     """Print ``traced`` as the Triton device function ``fn_name``.
 
     ``buffer_stems`` names each captured tensor's parameters (slot -> stem); by default the mod's
     own ``buffer_names``. The function takes the mod's arguments (``score, b, h, q_idx, kv_idx``
     or ``b, h, q_idx, kv_idx``) then the captured-tensor parameters in ``RenderedMod.params``.
-    ``target="cuda"`` uses libdevice/``tl.sigmoid`` for tanh and sigmoid (the default prints
-    portable helpers that Triton's interpreter runs too). ``index_dtype="int64"`` widens the index
-    arguments first, so integer arithmetic on them cannot wrap (torch computes it in int64).
+    With ``address=True`` the root must be a ``load`` and the function returns the pointer it
+    would read (the backward adds captured-tensor gradients there).
+    ``target="cuda"`` uses libdevice/``tl.sigmoid`` for tanh, sigmoid and the other math helpers
+    (the default prints portable helpers that Triton's interpreter runs too). ``index_dtype="int64"``
+    widens the index arguments first, so integer arithmetic on them cannot wrap (torch computes it
+    in int64).
     """
     if index_dtype not in ("int32", "int64"):
         raise ValueError(f"render_mod: index_dtype must be 'int32' or 'int64', got {index_dtype!r}. "
@@ -442,6 +449,10 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
             body.append(f"    {name} = {text}")
             text, prec = name, _ATOM
         p.text[id(n)] = (text, prec)
+    if address:
+        if traced.root.op != "load":
+            raise ValueError(f"render_mod(address=True) needs a load at the root, got `{traced.root}`")
+        p.text[id(traced.root)] = (p.render_address(traced.root), _ADD)
 
     args = list(traced.arg_names) + [param.name for param in _ordered(p.params)]
     comment = f"    # {fn_name}: {expression}"

@@ -1,0 +1,545 @@
+"""Generate the backward attention kernel for one pair of traced mods.
+
+Modelled on torch's FlexAttention backward template: one launch, two kinds of program.
+
+* A **dK/dV program** owns one tile of ``BLOCK_N1`` keys of one key head and batch. For every
+  query head of its GQA group it walks the BlockMask's *query-direction* tables (partial query
+  blocks, then full ones), recomputes the scores transposed (keys down, queries across), applies
+  the score_mod (everywhere) and the mask_mod (partial blocks only), and accumulates
+  ``dv += pᵀ·dO``, ``dsᵀ = pᵀ·(dpᵀ − delta) · dscore_mod/dscore`` and ``dk += dsᵀ·q``. It also adds
+  the gradients of captured tensors (``d score_mod / d gathered element`` from
+  :mod:`flexc.derivative`) at the gathered indices with atomic adds, summed inside the tile first
+  along every axis the index does not depend on.
+* A **dQ program** owns one tile of ``BLOCK_M2`` queries of one query head: it walks the key
+  tables like the forward and accumulates ``dq += ds·k``.
+
+dq, dk and dv are each written by exactly one program (no atomics). ``delta = rowsum(out·dO) −
+dlse`` and the base-2 logsumexp (``+inf`` on rows that attend to nothing, so their ``p`` is 0) are
+computed before the launch. :class:`BackwardSpec` is everything that shapes the source.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import ir
+from ..derivative import ScoreModDerivative, differentiate
+from ..trace import SCORE_MOD, TracedMod
+from .forward import RCP_LN2, _TL, _dot, _render, _stems, padded_head_dim
+from .printer import HELPERS, BufferParam, RenderedMod, python_literal, render_mod
+
+KERNEL_NAME = "flex_attention_backward"
+
+
+@dataclass(frozen=True)
+class BackwardSpec:
+    """What one generated backward kernel is specialised for.
+
+    ``block_m1``/``block_n1`` are the dK/dV programs' query step and key tile, ``block_m2``/``block_n2``
+    the dQ programs' query tile and key step (torch's names and meanings). ``grad_slots`` are the score_mod's captured tensors
+    that receive gradients. The other fields mean what they mean in :class:`ForwardSpec`.
+    """
+
+    score_mod: TracedMod | None
+    mask_mod: TracedMod | None
+    dtype: torch.dtype
+    head_dim: int
+    v_head_dim: int
+    q_block_size: int
+    kv_block_size: int
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    num_warps: int = 4
+    num_stages: int = 1
+    has_full_blocks: bool = True
+    grad_slots: tuple[int, ...] = ()
+    target: str = "cuda"
+    fp32_precision: str = "ieee"
+
+    def key(self) -> tuple:
+        """The kernel cache key: the mods' structure, never their captured values or lengths."""
+        return (
+            "backward",
+            self.score_mod.key if self.score_mod is not None else None,
+            self.mask_mod.key if self.mask_mod is not None else None,
+            self.dtype, self.head_dim, self.v_head_dim, self.q_block_size, self.kv_block_size,
+            self.block_m1, self.block_n1, self.block_m2, self.block_n2, self.num_warps, self.num_stages,
+            self.has_full_blocks, self.grad_slots, self.target, self.fp32_precision,
+        )
+
+    def grad_dtype(self, slot: int) -> torch.dtype:
+        """The dtype captured tensor ``slot``'s gradient is accumulated in (atomics need fp32/fp64)."""
+        return torch.float64 if self.score_mod.buffers[slot].dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class GeneratedBackward:
+    """A generated backward kernel: its source and the parameters that carry captured tensors.
+
+    ``score_params``/``mask_params`` read the mods' captured tensors; ``grad_params`` point into
+    the gradient accumulators (their ``slot`` is the score_mod slot whose gradient they hold).
+    """
+
+    source: str
+    kernel_name: str
+    score_params: tuple[BufferParam, ...]
+    mask_params: tuple[BufferParam, ...]
+    grad_params: tuple[BufferParam, ...]
+    derivative: ScoreModDerivative | None
+
+
+@dataclass(frozen=True)
+class _GatherCode:
+    grad: RenderedMod      # d score_mod / d element
+    address: RenderedMod   # where that element's gradient accumulates
+    what: str              # the gathered element, for the comment
+
+
+def _reduce(spec: BackwardSpec, x: str, axis: int) -> str:
+    # Triton's interpreter cannot call tl.sum (see forward._row_sum); tl.reduce runs there.
+    if spec.target == "interpreter":
+        return f"tl.reduce({x}, {axis}, tl.standard._sum_combine)"
+    return f"tl.sum({x}, {axis})"
+
+
+def _unique(params) -> list[BufferParam]:
+    seen, out = set(), []
+    for p in params:
+        if p.name not in seen:
+            seen.add(p.name)
+            out.append(p)
+    return out
+
+
+def _call(r: RenderedMod, args: str) -> str:
+    if r.is_constant:
+        return python_literal(float(r.literal))
+    return f"{r.fn_name}({', '.join([args] + [p.name for p in r.params])})"
+
+
+def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
+    """The Triton source of the backward kernel described by ``spec``."""
+    score, mask = _render(spec)  # the forward's mod functions, parameter names and all
+    derivative = differentiate(spec.score_mod, spec.grad_slots) if spec.score_mod is not None else None
+    taken: set[str] = set()
+    score_stems = _stems(spec.score_mod, taken, "score")
+    _stems(spec.mask_mod, taken, "mask")
+    d_score = gathers = None
+    if derivative is not None:
+        d_score = render_mod(derivative.as_mod(derivative.d_score, "score_grad"), "score_grad", score_stems)
+        n = len(spec.score_mod.buffers)
+        gathers = []
+        for j, g in enumerate(derivative.gathers):
+            slot, ndim = g.slot, len(g.indices)
+            grad_buf = ir.buffer(n + slot, "float64" if spec.grad_dtype(slot) == torch.float64 else "float32",
+                                 ndim, ir.FLOAT)
+            stem = f"{score_stems[slot]}_grad"
+            while stem in taken:
+                stem += "_"
+            stems = {n + slot: stem}
+            names = spec.score_mod.buffer_names + tuple(f"{name}_grad" for name in spec.score_mod.buffer_names)
+            target = TracedMod(SCORE_MOD, ir.load(grad_buf, g.indices), spec.score_mod.buffers, names,
+                               f"gather{j}_address", spec.score_mod.fn)
+            address = render_mod(target, f"gather{j}_address", stems, address=True)
+            grad = render_mod(derivative.as_mod(g.grad, f"gather{j}_grad"), f"gather{j}_grad", score_stems)
+            what = ir.format_expr(g.load, spec.score_mod.buffer_names)
+            gathers.append(_GatherCode(grad, address, what))
+    else:
+        d_score = None
+        gathers = []
+
+    mods = [r for r in (score, mask, d_score) if r is not None]
+    mods += [r for g in gathers for r in (g.grad, g.address)]
+    helpers = set().union(*(r.helpers for r in mods)) if mods else set()
+    n_buf = len(spec.score_mod.buffers) if spec.score_mod is not None else 0
+    score_params = _unique([p for r in (score, d_score) if r is not None for p in r.params]
+                           + [p for g in gathers for p in g.grad.params])
+    mask_params = tuple(mask.params) if mask is not None else ()
+    grad_params = _unique([p for g in gathers for p in g.address.params])
+    buffers = [p.name for p in score_params] + [p.name for p in mask_params] + [p.name for p in grad_params]
+
+    lines = _header(spec, derivative, gathers)
+    lines += ["import triton", "import triton.language as tl", "", ""]
+    for name in sorted(helpers):
+        lines += [HELPERS[name], ""]
+    for r in mods:
+        if not r.is_constant:
+            lines += [r.source, ""]
+    lines += _dkdv_blocks(spec, score, mask, d_score, gathers, buffers)
+    lines += ["", ""]
+    dq_buffers = buffers[:len(buffers) - len(grad_params)]  # dQ programs add no captured-tensor gradients
+    lines += _dq_blocks(spec, score, mask, d_score, dq_buffers)
+    lines += ["", ""]
+    lines += _kernel(spec, d_score, buffers, dq_buffers)
+    source = "\n".join(lines).rstrip() + "\n"
+    grad_params = tuple(BufferParam(p.name, p.slot - n_buf, p.what, p.dim) for p in grad_params)
+    return GeneratedBackward(source, KERNEL_NAME, tuple(score_params), mask_params, grad_params, derivative)
+
+
+def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: list[_GatherCode]) -> list[str]:
+    def describe(traced: TracedMod | None, what: str) -> str:
+        if traced is None:
+            return f"#   {what:<9} none"
+        name = traced.name if traced.name != "<lambda>" else "lambda"
+        return f"#   {what:<9} {name}: {traced}"
+
+    names = spec.score_mod.buffer_names if spec.score_mod is not None else ()
+    E, Ev = spec.head_dim, spec.v_head_dim
+    lines = [
+        "# flexc backward attention kernel (generated; flexc.kernel_source(..., backward=True) returns this text).",
+        describe(spec.score_mod, "score_mod"),
+        describe(spec.mask_mod, "mask_mod"),
+    ]
+    if derivative is not None:
+        lines.append(f"#   d score_mod / d score = {ir.format_expr(derivative.d_score, names)}")
+    if gathers:
+        lines.append("#   captured tensors that receive gradients (atomic adds at the gathered index):")
+        for g in gathers:
+            lines.append(f"#     d / d {g.what} = {g.grad.expression}")
+    lines += [
+        f"#   dtype {str(spec.dtype).removeprefix('torch.')}; head dim {E} (padded to {padded_head_dim(E)}), "
+        f"value head dim {Ev} (padded to {padded_head_dim(Ev)})",
+        f"#   BlockMask blocks: {spec.q_block_size} x {spec.kv_block_size} (query x key)",
+        f"#   tiles: dQ programs BLOCK_M2={spec.block_m2} x BLOCK_N2={spec.block_n2}, dK/dV programs "
+        f"BLOCK_M1={spec.block_m1} x BLOCK_N1={spec.block_n1}; num_warps={spec.num_warps}, "
+        f"num_stages={spec.num_stages}; target: {spec.target}",
+        "# One launch. Programs [0, NUM_KV_TILES) each own a key tile of one key head: they walk the",
+        "# BlockMask's query tables for every query head of the GQA group and write dK, dV (and add",
+        "# captured-tensor gradients). The remaining programs each own a query tile of one query head:",
+        "# they walk the key tables and write dQ. Partial blocks run the mask_mod, full blocks do not;",
+        "# scores are recomputed and turned into probabilities with the saved base-2 logsumexp.",
+    ]
+    if spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16):
+        lines.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
+        lines.append("# dot is unreliable); operands are rounded to the input dtype first, as on the GPU.")
+    return lines
+
+
+def _widen(spec: BackwardSpec) -> str:
+    return ".to(tl.float32)" if spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16) else ""
+
+
+def _operand(spec: BackwardSpec, x: str) -> str:
+    """A probability/gradient tile as a tl.dot operand: in the input dtype, as torch's template does."""
+    return f"{x}.to({_TL[spec.dtype]}){_widen(spec)}"
+
+
+def _score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, shape: str, indent: str) -> list[str]:
+    """``qk`` (the modified, masked score) from ``score`` (the scaled q·k) and ``valid``."""
+    out = []
+    if score is None:
+        out.append(f"{indent}qk = score")
+    else:
+        out.append(f"{indent}# score_mod: {score.expression}")
+        if score.is_constant:
+            out.append(f"{indent}qk = tl.full({shape}, {python_literal(float(score.literal))}, score.dtype)")
+        else:
+            call = _call(score, "score, b, h, q_idx, kv_idx")
+            if "score" in score.reads or {"q_idx", "kv_idx"} <= score.reads:
+                out.append(f"{indent}qk = {call}.to(score.dtype)")
+            else:  # varies along at most one axis: broadcast it to the tile
+                out.append(f"{indent}qk = tl.full({shape}, 0.0, score.dtype) + {call}")
+    if mask is not None:
+        out.append(f"{indent}if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed")
+        out.append(f"{indent}    # mask_mod: {mask.expression}")
+        if mask.is_constant:  # always False (always True was dropped)
+            out.append(f"{indent}    valid = valid & (q_idx < 0)  # allows nothing")
+        else:
+            out.append(f"{indent}    valid = valid & {_call(mask, 'b, h, q_idx, kv_idx')}")
+    out.append(f"{indent}qk = tl.where(valid, qk, float(\"-inf\"))")
+    return out
+
+
+def _score_grad_lines(d_score: RenderedMod | None, ds: str, indent: str) -> list[str]:
+    """``ds`` (d loss / d modified score) times d score_mod / d score, zero outside ``valid``."""
+    if d_score is None:
+        return []
+    if d_score.is_constant:
+        value = float(d_score.literal)
+        if value == 1.0:
+            return []
+        return [f"{indent}{ds} = {ds} * {python_literal(value)}  # d score_mod / d score: {d_score.expression}"]
+    return [f"{indent}# d score_mod / d score: {d_score.expression}",
+            f"{indent}{ds} = tl.where(valid, {ds} * {_call(d_score, 'score, b, h, q_idx, kv_idx')}, 0.0)"]
+
+
+def _ignores_score(d_score: RenderedMod | None) -> bool:
+    return d_score is not None and d_score.is_constant and float(d_score.literal) == 0.0
+
+
+def _walk(count_ptr: str, index_ptr: str, tiles: int, block: str, tile: str, start: str) -> list[str]:
+    if tiles == 1:
+        return [f"    for i in range(tl.load({count_ptr})):",
+                f"        {start} = tl.load({index_ptr} + i) * {block}  # the i-th listed block"]
+    return [f"    # each listed block spans {tiles} tiles of {tile}",
+            f"    for i in range(tl.load({count_ptr}) * {tiles}):",
+            f"        {start} = tl.load({index_ptr} + i // {tiles}) * {block} + (i % {tiles}) * {tile}"]
+
+
+def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -> list[str]:
+    """Atomic adds of ``dsT * d score_mod / d element`` at each gathered element (transposed tile)."""
+    out = []
+    for g in gathers:
+        reads = g.address.reads
+        out.append(f"{indent}# d / d {g.what} = {g.grad.expression}")
+        if g.grad.is_constant:
+            value = float(g.grad.literal)
+            term = "dsT" if value == 1.0 else f"dsT * {python_literal(value)}"
+        else:
+            term = f"tl.where(valid, dsT * {_call(g.grad, 'score, b, h, q_idx, kv_idx')}, 0.0)"
+        address = _call(g.address, "score, b, h, q_idx, kv_idx")
+        if "score" in reads or {"q_idx", "kv_idx"} <= reads:
+            out.append(f"{indent}grad = {term}")
+            if not {"q_idx", "kv_idx"} <= reads:  # an index read from the score alone: spread it over the tile
+                address = f"{address} + tl.full((BLOCK_N1, BLOCK_M1), 0, tl.int32)"
+            out.append(f"{indent}tl.atomic_add({address}, grad, mask=valid)")
+        elif "q_idx" in reads:  # constant along the keys: one add per query
+            out.append(f"{indent}grad = {_reduce(spec, term, 0)}[None, :]  # summed over the keys")
+            out.append(f"{indent}tl.atomic_add({address}, grad, mask=q_in_range[None, :])")
+        elif "kv_idx" in reads:  # constant along the queries: one add per key
+            out.append(f"{indent}grad = {_reduce(spec, term, 1)}[:, None]  # summed over the queries")
+            out.append(f"{indent}tl.atomic_add({address}, grad, mask=kv_in_range[:, None])")
+        else:  # one element for the whole tile
+            out.append(f"{indent}grad = {_reduce(spec, _reduce(spec, term, 1), 0)}  # summed over the tile")
+            out.append(f"{indent}tl.atomic_add({address}, grad)")
+    return out
+
+
+def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
+    tiles = spec.q_block_size // spec.block_m1
+    widen = _widen(spec)
+    pad_e = spec.head_dim != padded_head_dim(spec.head_dim)
+    pad_ev = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    params = [
+        "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
+        "query_ptr, grad_out_ptr, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
+        "block_count_ptr, block_index_ptr, scale, Q_LEN,",
+    ]
+    if buffers:
+        params.append(", ".join(buffers) + ",")
+    params += [
+        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr,",
+        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+    ]
+    q_mask = "q_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if pad_e else "")
+    do_mask = "q_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if pad_ev else "")
+    body = [
+        "@triton.jit",
+        "def dkdv_blocks(",
+        *("    " + p for p in params),
+        "):",
+        "    # One key tile against the query tiles of the listed query blocks, transposed: rows are",
+        "    # keys, columns are queries, so dv and dk accumulate without transposing p and ds.",
+        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
+        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *_walk("block_count_ptr", "block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m"),
+        "        offs_m = tl.multiple_of(start_m, BLOCK_M1) + tl.arange(0, BLOCK_M1)",
+        "        q_in_range = offs_m < Q_LEN",
+        f"        qT = tl.load(query_ptr + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd, mask={q_mask}, other=0.0){widen}",
+        f"        do = tl.load(grad_out_ptr + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod, mask={do_mask}, other=0.0){widen}",
+        "        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0",
+        "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
+        "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
+        f"        score = {_dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
+        "        valid = kv_in_range[:, None] & q_in_range[None, :]",
+        *_score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
+        f"        pT = tl.exp2(qk * {RCP_LN2} - lse[None, :])",
+        f"        dv = {_dot(_operand(spec, 'pT'), 'do', spec, 'dv')}",
+    ]
+    needs_ds = gathers or not _ignores_score(d_score)
+    if needs_ds:
+        body += [
+            f"        dpT = {_dot('v', 'tl.trans(do)', spec)}",
+            "        dsT = tl.where(valid, pT * (dpT - delta[None, :]), 0.0)  # d loss / d modified score",
+            *_gather_lines(spec, gathers, "        "),
+        ]
+    if not _ignores_score(d_score):
+        body += [
+            *_score_grad_lines(d_score, "dsT", "        "),
+            f"        dk = {_dot(_operand(spec, 'dsT'), 'tl.trans(qT)', spec, 'dk')}",
+        ]
+    body.append("    return dk, dv")
+    return body
+
+
+def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
+    tiles = spec.kv_block_size // spec.block_n2
+    widen = _widen(spec)
+    pad_e = spec.head_dim != padded_head_dim(spec.head_dim)
+    pad_ev = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    params = [
+        "dq, q, do, lse, delta, b, h, q_idx, q_in_range,",
+        "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
+        "block_count_ptr, block_index_ptr, scale, KV_LEN,",
+    ]
+    if buffers:
+        params.append(", ".join(buffers) + ",")
+    params += [
+        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
+        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+    ]
+    k_mask = "kv_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if pad_e else "")
+    v_mask = "kv_in_range[None, :]" + (" & (offs_dv[:, None] < V_HEAD_DIM)" if pad_ev else "")
+    return [
+        "@triton.jit",
+        "def dq_blocks(",
+        *("    " + p for p in params),
+        "):",
+        "    # One query tile against the key tiles of the listed key blocks.",
+        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
+        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *_walk("block_count_ptr", "block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n"),
+        "        offs_n = tl.multiple_of(start_n, BLOCK_N2) + tl.arange(0, BLOCK_N2)",
+        "        kv_in_range = offs_n < KV_LEN",
+        f"        kT = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen}",
+        f"        vT = tl.load(value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd, mask={v_mask}, other=0.0){widen}",
+        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
+        f"        score = {_dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
+        "        valid = q_in_range[:, None] & kv_in_range[None, :]",
+        *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
+        f"        p = tl.exp2(qk * {RCP_LN2} - lse[:, None])",
+        f"        dp = {_dot('do', 'vT', spec)}",
+        "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
+        *_score_grad_lines(d_score, "ds", "        "),
+        f"        dq = {_dot(_operand(spec, 'ds'), 'tl.trans(kT)', spec, 'dq')}",
+        "    return dq",
+    ]
+
+
+def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str], dq_buffers: list[str]) -> list[str]:
+    acc = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
+    widen = _widen(spec)
+    pad_e = spec.head_dim != padded_head_dim(spec.head_dim)
+    pad_ev = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    full = spec.has_full_blocks
+    params = [
+        "query_ptr, key_ptr, value_ptr, grad_out_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,",
+        "partial_kv_counts_ptr, partial_kv_indices_ptr," + (" full_kv_counts_ptr, full_kv_indices_ptr," if full else ""),
+        "partial_q_counts_ptr, partial_q_indices_ptr," + (" full_q_counts_ptr, full_q_indices_ptr," if full else ""),
+    ]
+    if buffers:
+        params.append(", ".join(buffers) + ",")
+    params += [
+        "scale, Q_LEN, KV_LEN, GQA_GROUP,",
+        "stride_qb, stride_qh, stride_qm, stride_qd,",
+        "stride_kb, stride_kh, stride_kn, stride_kd,",
+        "stride_vb, stride_vh, stride_vn, stride_vd,",
+        "stride_dob, stride_doh, stride_dom, stride_dod,",
+        "stride_lb, stride_lh,",
+        "stride_dqb, stride_dqh, stride_dqm, stride_dqd,",
+        "stride_dkb, stride_dkh, stride_dkn, stride_dkd,",
+        "stride_dvb, stride_dvh, stride_dvn, stride_dvd,",
+        "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
+        "BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,",
+        "Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
+        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+    ]
+    unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
+    dims = ("HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,")
+    buffer_args = [", ".join(buffers) + ","] if buffers else []
+    dq_buffer_args = [", ".join(dq_buffers) + ","] if dq_buffers else []
+
+    def dkdv_call(kind: str, is_full: bool) -> list[str]:
+        args = [
+            "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
+            "q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
+            f"{kind}_q_counts_ptr + mask_col, {kind}_q_indices_ptr + mask_col * MASK_Q_BLOCKS, scale, Q_LEN,",
+            *buffer_args,
+            f"IS_FULL_BLOCKS={is_full}, BLOCK_M1=BLOCK_M1, BLOCK_N1=BLOCK_N1, Q_BLOCK_SIZE=Q_BLOCK_SIZE,",
+            dims,
+        ]
+        return ["            dk, dv = dkdv_blocks(", *("                " + a for a in args), "            )"]
+
+    def dq_call(kind: str, is_full: bool) -> list[str]:
+        args = [
+            "dq, q, do, lse, delta, b, h, q_idx, q_in_range,",
+            "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
+            f"{kind}_kv_counts_ptr + mask_row, {kind}_kv_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
+            *dq_buffer_args,
+            f"IS_FULL_BLOCKS={is_full}, BLOCK_M2=BLOCK_M2, BLOCK_N2=BLOCK_N2, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
+            dims,
+        ]
+        return ["        dq = dq_blocks(", *("            " + a for a in args), "        )"]
+
+    k_mask = "kv_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if pad_e else "")
+    v_mask = "kv_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if pad_ev else "")
+    q_mask = "q_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if pad_e else "")
+    do_mask = "q_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if pad_ev else "")
+    body = [
+        f"@triton.jit(do_not_specialize={unspecialised!r})",
+        f"def {KERNEL_NAME}(",
+        *("    " + p for p in params),
+        "):",
+        "    pid = tl.program_id(0)",
+        "    h_kv = tl.program_id(1)  # the key/value head",
+        "    b = tl.program_id(2)  # the batch index the mods see",
+        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
+        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        "    NUM_KV_TILES = (KV_LEN + BLOCK_N1 - 1) // BLOCK_N1",
+        "    NUM_Q_TILES = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2",
+        "    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
+        "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh",
+        "    if pid < NUM_KV_TILES:",
+        "        # ---- a dK/dV program: one key tile, every query head of the group ----",
+        "        offs_n = pid * BLOCK_N1 + tl.arange(0, BLOCK_N1)",
+        "        kv_in_range = offs_n < KV_LEN",
+        f"        k = tl.load(key_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask={k_mask}, other=0.0){widen}",
+        f"        v = tl.load(value_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen}",
+        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
+        f"        dk = tl.full((BLOCK_N1, HEAD_DIM_PAD), 0.0, {acc})",
+        f"        dv = tl.full((BLOCK_N1, V_HEAD_DIM_PAD), 0.0, {acc})",
+        "        for g in range(GQA_GROUP):",
+        "            h = h_kv * GQA_GROUP + g  # the query head the mods see",
+        "            # this tile's column of the BlockMask's query tables; batch and heads broadcast by modulo",
+        "            mask_col = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_KV_BLOCKS + (pid * BLOCK_N1) // KV_BLOCK_SIZE",
+        "            q_base = query_ptr + b * stride_qb + h * stride_qh",
+        "            do_base = grad_out_ptr + b * stride_dob + h * stride_doh",
+        "            lse_base = lse_ptr + b * stride_lb + h * stride_lh",
+        "            delta_base = delta_ptr + b * stride_lb + h * stride_lh",
+        "            # 1. partial query blocks: score_mod and mask_mod",
+        *dkdv_call("partial", False),
+    ]
+    if full:
+        body += ["            # 2. full query blocks: score_mod only", *dkdv_call("full", True)]
+    body += [
+        "        dk_out = dk_ptr + b * stride_dkb + h_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd",
+        f"        tl.store(dk_out, (dk * scale).to(dk_ptr.dtype.element_ty), mask={k_mask})",
+        "        dv_out = dv_ptr + b * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd",
+        f"        tl.store(dv_out, dv.to(dv_ptr.dtype.element_ty), mask={v_mask})",
+        "    else:",
+        "        # ---- a dQ program: one query tile of one query head ----",
+        "        tile = pid - NUM_KV_TILES",
+        "        h = h_kv * GQA_GROUP + tile // NUM_Q_TILES  # the query head the mods see",
+        "        q_tile = tile % NUM_Q_TILES",
+        "        offs_m = q_tile * BLOCK_M2 + tl.arange(0, BLOCK_M2)",
+        "        q_in_range = offs_m < Q_LEN",
+        f"        dq = tl.full((BLOCK_M2, HEAD_DIM_PAD), 0.0, {acc})",
+    ]
+    if not _ignores_score(d_score):
+        body += [
+            "        q = tl.load(query_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,",
+            f"                    mask={q_mask}, other=0.0){widen}",
+            "        do = tl.load(grad_out_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,",
+            f"                     mask={do_mask}, other=0.0){widen}",
+            "        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=float(\"inf\"))",
+            "        delta = tl.load(delta_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=0.0)",
+            "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
+            "        mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M2) // Q_BLOCK_SIZE",
+            "        # 1. partial key blocks: score_mod and mask_mod",
+            *dq_call("partial", False),
+        ]
+        if full:
+            body += ["        # 2. full key blocks: score_mod only", *dq_call("full", True)]
+    else:
+        body.append("        # the score_mod ignores the score: no gradient reaches q (or k)")
+    body += [
+        "        dq_out = dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd",
+        f"        tl.store(dq_out, (dq * scale).to(dq_ptr.dtype.element_ty), mask={q_mask})",
+    ]
+    return body
+
+
+__all__ = ["BackwardSpec", "GeneratedBackward", "KERNEL_NAME", "generate_backward"]

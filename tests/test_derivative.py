@@ -1,0 +1,176 @@
+"""flexc.derivative: the IR of d score_mod / d score and d / d gathered element, evaluated on index
+grids in float64, against torch.autograd through a direct (untraced) call of the same score_mod:
+every catalogue score_mod, hand-picked rules at their kinks, and hypothesis over random expressions."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import flexc
+from catalogue import score_catalogue
+from flexc import ir
+from flexc.derivative import differentiate
+from flexc.evaluate import evaluate
+from reference import index_tensors
+
+B, H, L, S = 2, 4, 33, 29
+
+
+def _promote_buffers(fn, dtype=torch.float64):
+    """Turn the float tensors ``fn`` captures into ``dtype`` leaves that require grad (in place)."""
+    traced = flexc.trace(fn)
+    leaves = []
+    for t in traced.buffers:
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)
+            t.requires_grad_()
+            leaves.append(t)
+    return leaves
+
+
+def _ir_gradients(fn, score, w):
+    """``(d score, [d buffer])`` of ``sum(w * fn(score, ...))`` from the derivative IR alone."""
+    traced = flexc.trace(fn)
+    d = differentiate(traced)
+    b, h, q, kv = index_tensors(B, H, L, S)
+    grid = dict(score=score.detach(), b=b, h=h, q_idx=q, kv_idx=kv)
+    d_score = evaluate(d.as_mod(d.d_score, "d_score"), **grid) * w
+    grads = {slot: torch.zeros_like(t, dtype=torch.float64) for slot, t in enumerate(traced.buffers)
+             if t.is_floating_point()}
+    for g in d.gathers:
+        value = (evaluate(d.as_mod(g.grad, "g"), **grid) * w).expand(score.shape)
+        target = grads[g.slot]
+        if not g.indices:
+            target += value.sum()
+            continue
+        index = []
+        for dim, node in enumerate(g.indices):
+            i = evaluate(d.as_mod(node, "i"), **grid).long().expand(score.shape)
+            index.append(i % target.shape[dim])  # negative lookups count from the end
+        target.index_put_(tuple(index), value, accumulate=True)
+    return d_score.expand(score.shape), [grads[slot] for slot in sorted(grads)]
+
+
+def _autograd_gradients(fn, score, w, leaves):
+    b, h, q, kv = index_tensors(B, H, L, S)
+    out = torch.broadcast_to(fn(score, b, h, q, kv), score.shape)
+    if not out.requires_grad:  # a score_mod that reads neither the score nor a leaf
+        return [torch.zeros_like(x) for x in [score, *leaves]]
+    grads = torch.autograd.grad((out * w).sum(), [score, *leaves], allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, [score, *leaves])]
+
+
+def _check(fn, seed=0):
+    leaves = _promote_buffers(fn)
+    gen = torch.Generator().manual_seed(seed)
+    score = (torch.randn(B, H, L, S, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    w = torch.randn(B, H, L, S, generator=gen, dtype=torch.float64)
+    want = _autograd_gradients(fn, score, w, leaves)
+    d_score, d_buffers = _ir_gradients(fn, score, w)
+    for got, ref in zip([d_score, *d_buffers], want):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(score_catalogue(B, H, L, S)))
+def test_every_catalogue_score_mod_derivative_matches_autograd(name):
+    _check(score_catalogue(B, H, L, S)[name])
+
+
+def test_simplified_forms_are_short():
+    soft_cap = flexc.trace(lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0))
+    assert str(differentiate(soft_cap).d_score) == "1.0 - tanh(score / 20.0) * tanh(score / 20.0)"
+    checker = flexc.trace(lambda s, b, h, q, kv: torch.where(q >= kv, s * 0.5, s * 2.0))
+    assert str(differentiate(checker).d_score) == "where(q_idx >= kv_idx, 0.5, 2.0)"
+    bias = torch.randn(H)
+    d = differentiate(flexc.trace(lambda s, b, h, q, kv: s + bias[h]))
+    assert str(d.d_score) == "1.0" and [str(g.grad) for g in d.gathers] == ["1.0"]
+
+
+def test_a_tensor_gathered_twice_gives_two_gathers_and_the_same_element_one():
+    table = torch.randn(L + S)
+    twice = lambda s, b, h, q, kv: s * table[q] + table[kv] * table[kv]
+    d = differentiate(flexc.trace(twice))
+    assert sorted(ir.format_expr(g.load) for g in d.gathers) == ["buf0[kv_idx]", "buf0[q_idx]"]
+    _check(twice)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s, b, h, q, kv: torch.clamp(s, min=-1.0, max=1.0),
+    lambda s, b, h, q, kv: torch.clamp(s, min=0.0),
+    lambda s, b, h, q, kv: torch.minimum(s, s * 0.0),          # a tie at s == 0 splits the gradient
+    lambda s, b, h, q, kv: torch.maximum(s, (q - kv) * 1.0),   # ties where s == q - kv
+    lambda s, b, h, q, kv: torch.abs(s),
+    lambda s, b, h, q, kv: s ** 2 + torch.abs(s) ** 0.5 + 2.0 ** s,
+    lambda s, b, h, q, kv: torch.abs(s) ** (q % 3 * 1.0),      # exponent 0 rows: gradient 0
+    lambda s, b, h, q, kv: torch.floor(s) + torch.sign(s) * s + torch.remainder(s, 1.5),
+    lambda s, b, h, q, kv: torch.sqrt(torch.abs(s) + 1) + torch.rsqrt(torch.abs(s) + 1) + torch.log2(torch.abs(s) + 1),
+    lambda s, b, h, q, kv: torch.exp2(torch.sin(s)) * torch.cos(s) + torch.sigmoid(s).double().float(),
+    lambda s, b, h, q, kv: s / (q + 1) - (kv + 1) / (s * s + 1),
+], ids=["clamp", "clamp_min", "min_tie", "max_tie", "abs", "pow", "pow_int_exponent", "piecewise", "roots",
+        "trig_cast", "division"])
+def test_rules_at_their_kinks_match_autograd(fn):
+    b, h, q, kv = index_tensors(B, H, L, S)
+    gen = torch.Generator().manual_seed(3)
+    # scores on a coarse lattice, so the kinks (0, +-1, ties) are hit exactly
+    score = (torch.randint(-6, 7, (B, H, L, S), generator=gen).double() / 2).requires_grad_()
+    w = torch.randn(B, H, L, S, generator=gen, dtype=torch.float64)
+    (want,) = _autograd_gradients(fn, score, w, [])
+    d_score, _ = _ir_gradients(fn, score, w)
+    torch.testing.assert_close(d_score, want, rtol=1e-6, atol=1e-9, equal_nan=True)  # 0 ** -0.5 * sign(0)
+
+
+def test_score_mod_that_ignores_the_score_has_zero_score_derivative():
+    d = differentiate(flexc.trace(lambda s, b, h, q, kv: (q - kv) * 0.5))
+    assert d.d_score.op == "const" and d.d_score.attr == 0.0 and d.gathers == ()
+
+
+# ---- random expressions ----------------------------------------------------------------------
+
+_UNARY = {
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos, "abs": torch.abs,
+    "neg": lambda x: -x,
+    "exp": lambda x: torch.exp(torch.tanh(x)), "exp2": lambda x: torch.exp2(torch.sin(x)),
+    "log": lambda x: torch.log(torch.abs(x) + 1.0), "sqrt": lambda x: torch.sqrt(torch.abs(x) + 0.5),
+    "rsqrt": lambda x: torch.rsqrt(x * x + 0.5), "square": lambda x: x ** 2,
+    "pow15": lambda x: (torch.abs(x) + 0.5) ** 1.5, "clamp": lambda x: torch.clamp(x, -1.0, 1.0),
+    "cast": lambda x: x.double().float(),
+}
+_BINARY = {
+    "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y,
+    "div": lambda x, y: x / (torch.abs(y) + 1.0), "min": torch.minimum, "max": torch.maximum,
+    "where": lambda x, y: torch.where(x > y, x, y * 0.5),
+}
+
+
+def _expressions():
+    bias = torch.randn(H, generator=torch.Generator().manual_seed(5))
+    table = torch.randn(S, generator=torch.Generator().manual_seed(6))
+    leaves = st.sampled_from([
+        lambda s, b, h, q, kv: s,
+        lambda s, b, h, q, kv: s * 0.5,
+        lambda s, b, h, q, kv: (q - kv) * 0.1,
+        lambda s, b, h, q, kv: bias[h],
+        lambda s, b, h, q, kv: table[kv] * s,
+    ])
+
+    def extend(children):
+        unary = st.tuples(st.sampled_from(sorted(_UNARY)), children).map(
+            lambda t: (lambda f, c: lambda s, b, h, q, kv: f(c(s, b, h, q, kv)))(_UNARY[t[0]], t[1]))
+        binary = st.tuples(st.sampled_from(sorted(_BINARY)), children, children).map(
+            lambda t: (lambda f, x, y: lambda s, b, h, q, kv: f(x(s, b, h, q, kv), y(s, b, h, q, kv)))(
+                _BINARY[t[0]], t[1], t[2]))
+        return unary | binary
+
+    # the root always reads the score, so the score derivative is exercised
+    return st.recursive(leaves, extend, max_leaves=6).map(
+        lambda f: (lambda s, b, h, q, kv: f(s, b, h, q, kv) + s * 0.25))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_expressions(), st.integers(0, 1000))
+def test_random_expressions_match_autograd(fn, seed):
+    _check(fn, seed)

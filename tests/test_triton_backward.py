@@ -1,0 +1,247 @@
+"""The generated Triton backward (BACKEND "TRITON"), run on CPU through Triton's interpreter:
+dq, dk, dv, dlse and captured-tensor gradients against autograd through a float64 dense reference
+and against the TORCH backend's backward, for the mask and score_mod catalogues; GQA, Bkv = 1,
+Ev != E, ragged lengths, fp32/fp16/bf16; the three cases torch 2.13 cannot differentiate; proof
+that the generated kernel ran; kernel_source(backward=True) and `flexc show --backward`.
+
+Sizes are tiny on purpose: the interpreter costs milliseconds per tile step."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import flexc
+import flexc.attention
+from catalogue import mask_catalogue, score_catalogue
+from reference import dense_attention, random_qkv
+
+B, H, L, S, E = 1, 2, 72, 56, 16  # ragged: neither length is a multiple of a block
+BLOCK = (64, 32)
+TRITON = {"BACKEND": "TRITON"}
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _captured(fn, dtype=torch.float64):
+    """The float tensors ``fn`` captures, made ``dtype`` leaves that require grad (in place)."""
+    leaves = []
+    for t in flexc.trace(fn).buffers:
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)
+            t.requires_grad_()
+            leaves.append(t)
+    return leaves
+
+
+def _grads(q, k, v, score_mod=None, mask_mod=None, backend="TRITON", extra=(), block=BLOCK, lse_weight=0.25,
+           seed=1, **options):
+    """Gradients of ``sum(out * w) + lse_weight * sum(finite lse)`` for (q, k, v, *extra).
+
+    lse may be float32 (then so is its incoming gradient): 0.25 keeps the weight exact.
+    """
+    Bq, Hq, Lq, _ = q.shape
+    Sk = k.shape[2]
+    w = torch.randn(Bq, Hq, Lq, v.shape[-1], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if backend == "DENSE":
+        out, lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    else:
+        bm = (flexc.create_block_mask(mask_mod, Bq, Hq, Lq, Sk, device="cpu", BLOCK_SIZE=block)
+              if mask_mod is not None else None)
+        out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True,
+                                        enable_gqa=Hq != k.shape[1], kernel_options={"BACKEND": backend, **options})
+    lse_term = torch.where(torch.isinf(lse), 0.0, lse.double()).sum() * lse_weight
+    grads = torch.autograd.grad((out.double() * w).sum() + lse_term, (q, k, v, *extra), allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, (q, k, v, *extra))]
+
+
+def _assert_close(mine, ref, rtol, atol):
+    for a, b in zip(mine, ref):
+        assert a.shape == b.shape and torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol)
+
+
+def _check(q, k, v, score_mod=None, mask_mod=None, extra=(), rtol=1e-9, atol=1e-9, **kw):
+    mine = _grads(q, k, v, score_mod, mask_mod, "TRITON", extra, **kw)
+    _assert_close(mine, _grads(q, k, v, score_mod, mask_mod, "DENSE", extra, **kw), rtol, atol)
+    _assert_close(mine, _grads(q, k, v, score_mod, mask_mod, "TORCH", extra, **kw), rtol, atol)
+    return mine
+
+
+MASKS = mask_catalogue(B, H, L, S)
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_every_catalogue_mask_gives_reference_gradients(name):
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=len(name)))
+    _check(q, k, v, mask_mod=MASKS[name])
+
+
+@pytest.mark.parametrize("name", sorted(score_catalogue(B, H, L, S)))
+def test_every_catalogue_score_mod_gives_reference_gradients_including_captured_tensors(name):
+    score_mod = score_catalogue(B, H, L, S)[name]  # fresh tensors: they become float64 leaves here
+    extra = _captured(score_mod)
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=len(name) + 1))
+    # index-only biases (exp_decay, log_distance_penalty, ...) are computed in float32, as torch promotes
+    # them, where Triton's exp/log and torch's may differ in the last place: 1e-7, not 1e-9
+    _check(q, k, v, score_mod, MASKS["causal"], extra=extra, rtol=1e-7, atol=1e-7)
+
+
+def test_float32_gradients_within_1e4_of_float64():
+    score_mod = score_catalogue(B, H, L, S)["alibi_captured_slopes"]
+    slopes = _captured(score_mod, torch.float32)
+    q64, k64, v64 = random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=3)
+    mine = _grads(*_leaves(q64.float(), k64.float(), v64.float()), score_mod, MASKS["sliding_window_17"],
+                  extra=slopes)
+    ref_mod = score_catalogue(B, H, L, S)["alibi_captured_slopes"]
+    slopes64 = _captured(ref_mod)
+    ref = _grads(*_leaves(q64, k64, v64), ref_mod, MASKS["sliding_window_17"], "DENSE", extra=slopes64)
+    assert mine[0].dtype == torch.float32 and mine[3].dtype == torch.float32
+    _assert_close(mine, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 0.1), (torch.float16, 1.5e-2)])
+def test_half_precision_gradients_are_close_to_float64(dtype, atol):
+    q64, k64, v64 = random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=4)
+    mine = _grads(*_leaves(q64.to(dtype), k64.to(dtype), v64.to(dtype)), None, MASKS["causal"])
+    ref = _grads(*_leaves(q64, k64, v64), None, MASKS["causal"], "DENSE")
+    for a, b in zip(mine, ref):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, atol=atol, rtol=5e-2)
+
+
+# ---- the three cases torch 2.13 cannot differentiate ------------------------------------------
+
+def test_zero_dim_captured_scalar_gets_its_gradient():
+    temperature = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=5))
+    mine = _check(q, k, v, lambda s, b, h, q_idx, kv_idx: s * temperature, MASKS["sliding_window_17"],
+                  extra=(temperature,))
+    assert mine[3].shape == () and mine[3] != 0
+
+
+def test_score_mod_that_ignores_the_score_gives_its_table_a_gradient_and_zero_dq_dk():
+    table = torch.randn(H, L, S, dtype=torch.float64, requires_grad=True)
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=6))
+    mine = _check(q, k, v, lambda s, b, h, q_idx, kv_idx: table[h, q_idx, kv_idx], MASKS["causal"], extra=(table,))
+    assert torch.all(mine[0] == 0) and torch.all(mine[1] == 0) and mine[3].abs().sum() > 0
+
+
+def test_tensor_gathered_twice_accumulates_both_gradients():
+    pos = torch.randn(max(L, S), dtype=torch.float64, requires_grad=True)
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=7))
+    _check(q, k, v, lambda s, b, h, q_idx, kv_idx: s + pos[q_idx] * pos[kv_idx], MASKS["document_causal"],
+           extra=(pos,))
+
+
+# ---- shapes -----------------------------------------------------------------------------------
+
+def test_fully_masked_rows_get_zero_gradients():
+    dead_rows = lambda b, h, q_idx, kv_idx: (q_idx % 5 != 0) & (kv_idx <= q_idx)
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=8))
+    dq = _check(q, k, v, mask_mod=dead_rows)[0]
+    assert torch.all(dq[:, :, ::5] == 0) and dq[:, :, 1:5].abs().sum() > 0
+
+
+@settings(max_examples=6, deadline=None)
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 3]), bkv_one=st.booleans(),
+       q_len=st.integers(1, 80), kv_len=st.integers(1, 80), block=st.sampled_from([(16, 32), (32, 16), (64, 64)]),
+       dims=st.sampled_from([(16, 16), (8, 24), (40, 16)]), window=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_random_shapes_gqa_and_batch_broadcast_match_the_reference(b, hkv, group, bkv_one, q_len, kv_len, block,
+                                                                   dims, window, seed):
+    e, ev = dims
+    q, k, v = _leaves(*random_qkv(b, hkv * group, hkv, q_len, kv_len, e, ev, torch.float64,
+                                  Bkv=1 if bkv_one else b, seed=seed))
+    bias = torch.randn(hkv * group, q_len + kv_len, dtype=torch.float64, requires_grad=True)
+    mask_mod = lambda b_, h, q_idx, kv_idx: ((q_idx - kv_idx).abs() <= window) | (kv_idx == 0)
+    score_mod = lambda s, b_, h, q_idx, kv_idx: s * 0.9 + bias[h, q_idx - kv_idx + kv_len]
+    mine = _check(q, k, v, score_mod, mask_mod, extra=(bias,), block=block, seed=seed)
+    assert mine[1].shape == k.shape and mine[2].shape == v.shape
+
+
+def test_key_value_batch_broadcast_with_grouped_heads_and_value_dim():
+    q, k, v = _leaves(*random_qkv(2, 4, 2, 40, 70, 16, 24, torch.float64, Bkv=1, seed=9))
+    score_mod = score_catalogue(2, 4, 40, 70)["soft_capping_tanh"]
+    mine = _check(q, k, v, score_mod, mask_catalogue(2, 4, 40, 70)["padding_per_batch"])
+    assert mine[1].shape == (1, 2, 70, 16) and mine[2].shape == (1, 2, 70, 24)
+
+
+def test_no_block_mask_and_user_tiles():
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=10))
+    _check(q, k, v, score_catalogue(B, H, L, S)["relative_position"], bwd_BLOCK_M2=16, BLOCK_N1=16)
+
+
+def test_tiles_that_do_not_divide_the_blocks_are_rejected():
+    q, k, v = _leaves(*random_qkv(B, H, H, 64, 64, E, dtype=torch.float64))
+    bm = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    out = flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={**TRITON, "BLOCK_M1": 64})
+    with pytest.raises(ValueError, match=r"multiple of kernel_options\['BLOCK_M1'\]=64 for the backward"):
+        out.sum().backward()
+
+
+# ---- it is the generated kernel that runs -------------------------------------------------------
+
+def test_training_runs_the_generated_backward_not_the_torch_row_loop(monkeypatch):
+    from flexc.backends import triton_backend
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the torch row-loop backward ran")
+
+    monkeypatch.setattr(flexc.attention, "torch_backward", forbidden)
+    triton_backend.cache_clear()
+    slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=11))
+    mine = _grads(q, k, v, alibi, MASKS["causal"], extra=(slopes,))
+    info = triton_backend.cache_info()
+    assert info.misses == 2 and info.size == 2  # the forward and the backward kernel
+    kinds = sorted(type(k.generated).__name__ for k in triton_backend._cache.values())
+    assert kinds == ["GeneratedBackward", "GeneratedForward"]
+    ref = _grads(q, k, v, alibi, MASKS["causal"], "DENSE", extra=(slopes,))
+    _assert_close(mine, ref, 1e-9, 1e-9)
+    _grads(q, k, v, alibi, MASKS["causal"], extra=(slopes,))  # new call, same structure: cache hits
+    assert triton_backend.cache_info().misses == 2
+
+
+# ---- the source -------------------------------------------------------------------------------
+
+def test_kernel_source_backward_prints_the_derivative_and_gradient_buffers():
+    slopes = torch.rand(H, requires_grad=True)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    q, k, v = random_qkv(B, H, H, 64, 64, E)
+    bm = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True)
+    assert source.startswith("# flexc backward attention kernel")
+    assert "#   d score_mod / d score = 1.0" in source
+    assert "#     d / d slopes[h] = kv_idx - q_idx" in source
+    assert "tl.atomic_add(gather0_address(" in source and "summed over the tile" in source
+    # dq/dk/dv are written by one program each: the only atomics are the captured-tensor ones
+    assert source.count("tl.atomic_add(") == 1
+    blocks = source[source.index("def dkdv_blocks("):source.index("return dk, dv")]
+    assert blocks.index("mask_mod(") > blocks.index("if not IS_FULL_BLOCKS:")
+    slopes.requires_grad_(False)
+    frozen = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True)
+    assert "atomic_add" not in frozen and "d / d slopes" not in frozen
+
+
+def test_cli_show_backward(tmp_path, capsys):
+    from flexc.cli import main
+
+    path = tmp_path / "mods.py"
+    path.write_text("import torch\n"
+                    "table = torch.zeros(256, requires_grad=True)\n"
+                    "def learned(score, b, h, q_idx, kv_idx):\n"
+                    "    return torch.tanh(score) + table[kv_idx]\n"
+                    "def causal(b, h, q_idx, kv_idx):\n"
+                    "    return q_idx >= kv_idx\n")
+    assert main(["show", f"{path}:learned,causal", "--backward", "--head-dim", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "# flexc backward attention kernel" in out
+    assert "d score_mod / d score = 1.0 - tanh(score) * tanh(score)" in out
+    assert "d / d table[kv_idx] = 1.0" in out and "summed over the queries" in out
+    assert "dQ programs BLOCK_M2=128 x BLOCK_N2=64, dK/dV programs BLOCK_M1=64 x BLOCK_N1=128" in out
