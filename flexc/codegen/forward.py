@@ -268,7 +268,7 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
     buffers = _buffer_args(score, mask)
     params = [
         "acc, l_i, m_i, q, b, h, q_idx, start_n,",
-        "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, KV_LEN,",
+        "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
     ]
     if buffers:
         params.append(", ".join(buffers) + ",")
@@ -292,11 +292,15 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
     if prescaled:
         scores = [f"        qk = {_dot('q', 'k', spec)}  # q was scaled by scale * log2(e): already base 2"]
     elif score is not None:
-        scores = [f"        qk = {_dot('q', 'k', spec)} * qk_scale  # the score_mod sees the scaled score"]
+        scores = [f"        qk = {_dot('q', 'k', spec)} * scale  # the score_mod sees the scaled score"]
+    elif spec.dtype == torch.float64:  # nothing to gain from the fold; keep fp64 scores exact
+        scores = [f"        qk = {_dot('q', 'k', spec)} * (scale * {RCP_LN2})  # scaled and in base 2 at once"]
     else:
-        scores = [f"        qk = {_dot('q', 'k', spec)}  # qk_scale (scale * log2(e), > 0) is applied in the exp2 below"]
+        scores = [f"        qk_scale = scale * {RCP_LN2}  # scale and the change to base 2 (the launcher makes it > 0)",
+                  f"        qk = {_dot('q', 'k', spec)}  # qk_scale is applied in the exp2 below"]
     # The factor that takes a score to base 2: folded into one FMA with the max subtraction.
-    to_base2 = None if prescaled else RCP_LN2 if score is not None else "qk_scale"
+    to_base2 = (None if prescaled or (score is None and spec.dtype == torch.float64)
+                else RCP_LN2 if score is not None else "qk_scale")
     row_max = _row_max(spec, "qk")
     body = [
         "@triton.jit",
@@ -363,7 +367,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
     params = [
         "acc, l_i, m_i, q, b, h, q_idx,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
-        "block_count_ptr, block_index_ptr, qk_scale, KV_LEN,",
+        "block_count_ptr, block_index_ptr, scale, KV_LEN,",
     ]
     if buffers:
         params.append(", ".join(buffers) + ",")
@@ -374,7 +378,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
     tile_args = ["acc, l_i, m_i, q, b, h, q_idx, start_n,",
-                 "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, KV_LEN,"]
+                 "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,"]
     if buffers:
         tile_args.append(", ".join(buffers) + ",")
     tail = ["ROWS_GUARANTEED_SAFE=ROWS_GUARANTEED_SAFE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,",
@@ -466,7 +470,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         args = [
             "acc, l_i, m_i, q, b, h, q_idx,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
-            f"{kind}_block_counts_ptr + mask_row, {kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, qk_scale, KV_LEN,",
+            f"{kind}_block_counts_ptr + mask_row, {kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
         ]
         if buffers:
             args.append(", ".join(buffers) + ",")
@@ -499,12 +503,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     if spec.prescale_qk:
         body += ["    # PRESCALE_QK: scale and log2(e) applied to q once (torch's option: the score_mod sees",
                  "    # scores in base 2), not to every tile of scores",
-                 f"    q = (q * (scale * {RCP_LN2})).to({_TL[spec.dtype]}){'.to(tl.float32)' if widen else ''}",
-                 "    qk_scale = scale  # unused"]
-    elif score is not None:
-        body.append("    qk_scale = scale  # scores are scaled before the score_mod")
-    else:
-        body.append(f"    qk_scale = scale * {RCP_LN2}  # scale and the change to base 2 at once (the launcher makes it > 0)")
+                 f"    q = (q * (scale * {RCP_LN2})).to({_TL[spec.dtype]}){'.to(tl.float32)' if widen else ''}"]
     body += [
         "    # this tile's row of the BlockMask tables; their batch and heads broadcast by modulo",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M) // Q_BLOCK_SIZE",
