@@ -163,6 +163,12 @@ def const(value: bool | int | float) -> Node:
     return make("const", (), value, kind)
 
 
+def scalar(index: int, kind: str, name: str) -> Node:
+    """A captured Python number lifted out of the graph (:mod:`flexc.codegen.scalars`): generated
+    kernels take its value as argument ``index``, so new values reuse the kernel."""
+    return make("scalar", (), (index, kind, name), kind)
+
+
 def buffer(slot: int, dtype: str, ndim: int, kind: str) -> Node:
     """A captured tensor: only its slot, dtype name and rank enter the graph."""
     return make("buffer", (), (slot, dtype, ndim), kind)
@@ -221,6 +227,8 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
             return f"({text})" if text.startswith("-") and parent_prec >= _PRECEDENCE["pow"] else text
         if op == "buffer":
             return name_of(n.attr[0])
+        if op == "scalar":
+            return n.attr[2]
         if op == "load":
             if len(n.args) == 1:  # a 0-d captured tensor reads as its name
                 return fmt(n.args[0])
@@ -231,6 +239,12 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
             return f"({inner}).to({n.attr})" if n.args[0].op == "const" and inner[0] != "(" else f"{inner}.to({n.attr})"
         if op == "where":
             return f"where({fmt(n.args[0])}, {fmt(n.args[1])}, {fmt(n.args[2])})"
+        if op == "axis":  # a reduction's loop variable (flexc.reductions)
+            return "r"
+        if op == "reduce":
+            return f"{n.attr[0]}({fmt(n.args[0])} for r in range({n.attr[1]}))"
+        if op == "autograd_function":  # a torch.autograd.Function; args[0] is its traced forward
+            return f"{n.attr.__name__}.apply({', '.join(fmt(a) for a in n.args[1:])})"
         if op in ("min", "max"):
             return f"{op}imum({fmt(n.args[0])}, {fmt(n.args[1])})"
         if op in BINARY_OPS and op not in _SYMBOLS:  # fmod, atan2: function form

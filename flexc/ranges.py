@@ -32,6 +32,7 @@ from . import ir
 from .affine import AffineForm, affine_difference
 from .promotion import node_dtype
 from .range_tables import RangeMinMax
+from .lowering import scalar_form
 from .tiles import cdiv
 from .trace import MASK_MOD, TracedMod
 
@@ -194,11 +195,23 @@ def range_over_box(expr: ir.Node, box: dict, buffers: tuple = (), sizes: dict | 
     return None
 
 
+def domain_bounds(traced: TracedMod, sizes: dict, device: Any = "cpu") -> dict[int, Any]:
+    """Bounds of every integer and bool node of ``traced`` over the whole index domain.
+
+    ``sizes`` maps ``b``, ``h``, ``q_idx``, ``kv_idx`` to their extents. Returns ``id(node)`` ->
+    :class:`IntRange` / :class:`BoolRange` (0-d float64 / bool tensors; infinite bounds mean
+    unknown) or None for float nodes. :mod:`flexc.bounds` proves lookups in range with it.
+    """
+    return _Analysis(traced.root, traced.buffers, sizes, torch.device(device)).static
+
+
 class _Analysis:
     """Range analysis of one expression for one call (domain sizes and captured tensor values)."""
 
     def __init__(self, root: ir.Node, buffers: tuple, sizes: dict, device: torch.device):
-        self.root = root
+        # reductions over a small captured axis written out term by term (each term is an
+        # ordinary expression, so their bounds are as tight as the terms'); autograd Functions inlined
+        self.root = root = scalar_form(root)
         self.buffers = buffers
         self.device = device
         self.opaque: set[int] = set()  # nodes whose value may wrap around: unknown everywhere

@@ -20,14 +20,17 @@ import sys
 import tempfile
 import threading
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from ..codegen.backward import BackwardSpec, generate_backward
+from ..codegen.decode import DecodeSpec, generate_decode
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
                                padded_head_dim)
 from ..codegen.index_width import index_dtype as _index_dtype
+from ..codegen.scalars import lift_scalars
 from ..tiles import cdiv
 from ..trace import TracedMod
 
@@ -52,7 +55,9 @@ class _Kernel(NamedTuple):
     path: str
 
 
-_cache: dict[tuple, _Kernel] = {}
+# spec key -> kernel, least recently used first; at most _limit["kernels"] entries
+_cache: "OrderedDict[tuple, _Kernel]" = OrderedDict()
+_limit = {"kernels": int(os.environ.get("FLEXC_KERNEL_CACHE_SIZE", "64"))}
 # spec key -> the smaller-tile spec that replaced it after the GPU ran out of shared memory
 _fallbacks: dict[tuple, ForwardSpec] = {}
 _stats = {"hits": 0, "misses": 0}
@@ -87,11 +92,45 @@ def cache_info() -> CacheInfo:
 
 
 def cache_clear() -> None:
-    """Forget every cached kernel and reset the counters (files in the cache directory stay)."""
+    """Drop every cached kernel and reset the counters: their modules leave ``sys.modules`` and the
+    source files this process wrote are deleted, so the memory is freed."""
     with _cache_lock:
-        _cache.clear()
+        while _cache:
+            _release(_cache.popitem(last=False)[1])
         _fallbacks.clear()
         _stats["hits"] = _stats["misses"] = 0
+
+
+def cache_limit(kernels: int | None = None) -> int:
+    """The most kernels the cache keeps (least recently used ones are dropped first); with
+    ``kernels``, set it and return the previous limit. Default 64, or ``$FLEXC_KERNEL_CACHE_SIZE``."""
+    with _cache_lock:
+        previous = _limit["kernels"]
+        if kernels is not None:
+            if isinstance(kernels, bool) or not isinstance(kernels, int) or kernels < 1:
+                raise ValueError(f"cache_limit: kernels must be a positive int, got {kernels!r}. Fix: pass e.g. 64.")
+            _limit["kernels"] = kernels
+            _evict()
+        return previous
+
+
+def _evict() -> None:
+    """Drop least recently used kernels beyond the limit (the caller holds _cache_lock)."""
+    while len(_cache) > _limit["kernels"]:
+        _release(_cache.popitem(last=False)[1])
+
+
+def _release(kernel: _Kernel) -> None:
+    """Forget a dropped kernel's module and file, unless another cached kernel shares them."""
+    if any(other.path == kernel.path for other in _cache.values()):
+        return
+    name = os.path.splitext(os.path.basename(kernel.path))[0]
+    if getattr(sys.modules.get(name), "__file__", None) == kernel.path:
+        del sys.modules[name]
+    try:
+        os.remove(kernel.path)
+    except OSError:  # already gone (another process cleared it): nothing to free
+        pass
 
 
 def cache_dir() -> str:
@@ -285,8 +324,7 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
 
     With ``target="interpreter"`` its ``@triton.jit`` functions run on CPU tensors.
     """
-    triton = require_triton()
-
+    require_triton()  # a clear ImportError before anything is written
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     name = f"flexc_kernel_{digest}"
     path = os.path.join(cache_dir(), name + ".py")
@@ -295,6 +333,19 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    try:
+        module = _exec_module(name, path, target)
+    except FileNotFoundError:  # another process's cache_clear removed the file just now
+        with open(path, "w") as f:
+            f.write(source)
+        module = _exec_module(name, path, target)
+    sys.modules.setdefault(name, module)
+    return module, path
+
+
+def _exec_module(name: str, path: str, target: str) -> Any:
+    triton = require_triton()
+
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     if target == "interpreter":
@@ -307,20 +358,23 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
             spec.loader.exec_module(module)
     else:
         spec.loader.exec_module(module)
-    sys.modules.setdefault(name, module)
-    return module, path
+    return module
 
 
-def _generate(spec: ForwardSpec | BackwardSpec) -> Any:
-    return generate_backward(spec) if isinstance(spec, BackwardSpec) else generate_forward(spec)
+def _generate(spec: ForwardSpec | BackwardSpec | DecodeSpec) -> Any:
+    if isinstance(spec, BackwardSpec):
+        return generate_backward(spec)
+    return generate_decode(spec) if isinstance(spec, DecodeSpec) else generate_forward(spec)
 
 
-def get_kernel(spec: ForwardSpec | BackwardSpec) -> _Kernel:
-    """The compiled kernel for ``spec`` (forward or backward): from the cache, or generated, written and imported."""
+def get_kernel(spec: ForwardSpec | BackwardSpec | DecodeSpec) -> _Kernel:
+    """The compiled kernel for ``spec`` (forward, backward or decode): from the cache, or generated,
+    written and imported. One LRU cache holds all three kinds."""
     key = spec.key()
     with _cache_lock:
         kernel = _cache.get(key)
         if kernel is not None:
+            _cache.move_to_end(key)
             _stats["hits"] += 1
             return kernel
         generated = _generate(spec)
@@ -328,6 +382,7 @@ def get_kernel(spec: ForwardSpec | BackwardSpec) -> _Kernel:
         kernel = _Kernel(generated, getattr(module, generated.kernel_name), path)
         _cache[key] = kernel
         _stats["misses"] += 1
+        _evict()
         return kernel
 
 
@@ -380,6 +435,9 @@ def _buffer_arguments(traced: TracedMod | None, params, device: torch.device) ->
     if traced is None:
         return args
     for p in params:
+        if p.what == "scalar":  # a captured Python number (flexc.codegen.scalars)
+            args.append(traced.scalars[p.slot])
+            continue
         t = traced.buffers[p.slot]
         if p.what == "ptr":
             if t.device != device:
@@ -455,7 +513,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     device = query.device
     out = _empty_like_query(query, Ev)
     lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
-    if out.numel() == 0 or S == 0:  # nothing to attend to: every row is fully masked
+    if B * Hq * L == 0 or S == 0 or (Ev == 0 and lse is None):  # no rows, or no keys: rows fully masked
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
@@ -527,6 +585,7 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if triton_decode.applies(query, key, block_mask):  # short queries: the split-KV decode kernel
         return triton_decode.triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale,
                                            kernel_options, need_lse)
+    score_mod, mask_mod = lift_scalars(score_mod), lift_scalars(mask_mod)  # captured numbers become arguments
     spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
     return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
 
@@ -554,9 +613,10 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     from . import triton_decode
 
     if triton_decode.applies(query, key, block_mask):  # short queries run the split-KV decode kernel
-        return triton_decode.source_for(triton_decode.make_spec(traced_score, traced_mask, query, key, value,
-                                                                block_mask))
-    spec = _spec_for_call(query, value, traced_score, traced_mask, block_mask, options, return_lse)
+        return triton_decode.source_for(triton_decode.make_spec(lift_scalars(traced_score), lift_scalars(traced_mask),
+                                                                query, key, value, block_mask))
+    spec = _spec_for_call(query, value, lift_scalars(traced_score), lift_scalars(traced_mask), block_mask, options,
+                          return_lse)
     return source_for(spec)
 
 
@@ -639,5 +699,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "compile_like_launcher", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
+__all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "cache_limit", "compile_like_launcher", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
            "launch", "make_spec", "offline_inputs", "require_triton", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]

@@ -1,17 +1,17 @@
 """Launcher of the split-KV decode kernel (:mod:`flexc.codegen.decode`) and the merge of its splits.
 
 :func:`applies` says when the TRITON backend runs it instead of the forward kernel: at most
-:data:`MAX_ROWS` query rows whose packed heads share one BlockMask row. Kernels are cached by
-their spec's key, like the forward kernels (:func:`flexc.cache_info` does not count them).
+:data:`MAX_ROWS` query rows whose packed heads share one BlockMask row. Kernels live in the
+Triton backend's one LRU kernel cache with the forward and backward kernels (counted by
+:func:`flexc.cache_info`, freed by :func:`flexc.cache_clear`).
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
-from ..codegen.decode import KERNEL_NAME, DecodeSpec, generate_decode
+from ..codegen.decode import DecodeSpec, generate_decode
 from ..codegen.forward import next_power_of_2
 from ..tiles import cdiv
 from ..trace import TracedMod
@@ -20,8 +20,6 @@ from . import triton_backend as tb
 MAX_ROWS = 16  # query rows per head (as the CPU decode path)
 MAX_PACKED = 128  # GQA group x query rows in one tile
 
-_cache: dict[tuple, tuple[Any, Any]] = {}
-_lock = threading.Lock()
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
@@ -57,20 +55,15 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
 
 
 def _kernel(spec: DecodeSpec):
-    key = spec.key()
-    with _lock:
-        entry = _cache.get(key)
-        if entry is None:
-            generated = generate_decode(spec)
-            module, _ = tb.import_source(generated.source, spec.target)
-            entry = _cache[key] = (generated, getattr(module, KERNEL_NAME))
-        return entry
+    """``(generated, kernel)`` from the Triton backend's kernel cache (LRU-bounded, cleared by cache_clear)."""
+    kernel = tb.get_kernel(spec)
+    return kernel.generated, kernel.fn
 
 
 def source_for(spec: DecodeSpec) -> str:
-    with _lock:
-        entry = _cache.get(spec.key())
-    return entry[0].source if entry is not None else generate_decode(spec).source
+    with tb._cache_lock:
+        kernel = tb._cache.get(spec.key())
+    return kernel.generated.source if kernel is not None else generate_decode(spec).source
 
 
 def default_splits(query: torch.Tensor, key: torch.Tensor, n_blocks: int) -> int:
@@ -135,6 +128,7 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
 
 def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):
     """The TRITON backend's forward for short queries (same contract as ``triton_forward``)."""
+    score_mod, mask_mod = tb.lift_scalars(score_mod), tb.lift_scalars(mask_mod)  # numbers become arguments
     spec = make_spec(score_mod, mask_mod, query, key, value, block_mask)
     out, lse = launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
     return out, (lse if need_lse else None)

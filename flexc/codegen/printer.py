@@ -11,11 +11,12 @@ literals, and a node used twice is computed once into a temporary ``t<k>``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 from .. import ir
 from ..evaluate import evaluate
+from ..lowering import scalar_form
 from ..trace import TracedMod
 from .math_helpers import HELPER_SOURCES, MATH_HELPERS, with_needs
 
@@ -109,8 +110,8 @@ class BufferParam:
     """One kernel parameter that carries a captured tensor: its pointer, a stride or a size."""
 
     name: str
-    slot: int
-    what: str  # "ptr", "stride" or "size"
+    slot: int  # the captured tensor's slot; for "scalar", the index into TracedMod.scalars
+    what: str  # "ptr", "stride", "size", or "scalar" (a captured Python number, see codegen.scalars)
     dim: int = -1
 
 
@@ -155,8 +156,10 @@ def _safe_name(name: str, slot: int) -> str:
 
 
 class _Printer:
-    def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str], target: str | None = None):
+    def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str], fn_name: str = "mod",
+                 target: str | None = None):
         self.traced = traced
+        self.fn_name = fn_name
         # "cuda": transcendental functions from libdevice (the interpreter has no libdevice); None or
         # "interpreter": portable helpers written with tl.exp
         self.target = target
@@ -214,6 +217,13 @@ class _Printer:
         self.params.setdefault((slot, what, dim), BufferParam(name, slot, what, dim))
         return name
 
+    def scalar_param(self, n: ir.Node) -> str:
+        # prefixed with the function name: unique in the kernel, and never a kernel local
+        index, _, name = n.attr
+        param = f"{self.fn_name}_{name}"
+        self.params.setdefault((index, "scalar", -1), BufferParam(param, index, "scalar"))
+        return param
+
     # -- printing --------------------------------------------------------------------------
     def operand(self, n: ir.Node, min_prec: int) -> str:
         text, prec = self.text[id(n)]
@@ -244,6 +254,8 @@ class _Printer:
             return text, _UNARY if negative else _ATOM
         if op == "input":
             return n.attr, _ATOM
+        if op == "scalar":
+            return self.scalar_param(n), _ATOM
         if op == "load":
             return self.render_load(n), _ATOM
         if op == "cast":
@@ -416,9 +428,13 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     if index_dtype not in ("int32", "int64"):
         raise ValueError(f"render_mod: index_dtype must be 'int32' or 'int64', got {index_dtype!r}. "
                          f"Fix: pass one of those.")
+    # a reduction over a small captured axis prints as its unrolled terms; an autograd Function as
+    # its traced forward (the kernels are forward-only)
+    if scalar_form(traced.root) is not traced.root:
+        traced = replace(traced, root=scalar_form(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
-    p = _Printer(traced, buffer_stems, target)
+    p = _Printer(traced, buffer_stems, fn_name, target)
     nodes = list(traced.root.walk())
     p.fold_constants(nodes)
     p.infer_dtypes(nodes)
@@ -442,7 +458,7 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         if n.op == "buffer":
             continue
         text, prec = p.render(n)
-        shared = uses.get(id(n), 0) > 1 and n.op not in ("input", "const") and id(n) not in p.literal
+        shared = uses.get(id(n), 0) > 1 and n.op not in ("input", "const", "scalar") and id(n) not in p.literal
         if shared and n is not traced.root:
             name = f"t{temps}"
             temps += 1
@@ -478,8 +494,9 @@ def _does_integer_arithmetic(root: ir.Node, name: str) -> bool:
 
 
 def _ordered(params: dict) -> tuple[BufferParam, ...]:
-    order = {"ptr": 0, "stride": 1, "size": 2}
-    return tuple(sorted(params.values(), key=lambda q: (q.slot, order[q.what], q.dim)))
+    order = {"ptr": 0, "stride": 1, "size": 2, "scalar": 3}
+    # tensors first (pointer, strides, sizes of each), then the captured numbers
+    return tuple(sorted(params.values(), key=lambda q: (q.what == "scalar", q.slot, order[q.what], q.dim)))
 
 
 def _wrap_comment(line: str, width: int = 110) -> list[str]:

@@ -1,0 +1,68 @@
+"""Kernel cache growth: captured numbers as kernel arguments, the LRU bound and cache_clear.
+
+Builds (generates, writes and imports; no launch) the interpreter forward kernel for N score_mods:
+first ``score / temperature`` for N captured temperatures (one kernel expected), then N mods whose
+constant is a literal written in the source (N structures: the LRU bound keeps at most
+``cache_limit`` kernels). Prints kernels compiled, cached, files in the cache directory and the
+process's resident memory after each phase and after ``cache_clear()``.
+
+    PYTHONPATH=$PWD python bench/kernel_cache.py --count 300
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import tempfile
+
+import torch
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=300)
+    args = parser.parse_args()
+    os.environ["FLEXC_CACHE_DIR"] = tempfile.mkdtemp(prefix="flexc-cache-bench-")
+    import flexc
+    from flexc.backends import triton_backend as tb
+
+    def build(mod):
+        traced = flexc.trace(mod)
+        lifted = tb.lift_scalars(traced)
+        spec = tb.make_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter", False)
+        tb.get_kernel(spec)
+
+    def report(phase: str) -> None:
+        gc.collect()
+        info = flexc.cache_info()
+        files = len([f for f in os.listdir(tb.cache_dir()) if f.endswith(".py")])
+        print(f"{phase:<44} compiled {info.misses:>4}  cached {info.size:>4}  files {files:>4}  RSS {rss_mib():7.1f} MiB")
+
+    build(lambda score, b, h, q_idx, kv_idx: score * 0.5)  # warm-up: imports triton
+    flexc.cache_clear()
+    report("start (after warm-up)")
+    for i in range(args.count):
+        temperature = 0.5 + i / args.count
+
+        def scaled(score, b, h, q_idx, kv_idx):
+            return score / temperature
+
+        build(scaled)
+    report(f"{args.count} captured temperatures")
+    for i in range(args.count):
+        build(eval(f"lambda score, b, h, q_idx, kv_idx: score * {0.5 + i / args.count!r}"))
+    report(f"+ {args.count} literal constants (limit {tb.cache_limit()})")
+    flexc.cache_clear()
+    report("after cache_clear()")
+
+
+if __name__ == "__main__":
+    main()

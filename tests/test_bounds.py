@@ -1,0 +1,136 @@
+"""Out-of-range lookups and integer division by zero in a mod raise one clear IndexRangeError on
+every path (TORCH, TRITON under the interpreter, create_block_mask, create_mask), naming the mod,
+its line, the tensor and the index range, where torch's FlexAttention raises IndexError too;
+negative indices count from the end as in torch; lookups the interval analysis proves in range
+are never evaluated by the check."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import flexc
+from flexc import bounds
+from flexc.bounds import IndexRangeError
+from reference import dense_attention, random_qkv
+
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
+
+L, S = 64, 48
+TABLE = torch.randn(64)
+IDS = torch.arange(64) // 16  # 0..3
+RELATIVE = torch.randn(L + S - 1)  # one entry per q_idx - kv_idx
+
+BAD_SCORE_MODS = {
+    "table[kv_idx + 17]": (lambda score, b, h, q_idx, kv_idx: score + TABLE[kv_idx + 17], "[17, 64]"),
+    "table[q_idx - 1000]": (lambda score, b, h, q_idx, kv_idx: score + TABLE[q_idx - 1000], "[-1000, -937]"),
+    "table[ids[q_idx] * 100]": (lambda score, b, h, q_idx, kv_idx: score + TABLE[IDS[q_idx] * 100], "[0, 300]"),
+}
+
+
+def flexc_call(q, k, v, backend, score_mod=None, block_mask=None):
+    return flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                kernel_options={"BACKEND": backend})
+
+
+@pytest.mark.parametrize("name", sorted(BAD_SCORE_MODS))
+def test_out_of_range_lookup_raises_the_same_clear_error_on_every_backend(name):
+    score_mod, index_range = BAD_SCORE_MODS[name]
+    q, k, v = random_qkv(1, 1, 1, L, S, 16)
+    with pytest.raises(IndexError):  # torch's own FlexAttention rejects the same mod
+        torch_flex.flex_attention(q, k, v, score_mod=score_mod)
+    messages = set()
+    for backend in ("TORCH", "TRITON"):
+        with pytest.raises(IndexRangeError) as info:
+            flexc_call(q, k, v, backend, score_mod=score_mod)
+        messages.add(str(info.value))
+    assert len(messages) == 1
+    text = messages.pop()
+    for part in ("flex_attention: score_mod <lambda>", "test_bounds.py", f"`{name.replace('table', 'TABLE').replace('ids', 'IDS')}`",
+                 "`TABLE` (shape [64])", index_range, "valid indices are -64..63", "Fix:"):
+        assert part in text, (part, text)
+
+
+def test_out_of_range_mask_lookup_in_block_masks_and_dense_masks():
+    def shifted(b, h, q_idx, kv_idx):
+        return TABLE[kv_idx + 20] > 0
+
+    for build in (flexc.create_block_mask, flexc.create_mask):
+        with pytest.raises(IndexRangeError, match=r"(?s)mask_mod shifted.*\[20, 67\].*e\.g\. 64 at kv_idx=44"):
+            build(shifted, 1, 1, L, S)
+    with pytest.raises(IndexError):
+        torch_flex.create_mask(shifted, 1, 1, L, S, device="cpu")
+
+
+def test_mask_lookup_by_batch_is_checked_against_the_call_not_the_block_mask():
+    """A BlockMask built for B=None evaluates the mask at b=0 only; the kernel calls it with every b."""
+    doc = torch.zeros(1, L, dtype=torch.int64)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx % L]
+
+    block_mask = flexc.create_block_mask(same_doc, None, None, L, S, BLOCK_SIZE=16)
+    q, k, v = random_qkv(2, 1, 1, L, S, 16)
+    for backend in ("TORCH", "TRITON"):
+        with pytest.raises(IndexRangeError, match=r"for B=2.*`doc\[b, q_idx\]`.*\[0, 1\].*b=1"):
+            flexc_call(q, k, v, backend, block_mask=block_mask)
+
+
+def test_integer_division_by_a_zero_lookup():
+    def by_document(score, b, h, q_idx, kv_idx):
+        return score + (q_idx // IDS[kv_idx]).float()
+
+    q, k, v = random_qkv(1, 1, 1, L, S, 16)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        torch_flex.flex_attention(q, k, v, score_mod=by_document)
+    for backend in ("TORCH", "TRITON"):
+        with pytest.raises(IndexRangeError, match=r"(?s)divides by zero.*`IDS\[kv_idx\]`.*kv_idx=0.*Fix:"):
+            flexc_call(q, k, v, backend, score_mod=by_document)
+
+
+def test_negative_indices_count_from_the_end_as_in_torch():
+    def previous(score, b, h, q_idx, kv_idx):
+        return score + TABLE[q_idx - 1] - TABLE[-1 - kv_idx]
+
+    q, k, v = random_qkv(1, 1, 1, L, S, 16, seed=1)
+    expected = torch_flex.flex_attention(q, k, v, score_mod=previous)
+    ref, _, _ = dense_attention(q, k, v, score_mod=previous)
+    torch.testing.assert_close(expected.double(), ref, atol=2e-5, rtol=0)
+    for backend in ("TORCH", "TRITON"):
+        torch.testing.assert_close(flexc_call(q, k, v, backend, score_mod=previous).double(), ref, atol=2e-5, rtol=0)
+
+
+IN_RANGE = {
+    "direct": lambda b, h, q_idx, kv_idx: TABLE[kv_idx] > 0,
+    "relative": lambda b, h, q_idx, kv_idx: RELATIVE[q_idx - kv_idx + S - 1] > 0,
+    "nested": lambda b, h, q_idx, kv_idx: TABLE[IDS[q_idx] * 16 + IDS[kv_idx]] > 0,
+    "modulo": lambda b, h, q_idx, kv_idx: TABLE[(q_idx * 7 + kv_idx) % 64] > 0,
+    "clamped": lambda b, h, q_idx, kv_idx: TABLE[(kv_idx + 30).clamp(max=63)] > 0,
+    "divisor": lambda b, h, q_idx, kv_idx: q_idx // (IDS[kv_idx] + 1) >= 1,
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_RANGE))
+def test_in_range_lookups_are_proven_without_evaluation(name, monkeypatch):
+    def no_evaluation(*args):
+        raise AssertionError("the bounds check evaluated an index the analysis should prove")
+
+    monkeypatch.setattr(bounds, "_exact_check", no_evaluation)
+    mask_mod = IN_RANGE[name]
+    bounds.check_mod(flexc.trace(mask_mod), 2, 2, L, S, "test")
+    b, h, q_idx, kv_idx = torch.arange(2).view(2, 1, 1, 1), torch.arange(2).view(1, 2, 1, 1), \
+        torch.arange(L).view(1, 1, L, 1), torch.arange(S).view(1, 1, 1, S)
+    assert torch.equal(flexc.create_mask(mask_mod, 2, 2, L, S), mask_mod(b, h, q_idx, kv_idx).expand(2, 2, L, S))
+
+
+def test_a_captured_index_table_changed_in_place_is_checked_again():
+    ids = IDS.clone()
+
+    def by_document(b, h, q_idx, kv_idx):
+        return TABLE[ids[q_idx] * 16] > 0
+
+    traced = flexc.trace(by_document)
+    bounds.check_mod(traced, 1, 1, L, S, "test")  # proven (and remembered) for these values
+    ids[5] = 4  # 4 * 16 = 64 is past the end of TABLE
+    with pytest.raises(IndexRangeError, match=r"\[0, 64\] \(e\.g\. 64 at q_idx=5\)"):
+        bounds.check_mod(traced, 1, 1, L, S, "test")

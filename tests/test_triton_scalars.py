@@ -1,0 +1,132 @@
+"""Captured Python numbers are kernel arguments (new values reuse one kernel), and the kernel cache
+is bounded (LRU) and really frees modules and files when it drops or clears kernels. Results are
+checked against the dense float64 reference under Triton's interpreter."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+
+import pytest
+import torch
+
+import flexc
+from flexc.backends import triton_backend
+from flexc.codegen.scalars import lift_scalars
+from reference import dense_attention, random_qkv
+
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
+
+TRITON = {"BACKEND": "TRITON"}
+L, S = 64, 48
+
+
+def temperature_mod(temperature: float, window: int):
+    def softcap_window(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx - kv_idx <= window, score / temperature, score * 0.5)
+
+    return softcap_window
+
+
+def test_new_captured_numbers_reuse_one_kernel():
+    q, k, v = random_qkv(1, 1, 1, L, S, 16)
+    triton_backend.cache_clear()
+    for temperature, window in ((1.0, 3), (0.3, 17), (7.25, -4)):
+        mod = temperature_mod(temperature, window)
+        out = flexc.flex_attention(q, k, v, score_mod=mod, kernel_options=TRITON)
+        ref, _, _ = dense_attention(q, k, v, score_mod=mod)
+        torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=0)
+    info = flexc.cache_info()
+    assert (info.misses, info.hits, info.size) == (1, 2, 1)
+    source = flexc.kernel_source(q, k, v, score_mod=temperature_mod(9.0, 2))
+    assert "def score_mod(score, b, h, q_idx, kv_idx, score_mod_window, score_mod_temperature):" in source
+    assert "score * 0.5" in source and "9.0" not in source  # literals stay, captured values do not
+
+
+def test_captured_numbers_in_mask_mods_are_arguments_too():
+    q, k, v = random_qkv(1, 1, 1, L, S, 16, seed=1)
+    triton_backend.cache_clear()
+    for window in (5, 20):
+        def sliding(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
+
+        block_mask = flexc.create_block_mask(sliding, 1, 1, L, S, BLOCK_SIZE=16)
+        out = flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options=TRITON)
+        ref, _, _ = dense_attention(q, k, v, mask_mod=sliding)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    assert flexc.cache_info().misses == 1
+
+
+def test_structural_numbers_stay_literals():
+    small = torch.arange(S, dtype=torch.uint8)
+    wide = torch.randn(S, dtype=torch.float64)
+    divisor, exponent, offset, weight = 16, 2, 300, 0.25
+
+    def structural(score, b, h, q_idx, kv_idx):
+        return (score + (q_idx // divisor) ** exponent + (small[kv_idx] + offset).float()
+                + wide[kv_idx] * weight)
+
+    lifted = lift_scalars(flexc.trace(structural))
+    assert lifted.scalars == ()  # a divisor, an exponent, a uint8 operand, a float64 operand
+    traced = flexc.trace(temperature_mod(2.0, 3))
+    lifted = lift_scalars(traced)
+    assert lifted.scalars == (3, 2.0) and str(lifted) == "where(q_idx - kv_idx <= window, score / temperature, score * 0.5)"
+    grid = dict(score=torch.randn(1, 1, 8, 8), b=torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                h=torch.zeros(1, 1, 1, 1, dtype=torch.long), q_idx=torch.arange(8).view(1, 1, 8, 1),
+                kv_idx=torch.arange(8).view(1, 1, 1, 8))
+    assert torch.equal(flexc.evaluate(lifted, **grid), flexc.evaluate(traced, **grid))
+
+
+def _run(mod):
+    q, k, v = random_qkv(1, 1, 1, 32, 32, 16, seed=2)
+    flexc.flex_attention(q, k, v, score_mod=mod, kernel_options=TRITON)
+    return triton_backend._cache[next(reversed(triton_backend._cache))]
+
+
+def _module_of(kernel):
+    name = os.path.splitext(os.path.basename(kernel.path))[0]
+    return name, weakref.ref(sys.modules[name])
+
+
+def test_cache_is_lru_bounded_and_frees_dropped_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXC_CACHE_DIR", str(tmp_path))
+    mods = [lambda s, b, h, q_idx, kv_idx: s + 1.5,
+            lambda s, b, h, q_idx, kv_idx: s * 3.5,
+            lambda s, b, h, q_idx, kv_idx: s - q_idx]
+    triton_backend.cache_clear()
+    previous = triton_backend.cache_limit(2)
+    try:
+        first = _run(mods[0])
+        name, module = _module_of(first)
+        path = first.path
+        del first
+        _run(mods[1])
+        _run(mods[0])  # a hit: the first kernel becomes the most recently used
+        _run(mods[2])  # evicts the second kernel, not the first
+        assert flexc.cache_info().size == 2 and name in sys.modules and os.path.exists(path)
+        _run(mods[1])  # evicts the first
+        assert flexc.cache_info().size == 2
+        assert name not in sys.modules and not os.path.exists(path)
+        gc.collect()
+        assert module() is None
+    finally:
+        triton_backend.cache_limit(previous)
+    with pytest.raises(ValueError, match="cache_limit: kernels must be a positive int"):
+        triton_backend.cache_limit(0)
+
+
+def test_cache_clear_frees_modules_and_files(tmp_path, monkeypatch):
+    triton_backend.cache_clear()
+    monkeypatch.setenv("FLEXC_CACHE_DIR", str(tmp_path))
+    kernel = _run(lambda s, b, h, q_idx, kv_idx: s + 0.125 * kv_idx)
+    name, module = _module_of(kernel)
+    path = kernel.path
+    del kernel
+    flexc.cache_clear()
+    assert tuple(flexc.cache_info()) == (0, 0, 0)
+    assert name not in sys.modules and not os.path.exists(path)
+    gc.collect()
+    assert module() is None
+    _run(lambda s, b, h, q_idx, kv_idx: s + 0.125 * kv_idx)  # compiles again from scratch
+    assert flexc.cache_info().misses == 1 and os.path.exists(path)
