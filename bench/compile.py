@@ -16,7 +16,7 @@ first-call cost users of torch's FlexAttention already pay.
 Compilation uses a fresh inductor cache directory, so first calls include compilation.
 
     python bench/compile.py                  # L = 1024 and 4096 (many minutes: inductor compiles)
-    python bench/compile.py --lengths 1024 --reps 3
+    python bench/compile.py --lengths 1024 --reps 3 --threads 2
 """
 from __future__ import annotations
 
@@ -134,7 +134,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: per-call costs on a shared machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {LAYERS} layers, {H} heads x {D}, fp32, "
           f"causal + learnable ALiBi; inductor cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}", flush=True)
     for L in args.lengths:

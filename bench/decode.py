@@ -16,6 +16,7 @@ slice a 16K causal BlockMask for one query block.
 
 Usage: python bench/decode.py [--quick] [--no-compile] [--rounds N] [--device cuda]
   --quick: only cache 4096 with H=8 (the issue's acceptance case)
+  --cpu-time: time.thread_time instead of wall time, for a loaded machine
   --device cuda: the same table on a GPU in bf16 (flexc's split-KV Triton decode kernel); also
                  reached as ``python bench/gpu.py --decode``
 """
@@ -50,14 +51,17 @@ def shifted(mask_mod, offset):
     return mask
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time, this thread's CPU time
+
+
 def per_call(fn, calls: int) -> float:
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     sync()
-    start = time.perf_counter()
+    start = CLOCK()
     for _ in range(calls):
         fn()
     sync()
-    return (time.perf_counter() - start) / calls
+    return (CLOCK() - start) / calls
 
 
 def interleaved(fns: dict, rounds: int, calls: int) -> dict:
@@ -134,7 +138,13 @@ def main(argv=None) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="measure this thread's CPU time instead of wall time (on a loaded machine: what a "
+                             "call costs without the waits for a core; one thread only)")
     args = parser.parse_args(argv)
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.thread_time
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -146,7 +156,8 @@ def main(argv=None) -> None:
     else:
         dtype = torch.float32
         torch.set_num_threads(1)
-        print("per-call time, one query row, fp32, D=64, one thread (medians of interleaved rounds)")
+        print(f"per-call {'CPU' if args.cpu_time else 'wall'} time, one query row, fp32, D=64, one thread "
+              f"(medians of interleaved rounds)")
     print(f"{'cache':>6} {'Hq/Hkv':>7} {'mask':>8} | {'flexc':>9} {'SDPA':>9} {'eager':>9} {'compiled':>9}"
           f" | {'/SDPA':>6} {'/eager':>7} {'/compiled':>9}")
     sizes = [4096] if args.quick else [1024, 4096, 16384]

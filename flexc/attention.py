@@ -6,12 +6,14 @@ block-sparse path (:func:`flexc.backends.torch_cpu.torch_backward`), so every ba
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from . import bounds, under_compile, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
+from .lowering import AUTOGRAD_FUNCTION
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
 
 
@@ -77,7 +79,14 @@ def _strides_like(shape: tuple, reference_strides: tuple) -> list[int]:
             strides[d], step = step, step * shape[d]
         return strides
 
-    order = sorted(range(len(shape)), key=lambda d: (reference_strides[d], -d))
+    # insertion sort by (stride, -dim), written out: dynamo cannot sort by symbolic sizes (sorted's key)
+    order: list[int] = []
+    for d in range(len(shape)):
+        i = len(order)
+        while i > 0 and (reference_strides[d] < reference_strides[order[i - 1]]
+                         or reference_strides[d] == reference_strides[order[i - 1]]):
+            i -= 1
+        order.insert(i, d)
     strides = dense(order)
     if strides[-1] != 1:
         last = len(shape) - 1
@@ -122,6 +131,28 @@ def prepare_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     mask_fn = getattr(block_mask, "mask_mod", None)
     traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
     return scale, options, traced_score, traced_mask
+
+
+@functools.lru_cache(maxsize=256)
+def _differentiable_root(root) -> bool:
+    from .derivative import differentiate
+
+    try:
+        differentiate(TracedMod(SCORE_MOD, root, (), (), "score_mod", None))
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _generated_backward_applies(score_mod: TracedMod | None) -> bool:
+    """Whether a backend's generated backward can train this score_mod: its derivative exists in
+    flexc.derivative's rules, and it calls no torch.autograd.Function (whose own backward only the
+    torch path runs, through evaluation). Otherwise training uses the torch backward."""
+    if score_mod is None:
+        return True
+    if any(n.op == AUTOGRAD_FUNCTION for n in score_mod.root.walk()):
+        return False
+    return _differentiable_root(score_mod.root)
 
 
 class _FlexAttentionFunction(torch.autograd.Function):
@@ -218,7 +249,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if needs_grad:
         forward = BACKENDS[backend]
         grad_buffers = [traced_score.buffers[i] for i in slots]
-        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, TRAINING.get(backend), traced_score,
+        training = TRAINING.get(backend) if _generated_backward_applies(traced_score) else None
+        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, training, traced_score,
                                                 traced_mask, block_mask, scale, options, slots, *grad_buffers)
         if want_max:
             with torch.no_grad():
@@ -250,12 +282,13 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     validate.check_mod(score_mod)
     validate.check_block_mask(block_mask, query, key)
     scale = validate.check_scale(scale, query)
-    backend = _choose_backend(validate.check_kernel_options(kernel_options), query.device)
+    options = validate.check_kernel_options(kernel_options)
+    backend = options["BACKEND"] = _choose_backend(options, query.device)
     want_max = bool(return_aux is not None and return_aux.max_scores)
     if want_max and backend != "TORCH":
         raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
                          f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
-    out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, backend,
+    out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, options,
                                                         want_max)
     out, lse = _laid_out_like(out, query), lse.to(_lse_dtype(query.dtype))  # as in eager
     if return_aux is not None:

@@ -10,6 +10,7 @@ training runs flexc's own backward and captured tensors that require grad receiv
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Optional
 
 import torch
@@ -24,10 +25,14 @@ from .mod_key import traced_from_key
 TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 
 
-def lse_dtype(query: torch.Tensor, backend: str) -> torch.dtype:
-    """The saved logsumexp's dtype: float64 for float64 inputs on the torch path (for an exact
-    backward), float32 otherwise; users always get float32."""
-    return torch.float64 if backend == "TORCH" and query.dtype == torch.float64 else torch.float32
+def lse_dtype(query: torch.Tensor) -> torch.dtype:
+    """The logsumexp's dtype, as eager flex_attention's: float64 for float64 inputs, else float32."""
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
+def options_key(options: dict) -> str:
+    """``kernel_options`` (``BACKEND`` resolved) as the ops' string argument."""
+    return json.dumps(options, sort_keys=True)
 
 
 def _block_mask(tables: list, block_size: list[int], seq_lengths: list[int], mask_mod) -> BlockMask | None:
@@ -47,11 +52,10 @@ def _mods(score_key: str, score_buffers, mask_key: str, mask_buffers):
     return score, mask
 
 
-def _forward_backend(name: str):
-    if name == "TRITON":
-        from .backends.triton_backend import triton_forward
-        return triton_forward
-    return torch_forward
+def _triton():
+    # imported on first use: the Triton backend loads triton (and registers itself with flexc.attention)
+    from .backends import triton_backward
+    return triton_backward
 
 
 # A custom op's implementation runs with autograd's dispatch keys excluded; the backward needs them
@@ -76,37 +80,39 @@ def _autograd_enabled():
 def flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
                       mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
-                      block_size: list[int], seq_lengths: list[int], scale: float, backend: str,
+                      block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
                       need_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward: ``(out [B,Hq,L,Ev], lse [B,Hq,L], max_scores [B,Hq,L] or empty)``.
 
     ``score_mod``/``mask_mod`` are :func:`flexc.mod_key.mod_key` strings ("" for none);
-    ``block_size`` is empty when there is no BlockMask.
+    ``block_size`` is empty when there is no BlockMask; ``kernel_options`` is :func:`options_key`'s JSON.
     """
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
     for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
         bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
-    if need_max or lse_dtype(query, backend) == torch.float64:
+    options = json.loads(kernel_options)
+    row_max = None
+    if options["BACKEND"] == "TRITON":  # the forward that also serves the generated backward
+        out, lse = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options)
+    elif need_max or query.dtype == torch.float64:  # float64: keep the logsumexp in float64
         out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
-                                             lse_dtype=lse_dtype(query, backend))
+                                             lse_dtype=lse_dtype(query))
     else:
-        out, lse = _forward_backend(backend)(query, key, value, score, mask, block_mask, scale,
-                                             {"BACKEND": backend}, True)
-        row_max = None
+        out, lse = torch_forward(query, key, value, score, mask, block_mask, scale, options, True)
     if row_max is None:
         row_max = query.new_empty((0,), dtype=torch.float32)
     # contiguous whatever a backend chose, as the fake implementation promises
-    return out.contiguous(), lse.contiguous(), row_max
+    return out.contiguous(), lse.to(lse_dtype(query)).contiguous(), row_max
 
 
 @flex_attention_op.register_fake
 def _(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths,
-      scale, backend, need_max):
+      scale, kernel_options, need_max):
     B, Hq, L, _ = query.shape
     Ev = value.shape[-1]
     out = query.new_empty((B, Hq, L, Ev))
-    lse = query.new_empty((B, Hq, L), dtype=lse_dtype(query, backend))
+    lse = query.new_empty((B, Hq, L), dtype=lse_dtype(query))
     row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
     return out, lse, row_max
 
@@ -116,34 +122,39 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
                                lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                                tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
                                mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
-                               block_size: list[int], seq_lengths: list[int], scale: float,
+                               block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
                                grad_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
-    with _autograd_enabled():  # carries dS through the score_mod
-        dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
-                                               block_mask, scale, tuple(grad_slots))
+    options = json.loads(kernel_options)
+    if options["BACKEND"] == "TRITON":  # the generated backward kernels
+        dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, lse, grad_out, grad_lse, score,
+                                                          mask, block_mask, scale, tuple(grad_slots), options)
+    else:
+        with _autograd_enabled():  # carries dS through the score_mod
+            dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
+                                                   block_mask, scale, tuple(grad_slots))
     # contiguous whatever the inputs' strides, as the fake implementation promises
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), [g.contiguous() for g in buf_grads]
 
 
 @flex_attention_backward_op.register_fake
 def _(query, key, value, out, lse, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
-      mask_mod, block_size, seq_lengths, scale, grad_slots):
+      mask_mod, block_size, seq_lengths, scale, kernel_options, grad_slots):
     return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
             [score_buffers[i].new_empty(score_buffers[i].shape) for i in grad_slots])
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths,
-     scale, backend, need_max) = inputs
+     scale, kernel_options, need_max) = inputs
     out, lse, _ = output
     # captured float tensors that require grad (learnable biases, ALiBi slopes) get gradients
     ctx.grad_slots = [i for i, t in enumerate(score_buffers) if t.is_floating_point() and t.requires_grad]
     ctx.n_tables, ctx.n_score, ctx.n_mask = len(tables), len(score_buffers), len(mask_buffers)
     ctx.table_present = [t is not None for t in tables]
-    ctx.constants = (score_mod, mask_mod, list(block_size), list(seq_lengths), scale)
+    ctx.constants = (score_mod, mask_mod, list(block_size), list(seq_lengths), scale, kernel_options)
     # the gradients mirror the inputs' pytree: a list of ints is a leaf (grad None), an empty list is not
     ctx.int_list_grads = [None if len(x) else [] for x in (block_size, seq_lengths)]
     ctx.save_for_backward(query, key, value, out, lse, *[t for t in tables if t is not None],
@@ -157,12 +168,12 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
     tables = [next(rest) if present else None for present in ctx.table_present]
     score_buffers = [next(rest) for _ in range(ctx.n_score)]
     mask_buffers = [next(rest) for _ in range(ctx.n_mask)]
-    score_mod, mask_mod, block_size, seq_lengths, scale = ctx.constants
+    score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options = ctx.constants
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, buf_grads = flex_attention_backward_op(
         query, key, value, out, lse, grad_out.contiguous(), grad_lse, tables, score_buffers, mask_buffers,
-        score_mod, mask_mod, block_size, seq_lengths, scale, ctx.grad_slots)
+        score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options, ctx.grad_slots)
     score_grads: list = [None] * ctx.n_score
     for slot, g in zip(ctx.grad_slots, buf_grads):
         score_grads[slot] = g

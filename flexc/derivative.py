@@ -18,6 +18,7 @@ half on ties; ``where`` routes it to the branch taken; ``floor``/``ceil``/``sign
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -55,8 +56,7 @@ class ScoreModDerivative:
 
     def as_mod(self, root: ir.Node, name: str) -> TracedMod:
         """``root`` wrapped as a score_mod with the original captured tensors (for printing/evaluating)."""
-        mod = self.score_mod
-        return TracedMod(SCORE_MOD, root, mod.buffers, mod.buffer_names, name, mod.fn)
+        return dataclasses.replace(self.score_mod, root=root, name=name)
 
     def __str__(self) -> str:
         names = self.score_mod.buffer_names
@@ -232,8 +232,19 @@ def _local(n: ir.Node, A: ir.Node) -> list[tuple[ir.Node, ir.Node]]:
         return [(args[0], neg(A))]
     if op == "abs":
         return [(args[0], mul(A, ir.unary("sign", args[0])))]
-    if op in ("sign", "floor", "ceil", "floordiv"):
+    if op in ("sign", "floor", "ceil", "floordiv", "trunc", "round"):
         return []  # piecewise constant: zero gradient (torch returns zeros)
+    if op == "fmod":
+        # torch.fmod: d/dx = g, d/dy = -g * trunc(x / y)
+        x, y = args
+        return [(x, A), (y, neg(mul(A, ir.unary("trunc", ir.binary("truediv", x, y)))))]
+    if op == "atan2":
+        # atan2(y, x): d/dy = g * x / (x^2 + y^2), d/dx = -g * y / (x^2 + y^2)
+        # (0 at the origin, as torch gives)
+        y, x = args
+        r2 = add(mul(x, x), mul(y, y))
+        origin = ir.binary("eq", r2, _c(0.0))
+        return [(y, where(origin, _c(0.0), div(mul(A, x), r2))), (x, where(origin, _c(0.0), neg(div(mul(A, y), r2))))]
     if op == "mod":
         # torch.remainder: d/dx = g, d/dy = -g * floor(x / y)
         x, y = args
@@ -260,11 +271,38 @@ def _local(n: ir.Node, A: ir.Node) -> list[tuple[ir.Node, ir.Node]]:
         return [(x, mul(A, ir.unary("cos", x)))]
     if op == "cos":
         return [(x, neg(mul(A, ir.unary("sin", x))))]
+    if op == "tan":
+        return [(x, mul(A, add(_c(1.0), mul(n, n))))]
+    if op == "atan":
+        return [(x, div(A, add(_c(1.0), mul(x, x))))]
+    if op in ("asin", "acos"):
+        # torch: +-g * rsqrt(1 - x^2)
+        term = mul(A, ir.unary("rsqrt", sub(_c(1.0), mul(x, x))))
+        return [(x, term if op == "asin" else neg(term))]
+    if op == "sinh":
+        return [(x, mul(A, ir.unary("cosh", x)))]
+    if op == "cosh":
+        return [(x, mul(A, ir.unary("sinh", x)))]
+    if op in ("asinh", "acosh"):
+        # torch: g * rsqrt(x^2 + 1) and g * rsqrt(x^2 - 1)
+        return [(x, mul(A, ir.unary("rsqrt", (add if op == "asinh" else sub)(mul(x, x), _c(1.0)))))]
+    if op == "atanh":
+        return [(x, div(A, sub(_c(1.0), mul(x, x))))]
+    if op in ("erf", "erfc"):
+        # d erf / dx = 2 / sqrt(pi) * exp(-x^2); erfc is 1 - erf
+        term = mul(_c(2.0 / math.sqrt(math.pi)), mul(A, ir.unary("exp", neg(mul(x, x)))))
+        return [(x, term if op == "erf" else neg(term))]
+    if op == "expm1":
+        return [(x, mul(A, add(n, _c(1.0))))]
+    if op == "log1p":
+        return [(x, div(A, add(x, _c(1.0))))]
+    if op == "log10":
+        return [(x, div(A, mul(x, _c(math.log(10.0)))))]
     if op == "cast":
         return [(x, A)] if x.kind == ir.FLOAT and n.kind == ir.FLOAT else []
-    if op in ("load", "input", "const", "buffer"):
+    if op in ("load", "input", "const", "buffer", "scalar"):
         return []
-    if op in ir.COMPARE_OPS or op in ir.LOGIC_OPS or op == "not":
+    if op in ir.COMPARE_OPS or op in ir.LOGIC_OPS or op in ("not", "lshift", "rshift"):
         return []
     raise NotImplementedError(f"flexc derivative: no rule for IR op {op!r}")
 

@@ -44,14 +44,15 @@ class CallSpec(NamedTuple):
     block_size: tuple[int, ...]  # () without a BlockMask
     seq_lengths: tuple[int, ...]
     scale: float
-    backend: str
+    options: tuple  # kernel_options' sorted items (JSON is written outside dynamo)
     need_max: bool
-    score_dtype: torch.dtype
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
-                   block_mask: Any, scale: float, backend: str, need_max: bool):
+                   block_mask: Any, scale: float, options: dict, need_max: bool):
     """``(out, lse, max_scores)`` of one call, as one ``flexc::flex_attention`` node of the compiled graph.
+
+    ``options`` are the checked kernel_options with ``BACKEND`` resolved to "TORCH" or "TRITON".
 
     Runs under dynamo: only code that dynamo traces cleanly belongs here (no flexc tracing).
     """
@@ -65,11 +66,12 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         block_size = tuple(int(x) for x in block_mask.BLOCK_SIZE)
         seq_lengths = tuple(int(x) for x in block_mask.seq_lengths)
     present = [t for t in tables if t is not None]
+    # torch scores in float32 (float64 for float64 inputs); indices are int32, as in torch
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     spec = CallSpec(_name(score_mod, "score_mod") if score_mod is not None else None,
                     _name(mask_mod, "mask_mod") if mask_mod is not None else None,
-                    tuple(t is not None for t in tables), block_size, seq_lengths, float(scale), backend,
-                    need_max, score_dtype)
+                    tuple(t is not None for t in tables), block_size, seq_lengths, float(scale),
+                    tuple(sorted(options.items())), need_max)
     # the mods' arguments: one-element tensors, so dynamo records the mods' arithmetic elementwise
     # (indexing a captured tensor by a 0-d tensor would be data-dependent for dynamo)
     index = lambda: torch.zeros(1, dtype=torch.int32, device=query.device)
@@ -84,7 +86,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             t.detach()
         score_out = score_mod(score, b, h, q_idx, kv_idx) if score_mod is not None else score
         mask_out = mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else q_idx >= 0
-        return (*_output_meta(query, value, backend, need_max), score_out, mask_out)
+        return (*_output_meta(query, value, need_max), score_out, mask_out)
 
     out, lse, row_max, _, _ = dynamo_bypassing_wrapper(functools.partial(_wrapper, spec), inner,
                                                        score0, b0, h0, q0, kv0, query, key, value, *present)
@@ -95,11 +97,11 @@ def _name(fn: Any, default: str) -> str:
     return getattr(fn, "__name__", None) or default
 
 
-def _output_meta(query: torch.Tensor, value: torch.Tensor, backend: str, need_max: bool):
+def _output_meta(query: torch.Tensor, value: torch.Tensor, need_max: bool):
     """Empty tensors shaped like the op's outputs (what dynamo records as the call's result)."""
     B, Hq, L, _ = query.shape
     out = query.new_empty((B, Hq, L, value.shape[-1]))
-    lse = query.new_empty((B, Hq, L), dtype=custom_ops.lse_dtype(query, backend))
+    lse = query.new_empty((B, Hq, L), dtype=custom_ops.lse_dtype(query))
     row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
     return out, lse, row_max
 
@@ -131,7 +133,7 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         mask_key, mask_buffers = _mod(gm, plan, inputs, MASK_MOD, spec.mask_name)
         out, lse, row_max = custom_ops.flex_attention_op(
             query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key, list(spec.block_size),
-            list(spec.seq_lengths), spec.scale, spec.backend, spec.need_max)
+            list(spec.seq_lengths), spec.scale, custom_ops.options_key(dict(spec.options)), spec.need_max)
         # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
         # the same type, never read
         fill = lambda node: torch.zeros(node.meta["example_value"].shape, dtype=node.meta["example_value"].dtype,
@@ -191,18 +193,30 @@ def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, in
                 env[node] = _run_node(gm, node, env)
         return env[root]
 
-    traced = trace(_fixed_arity(mod, 5 if kind == SCORE_MOD else 4), kind)
+    traced = trace(_ScoreReplay(mod) if kind == SCORE_MOD else _MaskReplay(mod), kind)
     # name the captured tensors after the subgraph inputs they came from (e.g. l_self_slopes_)
     names = {id(inputs[i]): node.name for i, node in enumerate(placeholders)}
     return replace(traced, name=name, fn=_named(mod, name),
                    buffer_names=tuple(names.get(id(t), f"buf{i}") for i, t in enumerate(traced.buffers)))
 
 
-def _fixed_arity(fn: Callable, n: int) -> Callable:
-    """``fn`` with the 5 (score_mod) or 4 (mask_mod) named parameters flexc's tracer reads."""
-    if n == 5:
-        return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)
-    return lambda b, h, q_idx, kv_idx: fn(b, h, q_idx, kv_idx)
+class _ScoreReplay:
+    """The replayed subgraph as a score_mod. A callable object rather than a function, so the trace
+    cache (which keys functions by what they capture) leaves it alone: it captures this call's
+    inputs, fake tensors and symbolic sizes included."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+
+class _MaskReplay(_ScoreReplay):
+    """The replayed subgraph as a mask_mod (see :class:`_ScoreReplay`)."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
 
 
 def _named(fn: Callable, name: str) -> Callable:

@@ -143,7 +143,7 @@ def test_custom_ops_pass_opcheck():
     tables = [getattr(bm, name) for name in custom_ops.TABLE_NAMES]
     mask = flexc.trace(bm.mask_mod)
     args = (q, k, v, tables, [slopes], list(mask.buffers), mod_key(score), mod_key(mask), [16, 16], [32, 32],
-            0.3, "TORCH", False)
+            0.3, custom_ops.options_key({"BACKEND": "TORCH"}), False)
     torch.library.opcheck(custom_ops.flex_attention_op, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     doc = torch.tensor([0] * 20 + [1] * 25)
@@ -223,3 +223,37 @@ def test_block_mask_created_and_sliced_inside_the_compiled_region():
         torch.testing.assert_close(bm.to_dense(), eager_bm.to_dense())
         doc[30:50] = 2  # new document ids, same shape: no recompile
     assert counter.frame_count == 1
+
+
+def test_new_lengths_compile_once_more_with_symbolic_sizes():
+    bias = torch.randn(2, generator=torch.Generator().manual_seed(7))
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h] * (qi - ki))
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter)
+    for n in (32, 48, 64):
+        q, k, v = (torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n)) for _ in range(3))
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+    assert counter.frame_count == 2  # the second length recompiles with symbolic sizes; the third reuses it
+
+
+def test_triton_backend_under_compile_trains_like_eager():
+    """BACKEND="TRITON" (the generated kernels, here on Triton's CPU interpreter): forward and the
+    generated backward through the custom ops equal the eager Triton call."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=g, requires_grad=True) for _ in range(3))
+    slopes = torch.rand(2, generator=g, requires_grad=True)
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 32, 32, BLOCK_SIZE=16)
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi),
+                                    block_mask=bm, kernel_options={"BACKEND": "TRITON"})
+
+    results = []
+    for fn in (torch.compile(f, backend="aot_eager", fullgraph=True), f):
+        out = fn(q, k, v)
+        results.append([out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, slopes))])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)

@@ -125,3 +125,20 @@ def test_kernel_source_shows_the_decode_kernel():
     src = flexc.kernel_source(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=TRITON)
     assert "def flex_decode_split(" in src and "split-KV decode kernel" in src
     assert "BLOCK_M=16 packed query rows" in src
+
+
+def test_a_new_python_offset_reuses_the_kernel():
+    """Decoding with a Python-int position: each step's number is a kernel argument, not new source."""
+    q, k, v = random_qkv(1, 4, 2, 1, S, E, seed=7)
+
+    def at(offset):
+        return lambda b, h, q_idx, kv_idx: q_idx + offset >= kv_idx
+
+    for step, offset in enumerate((100, 101, 140)):
+        mask_mod = at(offset)
+        bm = flexc.create_block_mask(mask_mod, None, None, 1, S, BLOCK_SIZE=BLOCK)
+        out, lse = run(q, k, v, block_mask=bm)
+        check(out, lse, *dense_attention(q, k, v, mask_mod=mask_mod)[:2])
+        if step == 0:
+            compiled = flexc.cache_info().misses
+    assert flexc.cache_info().misses == compiled

@@ -15,6 +15,11 @@ handful of whole-tensor operations over every batch and head at once:
 4. a base-2 softmax, ``P @ V`` with the same head packing, and the logsumexp. A query row that
    allows no key gets output 0 and logsumexp ``-inf``.
 
+Without a score_mod, in fp32/fp64 with equal head dims, and a mask_mod that reads only ``q_idx``
+and ``kv_idx`` on a one-row plan, steps 2-4 are one call of torch's fused CPU flash kernel
+(what SDPA runs; :mod:`flexc.backends.fused_cpu`) over the key slice, with the mask_mod's verdict
+on the partial-block columns as an additive 0/-inf mask: keys and values are read once.
+
 :func:`applies` decides when this path is used: short queries whose scores fit a modest budget.
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from ..evaluate import evaluate
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
+from . import fused_cpu
 
 MAX_ROWS = 16
 # Scores [B, Hq, L, n] above this many elements go to the row path (bounded working memory).
@@ -137,6 +143,42 @@ def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
     return positions, start, partial[..., cols], (full[..., cols] if full is not None else None)
 
 
+def _blocked_spans(mask_mod: TracedMod, spans, positions: torch.Tensor, index: dict):
+    """``(offset, length, not allowed)`` for each partial span; one mask_mod evaluation covers them
+    all (over every position when there are several spans: the op count, not the elements, costs)."""
+    reads = _reads(mask_mod)
+    if len(spans) == 1:
+        offset, length = spans[0]
+        kv = positions[offset:offset + length].view(1, 1, 1, -1)
+        allowed = evaluate(mask_mod, **{k: (kv if k == "kv_idx" else index[k]) for k in reads})
+        return [(offset, length, allowed.logical_not())]
+    kv = positions.view(1, 1, 1, -1)
+    blocked = evaluate(mask_mod, **{k: (kv if k == "kv_idx" else index[k]) for k in reads}).logical_not()
+    return [(offset, length, blocked[..., offset:offset + length]) for offset, length in spans]
+
+
+def _flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, positions: torch.Tensor, spans,
+           mask_mod: TracedMod | None, scale: float):
+    """``(out, lse)`` from one fused-kernel call: GQA query heads stacked as rows, the mask_mod
+    (reading only q_idx/kv_idx) evaluated on the partial spans into an additive mask."""
+    B, Hq, L, E = query.shape
+    Hkv, n = k_sel.shape[1], k_sel.shape[2]
+    G = Hq // Hkv
+    if k_sel.shape[0] != B:  # one key batch for every query batch: the kernel takes a stride-0 view
+        k_sel, v_sel = k_sel.expand(B, *k_sel.shape[1:]), v_sel.expand(B, *v_sel.shape[1:])
+    mask = None
+    if spans and not _is_true(mask_mod):
+        mask = torch.zeros(1, 1, L, n, dtype=query.dtype, device=query.device)
+        q_idx = torch.arange(L, device=query.device).view(1, 1, L, 1)
+        for offset, length, blocked in _blocked_spans(mask_mod, spans, positions, {"q_idx": q_idx}):
+            mask[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
+        mask = fused_cpu._stack_heads(mask, G)
+    o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E), k_sel, v_sel, attn_mask=mask, scale=scale)
+    if mask is not None and sum(length for _, length in spans) == n:  # no full block: rows may be dead
+        fused_cpu._fix_dead_rows(lse, mask)
+    return o.reshape(B, Hq, L, v_sel.shape[-1]).contiguous(), lse.reshape(B, Hq, L)
+
+
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
             mask_mod: TracedMod | None, block_mask: Any, scale: float, need_max: bool = False,
             lse_dtype: torch.dtype = torch.float32):
@@ -165,6 +207,12 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         k_sel, v_sel = key[:, :, start:start + n], value[:, :, start:start + n]
     else:
         k_sel, v_sel = key.index_select(2, positions), value.index_select(2, positions)
+    if (score_mod is None and not need_max and fused_cpu._FLASH is not None and device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float64) and E == Ev
+            and (block_mask is None or spans is not None)
+            and (_is_true(mask_mod) or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})):
+        out, lse = _flash(query, k_sel, v_sel, positions, spans, mask_mod, scale)
+        return out, lse.to(lse_dtype), None
 
     # scores in log2 units unless a score_mod needs natural ones: [B, Hkv, G*L, n] read as [B, Hq, L, n]
     general = score_mod is not None
@@ -186,12 +234,10 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         s4.mul_(LOG2E)
     allowed = None
     if spans is not None:
-        if not _is_true(mask_mod):
-            reads = _reads(mask_mod)
-            for offset, length in spans:  # only partial blocks run the mask_mod; full ones need nothing
-                args = {k: (positions[offset:offset + length].view(1, 1, 1, -1) if k == "kv_idx" else index(k))
-                        for k in reads}
-                s4[..., offset:offset + length].masked_fill_(evaluate(mask_mod, **args).logical_not(), _NEG_INF)
+        if not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
+            given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
+            for offset, length, blocked in _blocked_spans(mask_mod, spans, positions, given):
+                s4[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
     elif partial is not None:
         allowed = partial
         if not _is_true(mask_mod):

@@ -572,8 +572,8 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     from . import triton_decode
 
     if triton_decode.applies(query, key, block_mask):  # short queries run the split-KV decode kernel
-        return triton_decode.source_for(triton_decode.make_spec(traced_score, traced_mask, query, key, value,
-                                                                block_mask))
+        return triton_decode.source_for(triton_decode.make_spec(lift_scalars(traced_score), lift_scalars(traced_mask),
+                                                                query, key, value, block_mask))
     spec = _spec_for_call(query, value, lift_scalars(traced_score), lift_scalars(traced_mask), block_mask, options,
                           return_lse)
     return source_for(spec)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from ..codegen.backward import BackwardSpec, generate_backward
+from ..codegen.scalars import lift_scalars
 from ..tiles import cdiv, transpose_ordered
 from ..trace import TracedMod
 from . import triton_backend as fwd
@@ -166,7 +167,10 @@ def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, l
               delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(), *dv.stride(), Bm, Hm, nQ, nKV]
     args = [query, key, value, grad_out, lse2, delta, dq, dk, dv] + tables + buffers + shapes
     constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
-                     Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=E,
+                     Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
+                     # lengths that are multiples of every tile need no bounds checks (a second variant)
+                     DIVISIBLE=L % max(spec.block_m1, spec.block_m2) == 0 and S % max(spec.block_n1, spec.block_n2) == 0,
+                     HEAD_DIM=E,
                      HEAD_DIM_PAD=fwd.padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=fwd.padded_head_dim(Ev))
     return args, constants
 
@@ -252,6 +256,7 @@ def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: 
     ``lse`` is the forward's natural-log logsumexp (``-inf`` on rows with nothing allowed);
     ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``.
     """
+    score_mod, mask_mod = lift_scalars(score_mod), lift_scalars(mask_mod)  # captured numbers become arguments
     spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
     return launch_backward(spec, query, key, value, out, lse, grad_out, grad_lse, score_mod, mask_mod,
                            block_mask, scale)
@@ -261,6 +266,7 @@ def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mo
                          block_mask: Any, scale: float, kernel_options: dict | None):
     """The Triton forward that autograd saves for :func:`triton_backward`: ``(out, lse)``, the
     logsumexp in float64 for float64 inputs (the backward's probabilities come from it)."""
+    score_mod, mask_mod = lift_scalars(score_mod), lift_scalars(mask_mod)
     spec = fwd._spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, True)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return fwd.launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, lse_dtype=lse_dtype)
@@ -272,7 +278,8 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
     require grad receive gradients); compiles nothing."""
     from ..attention import _grad_slots
 
-    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, _grad_slots(score_mod))
+    spec = spec_for_call(query, value, lift_scalars(score_mod), lift_scalars(mask_mod), block_mask, kernel_options,
+                         _grad_slots(score_mod))
     return fwd.source_for(spec)
 
 

@@ -19,13 +19,14 @@ computed before the launch. :class:`BackwardSpec` is everything that shapes the 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .. import ir
 from ..derivative import ScoreModDerivative, differentiate
-from ..trace import SCORE_MOD, TracedMod
+from ..trace import TracedMod
 from .forward import RCP_LN2, _TL, _dot, _render, _stems, padded_head_dim
 from .printer import HELPERS, BufferParam, RenderedMod, python_literal, render_mod
 
@@ -141,8 +142,8 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
                 stem += "_"
             stems = {n + slot: stem}
             names = spec.score_mod.buffer_names + tuple(f"{name}_grad" for name in spec.score_mod.buffer_names)
-            target = TracedMod(SCORE_MOD, ir.load(grad_buf, g.indices), spec.score_mod.buffers, names,
-                               f"gather{j}_address", spec.score_mod.fn)
+            target = dataclasses.replace(spec.score_mod, root=ir.load(grad_buf, g.indices), buffer_names=names,
+                                         name=f"gather{j}_address")
             address = render_mod(target, f"gather{j}_address", stems, address=True)
             grad = render_mod(derivative.as_mod(g.grad, f"gather{j}_grad"), f"gather{j}_grad", score_stems)
             what = ir.format_expr(g.load, spec.score_mod.buffer_names)
@@ -155,10 +156,12 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     mods += [r for g in gathers for r in (g.grad, g.address)]
     helpers = set().union(*(r.helpers for r in mods)) if mods else set()
     n_buf = len(spec.score_mod.buffers) if spec.score_mod is not None else 0
+    # captured numbers (flexc.codegen.scalars) an address reads are the score_mod's, like its tensors
     score_params = _unique([p for r in (score, d_score) if r is not None for p in r.params]
-                           + [p for g in gathers for p in g.grad.params])
+                           + [p for g in gathers for p in g.grad.params]
+                           + [p for g in gathers for p in g.address.params if p.what == "scalar"])
     mask_params = tuple(mask.params) if mask is not None else ()
-    grad_params = _unique([p for g in gathers for p in g.address.params])
+    grad_params = _unique([p for g in gathers for p in g.address.params if p.what != "scalar"])
     buffers = [p.name for p in score_params] + [p.name for p in mask_params] + [p.name for p in grad_params]
 
     lines = _header(spec, derivative, gathers)
@@ -308,6 +311,18 @@ def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -
     return out
 
 
+def _bounds(indent: str, in_range: str, idx: str, offs: str, length: str, block: str, axis: str) -> list[str]:
+    """``in_range`` and the clamped index ``idx`` of a tile; no checks when the lengths divide the tiles."""
+    return [
+        f"{indent}if DIVISIBLE:  # both lengths are multiples of every tile: nothing to bounds-check",
+        f"{indent}    {in_range} = tl.full(({block},), 1, tl.int1)",
+        f"{indent}    {idx} = {offs}{axis}",
+        f"{indent}else:",
+        f"{indent}    {in_range} = {offs} < {length}",
+        f"{indent}    {idx} = tl.minimum({offs}, {length} - 1){axis}  # clamped: captured-tensor lookups stay in bounds",
+    ]
+
+
 def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     tiles = spec.q_block_size // spec.block_m1
     widen = _widen(spec)
@@ -322,6 +337,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         params.append(", ".join(buffers) + ",")
     params += [
         "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr,",
+        "DIVISIBLE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
     q_mask = "q_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if pad_e else "")
@@ -337,12 +353,11 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *_walk("block_count_ptr", "block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m"),
         "        offs_m = tl.multiple_of(start_m, BLOCK_M1) + tl.arange(0, BLOCK_M1)",
-        "        q_in_range = offs_m < Q_LEN",
+        *_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
         f"        qT = tl.load(query_ptr + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd, mask={q_mask}, other=0.0){widen}",
         f"        do = tl.load(grad_out_ptr + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod, mask={do_mask}, other=0.0){widen}",
         "        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0",
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
-        "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
         f"        score = {_dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
         "        valid = kv_in_range[:, None] & q_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
@@ -379,6 +394,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         params.append(", ".join(buffers) + ",")
     params += [
         "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
+        "DIVISIBLE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
     k_mask = "kv_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if pad_e else "")
@@ -393,10 +409,9 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *_walk("block_count_ptr", "block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n"),
         "        offs_n = tl.multiple_of(start_n, BLOCK_N2) + tl.arange(0, BLOCK_N2)",
-        "        kv_in_range = offs_n < KV_LEN",
+        *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
         f"        kT = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen}",
         f"        vT = tl.load(value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd, mask={v_mask}, other=0.0){widen}",
-        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
         f"        score = {_dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
@@ -434,7 +449,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "stride_dvb, stride_dvh, stride_dvn, stride_dvd,",
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         "BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,",
-        "Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
+        "Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, DIVISIBLE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
     unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
@@ -448,7 +463,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             "q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
             f"{kind}_q_counts_ptr + mask_col, {kind}_q_indices_ptr + mask_col * MASK_Q_BLOCKS, scale, Q_LEN,",
             *buffer_args,
-            f"IS_FULL_BLOCKS={is_full}, BLOCK_M1=BLOCK_M1, BLOCK_N1=BLOCK_N1, Q_BLOCK_SIZE=Q_BLOCK_SIZE,",
+            f"IS_FULL_BLOCKS={is_full}, BLOCK_M1=BLOCK_M1, BLOCK_N1=BLOCK_N1, Q_BLOCK_SIZE=Q_BLOCK_SIZE, DIVISIBLE=DIVISIBLE,",
             dims,
         ]
         return ["            dk, dv = dkdv_blocks(", *("                " + a for a in args), "            )"]
@@ -459,7 +474,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_kv_counts_ptr + mask_row, {kind}_kv_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
             *dq_buffer_args,
-            f"IS_FULL_BLOCKS={is_full}, BLOCK_M2=BLOCK_M2, BLOCK_N2=BLOCK_N2, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
+            f"IS_FULL_BLOCKS={is_full}, BLOCK_M2=BLOCK_M2, BLOCK_N2=BLOCK_N2, KV_BLOCK_SIZE=KV_BLOCK_SIZE, DIVISIBLE=DIVISIBLE,",
             dims,
         ]
         return ["        dq = dq_blocks(", *("            " + a for a in args), "        )"]
@@ -485,10 +500,9 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "    if pid < NUM_KV_TILES:",
         "        # ---- a dK/dV program: one key tile, every query head of the group ----",
         "        offs_n = pid * BLOCK_N1 + tl.arange(0, BLOCK_N1)",
-        "        kv_in_range = offs_n < KV_LEN",
+        *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N1", "[:, None]"),
         f"        k = tl.load(key_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask={k_mask}, other=0.0){widen}",
         f"        v = tl.load(value_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen}",
-        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
         f"        dk = tl.full((BLOCK_N1, HEAD_DIM_PAD), 0.0, {acc})",
         f"        dv = tl.full((BLOCK_N1, V_HEAD_DIM_PAD), 0.0, {acc})",
         "        for g in range(GQA_GROUP):",
@@ -515,7 +529,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "        h = h_kv * GQA_GROUP + tile // NUM_Q_TILES  # the query head the mods see",
         "        q_tile = tile % NUM_Q_TILES",
         "        offs_m = q_tile * BLOCK_M2 + tl.arange(0, BLOCK_M2)",
-        "        q_in_range = offs_m < Q_LEN",
+        *_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M2", "[:, None]"),
         f"        dq = tl.full((BLOCK_M2, HEAD_DIM_PAD), 0.0, {acc})",
     ]
     if not _ignores_score(d_score):
@@ -526,7 +540,6 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             f"                     mask={do_mask}, other=0.0){widen}",
             "        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=float(\"inf\"))",
             "        delta = tl.load(delta_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=0.0)",
-            "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
             "        mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M2) // Q_BLOCK_SIZE",
             "        # 1. partial key blocks: score_mod and mask_mod",
             *dq_call("partial", False),

@@ -1,0 +1,222 @@
+"""Context parallelism (flexc.distributed) against single-process flexc.flex_attention.
+
+Spawned gloo processes each compute the single-process result on the full sequence and the
+distributed one on their shards, and compare outputs, lse and gradients (q, k, v, captured
+tensors) to 1e-5. The exchange is counted by wrapping torch.distributed.irecv, and the ranks a
+rank must hear from are derived independently from the dense mask.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flexc
+from flexc import distributed as cp
+from reference import random_qkv
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+# ---- mask/score cases (full-sequence, global indices) ----------------------------------------
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _case(name: str, L: int, block: int):
+    """(mask_mod, score_mod or None, captured grad tensors) for a named case of length L."""
+    if name == "causal":
+        return _causal, None, []
+    if name == "sliding":
+        return (lambda b, h, q, kv: (q >= kv) & (q - kv < 40)), None, []
+    if name == "document_alibi":
+        doc = torch.tensor([0] * 70 + [1] * 45 + [2] * (L - 115))
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+
+        def mask(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (q >= kv)
+
+        def alibi(score, b, h, q, kv):
+            return score - slopes[h] * (q - kv)
+        return mask, alibi, [slopes]
+    if name == "prefix_lm":
+        return (lambda b, h, q, kv: (kv < 40) | (q >= kv)), None, []
+    if name == "dead_rows":  # rows q % 5 == 3 allow nothing: output 0, lse -inf, zero gradients
+        bias = torch.tensor(0.3, requires_grad=True)
+
+        def score(s, b, h, q, kv):
+            return s * bias
+        return (lambda b, h, q, kv: (q >= kv) & (q % 5 != 3)), score, [bias]
+    raise KeyError(name)
+
+
+def _check_case(name: str, L: int, block: int, Hq: int, Hkv: int, counted: bool) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mask_mod, score_mod, captured = _case(name, L, block)
+    bm = flexc.create_block_mask(mask_mod, None, None, L, L, BLOCK_SIZE=block)
+    q, k, v = random_qkv(2, Hq, Hkv, L, L, 16, seed=L + Hq)
+    gqa = Hq != Hkv
+    g_out = torch.randn(2, Hq, L, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64).float()
+    g_lse = torch.randn(2, Hq, L, generator=torch.Generator().manual_seed(2), dtype=torch.float64).float()
+
+    # single process
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flexc.flex_attention(*leaves, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    finite = torch.isfinite(lse)
+    ((out * g_out).sum() + (torch.where(finite, lse, 0.0) * g_lse).sum()).backward()
+    ref_grads = [t.grad for t in leaves]
+    ref_captured = [t.grad.clone() for t in captured]
+    for t in captured:
+        t.grad = None
+
+    # distributed
+    plan = cp.plan_context_parallel(bm, size)
+    shards = [cp.shard_sequence(t, bm, plan=plan).clone().requires_grad_() for t in (q, k, v)]
+    received = []
+    real_irecv = dist.irecv
+
+    def counting_irecv(tensor, src=None, group=None, tag=0):
+        received.append(src)
+        return real_irecv(tensor, src=src, group=group, tag=tag)
+
+    dist.irecv = counting_irecv
+    try:
+        out_l, lse_l = cp.flex_attention(*shards, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                         return_lse=True, plan=plan)
+        forward_sources = sorted(received)
+        received.clear()
+        gl_out, gl_lse = (cp.shard_sequence(g, bm, plan=plan) for g in (g_out, g_lse))
+        loss = (out_l * gl_out).sum() + (torch.where(torch.isfinite(lse_l), lse_l, 0.0) * gl_lse).sum()
+        loss.backward()
+        backward_sources = sorted(received)
+    finally:
+        dist.irecv = real_irecv
+
+    torch.testing.assert_close(out_l, cp.shard_sequence(out, bm, plan=plan), **TOL)
+    torch.testing.assert_close(lse_l, cp.shard_sequence(lse, bm, plan=plan), **TOL)
+    for t, ref in zip(shards, ref_grads):
+        torch.testing.assert_close(t.grad, cp.shard_sequence(ref, bm, plan=plan), **TOL)
+    for t, ref in zip(captured, ref_captured):
+        torch.testing.assert_close(t.grad, ref, **TOL)
+    torch.testing.assert_close(cp.unshard_sequence(out_l, bm, plan=plan), out.detach(), **TOL)
+
+    # who must talk to whom, from the dense mask and the shard each token landed in
+    owner = torch.empty(L, dtype=torch.int64)
+    for r in range(size):
+        owner[plan.token_index(r)] = r
+    dense = flexc.create_mask(mask_mod, None, None, L, L)[0, 0]
+    needs = torch.zeros(size, size, dtype=torch.bool)  # needs[r, s]: r's queries read a key s holds
+    qi, ki = dense.nonzero(as_tuple=True)
+    needs[owner[qi], owner[ki]] = True
+    expect_fwd = sorted(s for s in range(size) if s != rank and needs[rank, s])
+    expect_bwd = sorted(r for r in range(size) if r != rank and needs[r, rank])
+    assert forward_sources == expect_fwd, (name, rank, forward_sources, expect_fwd)
+    assert backward_sources == expect_bwd, (name, rank, backward_sources, expect_bwd)
+    if counted:  # the case is chosen so that some pair is skipped
+        assert needs.sum() < size * size
+
+
+def _worker(rank: int, size: int, port: int, cases: list, errfile: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        for case in cases:
+            _check_case(*case)
+        if size == 2:
+            _check_shards(rank, size)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
+        with open(f"{errfile}.{rank}", "w") as f:
+            f.write(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_shards(rank: int, size: int) -> None:
+    """Causal gives the zig-zag split; unshard puts shards back in order."""
+    bm = flexc.create_block_mask(_causal, None, None, 256, 256, BLOCK_SIZE=32)
+    x = torch.arange(256.0).view(1, 1, 256, 1)
+    local = cp.shard_sequence(x, bm)
+    chunks = torch.arange(256).view(2 * size, -1)
+    expect = torch.cat([chunks[rank], chunks[2 * size - 1 - rank]]).float()
+    assert torch.equal(local.flatten(), expect)
+    assert torch.equal(cp.unshard_sequence(local, bm), x)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(size: int, cases: list) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        errfile = os.path.join(tmp, "err")
+        try:
+            mp.spawn(_worker, args=(size, _free_port(), cases, errfile), nprocs=size, join=True)
+        except Exception:
+            messages = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp))]
+            pytest.fail("\n".join(messages) or "a worker failed")
+
+
+def test_two_ranks_match_single_process():
+    # (name, L, block, Hq, Hkv, counted): ragged lengths (200, 232), GQA, captured-tensor gradients
+    _spawn(2, [("causal", 200, 32, 4, 2, False), ("sliding", 256, 32, 2, 2, False),
+               ("document_alibi", 232, 32, 4, 2, False), ("prefix_lm", 224, 32, 2, 1, False),
+               ("dead_rows", 200, 32, 2, 2, False)])
+
+
+def test_four_ranks_skip_pairs_they_do_not_need():
+    _spawn(4, [("sliding", 256, 32, 2, 1, True), ("document_alibi", 232, 32, 4, 2, False)])
+
+
+# ---- the plan, without processes ---------------------------------------------------------------
+
+def test_plan_causal_is_zigzag_and_balanced():
+    bm = flexc.create_block_mask(_causal, None, None, 4096, 4096, BLOCK_SIZE=128)
+    plan = cp.plan_context_parallel(bm, 4)
+    assert plan.layout == "zigzag"
+    assert plan.blocks[0] == (0, 1, 2, 3, 28, 29, 30, 31)
+    assert plan.imbalance() == 1.0
+    assert sum(plan.work) == 32 * 33 // 2
+
+
+def test_plan_sliding_window_fetches_only_neighbours():
+    n, w = 8192, 256
+    bm = flexc.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < w), None, None, n, n, BLOCK_SIZE=128)
+    plan = cp.plan_context_parallel(bm, 4)
+    for r in range(4):
+        # each of the rank's two chunks reads the window's worth of blocks just before it
+        assert plan.recv_tokens(r) <= 2 * (w + 128)
+    assert plan.total_recv_tokens() * 4 < plan.all_gather_tokens()
+
+
+def test_plan_rejects_bad_masks():
+    bm = flexc.create_block_mask(_causal, None, None, 256, 128, BLOCK_SIZE=32)
+    with pytest.raises(ValueError, match="square"):
+        cp.plan_context_parallel(bm, 2)
+    bm = flexc.create_block_mask(_causal, None, None, 128, 128, BLOCK_SIZE=32)
+    with pytest.raises(ValueError, match="smaller BLOCK_SIZE"):
+        cp.plan_context_parallel(bm, 4)
+
+
+def test_flex_attention_errors_name_the_fix():
+    q = torch.randn(1, 1, 64, 8)
+    with pytest.raises(ValueError, match="block_mask is required"):
+        cp.flex_attention(q, q, q)
+    bm = flexc.create_block_mask(_causal, None, None, 64, 64, BLOCK_SIZE=16)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp.flex_attention(q, q, q, block_mask=bm)
+    with pytest.raises(ValueError, match="layout"):
+        cp.plan_context_parallel(bm, 2, layout="ring")
+
+
+def test_plan_reads_torch_block_masks():
+    bm = flexc.create_block_mask(lambda b, h, q, kv: (kv < 64) | (q >= kv), None, None, 512, 512, BLOCK_SIZE=64)
+    assert cp.plan_context_parallel(bm.to_torch(), 2) == cp.plan_context_parallel(bm, 2)
