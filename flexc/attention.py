@@ -130,6 +130,8 @@ def prepare_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     traced_score = trace(score_mod, SCORE_MOD) if score_mod is not None else None
     mask_fn = getattr(block_mask, "mask_mod", None)
     traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
+    validate.check_captured(traced_score, query.device)
+    validate.check_captured(traced_mask, query.device)
     return scale, options, traced_score, traced_mask
 
 
