@@ -6,12 +6,14 @@ block-sparse path (:func:`flexc.backends.torch_cpu.torch_backward`), so every ba
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from . import bounds, under_compile, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
+from .lowering import AUTOGRAD_FUNCTION
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
 
 
@@ -128,7 +130,31 @@ def prepare_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     traced_score = trace(score_mod, SCORE_MOD) if score_mod is not None else None
     mask_fn = getattr(block_mask, "mask_mod", None)
     traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
+    validate.check_captured(traced_score, query.device)
+    validate.check_captured(traced_mask, query.device)
     return scale, options, traced_score, traced_mask
+
+
+@functools.lru_cache(maxsize=256)
+def _differentiable_root(root) -> bool:
+    from .derivative import differentiate
+
+    try:
+        differentiate(TracedMod(SCORE_MOD, root, (), (), "score_mod", None))
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _generated_backward_applies(score_mod: TracedMod | None) -> bool:
+    """Whether a backend's generated backward can train this score_mod: its derivative exists in
+    flexc.derivative's rules, and it calls no torch.autograd.Function (whose own backward only the
+    torch path runs, through evaluation). Otherwise training uses the torch backward."""
+    if score_mod is None:
+        return True
+    if any(n.op == AUTOGRAD_FUNCTION for n in score_mod.root.walk()):
+        return False
+    return _differentiable_root(score_mod.root)
 
 
 class _FlexAttentionFunction(torch.autograd.Function):
@@ -225,7 +251,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if needs_grad:
         forward = BACKENDS[backend]
         grad_buffers = [traced_score.buffers[i] for i in slots]
-        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, TRAINING.get(backend), traced_score,
+        training = TRAINING.get(backend) if _generated_backward_applies(traced_score) else None
+        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, training, traced_score,
                                                 traced_mask, block_mask, scale, options, slots, *grad_buffers)
         if want_max:
             with torch.no_grad():

@@ -23,6 +23,7 @@ from .tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_
                     evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
 from .ranges import MIXED
 from .trace import MASK_MOD, TracedMod, mod_kind, trace
+from .validate import check_captured
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -576,8 +577,9 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                                   f"FLASH backend) is not supported by flexc; pass False.")
     _check_captured_sizes(where, traced, {"b": ("B", B), "h": ("H", H), "q_idx": ("Q_LEN", Q_LEN),
                                           "kv_idx": ("KV_LEN", KV_LEN)})
-    bounds.check_mod(traced, B, H, Q_LEN, KV_LEN, where)
     device = _resolve_device(device, traced)
+    check_captured(traced, device, where)  # before any analysis reads the captured tensors
+    bounds.check_mod(traced, B, H, Q_LEN, KV_LEN, where)
 
     classes = _classify_tiles(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, _analytic)
     classes = classes.to(device=device, dtype=torch.int8).expand(B, H, *classes.shape[-2:])

@@ -82,7 +82,8 @@ def _checks(traced: TracedMod) -> list[tuple]:
         if node.op == "load":
             tensor = traced.buffers[node.args[0].attr[0]]
             for dim, index in enumerate(node.args[1:]):
-                if index.op != "const":  # constant indices were checked by the tracer
+                # constant indices were checked by the tracer; a reduction's axis runs over the dimension itself
+                if index.op not in ("const", "axis"):
                     checks.append((node, dim, index, tensor.shape[dim]))
         elif node.op in ("floordiv", "mod") and node.kind != ir.FLOAT and node.args[1].op != "const":
             checks.append((node, None, node.args[1], None))

@@ -7,6 +7,7 @@ score_mods.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Sequence
 
@@ -49,6 +50,27 @@ def _min_max(op: str, x: Any, y: Any, device: torch.device) -> torch.Tensor:
     return torch.minimum(x, y) if op == "min" else torch.maximum(x, y)
 
 
+def _reduce(op: str, n: int, body: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``op`` over the leading axis dimension of ``body`` (present only if the body reads the axis)."""
+    if body.dim() <= ndim:  # the body does not vary along the axis
+        body = body.reshape((1,) * (ndim + 1 - body.dim()) + tuple(body.shape))
+    body = body.expand(n, *body.shape[1:])
+    if op in ("any", "all"):
+        body = body if body.dtype == torch.bool else body != 0
+        return body.any(0) if op == "any" else body.all(0)
+    if op == "sum":
+        return body.sum(0)
+    if op == "prod":
+        return body.prod(0)
+    return body.amax(0) if op == "max" else body.amin(0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _order(root: ir.Node) -> tuple:
+    """``root.walk()`` once per graph: traces are reused across calls (the trace cache), so is this."""
+    return tuple(root.walk())
+
+
 def evaluate(
     mod: TracedMod | ir.Node,
     *,
@@ -68,8 +90,10 @@ def evaluate(
     inputs = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
     given = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
     device = given[0].device if given else torch.device("cpu")
+    # a reduction's axis runs along one extra leading dimension, in front of the inputs' broadcast dims
+    ndim = max((t.dim() for t in given), default=0)
     values: dict[int, Any] = {}
-    for node in root.walk():
+    for node in _order(root):
         op, args = node.op, [values[id(a)] for a in node.args]
         if op == "input":
             v = inputs[node.attr]
@@ -90,6 +114,12 @@ def evaluate(
             v = torch.where(cond, args[1], args[2])
         elif op in ("min", "max"):
             v = _min_max(op, args[0], args[1], device)
+        elif op == "autograd_function":  # through apply: autograd then uses the Function's own backward
+            v = node.attr.apply(*args[1:])
+        elif op == "axis":
+            v = torch.arange(node.attr, device=device).view(node.attr, *([1] * ndim))
+        elif op == "reduce":
+            v = _reduce(node.attr[0], node.attr[1], _tensor(args[0], device), ndim)
         elif op in _BINARY:
             x, y = args
             if op in ("fmod", "atan2"):  # torch functions: a tensor first (and second, for atan2)

@@ -239,6 +239,12 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
             return f"({inner}).to({n.attr})" if n.args[0].op == "const" and inner[0] != "(" else f"{inner}.to({n.attr})"
         if op == "where":
             return f"where({fmt(n.args[0])}, {fmt(n.args[1])}, {fmt(n.args[2])})"
+        if op == "axis":  # a reduction's loop variable (flexc.reductions)
+            return "r"
+        if op == "reduce":
+            return f"{n.attr[0]}({fmt(n.args[0])} for r in range({n.attr[1]}))"
+        if op == "autograd_function":  # a torch.autograd.Function; args[0] is its traced forward
+            return f"{n.attr.__name__}.apply({', '.join(fmt(a) for a in n.args[1:])})"
         if op in ("min", "max"):
             return f"{op}imum({fmt(n.args[0])}, {fmt(n.args[1])})"
         if op in BINARY_OPS and op not in _SYMBOLS:  # fmod, atan2: function form

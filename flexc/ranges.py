@@ -32,6 +32,7 @@ from . import ir
 from .affine import AffineForm, affine_difference
 from .promotion import node_dtype
 from .range_tables import RangeMinMax
+from .lowering import scalar_form
 from .tiles import cdiv
 from .trace import MASK_MOD, TracedMod
 
@@ -208,7 +209,9 @@ class _Analysis:
     """Range analysis of one expression for one call (domain sizes and captured tensor values)."""
 
     def __init__(self, root: ir.Node, buffers: tuple, sizes: dict, device: torch.device):
-        self.root = root
+        # reductions over a small captured axis written out term by term (each term is an
+        # ordinary expression, so their bounds are as tight as the terms'); autograd Functions inlined
+        self.root = root = scalar_form(root)
         self.buffers = buffers
         self.device = device
         self.opaque: set[int] = set()  # nodes whose value may wrap around: unknown everywhere

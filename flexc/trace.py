@@ -10,6 +10,7 @@ with the offending line and a fix.
 """
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import inspect
@@ -17,13 +18,14 @@ import linecache
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import elementwise, ir, trace_cache
+from . import elementwise, ir, lowering, reductions, trace_cache
 from .promotion import weak_pair
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
@@ -164,13 +166,18 @@ class _Tracer:
     def run(self) -> TracedMod:
         names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
         proxies = [Proxy(ir.input_(n), self) for n in names]
-        with _TraceMode(self):
+        with _TraceMode(self), _hook_function_apply(self):
             out = self.fn(*proxies)
         # the mod has returned: problems with its result point at its return statement
         self._site = _return_site(self.fn)
         if out is None:
             self.fail("it returned None", "add a `return` statement with the mask or score")
         root = self.to_node(out, what="the return value")
+        if reductions.free_axes(root):
+            self.fail(f"the mod returns a vector of {sorted(reductions.free_axes(root))[0]} values "
+                      f"(`{ir.format_expr(root)}`), not one value per position",
+                      "reduce it to a scalar, e.g. with `.sum(-1)`, `.any(-1)`, `.all(-1)` or `torch.dot(a, b)`, or "
+                      "index every dimension of the captured tensors it reads")
         if self.kind == MASK_MOD and root.kind != ir.BOOL:
             self.fail(
                 f"a mask_mod must return a bool, but {_mod_name(self.fn)} returns "
@@ -207,6 +214,11 @@ class _Tracer:
         return ir.buffer(slot, str(t.dtype).removeprefix("torch."), t.dim(), _dtype_kind(t.dtype))
 
     def to_node(self, x: Any, what: str = "an operand") -> ir.Node:
+        if isinstance(x, _PartialLoad) and x.indexed == x.ndim - 1:
+            # one dimension left: a vector over it, to be reduced (flexc.reductions)
+            free = x.slots.index(None)
+            slots = tuple(reductions.axis(x.tensor.shape[free]) if n is None else n for n in x.slots)
+            return ir.load(self.buffer_node(x.tensor), slots)
         if isinstance(x, _PartialLoad):
             self.fail(
                 f"captured tensor {x.describe()} is indexed with {x.indexed} of its {x.ndim} "
@@ -226,6 +238,8 @@ class _Tracer:
         if hasattr(x, "dtype") and hasattr(x, "item") and not isinstance(x, torch.Tensor):  # numpy scalar
             return ir.const(x.item())
         if isinstance(x, torch.Tensor):
+            if x.dim() == 1:  # a captured vector, to be reduced (flexc.reductions)
+                return ir.load(self.buffer_node(x), (reductions.axis(x.shape[0]),))
             if x.dim() != 0:
                 self.fail(
                     f"{what} is a captured tensor of shape {list(x.shape)} used whole; a mod works "
@@ -234,6 +248,23 @@ class _Tracer:
                 )
             return ir.load(self.buffer_node(x), ())
         self.fail(f"{what} has unsupported type {type(x).__name__}", "use tensors, Python numbers or the mod's arguments")
+
+    def function_apply(self, fn_class: type, args: tuple, kwargs: dict) -> "Proxy":
+        """``fn_class.apply(*args)`` for a torch.autograd.Function: its forward is traced into the
+        graph, and the node keeps the class, so evaluation calls ``apply`` and autograd runs the
+        Function's own backward."""
+        name = f"{fn_class.__name__}.apply"
+        if kwargs:
+            self.fail(f"`{name}` with keyword arguments", "pass the Function's inputs positionally")
+        inputs = tuple(self.to_node(a, what=f"an input of {name}") for a in args)
+        call_args = [a if isinstance(a, (bool, int, float)) else self.wrap(n) for a, n in zip(args, inputs)]
+        if torch.autograd.function._is_setup_context_defined(fn_class.setup_context):
+            out = fn_class.forward(*call_args)
+        else:
+            out = fn_class.forward(_TracingCtx(self, name), *call_args)
+        if isinstance(out, (tuple, list)):
+            self.fail(f"`{name}` returns {len(out)} outputs; a score_mod can use one", "return a single tensor from forward")
+        return self.wrap(lowering.autograd_function(fn_class, self.to_node(out, what=f"the output of {name}"), inputs))
 
     def wrap(self, node: ir.Node) -> "Proxy":
         return Proxy(node, self)
@@ -302,6 +333,61 @@ class _Tracer:
                   "index with integers, slices of one element, or the mod's arguments")
 
 
+class _TracingCtx:
+    """The ``ctx`` a Function's forward sees while it is traced: what it saves is not needed, since
+    its backward runs later on real tensors (through ``apply`` in evaluation)."""
+
+    def __init__(self, tracer: _Tracer, name: str):
+        self._tracer, self._name = tracer, name
+        self.needs_input_grad = ()
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: Any) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+    def mark_dirty(self, *tensors: Any) -> None:
+        self._tracer.fail(f"`{self._name}` marks an input dirty (it mutates it)", "return a new tensor instead")
+
+
+# torch.autograd.Function.apply is routed to the tracer while a mod is traced (a Function's
+# apply does not reach __torch_function__). The hook is installed only while some thread traces,
+# and calls without a traced value go to torch's own apply unchanged.
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
+_apply_lock = threading.Lock()
+_apply_users = 0
+_active = threading.local()
+
+
+def _traced_apply(cls, *args, **kwargs):
+    tracer = getattr(_active, "tracer", None)
+    if tracer is None or not any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    return tracer.function_apply(cls, args, kwargs)
+
+
+@contextlib.contextmanager
+def _hook_function_apply(tracer: _Tracer):
+    global _apply_users
+    with _apply_lock:
+        if _apply_users == 0:
+            torch.autograd.Function.apply = classmethod(_traced_apply)
+        _apply_users += 1
+    previous, _active.tracer = getattr(_active, "tracer", None), tracer
+    try:
+        yield
+    finally:
+        _active.tracer = previous
+        with _apply_lock:
+            _apply_users -= 1
+            if _apply_users == 0:
+                torch.autograd.Function.apply = _ORIGINAL_APPLY
+
+
 def _dtype_kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return ir.BOOL
@@ -340,11 +426,36 @@ class _PartialLoad:
     def __getitem__(self, key):
         return self.tracer.index(self, key)
 
-    def _misuse(self, *args, **kwargs):
-        self.tracer.to_node(self)
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        tracer = next(a.tracer for a in _flatten((args, kwargs)) if isinstance(a, (Proxy, _PartialLoad)))
+        return _dispatch(tracer, func, args, kwargs or {})
 
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _misuse
-    __bool__ = __lt__ = __le__ = __gt__ = __ge__ = __and__ = __or__ = _misuse
+    def vector(self) -> "Proxy":
+        """The rest of the tensor as a vector proxy (fails unless exactly one dimension is left)."""
+        return self.tracer.wrap(self.tracer.to_node(self))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.vector(), name)
+
+    def _as_vector(name: str):
+        def method(self, *args):
+            return getattr(self.vector(), name)(*args)
+        method.__name__ = name
+        return method
+
+    __add__, __radd__, __sub__, __rsub__ = _as_vector("__add__"), _as_vector("__radd__"), _as_vector("__sub__"), _as_vector("__rsub__")
+    __mul__, __rmul__, __truediv__, __rtruediv__ = _as_vector("__mul__"), _as_vector("__rmul__"), _as_vector("__truediv__"), _as_vector("__rtruediv__")
+    __pow__, __rpow__, __eq__, __ne__ = _as_vector("__pow__"), _as_vector("__rpow__"), _as_vector("__eq__"), _as_vector("__ne__")
+    __lt__, __le__, __gt__, __ge__ = _as_vector("__lt__"), _as_vector("__le__"), _as_vector("__gt__"), _as_vector("__ge__")
+    __and__, __rand__, __or__, __ror__ = _as_vector("__and__"), _as_vector("__rand__"), _as_vector("__or__"), _as_vector("__ror__")
+    __xor__, __rxor__, __neg__, __abs__ = _as_vector("__xor__"), _as_vector("__rxor__"), _as_vector("__neg__"), _as_vector("__abs__")
+    __invert__, __bool__, __floordiv__, __rfloordiv__ = _as_vector("__invert__"), _as_vector("__bool__"), _as_vector("__floordiv__"), _as_vector("__rfloordiv__")
+    __mod__, __rmod__ = _as_vector("__mod__"), _as_vector("__rmod__")
+    del _as_vector
+    __hash__ = object.__hash__
 
 
 # ---- proxies ------------------------------------------------------------------------------
@@ -468,6 +579,12 @@ class Proxy:
         self._concrete("len()", "a traced value is a scalar")
 
     def __getitem__(self, key):
+        sizes = reductions.free_axes(self.node)
+        if sizes and isinstance(key, int) and not isinstance(key, bool):  # one element of a vector
+            n = next(iter(sizes))
+            if not -n <= key < n:
+                self.tracer.fail(f"index {key} is out of range for a vector of {n} values", "use an index inside it")
+            return self.tracer.wrap(reductions.substitute(self.node, n, ir.const(key % n)))
         self.tracer.fail(f"indexing the traced scalar `{self.node}`", "index captured tensors, not the mod's arguments")
 
     # -- numpy: it cannot build graph nodes, so every way a proxy reaches it is an error --
@@ -778,7 +895,117 @@ def _elementwise_table() -> dict[str, Callable]:
     return table
 
 
+# ---- vectors over a small captured axis and their reductions (flexc.reductions) ---------------
+
+def _vector_size(t: _Tracer, node: ir.Node, what: str) -> int | None:
+    """The length of the vector ``node`` holds, or None for a scalar."""
+    sizes = reductions.free_axes(node)
+    if len(sizes) > 1:
+        t.fail(f"{what} combines vectors of different lengths {sorted(sizes)}", "combine vectors of one length")
+    return next(iter(sizes)) if sizes else None
+
+
+def _check_dim(t: _Tracer, name: str, dim: Any) -> None:
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if any(isinstance(d, bool) or not isinstance(d, int) or d not in (-1, 0) for d in dims):
+        t.fail(f"`{name}` over dim={dim!r}; a captured vector has one dimension",
+               f"reduce over its only dimension: `.{name}(-1)`")
+
+
+def _reduction(op: str, name: str) -> Callable:
+    """``x.sum(dim)``, ``x.any(dim)``... over a vector's axis; on a scalar (one value) the value itself."""
+    def handler(t: _Tracer, x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> "Proxy":
+        node = t.to_node(x)
+        if dim is not None:
+            _check_dim(t, name, dim)
+        n = _vector_size(t, node, f"`{name}`")
+        if n is None:  # reducing a single value (a scalar, possibly unsqueezed)
+            out = _as_bool(t, node) if op in ("any", "all") else node
+            if op in ("sum", "prod") and out.kind == ir.BOOL:
+                out = ir.cast(out, "int64", ir.INT)
+        else:
+            out = reductions.reduce(op, node, n)
+        if name == "mean":
+            out = ir.binary("truediv", out, ir.const(n or 1))
+        result = t.wrap(out)
+        return _cast(t, result, dtype) if dtype is not None else result
+    return handler
+
+
+def _dot(t: _Tracer, x: Any, y: Any) -> "Proxy":
+    a, b = t.to_node(x), t.to_node(y)
+    n = _vector_size(t, ir.binary("mul", a, b), "`dot`")
+    if n is None or _vector_size(t, a, "`dot`") is None or _vector_size(t, b, "`dot`") is None:
+        t.fail("`dot` of values that are not both vectors", "index a captured tensor in all but one dimension, "
+               "e.g. `torch.dot(q_rope[b, h, q_idx], k_rope[b, h, kv_idx])`")
+    return t.wrap(reductions.reduce("sum", _binary(t, "mul", a, b), n))
+
+
+def _norm(t: _Tracer, x: Any, p: Any = 2, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> "Proxy":
+    node = t.to_node(x)
+    p = kwargs.pop("ord", p)
+    if dim is not None:
+        _check_dim(t, "norm", dim)
+    if kwargs or p not in (1, 2, "fro"):
+        t.fail(f"`norm` with p={p!r}", "use p=1 or p=2, or write the reduction out, e.g. `x.abs().amax(-1)`")
+    n = _vector_size(t, node, "`norm`")
+    magnitude = ir.unary("abs", node) if p == 1 else _binary(t, "mul", node, node)
+    total = reductions.reduce("sum", magnitude, n) if n is not None else magnitude
+    return t.wrap(total if p == 1 else ir.unary("sqrt", total))
+
+
+class _ValuesIndices(tuple):
+    """``torch.max(x, dim)``'s result: ``.values``; the indices are not traced."""
+
+    @property
+    def values(self):
+        return self[0]
+
+    @property
+    def indices(self):
+        self[1].fail("the indices of a max/min reduction", "use `.amax(-1)`/`.amin(-1)` (the values) instead")
+
+
+def _min_max_or_reduction(op: str) -> Callable:
+    """``a.max(b)`` elementwise as before; ``v.max()`` / ``v.max(dim)`` reduce a vector."""
+    elementwise_form = _min_max(op)
+    reduce = _reduction(op, op)
+
+    def handler(t: _Tracer, x: Any, other: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        vector = isinstance(x, _PartialLoad) or (isinstance(x, Proxy) and reductions.free_axes(x.node))
+        dim = kwargs.pop("dim", other)
+        if vector and not rest and set(kwargs) <= {"keepdim"} and (dim is None or isinstance(dim, int)):
+            values = reduce(t, x, dim, **kwargs)
+            return values if dim is None else _ValuesIndices((values, t))
+        return elementwise_form(t, x, other, *rest, **kwargs)
+    return handler
+
+
+def _unsqueeze(t: _Tracer, x: Any, dim: int = 0) -> Any:
+    node = t.to_node(x)
+    if reductions.free_axes(node):
+        t.fail("`unsqueeze` of a vector (it would make a second dimension, which flexc does not trace)",
+               "compare the scalar against the vector directly; broadcasting does the rest")
+    return t.wrap(node)  # a scalar with a size-1 dimension: the same single value
+
+
+def _vector_table() -> dict[str, Callable]:
+    table: dict[str, Callable] = {}
+    for op, names in (("sum", ("sum", "nansum")), ("prod", ("prod",)), ("max", ("amax",)), ("min", ("amin",)),
+                      ("any", ("any",)), ("all", ("all",)), ("sum", ("mean",))):
+        for name in names:
+            table[name] = _reduction(op, name)
+    table["max"], table["min"] = _min_max_or_reduction("max"), _min_max_or_reduction("min")
+    table["dot"] = table["inner"] = table["vdot"] = _dot
+    table["norm"] = table["linalg_vector_norm"] = _norm
+    table["count_nonzero"] = lambda t, x, dim=None: _reduction("sum", "count_nonzero")(t, t.wrap(_as_bool(t, x)), dim)
+    table["unsqueeze"] = _unsqueeze
+    table["squeeze"] = lambda t, x, *dims: x
+    return table
+
+
 _ELEMENTWISE = _elementwise_table()
+_ELEMENTWISE.update(_vector_table())
 _METHODS.update({k: v for k, v in _ELEMENTWISE.items() if not k.startswith("special_")})
 _TORCH_FUNCS.update(_ELEMENTWISE)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from typing import Any
 
 import torch
@@ -47,6 +48,10 @@ def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
     B, Hq, L, E = query.shape
     Bk, Hkv, S, Ek = key.shape
     Bv, Hv, Sv, _ = value.shape
+    if E == 0:
+        raise ValueError(f"flex_attention: `query` and `key` head dim must be at least 1, got 0 (query "
+                         f"{tuple(query.shape)}). Fix: pass tensors with a non-empty last dimension; only "
+                         f"`value` may have head dim 0.")
     if Ek != E:
         raise ValueError(f"flex_attention: `key` head dim must equal query's (E={E}), got {Ek} "
                          f"(query {tuple(query.shape)}, key {tuple(key.shape)}). Fix: project both to the same head dim.")
@@ -94,6 +99,102 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
     if block_mask.kv_num_blocks.device != query.device:
         raise ValueError(f"flex_attention: `block_mask` is on {block_mask.kv_num_blocks.device} but the inputs are on "
                          f"{query.device}. Fix: `block_mask.to({str(query.device)!r})`.")
+    check_block_tables(block_mask, L, S)
+
+
+# id(kv_indices) -> (a weak reference to it, the (id, version) of every table and (L, S) when it was
+# last found valid). Tensors compare elementwise, so they cannot be dictionary keys themselves.
+_valid_tables: dict[int, tuple] = {}
+_MAX_REMEMBERED = 256
+_REBUILD = "Fix: build the BlockMask with flexc.create_block_mask or BlockMask.from_kv_blocks and do not edit its tables."
+
+
+def _table_state(tables: list) -> tuple:
+    # _version counts in-place writes, so an edited table is checked again
+    return tuple((id(t), t._version) if t is not None else None for t in tables)
+
+
+def check_block_tables(block_mask: Any, L: int, S: int) -> None:
+    """The kv tables of ``block_mask`` are consistent, so no backend reads out of bounds or double counts.
+
+    Checked: table shapes agree (``num_blocks [B, H, nQ]`` against ``indices [B, H, nQ, nKV]``, the
+    full tables like the partial ones), integer dtypes, a row for every query block of ``L``, counts in
+    ``[0, nKV]``, valid entries in ``[0, nKV)``, and no key block listed twice in a row (partial and
+    full tables together). A few reductions over the tables (one entry per block); a BlockMask whose
+    tables are unchanged since they were last found valid is not checked again.
+    """
+    tables = [block_mask.kv_num_blocks, block_mask.kv_indices,
+              getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask, "full_kv_indices", None)]
+    state = (_table_state(tables), L, S)
+    seen = _valid_tables.get(id(tables[1]))
+    if seen is not None and seen[0]() is tables[1] and seen[1] == state:
+        return
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    for name, t in zip(names, tables):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex()
+                              or t.dtype == torch.bool):
+            what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"flex_attention: `block_mask.{name}` must be an integer tensor (int32), got {what}. "
+                            f"{_REBUILD}")
+    if (tables[2] is None) != (tables[3] is None):
+        raise ValueError("flex_attention: `block_mask` has only one of full_kv_num_blocks and full_kv_indices; "
+                         f"expected both or neither. {_REBUILD}")
+    num, idx = tables[0], tables[1]
+    if num.dim() != 3 or idx.dim() != 4 or tuple(idx.shape[:3]) != tuple(num.shape):
+        raise ValueError(f"flex_attention: `block_mask.kv_num_blocks` must be [B, H, nQ] and `kv_indices` "
+                         f"[B, H, nQ, nKV] with the same B, H, nQ; got {tuple(num.shape)} and {tuple(idx.shape)}. "
+                         f"{_REBUILD}")
+    if tables[2] is not None and (tables[2].shape != num.shape or tables[3].shape != idx.shape):
+        raise ValueError(f"flex_attention: `block_mask.full_kv_num_blocks`/`full_kv_indices` must have the shapes of "
+                         f"kv_num_blocks/kv_indices {tuple(num.shape)}/{tuple(idx.shape)}; got "
+                         f"{tuple(tables[2].shape)}/{tuple(tables[3].shape)}. {_REBUILD}")
+    size = block_mask.BLOCK_SIZE
+    q_block, kv_block = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    n_q, n_kv = num.shape[-1], idx.shape[-1]
+    if n_q * q_block < L:
+        raise ValueError(f"flex_attention: `block_mask` has {n_q} query-block rows of {q_block} but Q_LEN={L} needs "
+                         f"{-(-L // q_block)}. {_REBUILD}")
+    used = torch.zeros(*idx.shape[:3], n_kv + 1, dtype=torch.int32, device=idx.device)
+    columns = torch.arange(n_kv, dtype=num.dtype, device=idx.device)
+    for prefix, count, index in (("kv", num, idx), ("full_kv", tables[2], tables[3])):
+        if count is None or count.numel() == 0:
+            continue
+        low, high = torch.aminmax(count)
+        if int(low) < 0 or int(high) > n_kv:
+            at = tuple(((count < 0) | (count > n_kv)).nonzero()[0].tolist())
+            raise ValueError(f"flex_attention: `block_mask.{prefix}_num_blocks`{list(at)} is {int(count[at])}; "
+                             f"expected a count in [0, {n_kv}] (the width of {prefix}_indices). {_REBUILD}")
+        if n_kv == 0:
+            continue
+        valid = columns < count.unsqueeze(-1)  # entries past the count are unused (torch leaves them undefined)
+        listed = torch.where(valid, index, 0)
+        low, high = torch.aminmax(listed)
+        if int(low) < 0 or int(high) >= n_kv:
+            at = tuple((valid & ((index < 0) | (index >= n_kv))).nonzero()[0].tolist())
+            raise ValueError(f"flex_attention: `block_mask.{prefix}_indices`{list(at)} is {int(index[at])}; expected "
+                             f"a key-block index in [0, {n_kv}). {_REBUILD}")
+        # count each listed block once per row; unused entries land in the spare last column
+        used.scatter_add_(-1, listed.masked_fill_(~valid, n_kv).long(), valid.to(torch.int32))
+    twice = used[..., :n_kv] > 1
+    if bool(twice.any()):
+        b, h, row, col = twice.nonzero()[0].tolist()
+        raise ValueError(f"flex_attention: `block_mask` lists key block {col} more than once in query-block row "
+                         f"[{b}, {h}, {row}] (counting kv_indices and full_kv_indices); it would be counted twice. "
+                         f"{_REBUILD}")
+    if len(_valid_tables) >= _MAX_REMEMBERED:
+        _valid_tables.clear()
+    _valid_tables[id(tables[1])] = (weakref.ref(tables[1]), state)
+
+
+def check_captured(traced: Any, device: torch.device, where: str = "flex_attention") -> None:
+    """Captured tensors of a traced mod live on ``device`` (0-d CPU tensors are allowed, as in torch)."""
+    if traced is None:
+        return
+    for name, t in zip(traced.buffer_names, traced.buffers):
+        if t.device != device and not (t.device.type == "cpu" and t.dim() == 0 and device.type != "meta"):
+            raise ValueError(f"{where}: {traced.kind} {traced.name!r} captures tensor {name!r} on {t.device} "
+                             f"but it runs on {device}. Fix: create the tensor on {device}, e.g. "
+                             f"`{name} = {name}.to({str(device)!r})` before defining the mod.")
 
 
 def check_scale(scale: Any, query: torch.Tensor) -> float:

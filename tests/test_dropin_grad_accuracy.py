@@ -46,8 +46,8 @@ def _sdpa(learn_bias):
     return run
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
-@pytest.mark.parametrize("learn_bias", [False, True], ids=["mask", "learnable_bias"])
+@pytest.mark.parametrize("learn_bias,keep", [(False, True), (True, True), (True, False)],
+                         ids=["mask", "learnable_bias", "learnable_bias_recomputed"])
 def test_fp32_gradients_within_1_2x_of_sdpa(learn_bias, keep, monkeypatch):
     if not keep:  # the second backward pass recomputes every chunk instead of keeping it
         monkeypatch.setattr(torch_cpu, "_KEEP_ELEMENTS", 0)

@@ -234,9 +234,10 @@ OTHER_CASES = [
     (mask_returns_none, ["returned None", "return"]),
     (score_returns_bool, ["must return a number", "torch.where(cond, score"]),
     (too_many_indices, ["more indices than its 1 dimension", "exactly 1 index"]),
-    (too_few_indices, ["indexed with 1 of its 2 dimensions", "index every dimension"]),
-    (too_few_indices_in_mask, ["indexed with 1 of its 2 dimensions", "index every dimension"]),
-    (whole_tensor_in_arithmetic, ["shape [10]", "used whole", "index it"]),
+    # one dimension left is a vector (flexc.reductions); returning it unreduced is the error
+    (too_few_indices, ["returns a vector of", "index every dimension"]),
+    (too_few_indices_in_mask, ["returns a vector of", "index every dimension"]),
+    (whole_tensor_in_arithmetic, ["returns a vector of 10 values", "index every dimension"]),
     (float_index, ["float value", "//"]),
     (bool_index, ["bool value", "torch.where"]),
     (constant_index_out_of_range, ["index 7 is out of range", "inside the tensor"]),

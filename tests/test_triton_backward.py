@@ -134,6 +134,16 @@ def test_zero_dim_captured_scalar_gets_its_gradient():
     assert mine[3].shape == () and mine[3] != 0
 
 
+def test_float64_captured_gradient_keeps_float64_through_captured_numbers():
+    # d/dt of `t * (q - kv) * factor` is `factor * (q - kv)`: float32 in torch's rules for float * int,
+    # float64 along the original expression; the float64 kernel computes it in float64
+    t = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    factor = 0.7
+    mod = lambda s, b, h, q_idx, kv_idx: s * factor + t * (q_idx - kv_idx) * factor
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=14))
+    _check(q, k, v, mod, MASKS["causal"], extra=(t,))
+
+
 def test_score_mod_that_ignores_the_score_gives_its_table_a_gradient_and_zero_dq_dk():
     table = torch.randn(H, L, S, dtype=torch.float64, requires_grad=True)
     q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=6))

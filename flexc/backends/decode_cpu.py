@@ -33,6 +33,7 @@ from ..evaluate import evaluate
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
 from . import fused_cpu
+from .nonfinite import all_finite, matmul_skipping_zeros
 
 MAX_ROWS = 16
 # Scores [B, Hq, L, n] above this many elements go to the row path (bounded working memory).
@@ -164,6 +165,7 @@ def _flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, positi
     B, Hq, L, E = query.shape
     Hkv, n = k_sel.shape[1], k_sel.shape[2]
     G = Hq // Hkv
+    query, k_sel, v_sel = (fused_cpu.unit_last_stride(t) for t in (query, k_sel, v_sel))
     if k_sel.shape[0] != B:  # one key batch for every query batch: the kernel takes a stride-0 view
         k_sel, v_sel = k_sel.expand(B, *k_sel.shape[1:]), v_sel.expand(B, *v_sel.shape[1:])
     mask = None
@@ -174,8 +176,9 @@ def _flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, positi
             mask[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
         mask = fused_cpu._stack_heads(mask, G)
     o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E), k_sel, v_sel, attn_mask=mask, scale=scale)
-    if mask is not None:
+    if mask is not None and sum(length for _, length in spans) == n:  # no full block: rows may be dead
         fused_cpu._fix_dead_rows(lse, mask)
+    lse = lse.masked_fill(lse.isposinf(), float("nan"))  # a +inf score: NaN, as on the other paths
     return o.reshape(B, Hq, L, v_sel.shape[-1]).contiguous(), lse.reshape(B, Hq, L)
 
 
@@ -210,7 +213,9 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     if (score_mod is None and not need_max and fused_cpu._FLASH is not None and device.type == "cpu"
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
-            and (_is_true(mask_mod) or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})):
+            and (_is_true(mask_mod) or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
+            # its additive -inf mask turns masked NaN/inf into NaN: only for finite inputs
+            and (_is_true(mask_mod) or not spans or all_finite(query, k_sel, v_sel))):
         out, lse = _flash(query, k_sel, v_sel, positions, spans, mask_mod, scale)
         return out, lse.to(lse_dtype), None
 
@@ -250,12 +255,16 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         s4.masked_fill_(allowed.logical_not(), _NEG_INF)
 
     m = s4.amax(-1, keepdim=True)
-    m_safe = m.nan_to_num(neginf=0.0)  # a fully masked row: exp2(-inf - 0) = 0
+    # a fully masked row: exp2(-inf - 0) = 0 (NaN and +inf maxima stay, so such rows get lse NaN)
+    m_safe = m.masked_fill(m == _NEG_INF, 0.0)
     s4.sub_(m_safe).exp2_()
     # a row with any allowed key has l >= 1 (its maximum contributes exp2(0)); a fully masked row
     # has l = 0, P = 0 and m = -inf: clamping l to 1 gives it output 0 and lse -inf without a branch
     l = s4.sum(-1, keepdim=True).clamp_min_(1.0)
-    o = torch.matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
+    # masked keys' NaN/inf values must not reach P @ V through 0 * NaN (an uninitialised cache)
+    masked = allowed is not None or (spans is not None and not _is_true(mask_mod))
+    matmul = torch.matmul if not masked or all_finite(v_sel) else matmul_skipping_zeros
+    o = matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
     lse = m.add_(l.log2_()).mul_(LN2).squeeze(-1) if not need_max else (m + l.log2()).mul_(LN2).squeeze(-1)
     row_max = (m * LN2).squeeze(-1).float() if need_max else None
     return o.to(query.dtype), lse.to(lse_dtype), row_max

@@ -48,6 +48,12 @@ def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) ->
             and (mods.score_mod is None or mods.bias_node is not None))
 
 
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with stride 1 along its last dimension (a copy only when needed): the fused kernel
+    misreads any other last-dim stride (channels_last, ``v[..., ::2]``, permuted views)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 @functools.lru_cache(maxsize=4096)
 def _pieces(segments: tuple, max_masked_cols: int, mode: str) -> tuple[Chunk, ...]:
     return fused_pieces(segments, max_masked_cols, mode)
@@ -141,7 +147,10 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
         else:
             _merge(acc[..., a - q0:b - q0, :], acc_lse[..., a - q0:b - q0], o, l)
     out[g.b, g.qh, q0:q1] = acc.reshape(Bg, Hqg, q1 - q0, E)  # the kernel returns [b, r, h, E] strides
-    lse[g.b, g.qh, q0:q1] = acc_lse.reshape(Bg, Hqg, q1 - q0)
+    # a +inf score (a +inf bias) gives the kernel's logsumexp +inf; the output is NaN, and so is
+    # the lse on every other path (exp(inf - inf)), as in torch's kernels
+    acc_lse = acc_lse.reshape(Bg, Hqg, q1 - q0)
+    lse[g.b, g.qh, q0:q1] = acc_lse.masked_fill(acc_lse.isposinf(), float("nan"))
 
 
 def _relative_call(q, k, v, mods, q0: int, q1: int, piece: Chunk, scale: float, bias: bool):

@@ -28,6 +28,7 @@ import torch
 from ..evaluate import evaluate
 from ..trace import TracedMod
 from . import decode_cpu, fused_cpu, workers
+from .nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
@@ -229,10 +230,17 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     out = torch.empty(B, Hq, L, Ev, dtype=query.dtype, device=query.device)  # rows are written once
     lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
+    if B * Hq * L == 0:
+        return out, lse, row_max
     tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
     _zero_rows_without_blocks(out, groups, tasks, L)
-    fused = bool(tasks) and fused_cpu.supported(query, value, tasks[0][1], need_max)
+    # Masked pairs must contribute exactly 0 whatever q/k/v hold; the fast paths (an additive -inf
+    # mask, torch's fused kernel) turn NaN or inf there into NaN, so they need finite inputs.
+    masked = bool(tasks) and tasks[0][1].mask_mod is not None
+    finite = not masked or all_finite(query, key, value)
+    fused = bool(tasks) and finite and fused_cpu.supported(query, value, tasks[0][1], need_max)
     if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
+        query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
         n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
         tasks, costs = fused_cpu.group_tasks(tasks, n_workers)
 
@@ -241,7 +249,7 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         if fused:
             fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale)
         else:
-            _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work)
+            _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite)
 
     workers.run(tasks, costs, one_row, n_workers, dynamic=True)  # rows write disjoint slices of out/lse
     return out, lse, row_max
@@ -283,8 +291,13 @@ def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: 
     return q.reshape(Bg, Hg // g.G, g.G * r, E)  # a copy only for non-contiguous queries
 
 
-def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work):
-    """One query row range: scores in log2 units (``s * log2(e)``), online softmax over its chunks."""
+def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work,
+                 finite: bool = True):
+    """One query row range: scores in log2 units (``s * log2(e)``), online softmax over its chunks.
+
+    ``finite=False`` (q/k/v may hold NaN or inf) masks by selection and keeps masked keys' values
+    out of the product, so masked pairs contribute exactly 0.
+    """
     q0, q1 = row.q0, row.q1
     # unless a general score_mod needs natural-log scores, fold log2(e) into the query so the
     # matmul yields base-2 scores directly
@@ -311,17 +324,20 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         vc = chunk_rows(v_g, chunk).to(work)
         s = torch.matmul(qb, kc.transpose(-1, -2))  # [Bg, Hkv_g, G*r, c]
         s4 = s.view(Bg, Hqg, r, chunk.n_cols)
+        blocked = mods.blocked(chunk, q0, q1, kv)
         if general_mod:
             modded = mods.score(s4, q0, q1, kv)
             if modded is not s4:
                 s4.copy_(modded)  # broadcasts and casts into the buffer we own
             s4.mul_(LOG2E)
-            _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
+            _fill(s4, blocked, _NEG_INF)
         elif bias_mod:
             s4.add_(mods.bias(q0, q1, kv), alpha=mods.bias_sign * LOG2E)
-            _fill(s4, mods.blocked(chunk, q0, q1, kv), _NEG_INF)
+            _fill(s4, blocked, _NEG_INF)
+        elif finite:
+            _add_minus_inf(s4, blocked)
         else:
-            _add_minus_inf(s4, mods.blocked(chunk, q0, q1, kv))
+            _fill(s4, blocked, _NEG_INF)
         m_new = s4.amax(-1, keepdim=True)
         if m is not None:
             m_new = torch.maximum(m, m_new)
@@ -334,15 +350,20 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
             alpha = (m - m_safe).exp2_()
             l.mul_(alpha).add_(p_sum)
             acc.mul_(alpha)
-        # the first chunk overwrites (beta=0 ignores whatever the rows held)
-        acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)
+        if finite or not blocked:
+            # the first chunk overwrites (beta=0 ignores whatever the rows held)
+            acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)
+        else:
+            part = matmul_skipping_zeros(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg))
+            acc3.copy_(part) if first else acc3.add_(part)
         first = False
         m = m_new
     acc.div_(torch.where(l == 0, 1.0, l))  # fully masked rows: acc is 0, output 0
     if not direct:
         out[g.b, g.qh, q0:q1] = acc
     m_safe = m.masked_fill(m == _NEG_INF, 0.0)
-    lse[g.b, g.qh, q0:q1] = torch.where(l > 0, (m_safe + torch.log2(l)) * LN2, _NEG_INF).squeeze(-1)
+    # l is 0 only for rows with nothing allowed; NaN (a NaN or +inf score) stays NaN, as in torch
+    lse[g.b, g.qh, q0:q1] = torch.where(l == 0, _NEG_INF, (m_safe + torch.log2(l)) * LN2).squeeze(-1)
     if row_max is not None:
         row_max[g.b, g.qh, q0:q1] = (m * LN2).squeeze(-1)
 
@@ -369,12 +390,15 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         buffers[slot] = buffers[slot].detach().requires_grad_()
         leaves.append(buffers[slot])
     buf_grads = [torch.zeros_like(t) for t in leaves]
+    if B * Hq * L == 0:
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), buf_grads
     # the dLSE part of the softmax Jacobian's correction; the dO part (rowsum(dO * P * dP)) is summed
     # per row by _backward_row from its own probabilities
     delta = (-grad_lse.to(work).unsqueeze(-1) if grad_lse is not None
              else torch.zeros(B, Hq, L, 1, dtype=work, device=query.device))
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+    finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
     sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
                                     for _ in range(n_workers - 1)]
@@ -383,7 +407,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         g, mods, row = task
         dk_w, dv_w, buf_w = sums[worker]
         _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
-                      buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1)
+                      buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite)
 
     workers.run(tasks, costs, one_row, n_workers)
     for dk_w, dv_w, buf_w in sums[1:]:
@@ -408,9 +432,10 @@ _KEEP_ELEMENTS = 1 << 22
 
 
 def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods, q0: int, q1: int, Hqg: int,
-                 work, grad: bool):
+                 work, grad: bool, finite: bool = True):
     """One chunk's ``(kc, s4, post, p, dp, blocked)``: scores, the score_mod's output (with its graph
-    when ``grad``), softmax probabilities from the saved logsumexp, and ``dO @ V^T``."""
+    when ``grad``), softmax probabilities from the saved logsumexp, and ``dO @ V^T`` (0 on masked
+    pairs when ``finite`` is False: a masked NaN/inf value must not reach delta, dS or the buffers)."""
     Bg, r = qb.shape[0], q1 - q0
     kv = chunk_kv_index(chunk, mods.kv_pos)
     kc = chunk_rows(k_g, chunk).to(work)
@@ -430,11 +455,13 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
     # natural exp, as the softmax of the reference: exp2 of (s - lse) * log2(e) adds one rounding
     p.sub_(lse_r).exp_()
     dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
+    if not finite:
+        _fill(dp, blocked, 0.0)
     return kc, s4, post, p, dp, blocked
 
 
 def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
-                  g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool):
+                  g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool, finite: bool = True):
     q0, q1 = row.q0, row.q1
     qb = _scaled_query_rows(query, g, q0, q1, scale, work)
     Bg, Hkvg, Gr, E = qb.shape
@@ -454,12 +481,13 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
     kept, budget = [], _KEEP_ELEMENTS
     for chunk in row.chunks:
         keep = budget >= Bg * Hqg * r * chunk.n_cols
-        piece = _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=keep)
+        piece = _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=keep, finite=finite)
         delta_r += (piece[3] * piece[4]).sum(-1, keepdim=True)
         kept.append(piece if keep else None)
         budget -= Bg * Hqg * r * chunk.n_cols if keep else 0
     for chunk, piece in zip(row.chunks, kept):
-        kc, s4, post, p, dp, blocked = piece or _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=True)
+        kc, s4, post, p, dp, blocked = piece or _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=True,
+                                                             finite=finite)
         p_g = p.view(Bg, Hkvg, Gr, -1)
         dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
         ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
@@ -474,8 +502,10 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
             ds = ds.contiguous()
             _fill(ds, blocked, 0.0)  # masked entries never reach the output, whatever the mod's slope
             ds_g = ds.view(Bg, Hkvg, Gr, -1)
-            dq_r.add_(torch.matmul(ds_g, kc), alpha=scale)
-            dk_c = torch.matmul(ds_g.transpose(-1, -2), qb)
+            # a masked pair (dS = 0) must not bring a NaN or inf key into dq, or such a query into dk
+            matmul = torch.matmul if finite or not blocked else matmul_skipping_zeros
+            dq_r.add_(matmul(ds_g, kc), alpha=scale)
+            dk_c = matmul(ds_g.transpose(-1, -2), qb)
             _add_rows(dk_g, chunk, dk_c.sum(0, keepdim=True) if sum_kv_batch else dk_c)
         _add_rows(dv_g, chunk, dv_c.sum(0, keepdim=True) if sum_kv_batch else dv_c)
     dq[g.b, g.qh, q0:q1] = dq_r.view(Bg, Hqg, r, E)

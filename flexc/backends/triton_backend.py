@@ -474,7 +474,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     device = query.device
     out = _empty_like_query(query, Ev)
     lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
-    if out.numel() == 0 or S == 0:  # nothing to attend to: every row is fully masked
+    if B * Hq * L == 0 or S == 0 or (Ev == 0 and lse is None):  # no rows, or no keys: rows fully masked
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))

@@ -124,7 +124,8 @@ def _call(r: RenderedMod, args: str) -> str:
 def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     """The Triton source of the backward kernel described by ``spec``."""
     score, mask = _render(spec)  # the forward's mod functions, parameter names and all
-    derivative = differentiate(spec.score_mod, spec.grad_slots) if spec.score_mod is not None else None
+    widen = "float64" if spec.dtype == torch.float64 else None
+    derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()
     score_stems = _stems(spec.score_mod, taken, "score")
     _stems(spec.mask_mod, taken, "mask")

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..trace import TracedMod
-from .forward import (LN2, RCP_LN2, _TL, _buffer_args, _describe, _dot, _mask_lines, _render, _row_max, _row_sum,
-                      _score_lines, padded_head_dim)
+from .forward import (LN2, RCP_LN2, _NONFINITE_VALUES, _TL, _buffer_args, _describe, _dot, _mask_lines, _render,
+                      _row_max, _row_sum, _score_lines, _value_guard_lines, padded_head_dim)
 from .printer import HELPERS, BufferParam
 
 KERNEL_NAME = "flex_decode_split"
@@ -103,6 +103,8 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     for r in (score, mask):
         if r is not None:
             lines += [r.source, ""]
+    if mask is not None:
+        lines += [_NONFINITE_VALUES, ""]
     lines += _attend_range(spec, score, mask, widen)
     lines += ["", ""]
     lines += _kernel(spec, score, mask, widen, acc_dtype)
@@ -162,7 +164,10 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
         "        p = tl.exp2(qk - m_safe[:, None])",
         f"        l_i = l_i * alpha + {_row_sum(spec, 'p')}",
         f"        v = tl.load(value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen_t}",
-        f"        acc = {_dot(p_operand, 'v', spec, 'acc * alpha[:, None]')}",
+        *([f"        acc = {_dot(p_operand, 'v', spec, 'acc * alpha[:, None]')}"] if not masked else [
+            "        acc = acc * alpha[:, None]",
+            "        if not IS_FULL_BLOCKS:", *_value_guard_lines(spec, "            "),
+            f"        acc = {_dot(p_operand, 'v', spec, 'acc')}"]),
         "        m_i = m_new",
         "    return acc, l_i, m_i",
     ]

@@ -166,6 +166,8 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     for r in (score, mask):
         if r is not None:
             lines += [r.source, ""]
+    if mask is not None:
+        lines += [_NONFINITE_VALUES, ""]
 
     lines += _attend_blocks(spec, score, mask, tiles_per_block, widen, acc_dtype)
     lines += ["", ""]
@@ -203,6 +205,39 @@ def _row_sum(spec: ForwardSpec, x: str) -> str:
     if spec.target == "interpreter":
         return f"tl.reduce({x}, 1, tl.standard._sum_combine)"
     return f"tl.sum({x}, 1)"
+
+
+# Masked keys must add exactly 0 to the output even where their value rows hold NaN or inf, but
+# tl.dot gives 0 * NaN = NaN. Partial blocks check each value tile; one with a non-finite entry
+# (rare: padding) is multiplied without those entries, and this helper adds what the keys each
+# row allows make of them. p >= 0, so counts of NaN, +inf and -inf per output element decide it.
+_NONFINITE_VALUES = '''\
+@triton.jit
+def nonfinite_values(p, v):
+    # per output element: NaN, +inf or -inf where an allowed key (p > 0) brings such a value, else 0
+    live = (p > 0).to(tl.float32)
+    n_nan = tl.dot(live, (v != v).to(tl.float32), input_precision="ieee")
+    n_pinf = tl.dot(live, (v == float("inf")).to(tl.float32), input_precision="ieee")
+    n_ninf = tl.dot(live, (v == float("-inf")).to(tl.float32), input_precision="ieee")
+    inf = tl.where(n_pinf > 0, float("inf"), tl.where(n_ninf > 0, float("-inf"), 0.0))
+    return tl.where((n_nan > 0) | ((n_pinf > 0) & (n_ninf > 0)), float("nan"), inf)
+'''
+
+
+def _value_guard_lines(spec: ForwardSpec, indent: str) -> list[str]:
+    """Partial blocks: keep non-finite values of masked keys out of ``p @ v`` (see _NONFINITE_VALUES)."""
+    if spec.target == "interpreter":
+        any_bad = "tl.reduce(v_bad.to(tl.int32), None, tl.standard._elementwise_max) > 0"
+    else:
+        any_bad = "tl.max(v_bad.to(tl.int32)) > 0"
+    return [
+        f"{indent}# masked keys add exactly 0 even if their values hold NaN or inf (0 * NaN is NaN): a tile",
+        f"{indent}# with such values (rare: padding) is multiplied without them; allowed keys' are added back",
+        f"{indent}v_bad = (v != v) | (tl.abs(v) == float(\"inf\"))",
+        f"{indent}if {any_bad}:",
+        f"{indent}    acc = acc + nonfinite_values(p, v)",
+        f"{indent}    v = tl.where(v_bad, 0.0, v)",
+    ]
 
 
 def _score_lines(spec: ForwardSpec, score: RenderedMod | None, indent: str) -> list[str]:
@@ -298,6 +333,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: 
         f"        l_i = l_i * alpha + {_row_sum(spec, 'p')}",
         f"        v = tl.load(value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen_k}",
         "        acc = acc * alpha[:, None]",
+        *(["        if not IS_FULL_BLOCKS:", *_value_guard_lines(spec, "            ")] if masked else []),
         f"        acc = {_dot(p_operand, 'v', spec, 'acc')}",
         "        m_i = m_new",
         "    return acc, l_i, m_i",

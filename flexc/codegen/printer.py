@@ -11,11 +11,12 @@ literals, and a node used twice is computed once into a temporary ``t<k>``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 from .. import ir
 from ..evaluate import evaluate
+from ..lowering import scalar_form
 from ..trace import TracedMod
 from .math_helpers import HELPER_SOURCES, MATH_HELPERS, with_needs
 
@@ -398,6 +399,10 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     With ``address=True`` the root must be a ``load`` and the function returns the pointer it
     would read (the backward adds captured-tensor gradients there).
     """
+    # a reduction over a small captured axis prints as its unrolled terms; an autograd Function as
+    # its traced forward (the kernels are forward-only)
+    if scalar_form(traced.root) is not traced.root:
+        traced = replace(traced, root=scalar_form(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
     p = _Printer(traced, buffer_stems, fn_name)
