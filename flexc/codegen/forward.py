@@ -26,11 +26,16 @@ NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row cov
 
 _TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
        torch.float64: "tl.float64"}
-# Parameter stems the kernel itself uses (every ``<stem>_ptr`` parameter of the kernel and of
-# attend_blocks); a captured tensor with one of these names is renamed.
+# Parameter stems the kernels themselves use (every ``<stem>_ptr`` parameter of the forward kernel
+# and attend_blocks, and of the backward and decode kernels); a captured tensor with one of these
+# names is renamed.
 _RESERVED = {"query", "key", "value", "out", "lse", "partial_block_counts", "partial_block_indices",
              "full_block_counts", "full_block_indices", "block_counts", "block_indices", "block_count",
-             "block_index"}
+             "block_index",
+             # the backward and decode kernels' own pointers (they name captured tensors the same way)
+             "count", "index", "delta", "dq", "dk", "dv", "grad_out", "out_split", "lse_split",
+             "partial_kv_counts", "partial_kv_indices", "full_kv_counts", "full_kv_indices",
+             "partial_q_counts", "partial_q_indices", "full_q_counts", "full_q_indices"}
 
 
 def next_power_of_2(n: int) -> int:
