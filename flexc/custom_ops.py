@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import bounds
+from . import bounds, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .block_mask import DERIVED, BlockMask, create_block_mask
 from .mod_key import traced_from_key
@@ -89,6 +89,8 @@ def flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
+    if block_mask is not None:  # the value checks eager flex_attention makes (dynamo cannot read values)
+        validate.check_block_tables(block_mask, query.shape[2], key.shape[2])
     for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
         bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
     options = json.loads(kernel_options)
@@ -128,7 +130,10 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
     options = json.loads(kernel_options)
-    if options["BACKEND"] == "TRITON":  # the generated backward kernels
+    # flex_attention's own rule for when the generated backward applies (imported at run time:
+    # flexc.attention imports this module)
+    from .attention import _generated_backward_applies
+    if options["BACKEND"] == "TRITON" and _generated_backward_applies(score):  # the generated kernels
         dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, lse, grad_out, grad_lse, score,
                                                           mask, block_mask, scale, tuple(grad_slots), options)
     else:

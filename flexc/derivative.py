@@ -18,6 +18,7 @@ half on ties; ``where`` routes it to the branch taken; ``floor``/``ceil``/``sign
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -124,7 +125,21 @@ def sub(a: ir.Node, b: ir.Node) -> ir.Node:
     return _fold("sub", a, b) or ir.binary("sub", a, b)
 
 
+# The float dtype integer operands of derivative products are widened to (None: left as they are).
+# A float64 kernel needs it: `t * (q - kv) * 0.7` is float64 in torch because `t` is, but its
+# derivative `0.7 * (q - kv)` alone would be computed in float32, torch's type for float * int.
+_widen_ints: contextvars.ContextVar = contextvars.ContextVar("flexc_derivative_widen_ints", default=None)
+
+
+def _widened(n: ir.Node) -> ir.Node:
+    dtype = _widen_ints.get()
+    if dtype is None or n.kind == ir.FLOAT or n.op == "const":
+        return n
+    return ir.cast(n, dtype, ir.FLOAT)
+
+
 def mul(a: ir.Node, b: ir.Node) -> ir.Node:
+    a, b = _widened(a), _widened(b)
     # only float zeros annihilate: 0 * inf is NaN, but the operands here are finite derivatives
     for x, y in ((a, b), (b, a)):
         if _is_const(x, 0):
@@ -149,6 +164,7 @@ def mul(a: ir.Node, b: ir.Node) -> ir.Node:
 
 
 def div(a: ir.Node, b: ir.Node) -> ir.Node:
+    a, b = _widened(a), _widened(b)
     if _is_const(a, 0):
         return _c(0.0)
     if _is_const(b, 1):
@@ -323,10 +339,13 @@ def adjoints(root: ir.Node) -> dict[int, ir.Node]:
     return adj
 
 
-def differentiate(score_mod: TracedMod, slots: tuple[int, ...] | None = None) -> ScoreModDerivative:
+def differentiate(score_mod: TracedMod, slots: tuple[int, ...] | None = None,
+                  widen_ints: str | None = None) -> ScoreModDerivative:
     """The derivatives of ``score_mod`` with respect to its score and its captured float tensors.
 
     ``slots`` limits the gathers to those captured tensors (default: every float one).
+    ``widen_ints="float64"`` casts integer factors of the derivative products to float64, so a
+    float64 kernel computes them in float64 as torch does along the original expression.
 
     >>> from flexc import trace
     >>> print(differentiate(trace(lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0))).d_score)  # doctest: +SKIP
@@ -338,7 +357,11 @@ def differentiate(score_mod: TracedMod, slots: tuple[int, ...] | None = None) ->
     root = score_mod.root
     if root.kind != ir.FLOAT:  # the tracer casts int roots to float32; be safe for hand-built IR
         root = ir.cast(root, "float32", ir.FLOAT)
-    adj = adjoints(root)
+    token = _widen_ints.set(widen_ints)
+    try:
+        adj = adjoints(root)
+    finally:
+        _widen_ints.reset(token)
     nodes = list(root.walk())
     score = next((n for n in nodes if n.op == "input" and n.attr == "score"), None)
     d_score = adj.get(id(score), _c(0.0)) if score is not None else _c(0.0)

@@ -11,6 +11,7 @@ special case; evaluation (:mod:`flexc.evaluate`) keeps the loop vectorised inste
 from __future__ import annotations
 
 import functools
+import weakref
 
 from . import ir
 
@@ -40,16 +41,24 @@ def reduce(op: str, body: ir.Node, n: int) -> ir.Node:
     return ir.make(REDUCE, (body,), (op, n), kind)
 
 
-@functools.lru_cache(maxsize=4096)
+# weak keys: every trace asks, and a strong cache would keep discarded traces' nodes alive
+_free_axes: "weakref.WeakKeyDictionary[ir.Node, frozenset]" = weakref.WeakKeyDictionary()
+
+
 def free_axes(node: ir.Node) -> frozenset:
     """Sizes of the axes ``node`` reads that no enclosing reduction inside it binds."""
+    found = _free_axes.get(node)
+    if found is not None:
+        return found
     if node.op == AXIS:
-        return frozenset((node.attr,))
-    if node.op == REDUCE:
-        return free_axes(node.args[0]) - {node.attr[1]}
-    out: frozenset = frozenset()
-    for a in node.args:
-        out |= free_axes(a)
+        out = frozenset((node.attr,))
+    elif node.op == REDUCE:
+        out = free_axes(node.args[0]) - {node.attr[1]}
+    else:
+        out = frozenset()
+        for a in node.args:
+            out |= free_axes(a)
+    _free_axes[node] = out
     return out
 
 

@@ -476,11 +476,12 @@ def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
     if op in ir.LOGIC_OPS and ir.FLOAT in (a.kind, b.kind):
         t.fail(f"`{ir._SYMBOLS[op]}` on a float value ({a} {ir._SYMBOLS[op]} {b})",
                "use `&`, `|`, `^` on comparisons (bools) or integer indices")
-    if op in ("floordiv", "mod") and b.op == "const" and b.attr == 0 and ir.FLOAT not in (a.kind, b.kind):
-        t.fail(f"integer division by zero (`{a} {ir._SYMBOLS[op]} 0`); torch raises ZeroDivisionError for it",
-               "divide by a non-zero number, or use `/` (true division) on floats")
     if op != "pow":  # torch converts a Python int to a narrow integer operand's dtype (wrapping)
         a, b = weak_pair(a, b)
+    if op in ("floordiv", "mod") and b.op == "const" and b.attr == 0 and ir.FLOAT not in (a.kind, b.kind):
+        t.fail(f"integer division by zero (`{a} {ir._SYMBOLS[op]} 0`, after torch converts the divisor to "
+               f"the dividend's dtype); torch raises ZeroDivisionError for it",
+               "divide by a non-zero number, or use `/` (true division) on floats")
     node = ir.binary(op, a, b)
     return t.note_site(node) if op in ("floordiv", "mod") else node
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
@@ -134,3 +135,32 @@ def test_a_captured_index_table_changed_in_place_is_checked_again():
     ids[5] = 4  # 4 * 16 = 64 is past the end of TABLE
     with pytest.raises(IndexRangeError, match=r"\[0, 64\] \(e\.g\. 64 at q_idx=5\)"):
         bounds.check_mod(traced, 1, 1, L, S, "test")
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=st.integers(-2, 2), c=st.integers(-2, 2), d=st.integers(-60, 60), size=st.integers(1, 80),
+       lengths=st.tuples(st.integers(1, 40), st.integers(1, 40)), nested=st.booleans())
+def test_the_check_raises_exactly_when_torch_does(a, c, d, size, lengths, nested):
+    """Random affine (optionally looked-up) indices: flexc raises iff torch's eager indexing does,
+    and otherwise computes torch's mask."""
+    Q, K = lengths
+    table = torch.arange(size) % 7
+    inner = torch.arange(40) % 5 - 2  # values -2..2: a nested, data-dependent index
+
+    def mod(b, h, q_idx, kv_idx):
+        index = a * q_idx + c * kv_idx + d
+        if nested:
+            index = index + inner[kv_idx] * 3
+        return table[index] >= 3
+
+    q_idx, kv_idx = torch.arange(Q).view(1, 1, Q, 1), torch.arange(K).view(1, 1, 1, K)
+    try:
+        expected = mod(torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                       q_idx, kv_idx).expand(1, 1, Q, K)
+    except IndexError:
+        expected = None
+    if expected is None:
+        with pytest.raises(IndexRangeError):
+            flexc.create_mask(mod, 1, 1, Q, K)
+    else:
+        assert torch.equal(flexc.create_mask(mod, 1, 1, Q, K), expected)

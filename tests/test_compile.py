@@ -257,3 +257,27 @@ def test_triton_backend_under_compile_trains_like_eager():
         results.append([out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v, slopes))])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_autograd_function_in_a_mod_under_compile():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g) for _ in range(3))
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: _Square.apply(s) * 0.1)
+
+    torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), f(q, k, v))
+    traced = flexc.trace(lambda s, b, h, qi, ki: _Square.apply(s))
+    assert traced_from_key(mod_key(traced), ()).root is traced.root  # the class travels by import path

@@ -101,3 +101,21 @@ def test_captured_tensor_named_like_a_kernel_parameter(name):
     out = flexc.flex_attention(q, k, v, score_mod=score_mod, kernel_options={"BACKEND": "TRITON"})
     ref, _, _ = dense_attention(q, k, v, score_mod=score_mod)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["block_count", "count", "index", "delta", "dq", "grad_out", "out_split",
+                                  "full_q_indices"])
+def test_no_kernel_has_duplicate_parameters_whatever_the_captured_names(name):
+    """Forward, backward and decode sources: every function's parameters are distinct."""
+    import ast
+
+    table = torch.randn(S)
+    score_mod = eval(f"lambda score, b, h, q_idx, kv_idx: score + {name}[kv_idx]", {name: table})
+    for length, backward in ((L, False), (L, True), (1, False)):
+        q, k, v = random_qkv(1, 1, 1, length, S, 16)
+        source = flexc.kernel_source(q, k, v, score_mod=score_mod, backward=backward,
+                                     kernel_options={"BACKEND": "TRITON"})
+        for fn in ast.walk(ast.parse(source)):
+            if isinstance(fn, ast.FunctionDef):
+                params = [a.arg for a in fn.args.args]
+                assert len(params) == len(set(params)), (name, fn.name, params)

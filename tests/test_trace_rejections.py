@@ -12,6 +12,7 @@ import flexc
 from flexc import TraceError
 
 TABLE = np.arange(64)
+SMALL = torch.arange(64, dtype=torch.uint8)
 
 RANDOM = {
     "randn": lambda score, b, h, q_idx, kv_idx: score + torch.randn(()),
@@ -63,6 +64,7 @@ def test_numpy_scalars_and_converted_arrays_still_trace():
     lambda b, h, q_idx, kv_idx: q_idx // 0 >= kv_idx,
     lambda b, h, q_idx, kv_idx: q_idx % 0 >= 0,
     lambda b, h, q_idx, kv_idx: torch.div(q_idx, 0, rounding_mode="floor") >= kv_idx,
+    lambda b, h, q_idx, kv_idx: SMALL[kv_idx] // 256 >= 1,  # 256 is 0 in uint8, as torch converts it
 ])
 def test_integer_division_by_zero_constant_is_rejected(mod):
     with pytest.raises(TraceError, match=r"(?s)test_trace_rejections.py.*division by zero.*Fix:"):

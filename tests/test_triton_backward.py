@@ -134,6 +134,16 @@ def test_zero_dim_captured_scalar_gets_its_gradient():
     assert mine[3].shape == () and mine[3] != 0
 
 
+def test_float64_captured_gradient_keeps_float64_through_captured_numbers():
+    # d/dt of `t * (q - kv) * factor` is `factor * (q - kv)`: float32 in torch's rules for float * int,
+    # float64 along the original expression; the float64 kernel computes it in float64
+    t = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    factor = 0.7
+    mod = lambda s, b, h, q_idx, kv_idx: s * factor + t * (q_idx - kv_idx) * factor
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=14))
+    _check(q, k, v, mod, MASKS["causal"], extra=(t,))
+
+
 def test_score_mod_that_ignores_the_score_gives_its_table_a_gradient_and_zero_dq_dk():
     table = torch.randn(H, L, S, dtype=torch.float64, requires_grad=True)
     q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=6))
@@ -291,3 +301,19 @@ def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
     compiled = triton_backward.compile_backward_offline(spec, inputs)
     assert 0 < compiled.metadata.shared <= 232448  # fits an H100's 227 KiB
     assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"]
+
+
+def test_non_finite_padding_keys_and_queries_do_not_reach_the_gradients():
+    # keys (and values) past 40 and queries past 50 hold NaN/inf padding that the mask excludes
+    q, k, v = random_qkv(B, H, H, 64, 64, E, dtype=torch.float64, seed=15)
+    k[:, :, 40:], v[:, :, 40:], q[:, :, 50:] = float("nan"), float("inf"), float("nan")
+    padding = lambda b, h, q_idx, kv_idx: (kv_idx < 40) & (q_idx < 50)
+    bm = flexc.create_block_mask(padding, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    grads = {}
+    for backend in ("TRITON", "TORCH"):
+        qq, kk, vv = _leaves(q, k, v)
+        out = flexc.flex_attention(qq, kk, vv, block_mask=bm, kernel_options={"BACKEND": backend})
+        grads[backend] = torch.autograd.grad(out.square().sum(), (qq, kk, vv))
+    for mine, ref in zip(grads["TRITON"], grads["TORCH"]):
+        assert not mine.isnan().any()
+        torch.testing.assert_close(mine, ref, rtol=1e-9, atol=1e-9)

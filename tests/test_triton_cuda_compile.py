@@ -79,3 +79,31 @@ def test_offline_compile_specialises_like_the_launcher():
     compiled = compile_for_hopper(None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, torch.bfloat16, 128, 128)
     assert "cp.async" in compiled.asm["ptx"]
     assert compiled.metadata.shared >= 96 * 1024  # 3 stages of 64 x 128 bf16 K and V tiles, plus Q
+
+
+def test_int64_offset_variant_compiles(monkeypatch):
+    # strides equal to 1 are compile-time constants there: widening them must still compile
+    def wide_multiplies():
+        compiled = compile_for_hopper(SCORE_MODS["captured_1d_negative_index"], None, torch.bfloat16, 64, 64,
+                                      options={"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2})
+        return compiled.asm["ptx"].count("mul.lo.s64")
+
+    narrow = wide_multiplies()
+    monkeypatch.setattr(triton_backend, "INT32_OFFSET_LIMIT", 1)
+    assert wide_multiplies() > narrow
+
+
+def test_math_functions_use_libdevice_on_cuda():
+    def every_math_function(score, b, h, q_idx, kv_idx):
+        s = score * 0.1
+        return (torch.tanh(s) + torch.tan(s) + torch.atan(s) + torch.asin(s * 0.1) + torch.acos(s * 0.1)
+                + torch.sinh(s) + torch.cosh(s) + torch.asinh(s) + torch.acosh(s * s + 1.0) + torch.atanh(s * 0.1)
+                + torch.expm1(s) + torch.log1p(s * s) + torch.erfc(s) + torch.log10(s * s + 1.0) + torch.trunc(s)
+                + torch.round(s) + torch.atan2(s, s + 2.0) + torch.fmod(s, 0.3) + torch.sigmoid(s))
+
+    spec = triton_backend.make_spec(flexc.trace(every_math_function), None, torch.bfloat16, 64, 64, None,
+                                    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}, "cuda", True)
+    source = triton_backend.source_for(spec)
+    assert "libdevice.tanh(" in source and "libdevice.rint(" in source and "def tanh(" not in source
+    compile_for_hopper(every_math_function, None, torch.bfloat16, 64, 64,
+                       options={"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2})

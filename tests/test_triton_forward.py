@@ -210,7 +210,7 @@ def test_generated_source_applies_mask_mod_only_in_the_partial_block_loop():
     q, k, v = qkv(L=64, S=64)
     block_mask = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
     source = flexc.kernel_source(q, k, v, score_mod=SCORES["alibi_captured_slopes"], block_mask=block_mask)
-    loop = source[source.index("def attend_blocks("):source.index("return acc, l_i, m_i")]
+    loop = source[source.index("def attend_tile("):source.index("def attend_blocks(")]
     guard = loop.index("if not IS_FULL_BLOCKS:")
     assert loop.count("mask_mod(") == 1 and loop.index("mask_mod(") > guard
     assert loop.index("score_mod(") < guard  # the score_mod runs in both loops

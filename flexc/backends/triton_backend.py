@@ -29,11 +29,16 @@ from ..codegen.backward import BackwardSpec, generate_backward
 from ..codegen.decode import DecodeSpec, generate_decode
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
                                padded_head_dim)
+from ..codegen.index_width import index_dtype as _index_dtype
 from ..codegen.scalars import lift_scalars
 from ..tiles import cdiv
 from ..trace import TracedMod
 
 _FORWARD_OPTIONS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+# torch's kernel options the forward kernel honours (False by default, as in torch)
+_FLAG_OPTIONS = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
+# a tensor with this many elements or more needs int64 offsets (index * stride wraps in int32)
+INT32_OFFSET_LIMIT = 2 ** 31
 
 
 class CacheInfo(NamedTuple):
@@ -157,7 +162,10 @@ def default_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: s
     d = max(padded_head_dim(head_dim), padded_head_dim(v_head_dim))
     if dtype in (torch.float32, torch.float64):
         return (128, 32, 4, 3) if d <= 64 else (32, 64, 4, 3) if d <= 128 else (32, 32, 4, 3)
-    return (128, 128, 4, 3) if d <= 64 else (128, 64, 8, 3) if d <= 128 else (64, 32, 4, 3)
+    # 16-bit: torch's Hopper tiles, but 8 warps at head dim 64: with 4 warps the 128 x 128 tile
+    # spills (bench/kernel_metrics.py: 255 registers and spill traffic on every tile; 8 warps: ~210
+    # registers, no spills, and fewer instructions per (query, key) pair than torch's kernel)
+    return (128, 128, 8, 3) if d <= 64 else (128, 64, 8, 3) if d <= 128 else (64, 32, 4, 3)
 
 
 def _forward_options(kernel_options: dict | None) -> dict:
@@ -251,10 +259,27 @@ def _block_sizes(block_mask: Any) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
+def _flags(kernel_options: dict | None) -> dict[str, bool]:
+    """torch's PRESCALE_QK / ROWS_GUARANTEED_SAFE / BLOCKS_ARE_CONTIGUOUS (``fwd_`` prefix overrides)."""
+    options = kernel_options or {}
+    flags = {}
+    for name in _FLAG_OPTIONS:
+        key = f"fwd_{name}" if f"fwd_{name}" in options else name
+        value = options.get(key, False)
+        if not isinstance(value, (bool, int)) or value not in (0, 1):
+            raise TypeError(f"flexc: kernel_options[{key!r}] must be a bool, got {type(value).__name__} {value!r}. "
+                            f"Fix: pass {name}=True or False.")
+        flags[name] = bool(value)
+    return flags
+
+
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
               v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None, target: str,
-              need_lse: bool, has_full_blocks: bool = True) -> ForwardSpec:
-    """The :class:`ForwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask."""
+              need_lse: bool, has_full_blocks: bool = True, index_dtype: str = "int32") -> ForwardSpec:
+    """The :class:`ForwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
+
+    ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`).
+    """
     if block_size is None:
         block_m, block_n, warps, stages = resolve_config(kernel_options, dtype, head_dim, v_head_dim, NO_BLOCK_MASK,
                                                          None, target)
@@ -263,8 +288,10 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
         q_block, kv_block = block_size
         block_m, block_n, warps, stages = resolve_config(kernel_options, dtype, head_dim, v_head_dim, q_block,
                                                          kv_block, target)
+    flags = _flags(kernel_options)
     return ForwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, block_m, block_n,
-                       warps, stages, has_full_blocks, need_lse, target, _fp32_precision(target))
+                       warps, stages, has_full_blocks, need_lse, target, _fp32_precision(target),
+                       flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype)
 
 
 # ---- the kernel cache ---------------------------------------------------------------------
@@ -435,12 +462,19 @@ def _empty_like_query(query: torch.Tensor, v_head_dim: int) -> torch.Tensor:
     return torch.empty_permuted((B, H, L, v_head_dim), order, dtype=query.dtype, device=query.device)
 
 
-def _constexprs(spec: ForwardSpec) -> dict[str, int]:
-    """The kernel's compile-time arguments for ``spec``."""
+def _constexprs(spec: ForwardSpec, L: int, S: int, tensors: list) -> dict[str, int]:
+    """The kernel's compile-time arguments for ``spec`` and one call's lengths and tensors.
+
+    Whole tiles (lengths multiples of BLOCK_M / BLOCK_N) and int64 offsets select variants that
+    Triton compiles once each; other lengths reuse them.
+    """
+    largest = max((t.numel() for t in tensors if isinstance(t, torch.Tensor)), default=0)
     return dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
                 KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
                 HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
-                V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim))
+                V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim), ROWS_GUARANTEED_SAFE=spec.rows_guaranteed_safe,
+                BLOCKS_ARE_CONTIGUOUS=spec.blocks_are_contiguous, Q_LEN_DIVISIBLE=L % spec.block_m == 0,
+                KV_LEN_DIVISIBLE=S % spec.block_n == 0, INT64_OFFSETS=largest >= INT32_OFFSET_LIMIT)
 
 
 def _kernel_args(generated: GeneratedForward, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -450,6 +484,11 @@ def _kernel_args(generated: GeneratedForward, query: torch.Tensor, key: torch.Te
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, _ = value.shape
     Bm, Hm, nQ = tables[0].shape
+    if generated.needs_positive_scale and not scale > 0:
+        # the kernel multiplies raw q.k by scale * log2(e) after taking the row max, so the scale
+        # must be positive: q.k * scale == (-q).k * |scale|, and with scale 0 every score is 0
+        query = -query if scale < 0 else torch.zeros_like(query)
+        scale = abs(scale) or 1.0
     stride_kb = key.stride(0) if Bkv == B else 0
     stride_vb = value.stride(0) if Bkv == B else 0
     shapes = [float(scale), L, S, Hq // Hkv,
@@ -491,7 +530,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     while True:
         kernel = get_kernel(spec)
         args = _kernel_args(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod, scale)
-        constants = _constexprs(spec)
+        constants = _constexprs(spec, L, S, args)
         grid = (cdiv(L, spec.block_m), Hq, B)
         if spec.target == "interpreter":
             with interpreting():
@@ -527,8 +566,10 @@ def _spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMo
     """The kernel spec that a flex_attention call with these (validated) arguments runs."""
     block_size = _block_sizes(block_mask) if block_mask is not None else None
     has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
+    B, Hq, L, _ = query.shape
+    index_dtype = _index_dtype((score_mod, mask_mod), B, Hq, L, value.shape[-2])
     return make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], block_size,
-                     kernel_options, _target(query.device), need_lse, has_full)
+                     kernel_options, _target(query.device), need_lse, has_full, index_dtype)
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
@@ -644,7 +685,8 @@ def compile_offline(spec: ForwardSpec, capability: int = 90, warp_size: int = 32
     tables = _tables(block_mask, spec, key.shape[2], query.device)
     args = _kernel_args(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
                         query.shape[-1] ** -0.5)
-    return compile_like_launcher(getattr(module, KERNEL_NAME), args, _constexprs(spec), spec.num_warps,
+    constants = _constexprs(spec, query.shape[2], key.shape[2], args)
+    return compile_like_launcher(getattr(module, KERNEL_NAME), args, constants, spec.num_warps,
                                  spec.num_stages, capability, warp_size)
 
 

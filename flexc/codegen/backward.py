@@ -124,7 +124,8 @@ def _call(r: RenderedMod, args: str) -> str:
 def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     """The Triton source of the backward kernel described by ``spec``."""
     score, mask = _render(spec)  # the forward's mod functions, parameter names and all
-    derivative = differentiate(spec.score_mod, spec.grad_slots) if spec.score_mod is not None else None
+    widen = "float64" if spec.dtype == torch.float64 else None
+    derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()
     score_stems = _stems(spec.score_mod, taken, "score")
     _stems(spec.mask_mod, taken, "mask")
@@ -311,6 +312,17 @@ def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -
     return out
 
 
+def _finite_lines(x: str, indent: str) -> list[str]:
+    """In partial blocks, zero the non-finite entries of ``x`` before it meets ``ds`` in a dot.
+
+    A masked pair has ds = 0 but 0 * NaN is NaN: padding keys (or queries) holding NaN or inf
+    would poison the gradients of the rows that do not see them. An allowed pair with such an
+    entry already has a NaN ds (its score is NaN), so zeroing changes nothing there.
+    """
+    return [f"{indent}if not IS_FULL_BLOCKS:  # masked pairs add exactly 0 even against NaN/inf entries",
+            f"{indent}    {x} = tl.where(({x} == {x}) & (tl.abs({x}) != float(\"inf\")), {x}, 0.0)"]
+
+
 def _bounds(indent: str, in_range: str, idx: str, offs: str, length: str, block: str, axis: str) -> list[str]:
     """``in_range`` and the clamped index ``idx`` of a tile; no checks when the lengths divide the tiles."""
     return [
@@ -374,6 +386,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     if not _ignores_score(d_score):
         body += [
             *_score_grad_lines(d_score, "dsT", "        "),
+            *_finite_lines("qT", "        "),
             f"        dk = {_dot(_operand(spec, 'dsT'), 'tl.trans(qT)', spec, 'dk')}",
         ]
     body.append("    return dk, dv")
@@ -419,6 +432,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         f"        dp = {_dot('do', 'vT', spec)}",
         "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
         *_score_grad_lines(d_score, "ds", "        "),
+        *_finite_lines("kT", "        "),
         f"        dq = {_dot(_operand(spec, 'ds'), 'tl.trans(kT)', spec, 'dq')}",
         "    return dq",
     ]

@@ -26,11 +26,16 @@ NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row cov
 
 _TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
        torch.float64: "tl.float64"}
-# Parameter stems the kernel itself uses (every ``<stem>_ptr`` parameter of the kernel and of
-# attend_blocks); a captured tensor with one of these names is renamed.
+# Parameter stems the kernels themselves use (every ``<stem>_ptr`` parameter of the forward kernel
+# and attend_blocks, and of the backward and decode kernels); a captured tensor with one of these
+# names is renamed.
 _RESERVED = {"query", "key", "value", "out", "lse", "partial_block_counts", "partial_block_indices",
              "full_block_counts", "full_block_indices", "block_counts", "block_indices", "block_count",
-             "block_index"}
+             "block_index",
+             # the backward and decode kernels' own pointers (they name captured tensors the same way)
+             "count", "index", "delta", "dq", "dk", "dv", "grad_out", "out_split", "lse_split",
+             "partial_kv_counts", "partial_kv_indices", "full_kv_counts", "full_kv_indices",
+             "partial_q_counts", "partial_q_indices", "full_q_counts", "full_q_indices"}
 
 
 def next_power_of_2(n: int) -> int:
@@ -66,6 +71,12 @@ class ForwardSpec:
     output_lse: bool = True
     target: str = "cuda"
     fp32_precision: str = "ieee"
+    # torch's kernel options: PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS
+    prescale_qk: bool = False
+    rows_guaranteed_safe: bool = False
+    blocks_are_contiguous: bool = False
+    # integer type of the mods' index arithmetic: "int64" where int32 could overflow (torch uses int64)
+    index_dtype: str = "int32"
 
     def key(self) -> tuple:
         """The kernel cache key: the mods' structure, never their captured values or lengths."""
@@ -74,7 +85,8 @@ class ForwardSpec:
             self.mask_mod.key if self.mask_mod is not None else None,
             self.dtype, self.head_dim, self.v_head_dim, self.q_block_size, self.kv_block_size,
             self.block_m, self.block_n, self.num_warps, self.num_stages, self.has_full_blocks,
-            self.output_lse, self.target, self.fp32_precision,
+            self.output_lse, self.target, self.fp32_precision, self.prescale_qk, self.rows_guaranteed_safe,
+            self.blocks_are_contiguous, self.index_dtype,
         )
 
 
@@ -86,6 +98,9 @@ class GeneratedForward:
     kernel_name: str
     score_params: tuple[BufferParam, ...]
     mask_params: tuple[BufferParam, ...]
+    # no score_mod: scale * log2(e) multiplies raw q.k inside exp2 after the row max, which is
+    # right only for scale > 0 (the launcher negates q for a negative scale)
+    needs_positive_scale: bool = False
 
 
 def _stems(traced: TracedMod | None, taken: set[str], suffix: str) -> dict[int, str]:
@@ -104,13 +119,17 @@ def _stems(traced: TracedMod | None, taken: set[str], suffix: str) -> dict[int, 
     return stems
 
 
-def _render(spec: ForwardSpec) -> tuple[RenderedMod | None, RenderedMod | None]:
+def _render(spec, target: str | None = None, index_dtype: str = "int32"
+            ) -> tuple[RenderedMod | None, RenderedMod | None]:
+    """The spec's mods as device functions (``target``/``index_dtype`` as in :func:`render_mod`)."""
     taken: set[str] = set()
     score = mask = None
     if spec.score_mod is not None:
-        score = render_mod(spec.score_mod, "score_mod", _stems(spec.score_mod, taken, "score"))
+        score = render_mod(spec.score_mod, "score_mod", _stems(spec.score_mod, taken, "score"),
+                           target=target, index_dtype=index_dtype)
     if spec.mask_mod is not None:
-        mask = render_mod(spec.mask_mod, "mask_mod", _stems(spec.mask_mod, taken, "mask"))
+        mask = render_mod(spec.mask_mod, "mask_mod", _stems(spec.mask_mod, taken, "mask"),
+                          target=target, index_dtype=index_dtype)
         if mask.is_constant and mask.literal is True:
             mask = None  # allows everything: nothing to apply
     if score is not None and spec.score_mod.root.op == "input":
@@ -127,7 +146,7 @@ def _describe(traced: TracedMod | None, what: str) -> str:
 
 def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     """The Triton source of the forward kernel described by ``spec``."""
-    score, mask = _render(spec)
+    score, mask = _render(spec, spec.target, spec.index_dtype)
     score_params = score.params if score is not None else ()
     mask_params = mask.params if mask is not None else ()
     helpers = set()
@@ -153,14 +172,25 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
         f"#   tiles: BLOCK_M={spec.block_m}, BLOCK_N={spec.block_n}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; logsumexp output: {'yes' if spec.output_lse else 'no'}; "
         f"target: {spec.target}",
+    ]
+    options = [name for name, on in (("PRESCALE_QK", spec.prescale_qk), ("ROWS_GUARANTEED_SAFE", spec.rows_guaranteed_safe),
+                                     ("BLOCKS_ARE_CONTIGUOUS", spec.blocks_are_contiguous)) if on]
+    if options or spec.index_dtype != "int32":
+        header.append(f"#   options: {', '.join(options) or 'none'}; index arithmetic in the mods: {spec.index_dtype}")
+    header += [
         "# One program per (query tile, head, batch). It visits the BlockMask's partial key blocks",
         "# (score_mod, then mask_mod) and then its full key blocks (score_mod only); empty blocks are",
-        "# never visited. Softmax is online, in fp32, in base 2 (exp2).",
+        "# never visited. Softmax is online, in fp32, in base 2 (exp2). Lengths that are multiples of",
+        "# the tiles (Q_LEN_DIVISIBLE, KV_LEN_DIVISIBLE) compile to a variant without bounds checks;",
+        "# otherwise only the last key tile of a row is checked.",
     ]
     if widen:
         header.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
         header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
-    lines = header + ["import triton", "import triton.language as tl", "", ""]
+    imports = ["import triton", "import triton.language as tl"]
+    if any(r is not None and r.uses_libdevice for r in (score, mask)):
+        imports.append("from triton.language.extra import libdevice")
+    lines = header + imports + ["", ""]
     for name in sorted(helpers):
         lines += [HELPERS[name], ""]
     for r in (score, mask):
@@ -169,11 +199,14 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     if mask is not None:
         lines += [_NONFINITE_VALUES, ""]
 
-    lines += _attend_blocks(spec, score, mask, tiles_per_block, widen, acc_dtype)
+    lines += _attend_tile(spec, score, mask, widen)
+    lines += ["", ""]
+    lines += _attend_blocks(spec, score, mask, tiles_per_block)
     lines += ["", ""]
     lines += _kernel(spec, score, mask, widen, acc_dtype)
     source = "\n".join(lines).rstrip() + "\n"
-    return GeneratedForward(source, KERNEL_NAME, score_params, mask_params)
+    return GeneratedForward(source, KERNEL_NAME, score_params, mask_params,
+                            needs_positive_scale=score is None and not spec.prescale_qk)
 
 
 def _buffer_args(score: RenderedMod | None, mask: RenderedMod | None) -> list[str]:
@@ -270,7 +303,107 @@ def _mask_lines(spec: ForwardSpec, mask: RenderedMod | None, indent: str) -> lis
     return out
 
 
-def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: bool, acc_dtype: str) -> list[str]:
+def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
+    """The device function for one key tile: scores, mods, and the online-softmax update."""
+    buffers = _buffer_args(score, mask)
+    params = [
+        "acc, l_i, m_i, q, b, h, q_idx, start_n,",
+        "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
+    ]
+    if buffers:
+        params.append(", ".join(buffers) + ",")
+    params += [
+        "IS_FULL_BLOCKS: tl.constexpr, CHECK_KV: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,",
+        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,",
+        "V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+    ]
+    d_pad = spec.head_dim != padded_head_dim(spec.head_dim)
+    dv_pad = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
+    v_ptrs = "value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd"
+    widen_k = ".to(tl.float32)" if widen else ""
+    k_checked = f"tl.load({k_ptrs}, mask=kv_in_range[None, :]{' & (offs_d[:, None] < HEAD_DIM)' if d_pad else ''}, other=0.0){widen_k}"
+    v_checked = f"tl.load({v_ptrs}, mask=kv_in_range[:, None]{' & (offs_dv[None, :] < V_HEAD_DIM)' if dv_pad else ''}, other=0.0){widen_k}"
+    k_plain = (f"tl.load({k_ptrs}, mask=offs_d[:, None] < HEAD_DIM, other=0.0)" if d_pad else f"tl.load({k_ptrs})") + widen_k
+    v_plain = (f"tl.load({v_ptrs}, mask=offs_dv[None, :] < V_HEAD_DIM, other=0.0)" if dv_pad else f"tl.load({v_ptrs})") + widen_k
+    value_dtype = _TL[spec.dtype]
+    p_operand = f"p.to({value_dtype}).to(tl.float32)" if widen else f"p.to({value_dtype})"
+    prescaled = spec.prescale_qk
+    if prescaled:
+        scores = [f"        qk = {_dot('q', 'k', spec)}  # q was scaled by scale * log2(e): already base 2"]
+    elif score is not None:
+        scores = [f"        qk = {_dot('q', 'k', spec)} * scale  # the score_mod sees the scaled score"]
+    elif spec.dtype == torch.float64:  # nothing to gain from the fold; keep fp64 scores exact
+        scores = [f"        qk = {_dot('q', 'k', spec)} * (scale * {RCP_LN2})  # scaled and in base 2 at once"]
+    else:
+        scores = [f"        qk_scale = scale * {RCP_LN2}  # scale and the change to base 2 (the launcher makes it > 0)",
+                  f"        qk = {_dot('q', 'k', spec)}  # qk_scale is applied in the exp2 below"]
+    # The factor that takes a score to base 2: folded into one FMA with the max subtraction.
+    to_base2 = (None if prescaled or (score is None and spec.dtype == torch.float64)
+                else RCP_LN2 if score is not None else "qk_scale")
+    row_max = _row_max(spec, "qk")
+    body = [
+        "@triton.jit",
+        "def attend_tile(",
+        *("    " + p for p in params),
+        "):",
+        "    # One BLOCK_N tile of keys starting at start_n: scores, the mods, the online-softmax update.",
+        "    # Only the tile that holds the end of the keys (CHECK_KV) pays for bounds: masked loads,",
+        "    # clamped indices and -inf past KV_LEN.",
+        "    offs_n = start_n + tl.arange(0, BLOCK_N)",
+        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
+        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        "    if CHECK_KV:",
+        "        kv_in_range = offs_n < KV_LEN",
+        f"        k = {k_checked}",
+        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
+        "    else:",
+        f"        k = {k_plain}",
+        "        kv_idx = offs_n[None, :]",
+    ]
+    body += [line[4:] for line in scores]
+    body += [line for line in _score_lines(spec, score, "    ")]
+    masked = _mask_lines(spec, mask, "        ")
+    if masked:
+        body += ["    if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
+    body += [
+        "    if CHECK_KV:",
+        "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
+    ]
+    if to_base2 is None:
+        body.append(f"    m_new = tl.maximum(m_i, {row_max})")
+    else:
+        body.append(f"    m_new = tl.maximum(m_i, {row_max} * {to_base2})  # running max, base 2")
+    body += [
+        "    if ROWS_GUARANTEED_SAFE:  # the caller promised every row allows some key",
+        "        m_safe = m_new",
+        "    else:",
+        "        # a row with nothing allowed yet keeps m == -inf; use 0 there so exp2 never sees -inf - -inf",
+        "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
+        "    alpha = tl.exp2(m_i - m_safe)",
+    ]
+    if to_base2 is None:
+        body.append("    p = tl.exp2(qk - m_safe[:, None])")
+    else:
+        if spec.target == "interpreter":  # its tl.fma rounds worse than a multiply and a subtraction
+            body.append(f"    p = tl.exp2(qk * {to_base2} - m_safe[:, None])  # to base 2 and minus the max")
+        else:
+            body.append(f"    p = tl.exp2(tl.fma(qk, {to_base2}, -m_safe[:, None]))  # to base 2 and minus the max: one FMA")
+    body += [
+        f"    l_i = l_i * alpha + {_row_sum(spec, 'p')}",
+        "    if CHECK_KV:",
+        f"        v = {v_checked}",
+        "    else:",
+        f"        v = {v_plain}",
+        "    acc = acc * alpha[:, None]",
+        *(["    if not IS_FULL_BLOCKS:", *_value_guard_lines(spec, "        ")] if masked else []),
+        f"    acc = {_dot(p_operand, 'v', spec, 'acc')}",
+        "    return acc, l_i, m_new",
+    ]
+    return body
+
+
+def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list[str]:
     buffers = _buffer_args(score, mask)
     params = [
         "acc, l_i, m_i, q, b, h, q_idx,",
@@ -280,27 +413,28 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: 
     if buffers:
         params.append(", ".join(buffers) + ",")
     params += [
-        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,",
-        "KV_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,",
-        "V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+        "IS_FULL_BLOCKS: tl.constexpr, KV_LEN_DIVISIBLE: tl.constexpr,",
+        "ROWS_GUARANTEED_SAFE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr,",
+        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
+        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
-    k_mask = "kv_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if spec.head_dim != padded_head_dim(spec.head_dim) else "")
-    v_mask = "kv_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if spec.v_head_dim != padded_head_dim(spec.v_head_dim) else "")
-    widen_k = ".to(tl.float32)" if widen else ""
-    value_dtype = _TL[spec.dtype]
-    p_operand = f"p.to({value_dtype}).to(tl.float32)" if widen else f"p.to({value_dtype})"
-    if tiles_per_block == 1:
-        walk = [
-            "    for i in range(tl.load(block_count_ptr)):",
-            "        start_n = tl.load(block_index_ptr + i) * KV_BLOCK_SIZE  # the i-th listed key block",
-        ]
-    else:
-        walk = [
-            f"    # each BlockMask key block spans {tiles_per_block} tiles of BLOCK_N keys",
-            f"    for i in range(tl.load(block_count_ptr) * {tiles_per_block}):",
-            f"        kv_block = tl.load(block_index_ptr + i // {tiles_per_block})",
-            f"        start_n = kv_block * KV_BLOCK_SIZE + (i % {tiles_per_block}) * BLOCK_N",
-        ]
+    tile_args = ["acc, l_i, m_i, q, b, h, q_idx, start_n,",
+                 "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,"]
+    if buffers:
+        tile_args.append(", ".join(buffers) + ",")
+    tail = ["ROWS_GUARANTEED_SAFE=ROWS_GUARANTEED_SAFE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,",
+            "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"]
+
+    def tile(check: str, indent: str) -> list[str]:
+        return [f"{indent}acc, l_i, m_i = attend_tile(",
+                *(f"{indent}    {a}" for a in tile_args),
+                f"{indent}    IS_FULL_BLOCKS=IS_FULL_BLOCKS, CHECK_KV={check},",
+                *(f"{indent}    {a}" for a in tail),
+                f"{indent})"]
+
+    count = "tl.load(block_count_ptr)" + (f" * {tiles_per_block}" if tiles_per_block > 1 else "")
+    in_block = f" + (i % {tiles_per_block}) * BLOCK_N" if tiles_per_block > 1 else ""
+    block_of = f"i // {tiles_per_block}" if tiles_per_block > 1 else "i"
     body = [
         "@triton.jit",
         "def attend_blocks(",
@@ -308,34 +442,23 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int, widen: 
         "):",
         "    # Online softmax over the key tiles of the listed blocks: running row max m_i and row sum",
         "    # l_i (base 2) and the unnormalised output acc.",
-        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
-        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        *walk,
-        "        offs_n = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)",
-        "        kv_in_range = offs_n < KV_LEN",
-        f"        k = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen_k}",
-        *([f"        qk = {_dot('q', 'k', spec)} * scale"] if score is not None else
-          [f"        qk = {_dot('q', 'k', spec)} * (scale * {RCP_LN2})  # scaled and in base 2 at once: no score_mod"]),
-        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
-        *_score_lines(spec, score, "        "),
+        "    first_block = tl.load(block_index_ptr)  # read even when the list is empty: the table has a column",
     ]
-    masked = _mask_lines(spec, mask, "            ")
-    if masked:
-        body += ["        if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
+    if tiles_per_block > 1:
+        body.append(f"    # each BlockMask key block spans {tiles_per_block} tiles of BLOCK_N keys")
     body += [
-        "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
-        *([f"        qk = qk * {RCP_LN2}  # to base 2"] if score is not None else []),
-        f"        m_new = tl.maximum(m_i, {_row_max(spec, 'qk')})",
-        "        # a row with nothing allowed yet keeps m == -inf; use 0 there so exp2 never sees -inf - -inf",
-        "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
-        "        alpha = tl.exp2(m_i - m_safe)",
-        "        p = tl.exp2(qk - m_safe[:, None])",
-        f"        l_i = l_i * alpha + {_row_sum(spec, 'p')}",
-        f"        v = tl.load(value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen_k}",
-        "        acc = acc * alpha[:, None]",
-        *(["        if not IS_FULL_BLOCKS:", *_value_guard_lines(spec, "            ")] if masked else []),
-        f"        acc = {_dot(p_operand, 'v', spec, 'acc')}",
-        "        m_i = m_new",
+        f"    for i in range({count}):",
+        "        if BLOCKS_ARE_CONTIGUOUS:  # the caller promised the listed blocks follow one another",
+        "            start_n = first_block * KV_BLOCK_SIZE + i * BLOCK_N",
+        "        else:",
+        f"            start_n = tl.load(block_index_ptr + {block_of}) * KV_BLOCK_SIZE{in_block}",
+        "        start_n = tl.multiple_of(start_n, BLOCK_N)",
+        "        if KV_LEN_DIVISIBLE:  # every tile is whole: no bounds work at all",
+        *tile("False", "            "),
+        "        elif start_n + BLOCK_N <= KV_LEN:",
+        *tile("False", "            "),
+        "        else:  # the tile holding the end of the keys",
+        *tile("True", "            "),
         "    return acc, l_i, m_i",
     ]
     return body
@@ -350,42 +473,52 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     ]
     if buffers:
         params.append(", ".join(buffers) + ",")
+    strides = ["stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kn", "stride_kd",
+               "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_ob", "stride_oh", "stride_om", "stride_od"]
     params += [
         "scale, Q_LEN, KV_LEN, GQA_GROUP,",
-        "stride_qb, stride_qh, stride_qm, stride_qd,",
-        "stride_kb, stride_kh, stride_kn, stride_kd,",
-        "stride_vb, stride_vh, stride_vn, stride_vd,",
-        "stride_ob, stride_oh, stride_om, stride_od,",
+        *(", ".join(strides[i:i + 4]) + "," for i in range(0, 16, 4)),
     ]
     if spec.output_lse:
         params.append("stride_lb, stride_lh,")
+        strides += ["stride_lb", "stride_lh"]
     params += [
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+        "ROWS_GUARANTEED_SAFE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr,",
+        "Q_LEN_DIVISIBLE: tl.constexpr, KV_LEN_DIVISIBLE: tl.constexpr, INT64_OFFSETS: tl.constexpr,",
     ]
+    buffer_strides = [b for b in buffers if "_stride_" in b]
     # Lengths and captured-tensor sizes/strides change with the input; Triton must not specialise
     # on them, or every new length would compile again.
     unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
-    q_mask = "q_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if spec.head_dim != padded_head_dim(spec.head_dim) else "")
-    o_mask = "q_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if spec.v_head_dim != padded_head_dim(spec.v_head_dim) else "")
-    common = [
-        "scale, KV_LEN,",
-    ]
-    tail = ["BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
+    d_pad = spec.head_dim != padded_head_dim(spec.head_dim)
+    dv_pad = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    q_ptrs = "query_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd"
+    o_ptrs = "out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od"
+    q_mask_checked = "q_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if d_pad else "")
+    o_mask_checked = "q_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if dv_pad else "")
+    widen_q = ".to(tl.float32)" if widen else ""
+    q_plain = (f"tl.load({q_ptrs}, mask=offs_d[None, :] < HEAD_DIM, other=0.0)" if d_pad else f"tl.load({q_ptrs})") + widen_q
+    out_value = "out.to(out_ptr.dtype.element_ty)"
+    o_plain = f"tl.store({o_ptrs}, {out_value}" + (", mask=offs_dv[None, :] < V_HEAD_DIM)" if dv_pad else ")")
+    tail = ["ROWS_GUARANTEED_SAFE=ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS=BLOCKS_ARE_CONTIGUOUS,",
+            "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
             "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"]
 
     def call(kind: str, full: bool) -> list[str]:
         args = [
             "acc, l_i, m_i, q, b, h, q_idx,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
-            f"{kind}_block_counts_ptr + mask_row, {kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, " + common[0],
+            f"{kind}_block_counts_ptr + mask_row, {kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
         ]
         if buffers:
             args.append(", ".join(buffers) + ",")
-        args += [f"IS_FULL_BLOCKS={full},", *tail]
+        args += [f"IS_FULL_BLOCKS={full}, KV_LEN_DIVISIBLE=KV_LEN_DIVISIBLE,", *tail]
         return ["    acc, l_i, m_i = attend_blocks(", *("        " + a for a in args), "    )"]
 
+    widened = strides + buffer_strides + ["MASK_KV_BLOCKS"]
     body = [
         f"@triton.jit(do_not_specialize={unspecialised!r})",
         f"def {KERNEL_NAME}(",
@@ -394,14 +527,25 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         "    q_tile = tl.program_id(0)",
         "    h = tl.program_id(1)  # the query head the mods see",
         "    b = tl.program_id(2)  # the batch index the mods see",
+        "    if INT64_OFFSETS:  # a tensor holds 2**31 elements or more: every index * stride in int64",
+        *(f"        {name} = tl.cast({name}, tl.int64)" for name in widened),
         "    h_kv = h // GQA_GROUP  # grouped-query attention: GQA_GROUP query heads share a key head",
         "    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        "    q_in_range = offs_m < Q_LEN",
-        "    q = tl.load(query_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,",
-        f"                mask={q_mask}, other=0.0){'.to(tl.float32)' if widen else ''}",
-        "    q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
+        "    if Q_LEN_DIVISIBLE:  # every query tile is whole",
+        f"        q = {q_plain}",
+        "        q_idx = offs_m[:, None]",
+        "    else:",
+        "        q_in_range = offs_m < Q_LEN",
+        f"        q = tl.load({q_ptrs}, mask={q_mask_checked}, other=0.0){widen_q}",
+        "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
+    ]
+    if spec.prescale_qk:
+        body += ["    # PRESCALE_QK: scale and log2(e) applied to q once (torch's option: the score_mod sees",
+                 "    # scores in base 2), not to every tile of scores",
+                 f"    q = (q * (scale * {RCP_LN2})).to({_TL[spec.dtype]}){'.to(tl.float32)' if widen else ''}"]
+    body += [
         "    # this tile's row of the BlockMask tables; their batch and heads broadcast by modulo",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M) // Q_BLOCK_SIZE",
         "    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
@@ -418,13 +562,19 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         "    # a row that saw no allowed key has l_i == 0 and m_i == -inf: its output is 0 and its lse -inf",
         "    l_safe = tl.where(l_i == 0.0, 1.0, l_i)",
         "    out = acc / l_safe[:, None]",
-        "    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,",
-        f"             out.to(out_ptr.dtype.element_ty), mask={o_mask})",
+        "    if Q_LEN_DIVISIBLE:",
+        f"        {o_plain}",
+        "    else:",
+        f"        tl.store({o_ptrs}, {out_value}, mask={o_mask_checked})",
     ]
     if spec.output_lse:
+        lse_ptrs = "lse_ptr + b * stride_lb + h * stride_lh + offs_m"
         body += [
-            f"    lse = (m_i + tl.log2(l_safe)) * {LN2}  # natural log",
-            "    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m, lse.to(lse_ptr.dtype.element_ty), mask=q_in_range)",
+            f"    lse = ((m_i + tl.log2(l_safe)) * {LN2}).to(lse_ptr.dtype.element_ty)  # natural log",
+            "    if Q_LEN_DIVISIBLE:",
+            f"        tl.store({lse_ptrs}, lse)",
+            "    else:",
+            f"        tl.store({lse_ptrs}, lse, mask=q_in_range)",
         ]
     return body
 

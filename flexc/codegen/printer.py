@@ -36,6 +36,8 @@ _TL_DTYPES = {
     "bool": "tl.int1",
 }
 _WIDE_FLOATS = ("float32", "float64")
+# math helpers whose libdevice function has another name (CUDA target)
+_LIBDEVICE = {"round_half_even": "rint", "float_fmod": "fmod"}
 _INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx")  # never negative inside the kernel
 
 # Device helpers the printed mods may call; each is emitted once, only when used.
@@ -129,6 +131,7 @@ class RenderedMod:
     reads: frozenset
     literal: object = None
     expression: str = ""
+    uses_libdevice: bool = False  # the source calls triton.language.extra.libdevice (CUDA only)
 
     @property
     def is_constant(self) -> bool:
@@ -153,9 +156,14 @@ def _safe_name(name: str, slot: int) -> str:
 
 
 class _Printer:
-    def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str], fn_name: str = "mod"):
+    def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str], fn_name: str = "mod",
+                 target: str | None = None):
         self.traced = traced
         self.fn_name = fn_name
+        # "cuda": transcendental functions from libdevice (the interpreter has no libdevice); None or
+        # "interpreter": portable helpers written with tl.exp
+        self.target = target
+        self.uses_libdevice = False
         self.prefix = buffer_prefix  # slot -> parameter stem, e.g. "slopes" for slopes_ptr
         self.params: dict[tuple, BufferParam] = {}
         self.helpers: set[str] = set()
@@ -265,6 +273,11 @@ class _Printer:
             return f"{self.operand(args[0], prec + (1 if prec == _CMP else 0))} {sym} {self.operand(args[1], prec + 1)}", prec
         if op == "truediv":  # true division, also of integers (torch gives float32)
             a = self.operand(args[0], _MUL) if args[0].kind == ir.FLOAT else self.as_float(args[0], _MUL)
+            divisor = self.literal.get(id(args[1]))
+            if divisor is not None and not isinstance(divisor, bool) and math.isfinite(divisor) and divisor != 0:
+                # by a constant: multiply by its reciprocal (a division is a long instruction
+                # sequence on GPUs; Inductor does the same, within an ulp of the quotient)
+                return f"{a} * {python_literal(1.0 / divisor)}", _MUL
             b = self.operand(args[1], _MUL + 1) if args[1].kind == ir.FLOAT else self.as_float(args[1], _MUL + 1)
             return f"{a} / {b}", _MUL
         if op in ("floordiv", "mod"):
@@ -282,6 +295,11 @@ class _Printer:
         if op in _MATH:
             return f"{_MATH[op]}({self.as_float(args[0], 0)})", _ATOM
         if op in ("sigmoid", "tanh"):
+            if self.target == "cuda":  # the hardware-tuned versions
+                if op == "sigmoid":
+                    return f"tl.sigmoid({self.as_float(args[0], 0)})", _ATOM
+                self.uses_libdevice = True
+                return f"libdevice.tanh({self.as_float(args[0], 0)})", _ATOM
             self.helpers.add(op)
             return f"{op}({self.as_float(args[0], 0)})", _ATOM
         if op == "sign":
@@ -298,6 +316,10 @@ class _Printer:
             return f"tl.erf({self.as_float(args[0], 0)})", _ATOM
         if op in MATH_HELPERS:
             name = MATH_HELPERS[op]
+            if self.target == "cuda":  # the same functions, tuned for the hardware
+                self.uses_libdevice = True
+                fn = _LIBDEVICE.get(name, name)
+                return f"libdevice.{fn}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
             self.helpers |= with_needs({name})
             return f"{name}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
         raise NotImplementedError(f"flexc codegen: no Triton printing for IR op {op!r} in {self.traced!r}")
@@ -390,7 +412,7 @@ def _pow_repeats(n: ir.Node, literal: dict) -> int:
 
 
 def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None,
-               address: bool = False) -> RenderedMod:
+               address: bool = False, *, target: str | None = None, index_dtype: str = "int32") -> RenderedMod:
     """Print ``traced`` as the Triton device function ``fn_name``.
 
     ``buffer_stems`` names each captured tensor's parameters (slot -> stem); by default the mod's
@@ -398,14 +420,21 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     or ``b, h, q_idx, kv_idx``) then the captured-tensor parameters in ``RenderedMod.params``.
     With ``address=True`` the root must be a ``load`` and the function returns the pointer it
     would read (the backward adds captured-tensor gradients there).
+    ``target="cuda"`` uses libdevice/``tl.sigmoid`` for tanh, sigmoid and the other math helpers
+    (the default prints portable helpers that Triton's interpreter runs too). ``index_dtype="int64"``
+    widens the index arguments first, so integer arithmetic on them cannot wrap (torch computes it
+    in int64).
     """
+    if index_dtype not in ("int32", "int64"):
+        raise ValueError(f"render_mod: index_dtype must be 'int32' or 'int64', got {index_dtype!r}. "
+                         f"Fix: pass one of those.")
     # a reduction over a small captured axis prints as its unrolled terms; an autograd Function as
     # its traced forward (the kernels are forward-only)
     if scalar_form(traced.root) is not traced.root:
         traced = replace(traced, root=scalar_form(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
-    p = _Printer(traced, buffer_stems, fn_name)
+    p = _Printer(traced, buffer_stems, fn_name, target)
     nodes = list(traced.root.walk())
     p.fold_constants(nodes)
     p.infer_dtypes(nodes)
@@ -421,6 +450,9 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         for a in n.args:
             uses[id(a)] = uses.get(id(a), 0) + (_pow_repeats(n, p.literal) if n.op == "pow" and a is n.args[0] else 1)
     body: list[str] = []
+    if index_dtype == "int64":
+        body += [f"    {name} = {name}.to(tl.int64)  # index arithmetic in int64, as torch does"
+                 for name in _INDEX_INPUTS if name in reads and _does_integer_arithmetic(traced.root, name)]
     temps = 0
     for n in nodes:
         if n.op == "buffer":
@@ -448,7 +480,17 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         f"    return {p.text[id(traced.root)][0]}",
         "",
     ])
-    return RenderedMod(fn_name, source, _ordered(p.params), frozenset(p.helpers), reads, None, expression)
+    return RenderedMod(fn_name, source, _ordered(p.params), frozenset(p.helpers), reads, None, expression,
+                       p.uses_libdevice)
+
+
+def _does_integer_arithmetic(root: ir.Node, name: str) -> bool:
+    """Whether the index input ``name`` feeds integer arithmetic (not only compares and lookups)."""
+    for n in root.walk():
+        if n.kind == ir.INT and n.op not in ("input", "const", "load", "cast") and \
+                any(a.op == "input" and a.attr == name for a in n.args):
+            return True
+    return False
 
 
 def _ordered(params: dict) -> tuple[BufferParam, ...]:
