@@ -333,3 +333,20 @@ def test_captured_tensor_on_another_device_is_named():
 
     torch.testing.assert_close(attend(q, k, v, "TORCH", score_mod=scaled)[0].double(),
                                dense_attention(q, k, v, score_mod=scaled)[0], atol=2e-5, rtol=0)
+
+
+def test_triton_compiles_the_masked_value_guard_only_for_cpu_calls_with_non_finite_values():
+    # The guard costs spills on sm_90, so it is a compile-time switch decided per call.
+    from flexc.backends import triton_backend
+
+    spec = triton_backend.make_spec(None, flexc.trace(lambda b, h, q, kv: q >= kv, kind="mask_mod"),
+                                    torch.float32, 16, 16, (64, 64), None, "interpreter", need_lse=False)
+    unmasked = triton_backend.make_spec(None, None, torch.float32, 16, 16, None, None, "interpreter",
+                                        need_lse=False)
+    finite = torch.randn(1, 1, 8, 16)
+    padded = finite.clone()
+    padded[..., -1, :] = float("nan")
+    assert triton_backend._guards_nonfinite_values(spec, padded)
+    assert not triton_backend._guards_nonfinite_values(spec, finite)
+    assert not triton_backend._guards_nonfinite_values(unmasked, padded)
+    assert not triton_backend._guards_nonfinite_values(spec, padded.to("meta"))

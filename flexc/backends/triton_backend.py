@@ -32,6 +32,7 @@ from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, Generate
 from ..codegen.index_width import index_dtype as _index_dtype
 from ..codegen.scalars import lift_scalars
 from ..tiles import cdiv
+from .nonfinite import all_finite
 from ..trace import TracedMod
 
 _FORWARD_OPTIONS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -462,11 +463,21 @@ def _empty_like_query(query: torch.Tensor, v_head_dim: int) -> torch.Tensor:
     return torch.empty_permuted((B, H, L, v_head_dim), order, dtype=query.dtype, device=query.device)
 
 
-def _constexprs(spec: ForwardSpec, L: int, S: int, tensors: list) -> dict[str, int]:
+def _guards_nonfinite_values(spec: ForwardSpec, value: torch.Tensor) -> bool:
+    """Whether this call compiles in the guard that keeps masked keys' NaN/inf values out of ``p @ v``.
+
+    On the CPU (Triton's interpreter) one reduction over the values decides. On CUDA the guard stays
+    off, as in torch's own kernels (a NaN in a masked key's value row gives a NaN row there too):
+    deciding would cost a device sync on every call, and compiling it in always costs spills.
+    """
+    return spec.mask_mod is not None and value.device.type == "cpu" and not all_finite(value)
+
+
+def _constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: bool = False) -> dict[str, int]:
     """The kernel's compile-time arguments for ``spec`` and one call's lengths and tensors.
 
-    Whole tiles (lengths multiples of BLOCK_M / BLOCK_N) and int64 offsets select variants that
-    Triton compiles once each; other lengths reuse them.
+    Whole tiles (lengths multiples of BLOCK_M / BLOCK_N), int64 offsets and the non-finite values
+    guard select variants that Triton compiles once each; other lengths reuse them.
     """
     largest = max((t.numel() for t in tensors if isinstance(t, torch.Tensor)), default=0)
     return dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
@@ -474,7 +485,8 @@ def _constexprs(spec: ForwardSpec, L: int, S: int, tensors: list) -> dict[str, i
                 HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
                 V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim), ROWS_GUARANTEED_SAFE=spec.rows_guaranteed_safe,
                 BLOCKS_ARE_CONTIGUOUS=spec.blocks_are_contiguous, Q_LEN_DIVISIBLE=L % spec.block_m == 0,
-                KV_LEN_DIVISIBLE=S % spec.block_n == 0, INT64_OFFSETS=largest >= INT32_OFFSET_LIMIT)
+                KV_LEN_DIVISIBLE=S % spec.block_n == 0, INT64_OFFSETS=largest >= INT32_OFFSET_LIMIT,
+                GUARD_NONFINITE_VALUES=guard_values)
 
 
 def _kernel_args(generated: GeneratedForward, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -527,10 +539,11 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     if spec.q_block_size != NO_BLOCK_MASK and nQ < cdiv(L, spec.q_block_size):
         raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
                          f"{cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
+    guard_values = _guards_nonfinite_values(spec, value)
     while True:
         kernel = get_kernel(spec)
         args = _kernel_args(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod, scale)
-        constants = _constexprs(spec, L, S, args)
+        constants = _constexprs(spec, L, S, args, guard_values)
         grid = (cdiv(L, spec.block_m), Hq, B)
         if spec.target == "interpreter":
             with interpreting():

@@ -241,7 +241,10 @@ def _row_sum(spec: ForwardSpec, x: str) -> str:
 
 
 # Masked keys must add exactly 0 to the output even where their value rows hold NaN or inf, but
-# tl.dot gives 0 * NaN = NaN. Partial blocks check each value tile; one with a non-finite entry
+# tl.dot gives 0 * NaN = NaN. The launcher compiles this guard in (GUARD_NONFINITE_VALUES) only for
+# calls whose values hold NaN or inf: its never-taken branch alone, with three more dots per partial
+# tile, made the sm_90 compile spill ~11 KB and run ~20x the instructions per partial tile.
+# Partial blocks then check each value tile; one with a non-finite entry
 # (rare: padding) is multiplied without those entries, and this helper adds what the keys each
 # row allows make of them. p >= 0, so counts of NaN, +inf and -inf per output element decide it.
 _NONFINITE_VALUES = '''\
@@ -314,6 +317,7 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
         params.append(", ".join(buffers) + ",")
     params += [
         "IS_FULL_BLOCKS: tl.constexpr, CHECK_KV: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,",
+        "GUARD_NONFINITE_VALUES: tl.constexpr,",
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,",
         "V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
@@ -396,7 +400,8 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
         "    else:",
         f"        v = {v_plain}",
         "    acc = acc * alpha[:, None]",
-        *(["    if not IS_FULL_BLOCKS:", *_value_guard_lines(spec, "        ")] if masked else []),
+        *(["    if not IS_FULL_BLOCKS:", "        if GUARD_NONFINITE_VALUES:", *_value_guard_lines(spec, "            ")]
+          if masked else []),
         f"    acc = {_dot(p_operand, 'v', spec, 'acc')}",
         "    return acc, l_i, m_new",
     ]
@@ -414,7 +419,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
         params.append(", ".join(buffers) + ",")
     params += [
         "IS_FULL_BLOCKS: tl.constexpr, KV_LEN_DIVISIBLE: tl.constexpr,",
-        "ROWS_GUARANTEED_SAFE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr,",
+        "ROWS_GUARANTEED_SAFE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, GUARD_NONFINITE_VALUES: tl.constexpr,",
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
@@ -422,7 +427,8 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
                  "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,"]
     if buffers:
         tile_args.append(", ".join(buffers) + ",")
-    tail = ["ROWS_GUARANTEED_SAFE=ROWS_GUARANTEED_SAFE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,",
+    tail = ["ROWS_GUARANTEED_SAFE=ROWS_GUARANTEED_SAFE, GUARD_NONFINITE_VALUES=GUARD_NONFINITE_VALUES,",
+            "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,",
             "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"]
 
     def tile(check: str, indent: str) -> list[str]:
@@ -486,7 +492,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
-        "ROWS_GUARANTEED_SAFE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr,",
+        "ROWS_GUARANTEED_SAFE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, GUARD_NONFINITE_VALUES: tl.constexpr,",
         "Q_LEN_DIVISIBLE: tl.constexpr, KV_LEN_DIVISIBLE: tl.constexpr, INT64_OFFSETS: tl.constexpr,",
     ]
     buffer_strides = [b for b in buffers if "_stride_" in b]
@@ -504,6 +510,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     out_value = "out.to(out_ptr.dtype.element_ty)"
     o_plain = f"tl.store({o_ptrs}, {out_value}" + (", mask=offs_dv[None, :] < V_HEAD_DIM)" if dv_pad else ")")
     tail = ["ROWS_GUARANTEED_SAFE=ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS=BLOCKS_ARE_CONTIGUOUS,",
+            "GUARD_NONFINITE_VALUES=GUARD_NONFINITE_VALUES,",
             "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
             "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"]
 
