@@ -18,6 +18,7 @@ from ..codegen.scalars import lift_scalars
 from ..tiles import cdiv, transpose_ordered
 from ..trace import TracedMod
 from . import triton_backend as fwd
+from .nonfinite import all_finite
 
 _OPTIONS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
 RCP_LN2 = 1.4426950408889634
@@ -170,6 +171,10 @@ def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, l
                      Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
                      # lengths that are multiples of every tile need no bounds checks (a second variant)
                      DIVISIBLE=L % max(spec.block_m1, spec.block_m2) == 0 and S % max(spec.block_n1, spec.block_n2) == 0,
+                     # zeroing masked NaN/inf q and k entries: compiled in only where it can matter
+                     # (CPU calls with such entries; on CUDA as torch's kernels, see _guards_nonfinite_values)
+                     GUARD_NONFINITE_INPUTS=(spec.mask_mod is not None and device.type == "cpu"
+                                             and not all_finite(query, key)),
                      HEAD_DIM=E,
                      HEAD_DIM_PAD=fwd.padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=fwd.padded_head_dim(Ev))
     return args, constants
