@@ -175,30 +175,27 @@ def _block_size(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
-def _positive(flag: str) -> Callable[[str], int]:
-    """An argparse type: an int >= 1 (a head dim or a length), named after its flag in errors."""
+def _int_at_least(flag: str, lowest: int, wording: str) -> Callable[[str], int]:
+    """An argparse type: an int >= ``lowest``, named after its flag in errors."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
+            raise argparse.ArgumentTypeError(f"{flag} takes {wording}, got {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {lowest}, got {value}")
         return value
     return parse
+
+
+def _positive(flag: str) -> Callable[[str], int]:
+    """An argparse type: an int >= 1 (a head dim or a length)."""
+    return _int_at_least(flag, 1, "a positive integer")
 
 
 def _non_negative(flag: str) -> Callable[[str], int]:
     """An argparse type: an int >= 0 (a batch or head index)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes an integer >= 0, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {value}")
-        return value
-    return parse
+    return _int_at_least(flag, 0, "an integer >= 0")
 
 
 def _option(text: str) -> tuple[str, int]:
