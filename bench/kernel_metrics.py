@@ -3,6 +3,7 @@
     python bench/kernel_metrics.py                    # the five mods at D=64 and D=128, bf16, sm_90
     python bench/kernel_metrics.py --cases causal --head-dims 128 --show-torch-source
     python bench/kernel_metrics.py --backward         # the backward kernels beside torch's backward template
+    python bench/kernel_metrics.py --decode           # the decode kernel, its NaN/inf value guard off and on
 
 Each kernel is compiled for ``GPUTarget("cuda", 90, 32)`` on the CPU (Triton's front end, LLVM and
 the ptxas bundled with Triton) with its arguments specialised as Triton's launcher specialises a
@@ -397,6 +398,46 @@ def main_backward(args) -> int:
     return 0
 
 
+# ---- the decode kernel ------------------------------------------------------------------------
+
+DECODE_HEADS, DECODE_KV_HEADS = 32, 8  # GQA 4: four packed query heads per tile
+
+
+def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_values: bool):
+    """The split-KV decode kernel for one query row per head against an L-key cache, as a CUDA
+    launch compiles it (``guard_values``: the CPU-only NaN/inf value guard compiled in)."""
+    from flexc.backends import triton_decode
+
+    q = torch.empty((BATCH, DECODE_HEADS, 1, head_dim), dtype=dtype)
+    k = torch.empty((BATCH, DECODE_KV_HEADS, L, head_dim), dtype=dtype)
+    block_mask = flexc.create_block_mask(mask_mod, 1, 1, 1, L, device="cpu") if mask_mod is not None else None
+    spec = triton_decode.make_spec(triton_backend.lift_scalars(flexc.trace(score_mod)) if score_mod else None,
+                                   triton_backend.lift_scalars(flexc.trace(mask_mod)) if mask_mod else None,
+                                   q, k, k, block_mask, target="cuda")
+    return spec, triton_decode.compile_decode_offline(spec, q, k, k, block_mask, CAPABILITY,
+                                                      guard_values=guard_values)
+
+
+def main_decode(args) -> int:
+    """The decode table: each case's decode kernel as CUDA runs it (guard off) and with the guard in."""
+    dtype, L = torch.bfloat16, args.length
+    cases = make_cases(L, DECODE_HEADS)
+    names = args.cases or list(cases)
+    print(f"decode, sm_{CAPABILITY}, bf16, B={BATCH}, Hq={DECODE_HEADS}, Hkv={DECODE_KV_HEADS}, 1 query row, "
+          f"S={L}; per kernel: registers, spill stores/loads (B), shared memory, SASS instructions per loop "
+          f"iteration (partial loop, full loop)")
+    print(f"{'case':<20} {'D':>3} {'guard off (CUDA launches)':<40} {'guard on (CPU calls with NaN/inf values)':<40}")
+    spilling = 0
+    for head_dim in args.head_dims:
+        for name in names:
+            case = cases[name]
+            reports = [measure(compile_flexc_decode(case[0], case[1], dtype, head_dim, L, on)[1]) for on in (False, True)]
+            spilling += bool(reports[0]["spill_stores"] or reports[0]["spill_loads"])
+            print(f"{name:<20} {head_dim:>3} {_row(reports[0]):<40} {_row(reports[1]):<40}", flush=True)
+    print(f"decode kernel metrics: spilling kernels with the guard off {spilling}")
+    return 0
+
+
 # ---- the table ----------------------------------------------------------------------------
 
 def _loops(report) -> str:
@@ -417,9 +458,12 @@ def main(argv=None) -> int:
     parser.add_argument("--show-flexc-source", action="store_true")
     parser.add_argument("--backward", action="store_true", help="the backward kernels (default cases: "
                         + ", ".join(BACKWARD_CASES) + ")")
+    parser.add_argument("--decode", action="store_true", help="the split-KV decode kernel, value guard off and on")
     args = parser.parse_args(argv)
     if args.backward:
         return main_backward(args)
+    if args.decode:
+        return main_decode(args)
     dtype, L, H = torch.bfloat16, args.length, HEADS
     cases = make_cases(L, H)
     names = args.cases or list(cases)

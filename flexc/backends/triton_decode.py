@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..codegen.decode import DecodeSpec, generate_decode
+from ..codegen.decode import DecodeSpec, GeneratedDecode, generate_decode
 from ..codegen.forward import next_power_of_2
 from ..tiles import cdiv
 from ..trace import TracedMod
@@ -35,10 +35,11 @@ def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
 
 
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, block_mask: Any) -> DecodeSpec:
+              value: torch.Tensor, block_mask: Any, target: str | None = None) -> DecodeSpec:
+    """The decode kernel's spec for these tensors (``target``: their device's, unless given)."""
     B, Hq, L, E = query.shape
     G = Hq // key.shape[1]
-    target = tb._target(query.device)
+    target = target or tb._target(query.device)
     if block_mask is None:
         kv_block, has_full = 128, True
         mask_mod = None
@@ -91,11 +92,11 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, Hq: int, L: i
     return out.reshape(B, Hq, L, Ev).to(dtype), lse.reshape(B, Hq, L)
 
 
-def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-           num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the decode kernel and merge its splits: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
-    (float64 for float64 inputs)."""
+def _arguments(spec: DecodeSpec, generated: GeneratedDecode, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
+               scale: float, num_splits: int | None = None, guard_values: bool | None = None):
+    """The kernel's positional and constexpr arguments for one call, and the per-split outputs
+    ``(out_split, lse_split)`` it writes. ``guard_values`` defaults to the launcher's choice."""
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
@@ -104,7 +105,6 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     out_split = torch.empty(B, Hkv, splits, spec.block_m, Ev, dtype=work, device=device)
     lse_split = torch.empty(B, Hkv, splits, spec.block_m, dtype=work, device=device)
-    generated, fn = _kernel(spec)
     Bm, Hm, nQ = tables[0].shape
     stride_kb = key.stride(0) if Bkv == B else 0
     stride_vb = value.stride(0) if Bkv == B else 0
@@ -113,10 +113,46 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     args = [query, key, value, out_split, lse_split, *tables, *buffers,
             float(scale), L, S, Hq // Hkv, Hkv, splits, *query.stride(), stride_kb, *key.stride()[1:],
             stride_vb, *value.stride()[1:], Bm, Hm, nQ, tables[1].shape[-1]]
+    if guard_values is None:
+        guard_values = tb._guards_nonfinite_values(spec, value)
     constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, KV_BLOCK_SIZE=spec.kv_block_size,
                      HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=tb.padded_head_dim(spec.head_dim),
-                     V_HEAD_DIM=spec.v_head_dim, V_HEAD_DIM_PAD=tb.padded_head_dim(spec.v_head_dim))
-    grid = (splits, Hkv, B)
+                     V_HEAD_DIM=spec.v_head_dim, V_HEAD_DIM_PAD=tb.padded_head_dim(spec.v_head_dim),
+                     GUARD_NONFINITE_VALUES=guard_values)
+    return args, constants, (out_split, lse_split)
+
+
+def compile_decode_offline(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           block_mask: Any, capability: int = 90, warp_size: int = 32, num_splits: int = 8,
+                           guard_values: bool = False) -> Any:
+    """Compile the CUDA decode kernel for ``spec`` without a GPU, specialised like a real launch.
+
+    ``query``/``key``/``value`` are CPU stand-ins of the launch's shapes (only shapes, dtypes and
+    alignment matter); ``guard_values`` compiles the NaN/inf value guard in (CUDA launches never do).
+    Returns Triton's compiled kernel, as :func:`flexc.backends.triton_backend.compile_offline`.
+    """
+    if spec.target != "cuda":
+        raise ValueError(f"compile_decode_offline: spec.target must be 'cuda', got {spec.target!r}. "
+                         f"Fix: build the spec for CUDA tensors (make_spec(..., target='cuda')).")
+    generated = generate_decode(spec)
+    module, _ = tb.import_source(generated.source, "cuda")
+    args, constants, _ = _arguments(spec, generated, query, key, value, spec.score_mod, spec.mask_mod, block_mask,
+                                    query.shape[-1] ** -0.5, num_splits, guard_values)
+    return tb.compile_like_launcher(getattr(module, generated.kernel_name), args, constants, spec.num_warps,
+                                    spec.num_stages, capability, warp_size)
+
+
+def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+           num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the decode kernel and merge its splits: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
+    (float64 for float64 inputs)."""
+    B, Hq, L, _ = query.shape
+    Hkv = value.shape[1]
+    generated, fn = _kernel(spec)
+    args, constants, (out_split, lse_split) = _arguments(spec, generated, query, key, value, score_mod, mask_mod,
+                                                         block_mask, scale, num_splits)
+    grid = (out_split.shape[2], Hkv, B)
     if spec.target == "interpreter":
         with tb._interpreter_lock:
             fn[grid](*args, **constants)

@@ -131,7 +131,9 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     _stems(spec.mask_mod, taken, "mask")
     d_score = gathers = None
     if derivative is not None:
-        d_score = render_mod(derivative.as_mod(derivative.d_score, "score_grad"), "score_grad", score_stems)
+        # derivatives read the score_mod's captured numbers: the same kernel arguments (score_mod_<name>)
+        d_score = render_mod(derivative.as_mod(derivative.d_score, "score_grad"), "score_grad", score_stems,
+                             scalar_prefix="score_mod")
         n = len(spec.score_mod.buffers)
         gathers = []
         for j, g in enumerate(derivative.gathers):
@@ -145,8 +147,9 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
             names = spec.score_mod.buffer_names + tuple(f"{name}_grad" for name in spec.score_mod.buffer_names)
             target = dataclasses.replace(spec.score_mod, root=ir.load(grad_buf, g.indices), buffer_names=names,
                                          name=f"gather{j}_address")
-            address = render_mod(target, f"gather{j}_address", stems, address=True)
-            grad = render_mod(derivative.as_mod(g.grad, f"gather{j}_grad"), f"gather{j}_grad", score_stems)
+            address = render_mod(target, f"gather{j}_address", stems, address=True, scalar_prefix="score_mod")
+            grad = render_mod(derivative.as_mod(g.grad, f"gather{j}_grad"), f"gather{j}_grad", score_stems,
+                              scalar_prefix="score_mod")
             what = ir.format_expr(g.load, spec.score_mod.buffer_names)
             gathers.append(_GatherCode(grad, address, what))
     else:

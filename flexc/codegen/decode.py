@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..trace import TracedMod
-from .forward import (LN2, RCP_LN2, _TL, _buffer_args, _describe, _dot, _mask_lines, _render, _row_max, _row_sum,
-                      _score_lines, padded_head_dim)
+from .forward import (LN2, RCP_LN2, _NONFINITE_VALUES, _TL, _buffer_args, _describe, _dot, _mask_lines, _render,
+                      _row_max, _row_sum, _score_lines, _value_guard_lines, padded_head_dim)
 from .printer import HELPERS, BufferParam
 
 KERNEL_NAME = "flex_decode_split"
@@ -103,6 +103,8 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     for r in (score, mask):
         if r is not None:
             lines += [r.source, ""]
+    if mask is not None:
+        lines += [_NONFINITE_VALUES, ""]
     lines += _attend_range(spec, score, mask, widen)
     lines += ["", ""]
     lines += _kernel(spec, score, mask, widen, acc_dtype)
@@ -123,7 +125,7 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_index_ptr, first, last, scale, KV_LEN,",
         *([", ".join(buffers) + ","] if buffers else []),
-        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,",
+        "IS_FULL_BLOCKS: tl.constexpr, GUARD_NONFINITE_VALUES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,",
         "KV_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,",
         "V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
     ]
@@ -162,7 +164,16 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
         "        p = tl.exp2(qk - m_safe[:, None])",
         f"        l_i = l_i * alpha + {_row_sum(spec, 'p')}",
         f"        v = tl.load(value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen_t}",
-        f"        acc = {_dot(p_operand, 'v', spec, 'acc * alpha[:, None]')}",
+    ]
+    if masked:  # the guard adds to the rescaled acc, so it must come between the rescale and the dot
+        body += ["        acc = acc * alpha[:, None]",
+                 "        if not IS_FULL_BLOCKS:",
+                 "            if GUARD_NONFINITE_VALUES:  # compiled in only for CPU calls whose values hold NaN/inf",
+                 *_value_guard_lines(spec, "                "),
+                 f"        acc = {_dot(p_operand, 'v', spec, 'acc')}"]
+    else:
+        body.append(f"        acc = {_dot(p_operand, 'v', spec, 'acc * alpha[:, None]')}")
+    body += [
         "        m_i = m_new",
         "    return acc, l_i, m_i",
     ]
@@ -185,6 +196,7 @@ def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
         "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+        "GUARD_NONFINITE_VALUES: tl.constexpr,",
     ]
     unspecialised = ["Q_LEN", "KV_LEN", "NUM_SPLITS"] + [b for b in buffers if not b.endswith("_ptr")]
 
@@ -194,7 +206,8 @@ def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, {first}, {last}, scale, KV_LEN,",
             *([", ".join(buffers) + ","] if buffers else []),
-            f"IS_FULL_BLOCKS={full}, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
+            f"IS_FULL_BLOCKS={full}, GUARD_NONFINITE_VALUES=GUARD_NONFINITE_VALUES,",
+            "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
             "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,",
         ]
         return ["    acc, l_i, m_i = attend_range(", *("        " + a for a in args), "    )"]
