@@ -25,6 +25,8 @@ MAX_PACKED = 128  # GQA group x query rows in one tile
 def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
     """True when the decode kernel serves this call (short queries, packed heads share a mask row)."""
     B, Hq, L, _ = query.shape
+    if key.shape[1] == 0:  # no heads: the forward kernel's launcher returns the empty output
+        return False
     G = Hq // key.shape[1]
     if not 0 < L <= MAX_ROWS or G * L > MAX_PACKED or key.shape[2] == 0:
         return False
