@@ -347,3 +347,18 @@ def test_empty_heads_batch_or_cache_on_the_decode_paths(backend, shape):
     assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
     out.sum().backward()
     assert q.grad.shape == q.shape and torch.all(q.grad == 0)
+
+
+@pytest.mark.parametrize("kv_block", [48, 80])
+def test_triton_decode_key_blocks_that_are_not_powers_of_two(kv_block):
+    """A key block of 48 or 80 runs as 16-key tiles (the interpreter once took the whole block as one
+    tile and failed: tl.arange needs a power of two)."""
+    g = torch.Generator().manual_seed(kv_block)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((2, 4, 3, 16), (2, 2, 200, 16), (2, 2, 200, 16)))
+    mask_mod = at_offset(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 130), 150)
+    bm = flexc.create_block_mask(mask_mod, None, None, 3, 200, BLOCK_SIZE=(16, kv_block))
+    assert triton_decode.applies(q, k, bm)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True,
+                                    kernel_options={"BACKEND": "TRITON"})
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"TRITON, key blocks of {kv_block}")
