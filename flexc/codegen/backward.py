@@ -124,7 +124,7 @@ def _call(r: RenderedMod, args: str) -> str:
 
 def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     """The Triton source of the backward kernel described by ``spec``."""
-    score, mask = _render(spec)  # the forward's mod functions, parameter names and all
+    score, mask = _render(spec, spec.target)  # the forward's mod functions, parameter names and all
     widen = "float64" if spec.dtype == torch.float64 else None
     derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()
@@ -134,7 +134,7 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     if derivative is not None:
         # derivatives read the score_mod's captured numbers: the same kernel arguments (score_mod_<name>)
         d_score = render_mod(derivative.as_mod(derivative.d_score, "score_grad"), "score_grad", score_stems,
-                             scalar_prefix="score_mod")
+                             target=spec.target, scalar_prefix="score_mod")
         n = len(spec.score_mod.buffers)
         gathers = []
         for j, g in enumerate(derivative.gathers):
@@ -150,7 +150,7 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
                                          name=f"gather{j}_address")
             address = render_mod(target, f"gather{j}_address", stems, address=True, scalar_prefix="score_mod")
             grad = render_mod(derivative.as_mod(g.grad, f"gather{j}_grad"), f"gather{j}_grad", score_stems,
-                              scalar_prefix="score_mod")
+                              target=spec.target, scalar_prefix="score_mod")
             what = ir.format_expr(g.load, spec.score_mod.buffer_names)
             gathers.append(_GatherCode(grad, address, what))
     else:

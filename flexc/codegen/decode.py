@@ -73,7 +73,7 @@ class GeneratedDecode:
 
 def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     """The Triton source of the split-KV decode kernel described by ``spec``."""
-    score, mask = _render(spec)
+    score, mask = _render(spec, spec.target)
     E, Ev = spec.head_dim, spec.v_head_dim
     widen = spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
     acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
