@@ -320,14 +320,14 @@ def check_against_torch(c, q, k, v, score_mod, mask_mod, out, lse):
     assert_matches(out, lse, t_out, t_lse.to(lse.dtype), c["dtype"], "flexc vs torch")
 
 
-@fuzz(60)
+@fuzz(40)
 @given(decode_cases())
 def test_cpu_decode_path_matches_dense_and_torch(case):
     result = run_case(case, "TORCH")
     check_against_torch(case, *result)
 
 
-@fuzz(6)
+@fuzz(5)
 @given(decode_cases(triton=True))
 def test_triton_decode_kernel_matches_dense(case):
     run_case(case, "TRITON")
