@@ -362,3 +362,17 @@ def test_triton_decode_key_blocks_that_are_not_powers_of_two(kv_block):
                                     kernel_options={"BACKEND": "TRITON"})
     ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"TRITON, key blocks of {kv_block}")
+
+
+@pytest.mark.parametrize("L", [16, 17])
+def test_float64_logsumexp_just_below_and_above_the_decode_rows(L):
+    """A float64 call's logsumexp is float64-exact on the TRITON backend whichever kernel runs (the
+    forward kernel once wrote it in fp32 for calls without gradients: errors of 2e-7)."""
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((1, 2, L, 16), (1, 2, 64, 16),
+                                                                                    (1, 2, 64, 16)))
+    out, lse = flexc.flex_attention(q, k, v, scale=0.3, return_lse=True, kernel_options={"BACKEND": "TRITON"})
+    ref_out, ref_lse, _ = dense_attention(q, k, v, scale=0.3)
+    assert lse.dtype == torch.float64
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
