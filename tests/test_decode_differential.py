@@ -376,3 +376,90 @@ def test_float64_logsumexp_just_below_and_above_the_decode_rows(L):
     assert lse.dtype == torch.float64
     torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
+
+
+# ---- paged KV caches (torch's PagedAttention) -------------------------------------------------
+
+@st.composite
+def paged_cases(draw, triton: bool = False):
+    B = draw(st.integers(1, 3))
+    L = draw(st.integers(1, 3))
+    return dict(
+        B=B, Hkv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 4])), L=L,
+        page=draw(st.sampled_from([16, 32])),
+        lengths=draw(st.lists(st.integers(L, 100 if triton else 150), min_size=B, max_size=B)),
+        spare_pages=draw(st.integers(0, 2)),
+        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+        mask=draw(st.sampled_from([None, *MASK_NAMES])),
+        score=draw(st.one_of(st.none(), st.sampled_from(SCORE_NAMES))),
+        order_seed=draw(st.integers(0, 2 ** 16)),
+        seed=draw(st.integers(0, 2 ** 16)),
+    )
+
+
+def run_paged_case(c, backend):
+    """Continuous batching on a paged cache: each sequence's last L tokens attend to its own
+    ``length`` cached keys, scattered over pages that the sequences reserved in turns; the cache
+    slots no sequence owns hold NaN. Compared with attention over each sequence's logical cache."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    B, Hkv, L, page, dtype = c["B"], c["Hkv"], c["L"], c["page"], c["dtype"]
+    Hq, E = Hkv * c["G"], 16
+    lengths = torch.tensor(c["lengths"])
+    S = int(lengths.max())
+    n_pages = sum(-(-n // page) for n in c["lengths"]) + c["spare_pages"]
+    N = n_pages * page  # logical key positions the converted mods may compute lie in [-page, N)
+    masks, scores = catalogues(B, Hq, N)
+    positions = lengths - L  # the query rows are each sequence's last L tokens
+    inner = masks[c["mask"]] if c["mask"] is not None else None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        in_cache = kv_idx < lengths[b]
+        return in_cache if inner is None else in_cache & inner(b, h, q_idx + positions[b], kv_idx)
+
+    score_mod = None
+    if c["score"] is not None:
+        s_inner = scores[c["score"]]
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return s_inner(score, b, h, q_idx + positions[b], kv_idx)
+
+    g = torch.Generator().manual_seed(c["seed"])
+    q = torch.randn(B, Hq, L, E, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hkv, S, E, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, Hkv, S, E, generator=g, dtype=torch.float64).to(dtype)
+    paged = PagedAttention(n_pages, page, B, device="cpu")
+    order = torch.Generator().manual_seed(c["order_seed"])
+    for step in range(1, 4):  # reservations in turns interleave the sequences' pages
+        for b in torch.randperm(B, generator=order).tolist():
+            paged.reserve(torch.tensor(b), torch.tensor(min(int(lengths[b]), step * int(lengths[b]) // 3 + 1)))
+    k_cache = torch.full((1, Hkv, N, E), float("nan"), dtype=dtype)
+    v_cache = torch.full((1, Hkv, N, E), float("nan"), dtype=dtype)
+    for b, n in enumerate(c["lengths"]):
+        paged.assign(torch.tensor([b]), torch.arange(n).view(1, n), k[b:b + 1, :, :n], v[b:b + 1, :, :n], k_cache,
+                     v_cache)
+    H = Hq if _varies(mask_mod, B, Hq, L, S)[1] else None
+    logical = flexc.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=(16, page))
+    physical = paged.convert_logical_block_mask(logical)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    spy_target = (decode_cpu, "forward") if backend == "TORCH" else (triton_decode, "launch")
+    if backend == "TRITON" and not triton_decode.applies(q, k_cache, physical):
+        return
+    with mock.patch.object(*spy_target, wraps=getattr(*spy_target)) as spy:
+        out, lse = flexc.flex_attention(q, k_cache, v_cache, score_mod=paged.get_score_mod(score_mod),
+                                        block_mask=physical, enable_gqa=Hq != Hkv, return_lse=True,
+                                        kernel_options={"BACKEND": backend})
+    assert spy.call_count == 1, f"the {backend} decode path did not run"
+    assert_matches(out, lse, ref_out, ref_lse, dtype, f"{backend} on a paged cache")
+
+
+@fuzz(12)
+@given(paged_cases())
+def test_cpu_decode_path_on_a_paged_cache(case):
+    run_paged_case(case, "TORCH")
+
+
+@fuzz(3)
+@given(paged_cases(triton=True))
+def test_triton_decode_kernel_on_a_paged_cache(case):
+    run_paged_case(case, "TRITON")
