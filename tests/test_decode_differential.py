@@ -104,7 +104,7 @@ def decode_cases(draw, triton: bool = False):
         offset_kind=draw(st.sampled_from(["int", "int64", "int32"])),
         mask=draw(st.sampled_from([None, *MASK_NAMES])),
         score=draw(st.one_of(st.none(), st.sampled_from(SCORE_NAMES))),
-        scale=draw(st.sampled_from([None, None, 0.3])),
+        scale=draw(st.sampled_from([None, None, 0.3, -0.5])),
         ragged=draw(st.booleans()),
         lengths_seed=draw(st.integers(0, 2 ** 16)),
         mask_batch=draw(st.sampled_from(["B", "None", "None"])),
@@ -180,7 +180,8 @@ def build_block_mask(c, mask_mod, lib=flexc):
     H = c["Hq"] if c["mask_heads"] == "H" or varies_h else None
     block = (c["q_block"], c["kv_block"])
     kw = {"device": "cpu"} if lib is torch_flex else {}
-    sliceable = offset % block[0] + L <= block[0]  # the rows lie in one query block of the whole mask
+    # the rows lie in one query block of the whole mask, or start a block (a chunk of several rows)
+    sliceable = offset % block[0] + L <= block[0] or offset % block[0] == 0
     if lib is flexc and c["build"].startswith("sliced") and sliceable:
         # gpt-fast: a mask over the whole sequence, sliced to the query block of the current position
         N = max(S, offset + L)
@@ -189,8 +190,13 @@ def build_block_mask(c, mask_mod, lib=flexc):
         if c["ragged"]:
             whole_mod = with_cache_lengths(whole_mod if c["mask"] is not None else None, _lengths_of(mask_mod))
         whole = flexc.create_block_mask(whole_mod, B, H, N, S, BLOCK_SIZE=block)
-        row = offset // block[0]
-        sliced = whole[:, :, torch.tensor([row])] if c["build"] == "sliced_tensor_index" else whole[:, :, row]
+        row, end = offset // block[0], -(-(offset + L) // block[0])
+        if end - row > 1:
+            sliced = whole[:, :, row:end]
+        elif c["build"] == "sliced_tensor_index":
+            sliced = whole[:, :, torch.tensor([row])]
+        else:
+            sliced = whole[:, :, row]
         sliced.mask_mod, sliced.seq_lengths = mask_mod, (L, S)
         return sliced
     if lib is flexc and c["build"] == "torch":  # torch's BlockMask, handed to flexc as is
