@@ -239,9 +239,10 @@ def _finite_columns(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return all_finite(query) and all(all_finite(key[:, :, o:o + n], value[:, :, o:o + n]) for o, n, _ in masked)
 
 
-def _flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float):
+def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float):
     """``(out, lse)`` from one fused-kernel call: GQA query heads stacked as rows, the masked
-    columns' verdicts (a mask_mod reading only q_idx/kv_idx) as an additive mask."""
+    columns' verdicts (a mask_mod reading only q_idx/kv_idx) as an additive mask. With no masked
+    columns, any query length: unmasked attention is exactly this one call."""
     B, Hq, L, E = query.shape
     Hkv, n = k_sel.shape[1], k_sel.shape[2]
     G = Hq // Hkv
@@ -316,7 +317,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
             and (block_mask is None or spans is not None)
             and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
             and (not masked or _finite_columns(query, k_sel, v_sel, masked))):
-        out, lse = _flash(query, k_sel, v_sel, masked, scale)
+        out, lse = flash(query, k_sel, v_sel, masked, scale)
         return out, lse.to(lse_dtype), None
 
     # scores in log2 units unless a score_mod needs natural ones: [B, Hkv, G*L, n] read as [B, Hq, L, n]
