@@ -1,10 +1,11 @@
 """Kernel cache growth: captured numbers as kernel arguments, the LRU bound and cache_clear.
 
-Builds (generates, writes and imports; no launch) the interpreter forward kernel for N score_mods:
-first ``score / temperature`` for N captured temperatures (one kernel expected), then N mods whose
-constant is a literal written in the source (N structures: the LRU bound keeps at most
-``cache_limit`` kernels). Prints kernels compiled, cached, files in the cache directory and the
-process's resident memory after each phase and after ``cache_clear()``.
+Builds (generates, writes and imports; no launch) the interpreter forward and backward kernels for
+N score_mods: first ``score / temperature`` for N captured temperatures (one forward and one
+backward kernel expected: the backward's ``1 / temperature`` is computed from the argument too),
+then N mods whose constant is a literal written in the source (N structures: the LRU bound keeps
+at most ``cache_limit`` kernels). Prints kernels compiled, cached (forward/backward), files in the
+cache directory and the process's resident memory after each phase and after ``cache_clear()``.
 
     PYTHONPATH=$PWD python bench/kernel_cache.py --count 300
 """
@@ -33,18 +34,20 @@ def main() -> None:
     os.environ["FLEXC_CACHE_DIR"] = tempfile.mkdtemp(prefix="flexc-cache-bench-")
     import flexc
     from flexc.backends import triton_backend as tb
+    from flexc.backends import triton_backward as tbw
 
     def build(mod):
-        traced = flexc.trace(mod)
-        lifted = tb.lift_scalars(traced)
-        spec = tb.make_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter", False)
-        tb.get_kernel(spec)
+        lifted = tb.lift_scalars(flexc.trace(mod))
+        tb.get_kernel(tb.make_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter", False))
+        tb.get_kernel(tbw.make_backward_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter"))
 
     def report(phase: str) -> None:
         gc.collect()
         info = flexc.cache_info()
+        backward = sum(type(k.generated).__name__ == "GeneratedBackward" for k in tb._cache.values())
+        cached = f"{info.size:>4} ({info.size - backward} fwd, {backward} bwd)"
         files = len([f for f in os.listdir(tb.cache_dir()) if f.endswith(".py")])
-        print(f"{phase:<44} compiled {info.misses:>4}  cached {info.size:>4}  files {files:>4}  RSS {rss_mib():7.1f} MiB")
+        print(f"{phase:<44} compiled {info.misses:>4}  cached {cached:<20} files {files:>4}  RSS {rss_mib():7.1f} MiB")
 
     build(lambda score, b, h, q_idx, kv_idx: score * 0.5)  # warm-up: imports triton
     flexc.cache_clear()

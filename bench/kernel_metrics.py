@@ -3,6 +3,7 @@
     python bench/kernel_metrics.py                    # the five mods at D=64 and D=128, bf16, sm_90
     python bench/kernel_metrics.py --cases causal --head-dims 128 --show-torch-source
     python bench/kernel_metrics.py --backward         # the backward kernels beside torch's backward template
+    python bench/kernel_metrics.py --decode           # the decode kernel, its NaN/inf value guard off and on
 
 Each kernel is compiled for ``GPUTarget("cuda", 90, 32)`` on the CPU (Triton's front end, LLVM and
 the ptxas bundled with Triton) with its arguments specialised as Triton's launcher specialises a
@@ -173,33 +174,23 @@ def compile_flexc(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=
 
 # ---- torch's template ---------------------------------------------------------------------
 
-def render_torch_template(score_lines, mask_lines, n_buffers, dtype, head_dim, L: int, H: int, config) -> str:
-    """torch's flex_attention template rendered for one static-shape case, as Inductor would."""
+def _strides(shape) -> list[int]:
+    """Contiguous strides of ``shape``."""
+    return [int(torch.tensor(shape[d + 1:]).prod()) if d + 1 < len(shape) else 1 for d in range(len(shape))]
+
+
+def _render_template(templates, defines: dict, inputs: list, first_buffer: int, n_buffers: int, shapes: dict,
+                     kernel_name: str, modification, store_output, title: str) -> str:
+    """One of torch's FlexAttention Jinja templates (``templates``: file stems, in order) rendered as
+    Inductor renders it for static shapes: ``defines`` as constexprs, sizes and strides as literals,
+    captured tensors as ``in_ptr<first_buffer + i>``, the mods through ``modification``."""
     import jinja2
     import torch._inductor.kernel.flex as flex
 
-    block_m, block_n, _, _ = config
     folder = os.path.join(os.path.dirname(flex.__file__), "templates")
-    text = "\n".join(open(os.path.join(folder, f"{name}.py.jinja")).read()
-                     for name in ("flex_attention", "utilities", "common"))
-    defines = dict(PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, WRITE_DQ=True,
-                   OUTPUT_LOGSUMEXP=False, OUTPUT_MAX=False, FLOAT32_PRECISION="'ieee'",
-                   IS_DIVISIBLE=L % 128 == 0, SM_SCALE=head_dim ** -0.5, GQA_SHARED_HEADS=1, HAS_FULL_BLOCKS=True,
-                   QK_HEAD_DIM=head_dim, QK_HEAD_DIM_ROUNDED=head_dim, V_HEAD_DIM=head_dim,
-                   V_HEAD_DIM_ROUNDED=head_dim, SAFE_HEAD_DIM=True, USE_TMA=False, BLOCK_M=block_m,
-                   BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=128, SPARSE_KV_BLOCK_SIZE=128, INDEX_DTYPE="tl.int32")
-    inputs = ["Q", "K", "V", "LSE", "MAX", "KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX"]
-    argdefs = ", ".join([f"arg_{n}" for n in inputs] + [f"in_ptr{9 + i}" for i in range(n_buffers)] + ["out_ptr0"])
-    n_blocks = L // 128
-    shapes = {"Q": (BATCH, H, L, head_dim), "K": (BATCH, H, L, head_dim), "V": (BATCH, H, L, head_dim),
-              "KV_NUM_BLKS": (1, 1, n_blocks), "KV_IDX": (1, 1, n_blocks, n_blocks),
-              "FULL_KV_NUM_BLKS": (1, 1, n_blocks), "FULL_KV_IDX": (1, 1, n_blocks, n_blocks)}
-
-    def strides(name):
-        shape, out = shapes[name], []
-        for d in range(len(shape)):
-            out.append(int(torch.tensor(shape[d + 1:]).prod()) if d + 1 < len(shape) else 1)
-        return out
+    text = "\n".join(open(os.path.join(folder, f"{name}.py.jinja")).read() for name in templates)
+    argdefs = ", ".join([f"arg_{n}" for n in inputs] + [f"in_ptr{first_buffer + i}" for i in range(n_buffers)]
+                        + ["out_ptr0"])
 
     def gen_defines():
         return "\n".join(f"{k} : tl.constexpr = {v}" for k, v in defines.items())
@@ -207,7 +198,36 @@ def render_torch_template(score_lines, mask_lines, n_buffers, dtype, head_dim, L
     def def_kernel(*names):
         body = [f"    {k} : tl.constexpr = {v}" for k, v in defines.items()]
         body += [f"    {n} = arg_{n}" for n in names]
-        return "@triton.jit\ndef triton_tem_fused_0(" + argdefs + "):\n" + "\n".join(body)
+        return f"@triton.jit\ndef {kernel_name}(" + argdefs + "):\n" + "\n".join(body)
+
+    def indent_except_first(text, n):
+        return text.replace("\n", "\n" + "    " * n)
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters["indent_except_first"] = indent_except_first
+    source = env.from_string(text).render(
+        def_kernel=def_kernel, gen_argdefs=lambda: argdefs, gen_defines=gen_defines, modification=modification,
+        store_output=store_output, stride=lambda name, dim=None: ", ".join(map(str, _strides(shapes[name])))
+        if dim is None else str(_strides(shapes[name])[dim]), size=lambda name, dim: str(shapes[name][dim]), **defines)
+    header = (f"# {title} (installed torch), rendered by bench/kernel_metrics.py\n"
+              "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice\n\n")
+    return header + source
+
+
+def render_torch_template(score_lines, mask_lines, n_buffers, dtype, head_dim, L: int, H: int, config) -> str:
+    """torch's flex_attention template rendered for one static-shape case, as Inductor would."""
+    block_m, block_n, _, _ = config
+    defines = dict(PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, WRITE_DQ=True,
+                   OUTPUT_LOGSUMEXP=False, OUTPUT_MAX=False, FLOAT32_PRECISION="'ieee'",
+                   IS_DIVISIBLE=L % 128 == 0, SM_SCALE=head_dim ** -0.5, GQA_SHARED_HEADS=1, HAS_FULL_BLOCKS=True,
+                   QK_HEAD_DIM=head_dim, QK_HEAD_DIM_ROUNDED=head_dim, V_HEAD_DIM=head_dim,
+                   V_HEAD_DIM_ROUNDED=head_dim, SAFE_HEAD_DIM=True, USE_TMA=False, BLOCK_M=block_m,
+                   BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=128, SPARSE_KV_BLOCK_SIZE=128, INDEX_DTYPE="tl.int32")
+    inputs = ["Q", "K", "V", "LSE", "MAX", "KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX"]
+    n_blocks = L // 128
+    shapes = {"Q": (BATCH, H, L, head_dim), "K": (BATCH, H, L, head_dim), "V": (BATCH, H, L, head_dim),
+              "KV_NUM_BLKS": (1, 1, n_blocks), "KV_IDX": (1, 1, n_blocks, n_blocks),
+              "FULL_KV_NUM_BLKS": (1, 1, n_blocks), "FULL_KV_IDX": (1, 1, n_blocks, n_blocks)}
 
     def modification(subgraph_number, output_name, **kwargs):
         lines = score_lines if subgraph_number == 0 else mask_lines
@@ -215,23 +235,12 @@ def render_torch_template(score_lines, mask_lines, n_buffers, dtype, head_dim, L
 
     def store_output(indices, value, mask, val_shape=None):
         zq, hq, m, d = indices
-        s = strides("Q")
+        s = _strides(shapes["Q"])
         return (f"xindex = {d} + {s[2]}*{m} + {s[1]}*{hq} + {s[0]}*{zq}\n"
                 f"    tl.store(out_ptr0 + (tl.broadcast_to(xindex, {list(val_shape)})), {value}, {mask})".replace("'", ""))
 
-    def indent_except_first(text, n):
-        pad = "    " * n
-        return text.replace("\n", "\n" + pad)
-
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    env.filters["indent_except_first"] = indent_except_first
-    source = env.from_string(text).render(
-        def_kernel=def_kernel, gen_argdefs=lambda: argdefs, gen_defines=gen_defines, modification=modification,
-        store_output=store_output, stride=lambda name, dim=None: ", ".join(map(str, strides(name))) if dim is None
-        else str(strides(name)[dim]), size=lambda name, dim: str(shapes[name][dim]), **defines)
-    header = ("# torch's flex_attention template (installed torch), rendered by bench/kernel_metrics.py\n"
-              "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice\n\n")
-    return header + source
+    return _render_template(("flex_attention", "utilities", "common"), defines, inputs, 9, n_buffers, shapes,
+                            "triton_tem_fused_0", modification, store_output, "torch's flex_attention template")
 
 
 def compile_torch(case, dtype, head_dim, L: int, H: int):
@@ -270,13 +279,7 @@ def compile_flexc_backward(score_mod, mask_mod, dtype, head_dim, L: int, H: int,
 def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers, head_dim, L: int, H: int,
                                    config) -> str:
     """torch's flex_attention backward template rendered for one static-shape case, as Inductor would."""
-    import jinja2
-    import torch._inductor.kernel.flex as flex
-
     m1, n1, m2, n2, _, _ = config
-    folder = os.path.join(os.path.dirname(flex.__file__), "templates")
-    text = "\n".join(open(os.path.join(folder, f"{name}.py.jinja")).read()
-                     for name in ("flex_backwards", "utilities"))
     defines = dict(PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, WRITE_DQ=True,
                    OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False, FLOAT32_PRECISION="'ieee'",
                    IS_DIVISIBLE=L % 128 == 0, SM_SCALE=head_dim ** -0.5, GQA_SHARED_HEADS=1, HAS_FULL_BLOCKS=True,
@@ -286,7 +289,6 @@ def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers
                    INDEX_DTYPE="tl.int32")
     inputs = ["Q", "K", "V", "LSE", "DELTA", "DO", "DQ", "DV", "KV_NUM_BLKS", "KV_IDX", "Q_NUM_BLKS", "Q_IDX",
               "FULL_KV_NUM_BLKS", "FULL_KV_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX"]
-    argdefs = ", ".join([f"arg_{n}" for n in inputs] + [f"in_ptr{16 + i}" for i in range(n_buffers)] + ["out_ptr0"])
     n_blocks = L // 128
     qkv = (BATCH, H, L, head_dim)
     shapes = {"Q": qkv, "K": qkv, "V": qkv, "DO": qkv, "DQ": qkv, "DV": qkv, "LSE": (BATCH, H, L),
@@ -294,20 +296,6 @@ def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers
     for name in ("KV", "Q", "FULL_KV", "FULL_Q"):
         shapes[f"{name}_NUM_BLKS"] = (1, 1, n_blocks)
         shapes[f"{name}_IDX"] = (1, 1, n_blocks, n_blocks)
-
-    def strides(name):
-        shape, out = shapes[name], []
-        for d in range(len(shape)):
-            out.append(int(torch.tensor(shape[d + 1:]).prod()) if d + 1 < len(shape) else 1)
-        return out
-
-    def gen_defines():
-        return "\n".join(f"{k} : tl.constexpr = {v}" for k, v in defines.items())
-
-    def def_kernel(*names):
-        body = [f"    {k} : tl.constexpr = {v}" for k, v in defines.items()]
-        body += [f"    {n} = arg_{n}" for n in names]
-        return "@triton.jit\ndef triton_tem_fused_bwd_0(" + argdefs + "):\n" + "\n".join(body)
 
     def renumber(line: str) -> str:  # captured tensors follow the backward's 16 inputs (the forward's 9)
         return re.sub(r"in_ptr(\d+)", lambda m: f"in_ptr{int(m.group(1)) + 7}", line)
@@ -327,24 +315,15 @@ def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers
 
     def store_output(indices, value, mask, indent_width=4, val_shape=None):
         zq, hkv, n, k = indices
-        s = strides("K")
+        s = _strides(shapes["K"])
         pad = " " * indent_width
         return (f"xindex = {k} + {s[2]}*{n} + {s[1]}*{hkv} + {s[0]}*{zq}\n"
                 f"{pad}tl.store(out_ptr0 + (tl.broadcast_to(xindex, {list(val_shape)})), {value}, {mask})"
                 .replace("'", ""))
 
-    def indent_except_first(text, n):
-        return text.replace("\n", "\n" + "    " * n)
-
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    env.filters["indent_except_first"] = indent_except_first
-    source = env.from_string(text).render(
-        def_kernel=def_kernel, gen_argdefs=lambda: argdefs, gen_defines=gen_defines, modification=modification,
-        store_output=store_output, stride=lambda name, dim=None: ", ".join(map(str, strides(name))) if dim is None
-        else str(strides(name)[dim]), size=lambda name, dim: str(shapes[name][dim]), **defines)
-    header = ("# torch's flex_attention backward template (installed torch), rendered by bench/kernel_metrics.py\n"
-              "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice\n\n")
-    return header + source
+    return _render_template(("flex_backwards", "utilities"), defines, inputs, 16, n_buffers, shapes,
+                            "triton_tem_fused_bwd_0", modification, store_output,
+                            "torch's flex_attention backward template")
 
 
 def compile_torch_backward(case_name, case, dtype, head_dim, L: int, H: int):
@@ -397,6 +376,46 @@ def main_backward(args) -> int:
     return 0
 
 
+# ---- the decode kernel ------------------------------------------------------------------------
+
+DECODE_HEADS, DECODE_KV_HEADS = 32, 8  # GQA 4: four packed query heads per tile
+
+
+def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_values: bool):
+    """The split-KV decode kernel for one query row per head against an L-key cache, as a CUDA
+    launch compiles it (``guard_values``: the CPU-only NaN/inf value guard compiled in)."""
+    from flexc.backends import triton_decode
+
+    q = torch.empty((BATCH, DECODE_HEADS, 1, head_dim), dtype=dtype)
+    k = torch.empty((BATCH, DECODE_KV_HEADS, L, head_dim), dtype=dtype)
+    block_mask = flexc.create_block_mask(mask_mod, 1, 1, 1, L, device="cpu") if mask_mod is not None else None
+    spec = triton_decode.make_spec(triton_backend.lift_scalars(flexc.trace(score_mod)) if score_mod else None,
+                                   triton_backend.lift_scalars(flexc.trace(mask_mod)) if mask_mod else None,
+                                   q, k, k, block_mask, target="cuda")
+    return spec, triton_decode.compile_decode_offline(spec, q, k, k, block_mask, CAPABILITY,
+                                                      guard_values=guard_values)
+
+
+def main_decode(args) -> int:
+    """The decode table: each case's decode kernel as CUDA runs it (guard off) and with the guard in."""
+    dtype, L = torch.bfloat16, args.length
+    cases = make_cases(L, DECODE_HEADS)
+    names = args.cases or list(cases)
+    print(f"decode, sm_{CAPABILITY}, bf16, B={BATCH}, Hq={DECODE_HEADS}, Hkv={DECODE_KV_HEADS}, 1 query row, "
+          f"S={L}; per kernel: registers, spill stores/loads (B), shared memory, SASS instructions per loop "
+          f"iteration (partial loop, full loop)")
+    print(f"{'case':<20} {'D':>3} {'guard off (CUDA launches)':<40} {'guard on (CPU calls with NaN/inf values)':<40}")
+    spilling = 0
+    for head_dim in args.head_dims:
+        for name in names:
+            case = cases[name]
+            reports = [measure(compile_flexc_decode(case[0], case[1], dtype, head_dim, L, on)[1]) for on in (False, True)]
+            spilling += bool(reports[0]["spill_stores"] or reports[0]["spill_loads"])
+            print(f"{name:<20} {head_dim:>3} {_row(reports[0]):<40} {_row(reports[1]):<40}", flush=True)
+    print(f"decode kernel metrics: spilling kernels with the guard off {spilling}")
+    return 0
+
+
 # ---- the table ----------------------------------------------------------------------------
 
 def _loops(report) -> str:
@@ -417,9 +436,12 @@ def main(argv=None) -> int:
     parser.add_argument("--show-flexc-source", action="store_true")
     parser.add_argument("--backward", action="store_true", help="the backward kernels (default cases: "
                         + ", ".join(BACKWARD_CASES) + ")")
+    parser.add_argument("--decode", action="store_true", help="the split-KV decode kernel, value guard off and on")
     args = parser.parse_args(argv)
     if args.backward:
         return main_backward(args)
+    if args.decode:
+        return main_decode(args)
     dtype, L, H = torch.bfloat16, args.length, HEADS
     cases = make_cases(L, H)
     names = args.cases or list(cases)

@@ -298,9 +298,29 @@ def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
                                               {"bwd_num_stages": 1}, "cuda", (0, 1))
     fwd_spec = triton_backend.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
     inputs = triton_backend.offline_inputs(fwd_spec, 1, 4, 1000, 1000)
+    source = triton_backend.source_for(spec)  # on CUDA the mods and derivatives use libdevice, as the forward
+    assert "libdevice.tanh(score)" in source and "def tanh(" not in source
     compiled = triton_backward.compile_backward_offline(spec, inputs)
     assert 0 < compiled.metadata.shared <= 232448  # fits an H100's 227 KiB
     assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"]
+
+
+def test_offline_backward_compile_specialises_like_a_cuda_launch(monkeypatch):
+    # the stand-in tensors are uninitialised (here: NaN); a CUDA launch never compiles the CPU-only
+    # NaN/inf input guard in, so neither may the offline compile, whatever the stand-ins hold
+    from flexc.backends import triton_backend, triton_backward
+
+    seen = {}
+    monkeypatch.setattr(triton_backend, "compile_like_launcher",
+                        lambda fn, args, constants, *rest: seen.update(constants))
+    score_mod, mask_mod = flexc.trace(lambda s, b, h, q_idx, kv_idx: s * 0.5), flexc.trace(MASKS["causal"])
+    spec = triton_backward.make_backward_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda")
+    fwd_spec = triton_backend.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
+    inputs = triton_backend.offline_inputs(fwd_spec, 1, 2, 256, 256)
+    for t in inputs[:3]:
+        t.fill_(float("nan"))
+    triton_backward.compile_backward_offline(spec, inputs)
+    assert seen["GUARD_NONFINITE_INPUTS"] is False and seen["DIVISIBLE"] is True
 
 
 def test_non_finite_padding_keys_and_queries_do_not_reach_the_gradients():

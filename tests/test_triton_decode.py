@@ -142,3 +142,29 @@ def test_a_new_python_offset_reuses_the_kernel():
         if step == 0:
             compiled = flexc.cache_info().misses
     assert flexc.cache_info().misses == compiled
+
+
+def test_an_uninitialised_cache_tail_masked_out_does_not_reach_the_output():
+    """Keys and values past each sequence's length hold NaN and inf (an uninitialised cache); the
+    mask excludes them, so out and lse equal torch's eager FlexAttention on a cache whose tail is 0.
+    (0 * NaN is NaN in p @ v: the kernel's value guard, compiled in for such CPU calls, keeps them out.)"""
+    lengths = torch.tensor([100, 137])  # a partial block (96..127, 128..149) holds the tail's start
+
+    def in_cache(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    q, k, v = random_qkv(B, 4, 2, 2, S, E, seed=8)
+    tail = torch.arange(S).view(1, 1, S, 1) >= lengths.view(B, 1, 1, 1)
+    k_bad, v_bad = k.masked_fill(tail, float("nan")), v.masked_fill(tail, float("nan"))
+    v_bad[0, 1, 110, 3], v_bad[1, 0, 140, 0] = float("inf"), float("-inf")
+    k_ok, v_ok = k.masked_fill(tail, 0.0), v.masked_fill(tail, 0.0)
+    bm = flexc.create_block_mask(in_cache, B, None, 2, S, BLOCK_SIZE=BLOCK)
+    tbm = torch_flex.create_block_mask(in_cache, B, None, 2, S, device="cpu", BLOCK_SIZE=BLOCK)
+    for score_mod in (None, softcap):
+        out, lse = run(q, k_bad, v_bad, score_mod=score_mod, block_mask=bm)
+        t_out, t_lse = torch_flex.flex_attention(q, k_ok, v_ok, score_mod=score_mod, block_mask=tbm, enable_gqa=True,
+                                                 return_lse=True)
+        check(out, lse, t_out, t_lse)

@@ -44,6 +44,46 @@ def test_new_captured_numbers_reuse_one_kernel():
     assert "score * 0.5" in source and "9.0" not in source  # literals stay, captured values do not
 
 
+def softcap_mod(cap: float, temperature: float):
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap) / temperature
+
+    return softcap
+
+
+def _training_grads(q, k, v, mod, backend):
+    """Gradients of ``sum(out * w)`` for (q, k, v); "DENSE" is autograd through the float64 reference."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    if backend == "DENSE":
+        out, _, _ = dense_attention(q, k, v, score_mod=mod, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    else:
+        block_mask = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, L, S, BLOCK_SIZE=16)
+        out = flexc.flex_attention(q, k, v, score_mod=mod, block_mask=block_mask, kernel_options={"BACKEND": backend})
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    return torch.autograd.grad((out.double() * w).sum(), (q, k, v))
+
+
+def test_new_captured_numbers_train_with_one_backward_kernel():
+    # d/d score of cap * tanh(score / cap) / temperature is (1 - tanh(score / cap)**2) / temperature:
+    # the backward must compute it from the arguments, not from constants folded for one call
+    q, k, v = random_qkv(1, 1, 1, L, S, 16, dtype=torch.float64, seed=4)
+    triton_backend.cache_clear()
+    values = ((20.0, 1.0), (3.5, 0.7), (0.8, 2.5))
+    for cap, temperature in values:
+        mod = softcap_mod(cap, temperature)
+        mine = _training_grads(q, k, v, mod, "TRITON")
+        for backend in ("DENSE", "TORCH"):
+            for a, b in zip(mine, _training_grads(q, k, v, mod, backend)):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    kinds = sorted(type(kernel.generated).__name__ for kernel in triton_backend._cache.values())
+    assert kinds == ["GeneratedBackward", "GeneratedForward"]  # one of each for all three calls
+    assert flexc.cache_info().misses == 2
+    source = flexc.kernel_source(q, k, v, score_mod=softcap_mod(0.8, 2.5), backward=True)
+    assert "score_grad(score, b, h, q_idx, kv_idx, score_mod_cap, score_mod_temperature)" in source
+    for literal in ("0.8", "2.5", "0.4"):  # the values, and 1 / 2.5 folded
+        assert literal not in source
+
+
 def test_captured_numbers_in_mask_mods_are_arguments_too():
     q, k, v = random_qkv(1, 1, 1, L, S, 16, seed=1)
     triton_backend.cache_clear()

@@ -148,8 +148,9 @@ def _tables(block_mask: Any, spec: BackwardSpec, L: int, S: int, device: torch.d
 # ---- the launch ---------------------------------------------------------------------------
 
 def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, dq, dk, dv, tables,
-                   grads, score_mod, mask_mod, scale: float) -> tuple[list, dict]:
-    """The backward kernel's positional arguments and constexprs for one launch."""
+                   grads, score_mod, mask_mod, scale: float, guard_inputs: bool | None = None) -> tuple[list, dict]:
+    """The backward kernel's positional arguments and constexprs for one launch (``guard_inputs``:
+    compile the NaN/inf input guard in; by default the launcher's choice for these tensors)."""
     B, Hq, L, E = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
@@ -167,15 +168,15 @@ def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, l
               *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *grad_out.stride(),
               delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(), *dv.stride(), Bm, Hm, nQ, nKV]
     args = [query, key, value, grad_out, lse2, delta, dq, dk, dv] + tables + buffers + shapes
+    if guard_inputs is None:
+        # zeroing masked NaN/inf q and k entries: compiled in only where it can matter
+        # (CPU calls with such entries; on CUDA as torch's kernels, see _guards_nonfinite_values)
+        guard_inputs = spec.mask_mod is not None and device.type == "cpu" and not all_finite(query, key)
     constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
                      Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
                      # lengths that are multiples of every tile need no bounds checks (a second variant)
                      DIVISIBLE=L % max(spec.block_m1, spec.block_m2) == 0 and S % max(spec.block_n1, spec.block_n2) == 0,
-                     # zeroing masked NaN/inf q and k entries: compiled in only where it can matter
-                     # (CPU calls with such entries; on CUDA as torch's kernels, see _guards_nonfinite_values)
-                     GUARD_NONFINITE_INPUTS=(spec.mask_mod is not None and device.type == "cpu"
-                                             and not all_finite(query, key)),
-                     HEAD_DIM=E,
+                     GUARD_NONFINITE_INPUTS=guard_inputs, HEAD_DIM=E,
                      HEAD_DIM_PAD=fwd.padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=fwd.padded_head_dim(Ev))
     return args, constants
 
@@ -247,8 +248,10 @@ def compile_backward_offline(spec: BackwardSpec, inputs: tuple, capability: int 
     dq, dk, dv, _, grads = _outputs(spec, query, key, value, spec.score_mod)
     rows = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
     tables = _tables(block_mask, spec, query.shape[2], key.shape[2], query.device)
+    # the stand-in tensors are uninitialised: the guard is off, as in every CUDA launch
     args, constants = _backward_args(spec, generated, query, key, value, torch.empty_like(query), rows, rows, dq, dk,
-                                     dv, tables, grads, spec.score_mod, spec.mask_mod, query.shape[-1] ** -0.5)
+                                     dv, tables, grads, spec.score_mod, spec.mask_mod, query.shape[-1] ** -0.5,
+                                     guard_inputs=False)
     return fwd.compile_like_launcher(getattr(module, generated.kernel_name), args, constants, spec.num_warps,
                                      spec.num_stages, capability, warp_size)
 

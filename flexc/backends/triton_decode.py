@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..codegen.decode import DecodeSpec, generate_decode
+from ..codegen.decode import DecodeSpec, GeneratedDecode, generate_decode
 from ..codegen.forward import next_power_of_2
 from ..tiles import cdiv
 from ..trace import TracedMod
@@ -25,6 +25,8 @@ MAX_PACKED = 128  # GQA group x query rows in one tile
 def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
     """True when the decode kernel serves this call (short queries, packed heads share a mask row)."""
     B, Hq, L, _ = query.shape
+    if key.shape[1] == 0:  # no heads: the forward kernel's launcher returns the empty output
+        return False
     G = Hq // key.shape[1]
     if not 0 < L <= MAX_ROWS or G * L > MAX_PACKED or key.shape[2] == 0:
         return False
@@ -35,18 +37,21 @@ def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
 
 
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, block_mask: Any) -> DecodeSpec:
+              value: torch.Tensor, block_mask: Any, target: str | None = None) -> DecodeSpec:
+    """The decode kernel's spec for these tensors (``target``: their device's, unless given)."""
     B, Hq, L, E = query.shape
     G = Hq // key.shape[1]
-    target = tb._target(query.device)
+    target = target or tb._target(query.device)
     if block_mask is None:
         kv_block, has_full = 128, True
         mask_mod = None
     else:
         kv_block = tb._block_sizes(block_mask)[1]
         has_full = getattr(block_mask, "full_kv_num_blocks", None) is not None
-    # the interpreter pays per tile, so it takes whole key blocks; GPUs take 64-key tiles
-    block_n = tb._largest_pow2_divisor(kv_block, kv_block if target == "interpreter" else 64)
+    # the interpreter pays per tile, so it takes whole key blocks; GPUs take 64-key tiles. Tiles are
+    # powers of two (tl.arange): a 48-key block is three 16-key tiles, on either
+    largest = 1 << (kv_block.bit_length() - 1)
+    block_n = tb._largest_pow2_divisor(kv_block, largest if target == "interpreter" else 64)
     if block_n < 16:
         raise ValueError(f"flexc: the BlockMask's key block size {kv_block} must be a multiple of 16 for the "
                          f"Triton decode kernel. Fix: build the BlockMask with BLOCK_SIZE a multiple of 16 (e.g. 128).")
@@ -91,11 +96,11 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, Hq: int, L: i
     return out.reshape(B, Hq, L, Ev).to(dtype), lse.reshape(B, Hq, L)
 
 
-def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-           num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the decode kernel and merge its splits: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
-    (float64 for float64 inputs)."""
+def _arguments(spec: DecodeSpec, generated: GeneratedDecode, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
+               scale: float, num_splits: int | None = None, guard_values: bool | None = None):
+    """The kernel's positional and constexpr arguments for one call, and the per-split outputs
+    ``(out_split, lse_split)`` it writes. ``guard_values`` defaults to the launcher's choice."""
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
@@ -104,7 +109,6 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     out_split = torch.empty(B, Hkv, splits, spec.block_m, Ev, dtype=work, device=device)
     lse_split = torch.empty(B, Hkv, splits, spec.block_m, dtype=work, device=device)
-    generated, fn = _kernel(spec)
     Bm, Hm, nQ = tables[0].shape
     stride_kb = key.stride(0) if Bkv == B else 0
     stride_vb = value.stride(0) if Bkv == B else 0
@@ -113,10 +117,46 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     args = [query, key, value, out_split, lse_split, *tables, *buffers,
             float(scale), L, S, Hq // Hkv, Hkv, splits, *query.stride(), stride_kb, *key.stride()[1:],
             stride_vb, *value.stride()[1:], Bm, Hm, nQ, tables[1].shape[-1]]
+    if guard_values is None:
+        guard_values = tb._guards_nonfinite_values(spec, value)
     constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, KV_BLOCK_SIZE=spec.kv_block_size,
                      HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=tb.padded_head_dim(spec.head_dim),
-                     V_HEAD_DIM=spec.v_head_dim, V_HEAD_DIM_PAD=tb.padded_head_dim(spec.v_head_dim))
-    grid = (splits, Hkv, B)
+                     V_HEAD_DIM=spec.v_head_dim, V_HEAD_DIM_PAD=tb.padded_head_dim(spec.v_head_dim),
+                     GUARD_NONFINITE_VALUES=guard_values)
+    return args, constants, (out_split, lse_split)
+
+
+def compile_decode_offline(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           block_mask: Any, capability: int = 90, warp_size: int = 32, num_splits: int = 8,
+                           guard_values: bool = False) -> Any:
+    """Compile the CUDA decode kernel for ``spec`` without a GPU, specialised like a real launch.
+
+    ``query``/``key``/``value`` are CPU stand-ins of the launch's shapes (only shapes, dtypes and
+    alignment matter); ``guard_values`` compiles the NaN/inf value guard in (CUDA launches never do).
+    Returns Triton's compiled kernel, as :func:`flexc.backends.triton_backend.compile_offline`.
+    """
+    if spec.target != "cuda":
+        raise ValueError(f"compile_decode_offline: spec.target must be 'cuda', got {spec.target!r}. "
+                         f"Fix: build the spec for CUDA tensors (make_spec(..., target='cuda')).")
+    generated = generate_decode(spec)
+    module, _ = tb.import_source(generated.source, "cuda")
+    args, constants, _ = _arguments(spec, generated, query, key, value, spec.score_mod, spec.mask_mod, block_mask,
+                                    query.shape[-1] ** -0.5, num_splits, guard_values)
+    return tb.compile_like_launcher(getattr(module, generated.kernel_name), args, constants, spec.num_warps,
+                                    spec.num_stages, capability, warp_size)
+
+
+def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+           num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the decode kernel and merge its splits: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
+    (float64 for float64 inputs)."""
+    B, Hq, L, _ = query.shape
+    Hkv = value.shape[1]
+    generated, fn = _kernel(spec)
+    args, constants, (out_split, lse_split) = _arguments(spec, generated, query, key, value, score_mod, mask_mod,
+                                                         block_mask, scale, num_splits)
+    grid = (out_split.shape[2], Hkv, B)
     if spec.target == "interpreter":
         with tb._interpreter_lock:
             fn[grid](*args, **constants)

@@ -157,9 +157,10 @@ def _safe_name(name: str, slot: int) -> str:
 
 class _Printer:
     def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str], fn_name: str = "mod",
-                 target: str | None = None):
+                 target: str | None = None, scalar_prefix: str | None = None):
         self.traced = traced
         self.fn_name = fn_name
+        self.scalar_prefix = scalar_prefix or fn_name
         # "cuda": transcendental functions from libdevice (the interpreter has no libdevice); None or
         # "interpreter": portable helpers written with tl.exp
         self.target = target
@@ -218,9 +219,10 @@ class _Printer:
         return name
 
     def scalar_param(self, n: ir.Node) -> str:
-        # prefixed with the function name: unique in the kernel, and never a kernel local
+        # prefixed with the function name (or the mod it derives from): unique in the kernel, and
+        # never a kernel local
         index, _, name = n.attr
-        param = f"{self.fn_name}_{name}"
+        param = f"{self.scalar_prefix}_{name}"
         self.params.setdefault((index, "scalar", -1), BufferParam(param, index, "scalar"))
         return param
 
@@ -412,7 +414,8 @@ def _pow_repeats(n: ir.Node, literal: dict) -> int:
 
 
 def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None,
-               address: bool = False, *, target: str | None = None, index_dtype: str = "int32") -> RenderedMod:
+               address: bool = False, *, target: str | None = None, index_dtype: str = "int32",
+               scalar_prefix: str | None = None) -> RenderedMod:
     """Print ``traced`` as the Triton device function ``fn_name``.
 
     ``buffer_stems`` names each captured tensor's parameters (slot -> stem); by default the mod's
@@ -423,7 +426,9 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     ``target="cuda"`` uses libdevice/``tl.sigmoid`` for tanh, sigmoid and the other math helpers
     (the default prints portable helpers that Triton's interpreter runs too). ``index_dtype="int64"``
     widens the index arguments first, so integer arithmetic on them cannot wrap (torch computes it
-    in int64).
+    in int64). Captured numbers (``scalar`` nodes) become parameters ``<scalar_prefix>_<name>``,
+    ``fn_name`` by default; functions derived from one mod (its derivatives) pass that mod's
+    function name, so each captured number is one kernel argument however many functions read it.
     """
     if index_dtype not in ("int32", "int64"):
         raise ValueError(f"render_mod: index_dtype must be 'int32' or 'int64', got {index_dtype!r}. "
@@ -434,7 +439,7 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         traced = replace(traced, root=scalar_form(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
-    p = _Printer(traced, buffer_stems, fn_name, target)
+    p = _Printer(traced, buffer_stems, fn_name, target, scalar_prefix)
     nodes = list(traced.root.walk())
     p.fold_constants(nodes)
     p.infer_dtypes(nodes)
