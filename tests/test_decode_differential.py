@@ -48,7 +48,12 @@ def catalogues(B: int, H: int, N: int):
     return mask_catalogue(B, H, N, N), score_catalogue(B, H, N, N)
 
 
-MASK_NAMES = sorted(mask_catalogue(1, 1, 8, 8))
+# masks that ignore kv_idx (query padding, rows or batches switched off): one verdict per row
+KV_BLIND_MASKS = {
+    "query_rows_parity": lambda b, h, q_idx, kv_idx: q_idx % 3 != 1,
+    "batch_switched_off": lambda b, h, q_idx, kv_idx: (b != 1) & (q_idx >= 0),
+}
+MASK_NAMES = sorted(mask_catalogue(1, 1, 8, 8)) + sorted(KV_BLIND_MASKS)
 SCORE_NAMES = sorted(score_catalogue(1, 1, 8, 8))
 
 
@@ -109,7 +114,8 @@ def decode_cases(draw, triton: bool = False):
         lengths_seed=draw(st.integers(0, 2 ** 16)),
         mask_batch=draw(st.sampled_from(["B", "None", "None"])),
         mask_heads=draw(st.sampled_from(["H", "None", "None"])),
-        build=draw(st.sampled_from(["direct", "sliced", "sliced_tensor_index", "torch", "no_full_tables"])),
+        build=draw(st.sampled_from(["direct", "sliced", "sliced_tensor_index", "torch", "no_full_tables",
+                                    "reclassified"])),
         layout=draw(st.sampled_from(["contiguous", "bshd", "cache_slice", "expanded_kv", "strided_dim"])),
         nan_masked=draw(st.booleans()),
         max_scores=draw(st.booleans()),
@@ -154,6 +160,7 @@ def build_mods(c):
     B, Hq, L, S, offset = c["B"], c["Hq"], c["L"], c["S"], c["offset"]
     N = max(S, offset + L)
     masks, scores = catalogues(B, Hq, N)
+    masks = {**masks, **KV_BLIND_MASKS}
     if c["offset_kind"] == "int":
         shift = offset
     else:
@@ -186,6 +193,7 @@ def build_block_mask(c, mask_mod, lib=flexc):
         # gpt-fast: a mask over the whole sequence, sliced to the query block of the current position
         N = max(S, offset + L)
         masks, _ = catalogues(c["B"], c["Hq"], N)
+        masks = {**masks, **KV_BLIND_MASKS}
         whole_mod = masks[c["mask"]] if c["mask"] is not None else (lambda b, h, q_idx, kv_idx: q_idx >= 0)
         if c["ragged"]:
             whole_mod = with_cache_lengths(whole_mod if c["mask"] is not None else None, _lengths_of(mask_mod))
@@ -201,6 +209,8 @@ def build_block_mask(c, mask_mod, lib=flexc):
         return sliced
     if lib is flexc and c["build"] == "torch":  # torch's BlockMask, handed to flexc as is
         return torch_flex.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+    if lib is flexc and c["build"] == "reclassified":
+        return reclassified(flexc.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block), c["seed"])
     if lib is flexc and c["build"] == "no_full_tables":  # every listed block partial (from_kv_blocks)
         bm = flexc.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block)
         dense = bm.to_dense()
@@ -208,6 +218,25 @@ def build_block_mask(c, mask_mod, lib=flexc):
         indices = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
         return flexc.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(L, S))
     return lib.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block, **kw)
+
+
+def reclassified(bm, seed):
+    """The same mask with other tables (from_kv_blocks): some full blocks demoted to partial, some
+    empty blocks listed as partial (the mask_mod decides both exactly), entries in random order.
+    Rows then mix partial and full blocks in ways create_block_mask never produces."""
+    g = torch.Generator().manual_seed(seed)
+    classes = bm._tile_classes()  # 0 empty, 1 partial, 2 full
+    r = torch.rand(classes.shape, generator=g)
+    full = (classes == 2) & (r < 0.5)
+    partial = (classes == 1) | ((classes == 2) & ~full) | ((classes == 0) & (r < 0.3))
+
+    def ordered(dense):
+        perm = torch.randperm(dense.shape[-1], generator=g)
+        order = torch.argsort(dense[..., perm].to(torch.int8), dim=-1, descending=True, stable=True)
+        return dense.sum(-1, dtype=torch.int32), perm[order].to(torch.int32)
+
+    return flexc.BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=bm.BLOCK_SIZE,
+                                          mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths)
 
 
 def _varies(mask_mod, B, H, L, S):
@@ -469,3 +498,32 @@ def test_cpu_decode_path_on_a_paged_cache(case):
 @given(paged_cases(triton=True))
 def test_triton_decode_kernel_on_a_paged_cache(case):
     run_paged_case(case, "TRITON")
+
+
+def test_a_mask_mod_that_ignores_kv_idx_on_several_partial_spans():
+    """A one-row mask whose partial blocks (0 and 2) sit on either side of a full one, with a
+    mask_mod that reads only q_idx: its verdicts, one column wide, must mask both spans (the CPU
+    decode path once sliced the second span out of that one column, got nothing, and let row 1
+    attend to block 2: errors of 0.4)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((1, 2, 2, 16), (1, 2, 64, 16), (1, 2, 64, 16)))
+
+    def first_row_only(b, h, q_idx, kv_idx):
+        return q_idx < 1
+
+    table = torch.tensor([[[[0, 2, 1, 3]]]], dtype=torch.int32)
+    bm = flexc.BlockMask.from_kv_blocks(torch.tensor([[[2]]], dtype=torch.int32), table,
+                                        torch.tensor([[[1]]], dtype=torch.int32), table.roll(-2, -1),
+                                        BLOCK_SIZE=16, mask_mod=first_row_only, seq_lengths=(2, 64))
+
+    def meaning(b, h, q_idx, kv_idx):  # block 1 full, blocks 0 and 2 partial, block 3 not listed
+        block = kv_idx // 16
+        return (block == 1) | (((block == 0) | (block == 2)) & (q_idx < 1))
+
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=meaning)
+    for backend in ("TORCH", "TRITON"):
+        for score_mod in (None, lambda score, b, h, q_idx, kv_idx: score * 1.5):
+            ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=meaning)
+            out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True,
+                                            kernel_options={"BACKEND": backend})
+            assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"{backend}, q_idx-only mask_mod")

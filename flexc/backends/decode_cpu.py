@@ -208,6 +208,8 @@ def _blocked_spans(mask_mod: TracedMod, plan: _RowPlan, index: dict) -> list:
                                     for k in _reads(mask_mod)}).logical_not()
     if len(plan.spans) == 1:
         return [(*plan.spans[0], blocked)]
+    # a mask_mod that ignores kv_idx gives one verdict column: widen it before slicing out the spans
+    blocked = blocked.expand(*blocked.shape[:-1], plan.span_kv.shape[-1])
     return [(offset, length, blocked[..., offset:offset + length]) for offset, length in plan.spans]
 
 
