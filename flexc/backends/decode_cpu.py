@@ -146,18 +146,22 @@ def _plan_row(partial: list, full: list, kv_block: int, S: int, device: torch.de
     if not classes:
         return _NOTHING_LISTED
     blocks = sorted(classes)
-    spans: list[tuple[int, int]] = []
+    partial_blocks: list[tuple[int, int]] = []  # (offset, length) of each partial block
+    runs: list[tuple[int, int]] = []  # the same merged into runs of adjacent blocks
     offset = 0
     for block in blocks:
         length = min(kv_block, S - block * kv_block)
         if classes[block]:
-            if spans and spans[-1][0] + spans[-1][1] == offset:  # extends the previous run
-                spans[-1] = (spans[-1][0], spans[-1][1] + length)
+            partial_blocks.append((offset, length))
+            if runs and runs[-1][0] + runs[-1][1] == offset:  # extends the previous run
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
             else:
-                spans.append((offset, length))
+                runs.append((offset, length))
         offset += length
-    if len(spans) > _MAX_SPANS:
+    if len(runs) > _MAX_SPANS:
         return _TOO_MANY_SPANS
+    # block by block when few: each is then found entirely allowed or blocked for the rows on its own
+    spans = partial_blocks if len(partial_blocks) <= _MAX_SPANS else runs
     if blocks[-1] - blocks[0] + 1 == len(blocks):
         start = blocks[0] * kv_block
         positions = torch.arange(start, start + offset, device=device)
