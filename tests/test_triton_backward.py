@@ -323,6 +323,27 @@ def test_offline_backward_compile_specialises_like_a_cuda_launch(monkeypatch):
     assert seen["GUARD_NONFINITE_INPUTS"] is False and seen["DIVISIBLE"] is True
 
 
+def test_int64_index_arithmetic_variant_trains_like_the_reference(monkeypatch):
+    # lengths past 46340 make q_idx * kv_idx wrap int32, so the backward (as the forward) widens the
+    # mods' index arithmetic to int64 there; here the variant is forced at small lengths and checked
+    from flexc.backends import triton_backend, triton_backward
+
+    big = torch.empty(1, 1, 50000, E)
+    assert "q_idx = q_idx.to(tl.int64)" in triton_backward.backward_source(
+        big, big, flexc.trace(lambda s, b, h, q_idx, kv_idx: s + (q_idx * kv_idx) % 7), None, None, None)
+    monkeypatch.setattr(triton_backend, "_index_dtype", lambda *args: "int64")
+    table = torch.randn(L + S, dtype=torch.float64, requires_grad=True)
+
+    def wide(score, b, h, q_idx, kv_idx):
+        return score * ((q_idx * kv_idx) % 5 + 1) + table[q_idx - kv_idx + S]
+
+    q, k, v = _leaves(*random_qkv(B, HC, HC, L, S, E, dtype=torch.float64, seed=16))
+    _check(q, k, v, wide, MASKS["causal"], extra=(table,))
+    sources = [kernel.generated.source for kernel in triton_backend._cache.values()]
+    assert any("flex_attention_backward" in src and "q_idx = q_idx.to(tl.int64)" in src for src in sources)
+    triton_backend.cache_clear()  # the forced variant must not serve later tests
+
+
 def test_non_finite_padding_keys_and_queries_do_not_reach_the_gradients():
     # keys (and values) past 40 and queries past 50 hold NaN/inf padding that the mask excludes
     q, k, v = random_qkv(B, H, H, 64, 64, E, dtype=torch.float64, seed=15)

@@ -95,8 +95,10 @@ def resolve_backward_config(kernel_options: dict | None, dtype: torch.dtype, hea
 
 def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
                        v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None,
-                       target: str, grad_slots: Sequence[int] = (), has_full_blocks: bool = True) -> BackwardSpec:
-    """The :class:`BackwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask."""
+                       target: str, grad_slots: Sequence[int] = (), has_full_blocks: bool = True,
+                       index_dtype: str = "int32") -> BackwardSpec:
+    """The :class:`BackwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
+    ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`)."""
     if block_size is None:
         # no BlockMask: every block is full; blocks as large as the largest tile
         m1, n1, m2, n2, warps, stages = resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
@@ -107,7 +109,8 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
         m1, n1, m2, n2, warps, stages = resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
                                                                 q_block, kv_block, target)
     return BackwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, m1, n1, m2, n2,
-                        warps, stages, has_full_blocks, tuple(grad_slots), target, fwd._fp32_precision(target))
+                        warps, stages, has_full_blocks, tuple(grad_slots), target, fwd._fp32_precision(target),
+                        index_dtype)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
@@ -115,8 +118,11 @@ def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
     """The backward spec that a flex_attention call with these (validated) arguments runs."""
     block_size = fwd._block_sizes(block_mask) if block_mask is not None else None
     has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
-    return make_backward_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], block_size,
-                              kernel_options, fwd._target(query.device), grad_slots, has_full)
+    B, Hq, L, E = query.shape
+    # as the forward: int64 index arithmetic where int32 could wrap (torch computes in int64)
+    index_dtype = fwd._index_dtype((score_mod, mask_mod), B, Hq, L, value.shape[-2])
+    return make_backward_spec(score_mod, mask_mod, query.dtype, E, value.shape[-1], block_size,
+                              kernel_options, fwd._target(query.device), grad_slots, has_full, index_dtype)
 
 
 # ---- tables ---------------------------------------------------------------------------------

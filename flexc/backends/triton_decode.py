@@ -55,8 +55,11 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
     if block_n < 16:
         raise ValueError(f"flexc: the BlockMask's key block size {kv_block} must be a multiple of 16 for the "
                          f"Triton decode kernel. Fix: build the BlockMask with BLOCK_SIZE a multiple of 16 (e.g. 128).")
+    # as the forward: int64 index arithmetic where int32 could wrap (torch computes in int64)
+    index_dtype = tb._index_dtype((score_mod, mask_mod), B, Hq, L, value.shape[-2])
     return DecodeSpec(score_mod, mask_mod, query.dtype, E, value.shape[-1], kv_block,
-                      max(16, next_power_of_2(G * L)), block_n, 4, 2, has_full, target, tb._fp32_precision(target))
+                      max(16, next_power_of_2(G * L)), block_n, 4, 2, has_full, target, tb._fp32_precision(target),
+                      index_dtype)
 
 
 def _kernel(spec: DecodeSpec):

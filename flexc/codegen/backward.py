@@ -60,6 +60,8 @@ class BackwardSpec:
     grad_slots: tuple[int, ...] = ()
     target: str = "cuda"
     fp32_precision: str = "ieee"
+    # integer type of the mods' index arithmetic, as the forward's (flexc.codegen.index_width)
+    index_dtype: str = "int32"
 
     def key(self) -> tuple:
         """The kernel cache key: the mods' structure, never their captured values or lengths."""
@@ -69,7 +71,7 @@ class BackwardSpec:
             self.mask_mod.key if self.mask_mod is not None else None,
             self.dtype, self.head_dim, self.v_head_dim, self.q_block_size, self.kv_block_size,
             self.block_m1, self.block_n1, self.block_m2, self.block_n2, self.num_warps, self.num_stages,
-            self.has_full_blocks, self.grad_slots, self.target, self.fp32_precision,
+            self.has_full_blocks, self.grad_slots, self.target, self.fp32_precision, self.index_dtype,
         )
 
     def grad_dtype(self, slot: int) -> torch.dtype:
@@ -124,7 +126,9 @@ def _call(r: RenderedMod, args: str) -> str:
 
 def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     """The Triton source of the backward kernel described by ``spec``."""
-    score, mask = _render(spec, spec.target)  # the forward's mod functions, parameter names and all
+    score, mask = _render(spec, spec.target, spec.index_dtype)  # the forward's mod functions, parameter names and all
+    # the derivative functions and gradient addresses print like the mods (libdevice, index width)
+    style = dict(target=spec.target, index_dtype=spec.index_dtype)
     widen = "float64" if spec.dtype == torch.float64 else None
     derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()
@@ -134,7 +138,7 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     if derivative is not None:
         # derivatives read the score_mod's captured numbers: the same kernel arguments (score_mod_<name>)
         d_score = render_mod(derivative.as_mod(derivative.d_score, "score_grad"), "score_grad", score_stems,
-                             target=spec.target, scalar_prefix="score_mod")
+                             scalar_prefix="score_mod", **style)
         n = len(spec.score_mod.buffers)
         gathers = []
         for j, g in enumerate(derivative.gathers):
@@ -148,9 +152,10 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
             names = spec.score_mod.buffer_names + tuple(f"{name}_grad" for name in spec.score_mod.buffer_names)
             target = dataclasses.replace(spec.score_mod, root=ir.load(grad_buf, g.indices), buffer_names=names,
                                          name=f"gather{j}_address")
-            address = render_mod(target, f"gather{j}_address", stems, address=True, scalar_prefix="score_mod")
+            address = render_mod(target, f"gather{j}_address", stems, address=True, scalar_prefix="score_mod",
+                                 index_dtype=spec.index_dtype)
             grad = render_mod(derivative.as_mod(g.grad, f"gather{j}_grad"), f"gather{j}_grad", score_stems,
-                              target=spec.target, scalar_prefix="score_mod")
+                              scalar_prefix="score_mod", **style)
             what = ir.format_expr(g.load, spec.score_mod.buffer_names)
             gathers.append(_GatherCode(grad, address, what))
     else:
@@ -202,6 +207,7 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
         f"#   tiles: dQ programs BLOCK_M2={spec.block_m2} x BLOCK_N2={spec.block_n2}, dK/dV programs "
         f"BLOCK_M1={spec.block_m1} x BLOCK_N1={spec.block_n1}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; target: {spec.target}",
+        *([f"#   index arithmetic in the mods: {spec.index_dtype}"] if spec.index_dtype != "int32" else []),
         "# One launch. Programs [0, NUM_KV_TILES) each own a key tile of one key head: they walk the",
         "# BlockMask's query tables for every query head of the GQA group and write dK, dV (and add",
         "# captured-tensor gradients). The remaining programs each own a query tile of one query head:",

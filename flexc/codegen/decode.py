@@ -54,13 +54,16 @@ class DecodeSpec:
     has_full_blocks: bool = True
     target: str = "cuda"
     fp32_precision: str = "ieee"
+    # integer type of the mods' index arithmetic, as the forward's (flexc.codegen.index_width)
+    index_dtype: str = "int32"
 
     def key(self) -> tuple:
         return ("decode",
                 self.score_mod.key if self.score_mod is not None else None,
                 self.mask_mod.key if self.mask_mod is not None else None,
                 self.dtype, self.head_dim, self.v_head_dim, self.kv_block_size, self.block_m, self.block_n,
-                self.num_warps, self.num_stages, self.has_full_blocks, self.target, self.fp32_precision)
+                self.num_warps, self.num_stages, self.has_full_blocks, self.target, self.fp32_precision,
+                self.index_dtype)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class GeneratedDecode:
 
 def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     """The Triton source of the split-KV decode kernel described by ``spec``."""
-    score, mask = _render(spec, spec.target)
+    score, mask = _render(spec, spec.target, spec.index_dtype)
     E, Ev = spec.head_dim, spec.v_head_dim
     widen = spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
     acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
@@ -86,6 +89,7 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
         f"#   BlockMask key blocks of {spec.kv_block_size}; tiles: BLOCK_M={spec.block_m} packed query rows, "
         f"BLOCK_N={spec.block_n} keys; num_warps={spec.num_warps}, num_stages={spec.num_stages}; "
         f"target: {spec.target}",
+        *([f"#   index arithmetic in the mods: {spec.index_dtype}"] if spec.index_dtype != "int32" else []),
         "# One program per (split, key head, batch). Its tile's rows are the GQA_GROUP query heads that",
         "# share the key head times the Q_LEN query rows (row r: head h_kv * GQA_GROUP + r // Q_LEN,",
         "# q_idx r % Q_LEN). It walks its share of the BlockMask row's listed key blocks (partial: score_mod",
