@@ -19,6 +19,10 @@ from .errors import InvalidValueError, UnsupportedInputError, UnsupportedTypeErr
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
+# torch's names for its own kernels (CuTe flash, split-KV decode), which flexc does not have: code
+# written for torch passes them unchanged and flexc chooses its own path, as for "AUTO" (torch's eager
+# CPU path ignores BACKEND too).
+TORCH_ONLY_BACKENDS = ("FLASH", "TRITON_DECODE")
 
 # torch 2.13's documented FlexKernelOptions keys (each may also carry a fwd_/bwd_ prefix).
 KNOWN_OPTIONS = frozenset({
@@ -254,8 +258,11 @@ def check_kernel_options(kernel_options: Any) -> dict:
         raise InvalidValueError("flex_attention: BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION. "
                                 "Fix: drop FORCE_USE_FLEX_ATTENTION and only specify the desired BACKEND.")
     backend = options.get("BACKEND", "AUTO")
+    if isinstance(backend, str) and backend.upper() in TORCH_ONLY_BACKENDS:
+        backend = "AUTO"
     if not isinstance(backend, str) or backend.upper() not in BACKEND_NAMES:
-        raise ValueError(f"flex_attention: Invalid BACKEND value {backend!r}: kernel_options['BACKEND'] must be one of {list(BACKEND_NAMES)}, got "
+        raise ValueError(f"flex_attention: Invalid BACKEND value {backend!r}: kernel_options['BACKEND'] must be one "
+                         f"of {list(BACKEND_NAMES)} (or torch's {list(TORCH_ONLY_BACKENDS)}, run as 'AUTO'), got "
                          f"{backend!r}. Fix: use 'TORCH' for the CPU block-sparse path, 'TRITON' for generated "
                          f"kernels, or 'AUTO'.")
     options["BACKEND"] = backend.upper()

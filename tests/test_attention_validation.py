@@ -118,7 +118,7 @@ def test_unknown_kernel_option_key():
     _raises(ValueError, "'BLOCK_Q'", "kernel_options", args=(q, k, v), kernel_options={"BLOCK_Q": 64})
 
 
-@pytest.mark.parametrize("backend", ["CUDNN", "FLASH", 3])
+@pytest.mark.parametrize("backend", ["CUDNN", "FLASHY", 3])
 def test_unknown_backend_value(backend):
     q, k, v = _qkv()
     _raises(ValueError, "BACKEND", repr(backend), "'TORCH'", args=(q, k, v), kernel_options={"BACKEND": backend})

@@ -125,3 +125,34 @@ def test_key_value_of_another_dtype_train_in_their_dtype():
     for ours, theirs in zip(grads, ref_grads):
         assert ours.dtype == theirs.dtype
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["FLASH", "TRITON_DECODE", "flash"])
+def test_torchs_own_backend_names_run_as_auto(backend):
+    q, k, v = _qkv()
+    block_mask = flexc.create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    out = flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": backend})
+    torch.testing.assert_close(out, dense_attention(q, k, v, mask_mod=causal)[0].float(), atol=1e-5, rtol=1e-5)
+
+
+def test_tables_are_authoritative_for_broadcast_masks():
+    # built with B=H=None (tables of b=h=0) for a mod that reads b and h: as in torch's kernels, blocks
+    # the tables omit stay masked, full blocks skip the mod, partial blocks run it with the real b, h
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) | ((b + h) % 2 == 1)
+    L, block = 192, 64
+    block_mask = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=block)
+    rows = torch.arange(L) // block
+    listed = block_mask.to_dense()[0, 0].bool()[rows][:, rows]
+    full = torch.zeros_like(block_mask.to_dense()[0, 0], dtype=torch.bool)
+    for i in range(full.shape[0]):
+        full[i, block_mask.full_kv_indices[0, 0, i, :block_mask.full_kv_num_blocks[0, 0, i]].long()] = True
+    full = full[rows][:, rows]
+
+    def kernel_rule(b, h, q_idx, kv_idx):
+        return full[q_idx, kv_idx] | (listed[q_idx, kv_idx] & mask_mod(b, h, q_idx, kv_idx))
+    q, k, v = _qkv(B=2, Hq=2, Hkv=2, L=L, S=L)
+    out = flexc.flex_attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(out, dense_attention(q, k, v, mask_mod=kernel_rule)[0].float(), atol=1e-5, rtol=1e-5)
+    # (b, h) = (0, 1) differs from the mod on the whole grid: the test has teeth
+    assert not torch.allclose(out, dense_attention(q, k, v, mask_mod=mask_mod)[0].float(), atol=1e-3)
