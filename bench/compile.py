@@ -33,39 +33,19 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="flexc-
 import torch  # noqa: E402
 from torch.nn.attention import flex_attention as torch_flex  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import flexc  # noqa: E402
+from models import Block  # noqa: E402  (the transformer block tests/test_compile.py compiles too)
 
 warnings.filterwarnings("ignore")
 H, D, LAYERS = 4, 64, 2
 
 
-class Block(torch.nn.Module):
-    def __init__(self, attention, dim: int = H * D):
-        super().__init__()
-        self.attention = attention
-        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
-        self.slopes = torch.nn.Parameter(2.0 ** -torch.linspace(1, 8, H))
-
-    def forward(self, x, block_mask):
-        B, L, C = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
-        slopes = self.slopes
-
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx)
-
-        a = self.attention(q, k, v, score_mod=alibi, block_mask=block_mask)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, L, C))
-        return x + self.mlp(self.norm2(x))
-
-
 class GPT(torch.nn.Module):
     def __init__(self, attention):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(attention) for _ in range(LAYERS))
+        self.blocks = torch.nn.ModuleList(Block(attention, H, D) for _ in range(LAYERS))
 
     def forward(self, x, block_mask):
         for block in self.blocks:

@@ -174,33 +174,23 @@ def compile_flexc(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=
 
 # ---- torch's template ---------------------------------------------------------------------
 
-def render_torch_template(score_lines, mask_lines, n_buffers, dtype, head_dim, L: int, H: int, config) -> str:
-    """torch's flex_attention template rendered for one static-shape case, as Inductor would."""
+def _strides(shape) -> list[int]:
+    """Contiguous strides of ``shape``."""
+    return [int(torch.tensor(shape[d + 1:]).prod()) if d + 1 < len(shape) else 1 for d in range(len(shape))]
+
+
+def _render_template(templates, defines: dict, inputs: list, first_buffer: int, n_buffers: int, shapes: dict,
+                     kernel_name: str, modification, store_output, title: str) -> str:
+    """One of torch's FlexAttention Jinja templates (``templates``: file stems, in order) rendered as
+    Inductor renders it for static shapes: ``defines`` as constexprs, sizes and strides as literals,
+    captured tensors as ``in_ptr<first_buffer + i>``, the mods through ``modification``."""
     import jinja2
     import torch._inductor.kernel.flex as flex
 
-    block_m, block_n, _, _ = config
     folder = os.path.join(os.path.dirname(flex.__file__), "templates")
-    text = "\n".join(open(os.path.join(folder, f"{name}.py.jinja")).read()
-                     for name in ("flex_attention", "utilities", "common"))
-    defines = dict(PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, WRITE_DQ=True,
-                   OUTPUT_LOGSUMEXP=False, OUTPUT_MAX=False, FLOAT32_PRECISION="'ieee'",
-                   IS_DIVISIBLE=L % 128 == 0, SM_SCALE=head_dim ** -0.5, GQA_SHARED_HEADS=1, HAS_FULL_BLOCKS=True,
-                   QK_HEAD_DIM=head_dim, QK_HEAD_DIM_ROUNDED=head_dim, V_HEAD_DIM=head_dim,
-                   V_HEAD_DIM_ROUNDED=head_dim, SAFE_HEAD_DIM=True, USE_TMA=False, BLOCK_M=block_m,
-                   BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=128, SPARSE_KV_BLOCK_SIZE=128, INDEX_DTYPE="tl.int32")
-    inputs = ["Q", "K", "V", "LSE", "MAX", "KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX"]
-    argdefs = ", ".join([f"arg_{n}" for n in inputs] + [f"in_ptr{9 + i}" for i in range(n_buffers)] + ["out_ptr0"])
-    n_blocks = L // 128
-    shapes = {"Q": (BATCH, H, L, head_dim), "K": (BATCH, H, L, head_dim), "V": (BATCH, H, L, head_dim),
-              "KV_NUM_BLKS": (1, 1, n_blocks), "KV_IDX": (1, 1, n_blocks, n_blocks),
-              "FULL_KV_NUM_BLKS": (1, 1, n_blocks), "FULL_KV_IDX": (1, 1, n_blocks, n_blocks)}
-
-    def strides(name):
-        shape, out = shapes[name], []
-        for d in range(len(shape)):
-            out.append(int(torch.tensor(shape[d + 1:]).prod()) if d + 1 < len(shape) else 1)
-        return out
+    text = "\n".join(open(os.path.join(folder, f"{name}.py.jinja")).read() for name in templates)
+    argdefs = ", ".join([f"arg_{n}" for n in inputs] + [f"in_ptr{first_buffer + i}" for i in range(n_buffers)]
+                        + ["out_ptr0"])
 
     def gen_defines():
         return "\n".join(f"{k} : tl.constexpr = {v}" for k, v in defines.items())
@@ -208,7 +198,36 @@ def render_torch_template(score_lines, mask_lines, n_buffers, dtype, head_dim, L
     def def_kernel(*names):
         body = [f"    {k} : tl.constexpr = {v}" for k, v in defines.items()]
         body += [f"    {n} = arg_{n}" for n in names]
-        return "@triton.jit\ndef triton_tem_fused_0(" + argdefs + "):\n" + "\n".join(body)
+        return f"@triton.jit\ndef {kernel_name}(" + argdefs + "):\n" + "\n".join(body)
+
+    def indent_except_first(text, n):
+        return text.replace("\n", "\n" + "    " * n)
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters["indent_except_first"] = indent_except_first
+    source = env.from_string(text).render(
+        def_kernel=def_kernel, gen_argdefs=lambda: argdefs, gen_defines=gen_defines, modification=modification,
+        store_output=store_output, stride=lambda name, dim=None: ", ".join(map(str, _strides(shapes[name])))
+        if dim is None else str(_strides(shapes[name])[dim]), size=lambda name, dim: str(shapes[name][dim]), **defines)
+    header = (f"# {title} (installed torch), rendered by bench/kernel_metrics.py\n"
+              "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice\n\n")
+    return header + source
+
+
+def render_torch_template(score_lines, mask_lines, n_buffers, dtype, head_dim, L: int, H: int, config) -> str:
+    """torch's flex_attention template rendered for one static-shape case, as Inductor would."""
+    block_m, block_n, _, _ = config
+    defines = dict(PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, WRITE_DQ=True,
+                   OUTPUT_LOGSUMEXP=False, OUTPUT_MAX=False, FLOAT32_PRECISION="'ieee'",
+                   IS_DIVISIBLE=L % 128 == 0, SM_SCALE=head_dim ** -0.5, GQA_SHARED_HEADS=1, HAS_FULL_BLOCKS=True,
+                   QK_HEAD_DIM=head_dim, QK_HEAD_DIM_ROUNDED=head_dim, V_HEAD_DIM=head_dim,
+                   V_HEAD_DIM_ROUNDED=head_dim, SAFE_HEAD_DIM=True, USE_TMA=False, BLOCK_M=block_m,
+                   BLOCK_N=block_n, SPARSE_Q_BLOCK_SIZE=128, SPARSE_KV_BLOCK_SIZE=128, INDEX_DTYPE="tl.int32")
+    inputs = ["Q", "K", "V", "LSE", "MAX", "KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX"]
+    n_blocks = L // 128
+    shapes = {"Q": (BATCH, H, L, head_dim), "K": (BATCH, H, L, head_dim), "V": (BATCH, H, L, head_dim),
+              "KV_NUM_BLKS": (1, 1, n_blocks), "KV_IDX": (1, 1, n_blocks, n_blocks),
+              "FULL_KV_NUM_BLKS": (1, 1, n_blocks), "FULL_KV_IDX": (1, 1, n_blocks, n_blocks)}
 
     def modification(subgraph_number, output_name, **kwargs):
         lines = score_lines if subgraph_number == 0 else mask_lines
@@ -216,23 +235,12 @@ def render_torch_template(score_lines, mask_lines, n_buffers, dtype, head_dim, L
 
     def store_output(indices, value, mask, val_shape=None):
         zq, hq, m, d = indices
-        s = strides("Q")
+        s = _strides(shapes["Q"])
         return (f"xindex = {d} + {s[2]}*{m} + {s[1]}*{hq} + {s[0]}*{zq}\n"
                 f"    tl.store(out_ptr0 + (tl.broadcast_to(xindex, {list(val_shape)})), {value}, {mask})".replace("'", ""))
 
-    def indent_except_first(text, n):
-        pad = "    " * n
-        return text.replace("\n", "\n" + pad)
-
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    env.filters["indent_except_first"] = indent_except_first
-    source = env.from_string(text).render(
-        def_kernel=def_kernel, gen_argdefs=lambda: argdefs, gen_defines=gen_defines, modification=modification,
-        store_output=store_output, stride=lambda name, dim=None: ", ".join(map(str, strides(name))) if dim is None
-        else str(strides(name)[dim]), size=lambda name, dim: str(shapes[name][dim]), **defines)
-    header = ("# torch's flex_attention template (installed torch), rendered by bench/kernel_metrics.py\n"
-              "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice\n\n")
-    return header + source
+    return _render_template(("flex_attention", "utilities", "common"), defines, inputs, 9, n_buffers, shapes,
+                            "triton_tem_fused_0", modification, store_output, "torch's flex_attention template")
 
 
 def compile_torch(case, dtype, head_dim, L: int, H: int):
@@ -271,13 +279,7 @@ def compile_flexc_backward(score_mod, mask_mod, dtype, head_dim, L: int, H: int,
 def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers, head_dim, L: int, H: int,
                                    config) -> str:
     """torch's flex_attention backward template rendered for one static-shape case, as Inductor would."""
-    import jinja2
-    import torch._inductor.kernel.flex as flex
-
     m1, n1, m2, n2, _, _ = config
-    folder = os.path.join(os.path.dirname(flex.__file__), "templates")
-    text = "\n".join(open(os.path.join(folder, f"{name}.py.jinja")).read()
-                     for name in ("flex_backwards", "utilities"))
     defines = dict(PRESCALE_QK=False, ROWS_GUARANTEED_SAFE=False, BLOCKS_ARE_CONTIGUOUS=False, WRITE_DQ=True,
                    OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False, FLOAT32_PRECISION="'ieee'",
                    IS_DIVISIBLE=L % 128 == 0, SM_SCALE=head_dim ** -0.5, GQA_SHARED_HEADS=1, HAS_FULL_BLOCKS=True,
@@ -287,7 +289,6 @@ def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers
                    INDEX_DTYPE="tl.int32")
     inputs = ["Q", "K", "V", "LSE", "DELTA", "DO", "DQ", "DV", "KV_NUM_BLKS", "KV_IDX", "Q_NUM_BLKS", "Q_IDX",
               "FULL_KV_NUM_BLKS", "FULL_KV_IDX", "FULL_Q_NUM_BLKS", "FULL_Q_IDX"]
-    argdefs = ", ".join([f"arg_{n}" for n in inputs] + [f"in_ptr{16 + i}" for i in range(n_buffers)] + ["out_ptr0"])
     n_blocks = L // 128
     qkv = (BATCH, H, L, head_dim)
     shapes = {"Q": qkv, "K": qkv, "V": qkv, "DO": qkv, "DQ": qkv, "DV": qkv, "LSE": (BATCH, H, L),
@@ -295,20 +296,6 @@ def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers
     for name in ("KV", "Q", "FULL_KV", "FULL_Q"):
         shapes[f"{name}_NUM_BLKS"] = (1, 1, n_blocks)
         shapes[f"{name}_IDX"] = (1, 1, n_blocks, n_blocks)
-
-    def strides(name):
-        shape, out = shapes[name], []
-        for d in range(len(shape)):
-            out.append(int(torch.tensor(shape[d + 1:]).prod()) if d + 1 < len(shape) else 1)
-        return out
-
-    def gen_defines():
-        return "\n".join(f"{k} : tl.constexpr = {v}" for k, v in defines.items())
-
-    def def_kernel(*names):
-        body = [f"    {k} : tl.constexpr = {v}" for k, v in defines.items()]
-        body += [f"    {n} = arg_{n}" for n in names]
-        return "@triton.jit\ndef triton_tem_fused_bwd_0(" + argdefs + "):\n" + "\n".join(body)
 
     def renumber(line: str) -> str:  # captured tensors follow the backward's 16 inputs (the forward's 9)
         return re.sub(r"in_ptr(\d+)", lambda m: f"in_ptr{int(m.group(1)) + 7}", line)
@@ -328,24 +315,15 @@ def render_torch_backward_template(case_name, score_lines, mask_lines, n_buffers
 
     def store_output(indices, value, mask, indent_width=4, val_shape=None):
         zq, hkv, n, k = indices
-        s = strides("K")
+        s = _strides(shapes["K"])
         pad = " " * indent_width
         return (f"xindex = {k} + {s[2]}*{n} + {s[1]}*{hkv} + {s[0]}*{zq}\n"
                 f"{pad}tl.store(out_ptr0 + (tl.broadcast_to(xindex, {list(val_shape)})), {value}, {mask})"
                 .replace("'", ""))
 
-    def indent_except_first(text, n):
-        return text.replace("\n", "\n" + "    " * n)
-
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    env.filters["indent_except_first"] = indent_except_first
-    source = env.from_string(text).render(
-        def_kernel=def_kernel, gen_argdefs=lambda: argdefs, gen_defines=gen_defines, modification=modification,
-        store_output=store_output, stride=lambda name, dim=None: ", ".join(map(str, strides(name))) if dim is None
-        else str(strides(name)[dim]), size=lambda name, dim: str(shapes[name][dim]), **defines)
-    header = ("# torch's flex_attention backward template (installed torch), rendered by bench/kernel_metrics.py\n"
-              "import triton\nimport triton.language as tl\nfrom triton.language.extra import libdevice\n\n")
-    return header + source
+    return _render_template(("flex_backwards", "utilities"), defines, inputs, 16, n_buffers, shapes,
+                            "triton_tem_fused_bwd_0", modification, store_output,
+                            "torch's flex_attention backward template")
 
 
 def compile_torch_backward(case_name, case, dtype, head_dim, L: int, H: int):

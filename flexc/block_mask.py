@@ -392,13 +392,16 @@ class BlockMask:
         padded = (*index, slice(None), slice(None), slice(None))[:3]
         sizes = self.kv_num_blocks.shape[:3]
         index = tuple(_keep_dim(i, n) for i, n in zip(padded, sizes))
-        full = ((self.full_kv_num_blocks[index], self.full_kv_indices[index])
+        if _is_one_row(index, sizes[2]):  # decoding's block_mask[:, :, pos // 128]: the cheapest copy
+            take = lambda table: table.index_select(2, index[2])  # noqa: E731
+        else:
+            take = lambda table: table[index]  # noqa: E731
+        full = ((take(self.full_kv_num_blocks), take(self.full_kv_indices))
                 if self.full_kv_num_blocks is not None else (None, None))
-        sliced = BlockMask.from_kv_blocks(self.kv_num_blocks[index], self.kv_indices[index], *full,
-                                          BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_sliced_mask_mod_error,
-                                          seq_lengths=self.seq_lengths, compute_q_blocks=self._has_q_tables())
-        sliced.dq_kv_order_spt = self.dq_kv_order_spt
-        return sliced
+        # (from_kv_blocks' argument checks hold for slices of a BlockMask's tables)
+        return BlockMask(self.seq_lengths, take(self.kv_num_blocks), take(self.kv_indices), *full,
+                         *(((DERIVED,) * 4) if self._has_q_tables() else ((None,) * 4)), BLOCK_SIZE=self.BLOCK_SIZE,
+                         mask_mod=_sliced_mask_mod_error, dq_kv_order_spt=self.dq_kv_order_spt)
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """The upper-left ``new_q_len x new_kv_len`` corner, keeping the mask_mod (torch's private helper).
@@ -437,6 +440,15 @@ class BlockMask:
                               for n in _TENSOR_ATTRS)}
         return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
                          dq_kv_order_spt=self.dq_kv_order_spt)
+
+
+def _is_one_row(index: tuple, rows: int) -> bool:
+    """Whether ``index`` is ``[:, :, t]`` with ``t`` a one-element CPU integer tensor in ``[0, rows)``
+    (``index_select`` then gives what advanced indexing gives; negative or out-of-range values are
+    left to advanced indexing, which wraps or raises IndexError)."""
+    i = index[2]
+    return (index[0] == index[1] == slice(None) and isinstance(i, torch.Tensor) and i.device.type == "cpu"
+            and i.dim() == 1 and i.numel() == 1 and i.dtype in (torch.int64, torch.int32) and 0 <= int(i) < rows)
 
 
 def _keep_dim(i: Any, n: int) -> Any:

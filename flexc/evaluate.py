@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -65,10 +65,98 @@ def _reduce(op: str, n: int, body: torch.Tensor, ndim: int) -> torch.Tensor:
     return body.amax(0) if op == "max" else body.amin(0)
 
 
+_INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
+
+
+def _binary(op: str) -> Callable:
+    f = _BINARY[op]
+    if op in ("fmod", "atan2"):  # torch functions: a tensor first (and second, for atan2)
+        second = op == "atan2"
+        return lambda device, ndim, x, y: f(_tensor(x, device), _tensor(y, device) if second else y)
+
+    def run(device, ndim, x, y):
+        if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+            x = _tensor(x, device)
+        return f(x, y)
+    return run
+
+
+def _unary(op: str) -> Callable:
+    f = _UNARY[op]
+    return lambda device, ndim, x: f(_tensor(x, device))
+
+
+def _step(node: ir.Node) -> Callable:
+    """``run(device, ndim, *argument values)`` computing ``node`` (an interior node of the graph)."""
+    op, attr = node.op, node.attr
+    if op == "load":
+        return lambda device, ndim, t, *index: t[index] if index else t
+    if op == "cast":
+        dtype = getattr(torch, attr)
+        return lambda device, ndim, x: _tensor(x, device).to(dtype)
+    if op == "where":
+        return lambda device, ndim, cond, x, y: torch.where(_tensor(cond, device), x, y)
+    if op in ("min", "max"):
+        return lambda device, ndim, x, y: _min_max(op, x, y, device)
+    if op == "autograd_function":  # through apply: autograd then uses the Function's own backward
+        return lambda device, ndim, _fn, *args: attr.apply(*args)
+    if op == "axis":
+        return lambda device, ndim: torch.arange(attr, device=device).view(attr, *([1] * ndim))
+    if op == "reduce":
+        return lambda device, ndim, body: _reduce(attr[0], attr[1], _tensor(body, device), ndim)
+    if op in _BINARY:
+        return _binary(op)
+    if op in _UNARY:
+        return _unary(op)
+    raise NotImplementedError(f"evaluate: unknown IR op {op!r}")
+
+
+class _Program(NamedTuple):
+    """A graph in evaluation order: leaves filled in per call, then one step per interior node."""
+
+    size: int
+    consts: tuple  # (slot, value)
+    inputs: tuple  # (slot, input name)
+    scalars: tuple  # (slot, index into the mod's captured numbers)
+    buffers: tuple  # (slot, index into the captured tensors)
+    steps: tuple  # (slot, run, argument slots)
+    root: int
+
+
 @functools.lru_cache(maxsize=1024)
-def _order(root: ir.Node) -> tuple:
-    """``root.walk()`` once per graph: traces are reused across calls (the trace cache), so is this."""
-    return tuple(root.walk())
+def _program(root: ir.Node) -> _Program:
+    """The graph compiled once into slots and steps: traces are reused across calls (the trace
+    cache), so a graph is evaluated many times and its per-node dispatch is decided here."""
+    slots: dict[int, int] = {}
+    consts, inputs, scalars, buffers, steps = [], [], [], [], []
+    for node in root.walk():
+        slot = slots[id(node)] = len(slots)
+        if node.op == "input":
+            inputs.append((slot, node.attr))
+        elif node.op == "const":
+            consts.append((slot, node.attr))
+        elif node.op == "scalar":  # a captured number lifted out of the graph (flexc.codegen.scalars)
+            scalars.append((slot, node.attr[0]))
+        elif node.op == "buffer":
+            buffers.append((slot, node.attr[0]))
+        else:
+            steps.append((slot, _step(node), tuple(slots[id(a)] for a in node.args)))
+    return _Program(len(slots), tuple(consts), tuple(inputs), tuple(scalars), tuple(buffers), tuple(steps),
+                    slots[id(root)])
+
+
+def _broadcast_shape(tensors: list) -> tuple:
+    """The broadcast shape of ``tensors`` (plain Python on their sizes; raises as torch would)."""
+    shapes = [t.shape for t in tensors]
+    ndim = max(len(s) for s in shapes)
+    out = [1] * ndim
+    for shape in shapes:
+        for i, n in enumerate(shape, ndim - len(shape)):
+            if n != 1:
+                if out[i] not in (1, n):
+                    return torch.broadcast_tensors(*tensors)[0].shape  # torch's error message
+                out[i] = n
+    return tuple(out)
 
 
 def evaluate(
@@ -87,57 +175,29 @@ def evaluate(
     """
     root = mod.root if isinstance(mod, TracedMod) else mod
     bufs = buffers if buffers is not None else (mod.buffers if isinstance(mod, TracedMod) else ())
-    inputs = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
-    given = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+    given_by_name = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
+    given = [v for v in given_by_name.values() if isinstance(v, torch.Tensor)]
     device = given[0].device if given else torch.device("cpu")
     # a reduction's axis runs along one extra leading dimension, in front of the inputs' broadcast dims
     ndim = max((t.dim() for t in given), default=0)
-    values: dict[int, Any] = {}
-    for node in _order(root):
-        op, args = node.op, [values[id(a)] for a in node.args]
-        if op == "input":
-            v = inputs[node.attr]
-            if v is None:
-                raise ValueError(f"evaluate: the mod reads `{node.attr}` but no value was given for it")
-        elif op == "const":
-            v = node.attr
-        elif op == "scalar":  # a captured number lifted out of the graph (flexc.codegen.scalars)
-            v = mod.scalars[node.attr[0]]
-        elif op == "buffer":
-            v = bufs[node.attr[0]]
-        elif op == "load":
-            v = args[0][tuple(args[1:])] if len(args) > 1 else args[0]
-        elif op == "cast":
-            v = _tensor(args[0], device).to(getattr(torch, node.attr))
-        elif op == "where":
-            cond = _tensor(args[0], device)
-            v = torch.where(cond, args[1], args[2])
-        elif op in ("min", "max"):
-            v = _min_max(op, args[0], args[1], device)
-        elif op == "autograd_function":  # through apply: autograd then uses the Function's own backward
-            v = node.attr.apply(*args[1:])
-        elif op == "axis":
-            v = torch.arange(node.attr, device=device).view(node.attr, *([1] * ndim))
-        elif op == "reduce":
-            v = _reduce(node.attr[0], node.attr[1], _tensor(args[0], device), ndim)
-        elif op in _BINARY:
-            x, y = args
-            if op in ("fmod", "atan2"):  # torch functions: a tensor first (and second, for atan2)
-                x = _tensor(x, device)
-                y = _tensor(y, device) if op == "atan2" else y
-            elif not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
-                x = _tensor(x, device)
-            v = _BINARY[op](x, y)
-        elif op in _UNARY:
-            v = _UNARY[op](_tensor(args[0], device))
-        else:
-            raise NotImplementedError(f"evaluate: unknown IR op {op!r}")
-        values[id(node)] = v
-    out = _tensor(values[id(root)], device)
+    program = _program(root)
+    values: list[Any] = [None] * program.size
+    for slot, value in program.consts:
+        values[slot] = value
+    for slot, name in program.inputs:
+        value = given_by_name[name]
+        if value is None:
+            raise ValueError(f"evaluate: the mod reads `{name}` but no value was given for it")
+        values[slot] = value
+    for slot, i in program.scalars:
+        values[slot] = mod.scalars[i]
+    for slot, i in program.buffers:
+        values[slot] = bufs[i]
+    for slot, run, args in program.steps:
+        values[slot] = run(device, ndim, *[values[a] for a in args])
+    out = _tensor(values[program.root], device)
     if given:
-        # broadcast_tensors (views only), not torch.broadcast_shapes: the latter imports sympy,
-        # which costs 0.3-1.5 s on the first call
-        shape = torch.broadcast_tensors(*given)[0].shape
+        shape = _broadcast_shape(given)
         if out.shape != shape:
             out = out.expand(shape)
     return out

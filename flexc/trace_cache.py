@@ -54,8 +54,13 @@ class _Unknown(Exception):
     """Some reachable object cannot be snapshotted: do not cache."""
 
 
-def _names_of(code: types.CodeType, _memo: dict = {}) -> frozenset:
+def _names_of(code: types.CodeType) -> frozenset:
     """The names ``code`` and the code objects nested in it read as globals or attributes."""
+    return _code_facts(code)[0]
+
+
+def _code_facts(code: types.CodeType, _memo: dict = {}) -> tuple[frozenset, tuple, bool]:
+    """``(names, the names sorted, whether the code is torch's)`` of a code object, worked out once."""
     entry = _memo.get(id(code))
     if entry is not None and entry[0] is code:
         return entry[1]
@@ -63,14 +68,14 @@ def _names_of(code: types.CodeType, _memo: dict = {}) -> frozenset:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _names_of(const)
-    result = frozenset(names)
+    result = (frozenset(names), tuple(sorted(names)), code.co_filename.startswith(_TORCH_DIR))
     _memo[id(code)] = (code, result)  # the code object is kept so its id is never reused
     return result
 
 
 def _is_library_function(fn: types.FunctionType) -> bool:
     # torch's Python functions are treated like its C ones: they do not change between calls
-    return fn.__code__.co_filename.startswith(_TORCH_DIR)
+    return _code_facts(fn.__code__)[2]
 
 
 def _is_library_module(module: types.ModuleType) -> bool:
@@ -179,7 +184,7 @@ class _Snapshot:
             return self.ident("recursive", fn)
         self.active.add(id(fn))
         code = fn.__code__
-        names = _names_of(code)
+        names, sorted_names, _ = _code_facts(code)
         cells = []
         for cell in fn.__closure__ or ():
             try:
@@ -187,8 +192,8 @@ class _Snapshot:
             except ValueError:  # a cell not yet assigned
                 cells.append(_MISSING)
         globs = fn.__globals__
-        reads = tuple(self.value(globs.get(name, _MISSING), names, depth + 1) if name in globs else _MISSING
-                      for name in sorted(names))
+        reads = tuple(self.value(globs[name], names, depth + 1) if name in globs else _MISSING
+                      for name in sorted_names)
         self.active.discard(id(fn))
         return (*self.ident("code", code), fn.__name__, self.value(fn.__defaults__, names, depth + 1),
                 self.value(fn.__kwdefaults__, names, depth + 1), tuple(cells), reads)

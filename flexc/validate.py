@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .errors import InvalidValueError, UnsupportedInputError, UnsupportedTypeError
+from .table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
@@ -54,7 +55,8 @@ def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
                                        f"Fix: pad the sequences and mask the padding with a mask_mod.")
     # key/value may have another dtype than query (as in torch): flex_attention computes in query's dtype
     if not (query.device == key.device == value.device):
-        raise ValueError(f"Expected query, key, and value to have the same device type, but got query.device: "
+        raise ValueError(f"flex_attention: Expected query, key, and value to have the same device type, but got "
+                         f"query.device: "
                          f"{query.device}, key.device: {key.device}, and value.device: {value.device} instead. "
                          f"Fix: move them with `.to(query.device)`.")
     B, Hq, L, E = query.shape
@@ -143,15 +145,24 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
     Checked: table shapes agree (``num_blocks [B, H, nQ]`` against ``indices [B, H, nQ, nKV]``, the
     full tables like the partial ones), integer dtypes, a row for every query block of ``L``, counts in
     ``[0, nKV]``, valid entries in ``[0, nKV)``, and no key block listed twice in a row (partial and
-    full tables together). A few reductions over the tables (one entry per block); a BlockMask whose
-    tables are unchanged since they were last found valid is not checked again.
+    full tables together). A few reductions over the tables (one entry per block); tables unchanged
+    since they were last found valid are not checked again, nor are small tables (a decoding
+    step's sliced mask) with the contents of tables found valid before.
     """
     tables = [block_mask.kv_num_blocks, block_mask.kv_indices,
               getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask, "full_kv_indices", None)]
-    state = (_table_state(tables), L, S)
-    seen = _valid_tables.get(id(tables[1]))
-    if seen is not None and seen[0]() is tables[1] and seen[1] == state:
-        return
+    contents = state = None
+    if isinstance(tables[1], torch.Tensor) and tables[1].numel() <= _SMALL_TABLE:
+        contents = table_lists(tables)
+    if contents is not None:
+        if contents in _valid_contents:
+            _check_rows_cover(block_mask, contents.num_shape[-1], L)
+            return
+    else:
+        state = (_table_state(tables), L, S)
+        seen = _valid_tables.get(id(tables[1]))
+        if seen is not None and seen[0]() is tables[1] and seen[1] == state:
+            return
     names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
     for name, t in zip(names, tables):
         if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex()
@@ -171,12 +182,52 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         raise ValueError(f"flex_attention: `block_mask.full_kv_num_blocks`/`full_kv_indices` must have the shapes of "
                          f"kv_num_blocks/kv_indices {tuple(num.shape)}/{tuple(idx.shape)}; got "
                          f"{tuple(tables[2].shape)}/{tuple(tables[3].shape)}. {_REBUILD}")
+    _check_rows_cover(block_mask, num.shape[-1], L)
+    n_kv = idx.shape[-1]
+    if contents is not None:  # Python on a few lists beats a dozen kernels
+        _check_entries_in_python(contents)
+        if len(_valid_contents) >= _MAX_REMEMBERED:
+            _valid_contents.clear()
+        _valid_contents.add(contents)
+        return
+    _check_entries(tables, n_kv)
+    if len(_valid_tables) >= _MAX_REMEMBERED:
+        _valid_tables.clear()
+    _valid_tables[id(tables[1])] = (weakref.ref(tables[1]), state)
+
+
+def _check_rows_cover(block_mask: Any, n_q: int, L: int) -> None:
     size = block_mask.BLOCK_SIZE
-    q_block, kv_block = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
-    n_q, n_kv = num.shape[-1], idx.shape[-1]
+    q_block = size if isinstance(size, int) else int(size[0])
     if n_q * q_block < L:
         raise ValueError(f"flex_attention: `block_mask` has {n_q} query-block rows of {q_block} but Q_LEN={L} needs "
                          f"{-(-L // q_block)}. {_REBUILD}")
+
+
+_SMALL_TABLE = TABLE_LIST_LIMIT  # table entries up to which the entries are checked as Python lists
+# contents (flexc.table_lists) of small tables found valid: a decoding step's one-row mask has the
+# entries of its predecessor while decoding stays in one query-block row
+_valid_contents: set = set()
+
+
+def _bad_count(prefix: str, at: tuple, value: int, n_kv: int) -> ValueError:
+    return ValueError(f"flex_attention: `block_mask.{prefix}_num_blocks`{list(at)} is {value}; expected a count in "
+                      f"[0, {n_kv}] (the width of {prefix}_indices). {_REBUILD}")
+
+
+def _bad_index(prefix: str, at: tuple, value: int, n_kv: int) -> ValueError:
+    return ValueError(f"flex_attention: `block_mask.{prefix}_indices`{list(at)} is {value}; expected a key-block "
+                      f"index in [0, {n_kv}). {_REBUILD}")
+
+
+def _listed_twice(at: tuple, col: int) -> ValueError:
+    return ValueError(f"flex_attention: `block_mask` lists key block {col} more than once in query-block row "
+                      f"{list(at)} (counting kv_indices and full_kv_indices); it would be counted twice. {_REBUILD}")
+
+
+def _check_entries(tables: list, n_kv: int) -> None:
+    """Counts in range, listed entries in range, no block listed twice in a row: reductions over the tables."""
+    num, idx = tables[0], tables[1]
     used = torch.zeros(*idx.shape[:3], n_kv + 1, dtype=torch.int32, device=idx.device)
     columns = torch.arange(n_kv, dtype=num.dtype, device=idx.device)
     for prefix, count, index in (("kv", num, idx), ("full_kv", tables[2], tables[3])):
@@ -185,8 +236,7 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         low, high = torch.aminmax(count)
         if int(low) < 0 or int(high) > n_kv:
             at = tuple(((count < 0) | (count > n_kv)).nonzero()[0].tolist())
-            raise ValueError(f"flex_attention: `block_mask.{prefix}_num_blocks`{list(at)} is {int(count[at])}; "
-                             f"expected a count in [0, {n_kv}] (the width of {prefix}_indices). {_REBUILD}")
+            raise _bad_count(prefix, at, int(count[at]), n_kv)
         if n_kv == 0:
             continue
         valid = columns < count.unsqueeze(-1)  # entries past the count are unused (torch leaves them undefined)
@@ -194,19 +244,44 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         low, high = torch.aminmax(listed)
         if int(low) < 0 or int(high) >= n_kv:
             at = tuple((valid & ((index < 0) | (index >= n_kv))).nonzero()[0].tolist())
-            raise ValueError(f"flex_attention: `block_mask.{prefix}_indices`{list(at)} is {int(index[at])}; expected "
-                             f"a key-block index in [0, {n_kv}). {_REBUILD}")
+            raise _bad_index(prefix, at, int(index[at]), n_kv)
         # count each listed block once per row; unused entries land in the spare last column
         used.scatter_add_(-1, listed.masked_fill_(~valid, n_kv).long(), valid.to(torch.int32))
     twice = used[..., :n_kv] > 1
     if bool(twice.any()):
         b, h, row, col = twice.nonzero()[0].tolist()
-        raise ValueError(f"flex_attention: `block_mask` lists key block {col} more than once in query-block row "
-                         f"[{b}, {h}, {row}] (counting kv_indices and full_kv_indices); it would be counted twice. "
-                         f"{_REBUILD}")
-    if len(_valid_tables) >= _MAX_REMEMBERED:
-        _valid_tables.clear()
-    _valid_tables[id(tables[1])] = (weakref.ref(tables[1]), state)
+        raise _listed_twice((b, h, row), col)
+
+
+def _check_entries_in_python(contents: TableContents) -> None:
+    """:func:`_check_entries` on the tables' contents as Python lists (the same checks and messages)."""
+    shape, n_kv = contents.num_shape, contents.n_kv
+    listed_by_row = [[] for _ in contents.counts]
+    for prefix, row_counts, entries in (("kv", contents.counts, contents.indices),
+                                        ("full_kv", contents.full_counts, contents.full_indices)):
+        if row_counts is None:
+            continue
+        for r, c in enumerate(row_counts):
+            at = _unravel(r, shape)
+            if not 0 <= c <= n_kv:
+                raise _bad_count(prefix, at, c, n_kv)
+            row = entries[r * n_kv: r * n_kv + c]
+            for col, block in enumerate(row):
+                if not 0 <= block < n_kv:
+                    raise _bad_index(prefix, (*at, col), block, n_kv)
+            listed_by_row[r] += row
+    for r, listed in enumerate(listed_by_row):
+        if len(set(listed)) != len(listed):
+            twice = min(b for b in listed if listed.count(b) > 1)
+            raise _listed_twice(_unravel(r, shape), twice)
+
+
+def _unravel(flat: int, shape: tuple) -> tuple:
+    at = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        at.append(i)
+    return tuple(reversed(at))
 
 
 def check_captured(traced: Any, device: torch.device, where: str = "flex_attention") -> None:

@@ -13,6 +13,7 @@ import flexc
 from flexc import custom_ops
 from flexc.mod_key import mod_key, traced_from_key
 from catalogue import mask_catalogue, score_catalogue
+from models import Block
 from reference import dense_attention
 
 H, D, L = 4, 8, 96
@@ -23,29 +24,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-class Block(torch.nn.Module):
-    """A pre-norm transformer block whose attention is flexc with ALiBi on learnable slopes."""
-
-    def __init__(self, dim=H * D):
-        super().__init__()
-        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
-        self.slopes = torch.nn.Parameter(2.0 ** -torch.linspace(1, 8, H))
-
-    def forward(self, x, block_mask):
-        B, L, C = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
-        slopes = self.slopes
-
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx)
-
-        a = flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, L, C))
-        return x + self.mlp(self.norm2(x))
 
 
 def _document_causal(doc):
@@ -67,7 +45,7 @@ def _step(model, x, block_mask):
 
 def test_transformer_block_fullgraph_matches_eager_without_graph_breaks_or_recompiles():
     torch.manual_seed(0)
-    model = Block()
+    model = Block(flexc.flex_attention, H, D, mlp_ratio=2)
     x = torch.randn(2, L, H * D)
     block_mask = _document_causal(torch.tensor([0] * 40 + [1] * 56))
     counter = CompileCounterWithBackend("aot_eager")

@@ -298,9 +298,50 @@ def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
                                               {"bwd_num_stages": 1}, "cuda", (0, 1))
     fwd_spec = triton_backend.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
     inputs = triton_backend.offline_inputs(fwd_spec, 1, 4, 1000, 1000)
+    source = triton_backend.source_for(spec)  # on CUDA the mods and derivatives use libdevice, as the forward
+    assert "libdevice.tanh(score)" in source and "def tanh(" not in source
     compiled = triton_backward.compile_backward_offline(spec, inputs)
     assert 0 < compiled.metadata.shared <= 232448  # fits an H100's 227 KiB
     assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"]
+
+
+def test_offline_backward_compile_specialises_like_a_cuda_launch(monkeypatch):
+    # the stand-in tensors are uninitialised (here: NaN); a CUDA launch never compiles the CPU-only
+    # NaN/inf input guard in, so neither may the offline compile, whatever the stand-ins hold
+    from flexc.backends import triton_backend, triton_backward
+
+    seen = {}
+    monkeypatch.setattr(triton_backend, "compile_like_launcher",
+                        lambda fn, args, constants, *rest: seen.update(constants))
+    score_mod, mask_mod = flexc.trace(lambda s, b, h, q_idx, kv_idx: s * 0.5), flexc.trace(MASKS["causal"])
+    spec = triton_backward.make_backward_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda")
+    fwd_spec = triton_backend.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
+    inputs = triton_backend.offline_inputs(fwd_spec, 1, 2, 256, 256)
+    for t in inputs[:3]:
+        t.fill_(float("nan"))
+    triton_backward.compile_backward_offline(spec, inputs)
+    assert seen["GUARD_NONFINITE_INPUTS"] is False and seen["DIVISIBLE"] is True
+
+
+def test_int64_index_arithmetic_variant_trains_like_the_reference(monkeypatch):
+    # lengths past 46340 make q_idx * kv_idx wrap int32, so the backward (as the forward) widens the
+    # mods' index arithmetic to int64 there; here the variant is forced at small lengths and checked
+    from flexc.backends import triton_backend, triton_backward
+
+    big = torch.empty(1, 1, 50000, E)
+    assert "q_idx = q_idx.to(tl.int64)" in triton_backward.backward_source(
+        big, big, flexc.trace(lambda s, b, h, q_idx, kv_idx: s + (q_idx * kv_idx) % 7), None, None, None)
+    monkeypatch.setattr(triton_backend, "_index_dtype", lambda *args: "int64")
+    table = torch.randn(L + S, dtype=torch.float64, requires_grad=True)
+
+    def wide(score, b, h, q_idx, kv_idx):
+        return score * ((q_idx * kv_idx) % 5 + 1) + table[q_idx - kv_idx + S]
+
+    q, k, v = _leaves(*random_qkv(B, HC, HC, L, S, E, dtype=torch.float64, seed=16))
+    _check(q, k, v, wide, MASKS["causal"], extra=(table,))
+    sources = [kernel.generated.source for kernel in triton_backend._cache.values()]
+    assert any("flex_attention_backward" in src and "q_idx = q_idx.to(tl.int64)" in src for src in sources)
+    triton_backend.cache_clear()  # the forced variant must not serve later tests
 
 
 def test_non_finite_padding_keys_and_queries_do_not_reach_the_gradients():

@@ -117,8 +117,10 @@ def test_decode_kernel_compiles_without_its_value_guard_by_default():
     q = torch.empty(2, 32, 1, 64, dtype=torch.bfloat16)
     k = torch.empty(2, 8, 4096, 64, dtype=torch.bfloat16)
     mask_mod = lambda b, h, q_idx, kv_idx: q_idx + 4000 >= kv_idx
+    soft_cap = lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0)
     bm = flexc.create_block_mask(mask_mod, 2, 1, 1, 4096, device="cpu")
-    spec = triton_decode.make_spec(None, flexc.trace(mask_mod), q, k, k, bm, target="cuda")
+    spec = triton_decode.make_spec(flexc.trace(soft_cap), flexc.trace(mask_mod), q, k, k, bm, target="cuda")
+    assert "libdevice.tanh(" in triton_backend.source_for(spec)  # as the forward kernel on CUDA
     off = triton_decode.compile_decode_offline(spec, q, k, k, bm)
     on = triton_decode.compile_decode_offline(spec, q, k, k, bm, guard_values=True)
     assert "cubin" in off.asm and off.metadata.shared <= HOPPER_SHARED_MEMORY

@@ -168,3 +168,22 @@ def test_an_uninitialised_cache_tail_masked_out_does_not_reach_the_output():
         t_out, t_lse = torch_flex.flex_attention(q, k_ok, v_ok, score_mod=score_mod, block_mask=tbm, enable_gqa=True,
                                                  return_lse=True)
         check(out, lse, t_out, t_lse)
+
+
+def test_index_arithmetic_that_would_wrap_int32_runs_in_int64():
+    """kv_idx * kv_idx passes 2**31 in a 50000-key cache: torch computes it in int64, so must the kernel."""
+    S_long = 50000
+
+    def wide(score, b, h, q_idx, kv_idx):
+        return score + ((kv_idx * kv_idx) % 97).float() * 0.05
+
+    def in_cache(b, h, q_idx, kv_idx):
+        return kv_idx < 49500
+
+    q, k, v = random_qkv(1, 2, 1, 1, S_long, E, seed=9)
+    bm = flexc.create_block_mask(in_cache, None, None, 1, S_long, BLOCK_SIZE=1024)  # 1024-key tiles: few steps
+    out, lse = run(q, k, v, score_mod=wide, block_mask=bm)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=wide, mask_mod=in_cache)
+    check(out, lse, ref_out, ref_lse)
+    source = flexc.kernel_source(q, k, v, score_mod=wide, block_mask=bm, enable_gqa=True, kernel_options=TRITON)
+    assert "flex_decode_split" in source and "kv_idx = kv_idx.to(tl.int64)" in source

@@ -25,11 +25,13 @@ on the partial-block columns as an additive 0/-inf mask: keys and values are rea
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import torch
 
 from ..evaluate import evaluate
+from ..table_lists import row_blocks, table_lists
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
 from . import fused_cpu
@@ -46,7 +48,8 @@ _NEG_INF = float("-inf")
 def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     """True for at most :data:`MAX_ROWS` query rows whose full score matrix stays under :data:`MAX_SCORES`."""
     B, Hq, L, _ = query.shape
-    return 0 < L <= MAX_ROWS and B * Hq * L * key.shape[2] <= MAX_SCORES and key.shape[2] > 0
+    # no key heads (H == 0): the row path returns the empty output (the GQA group would divide by 0)
+    return 0 < L <= MAX_ROWS and B * Hq * L * key.shape[2] <= MAX_SCORES and key.shape[2] > 0 and key.shape[1] > 0
 
 
 def _is_true(mod: TracedMod | None) -> bool:
@@ -68,32 +71,79 @@ def _block_sizes(block_mask: Any) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
-def _one_row_plan(block_mask: Any, L: int, S: int, device: torch.device):
-    """The plan for the usual decoding mask: every batch and head share one table row (a
-    broadcast mask sliced to one block row). ``(positions, start, spans)`` with ``spans`` the
-    ``(offset, length)`` runs of partial-block columns, the only ones the mask_mod is evaluated
-    on (as in the kernels); ``(None, None, [])`` when no block is listed; None when the mask has
-    several rows or too many partial runs (the general plan then serves it).
+@functools.lru_cache(maxsize=64)
+def _index_tensor(shape: tuple, device: torch.device) -> torch.Tensor:
+    """``arange`` laid along the one non-1 dim of ``shape`` (b, h or q_idx); never written to."""
+    return torch.arange(max(shape), device=device).view(shape)
 
-    The row is read with two ``tolist`` calls; the rest is Python on at most nKV block numbers.
+
+class _RowPlan(NamedTuple):
+    """The key range of a one-row decoding mask, reused while its table row is unchanged.
+
+    ``positions``: the key positions of the listed blocks (sorted); ``start``: their first one when
+    they are contiguous (the cache rows are then a slice), else None; ``spans``: ``(offset, length)``
+    runs of partial-block columns, the only ones the mask_mod is evaluated on (as in the kernels);
+    ``span_kv``: ``kv_idx`` for one mask_mod evaluation covering the spans. Never written to.
     """
+
+    positions: torch.Tensor | None
+    start: int | None
+    spans: tuple
+    span_kv: torch.Tensor | None
+
+
+_NOTHING_LISTED = _RowPlan(None, None, (), None)
+# (table contents, block sizes, L, S, device) -> _RowPlan: the tables of a decoding step's sliced
+# mask repeat for every token of a query-block row
+_PLANS: OrderedDict = OrderedDict()
+_MAX_PLANS = 64
+
+
+def _first_row_blocks(block_mask: Any) -> tuple[tuple, list, list] | tuple[None, list, list]:
+    """``(content key or None, partial blocks, full blocks)`` of the tables' first row."""
+    tables = (block_mask.kv_num_blocks, block_mask.kv_indices, getattr(block_mask, "full_kv_num_blocks", None),
+              getattr(block_mask, "full_kv_indices", None))
+    contents = table_lists(tables)
+    if contents is not None:
+        return contents, *row_blocks(contents, 0)
+    rows = []
+    for counts, indices in (tables[:2], tables[2:]):
+        rows.append(indices.view(-1)[:int(counts.view(-1)[0])].tolist() if counts is not None else [])
+    return None, *rows
+
+
+def _one_row_plan(block_mask: Any, L: int, S: int, device: torch.device) -> _RowPlan | None:
+    """The plan for the usual decoding mask: every batch and head share one table row (a
+    broadcast mask sliced to one block row). :data:`_NOTHING_LISTED` when no block is listed; None
+    when the mask has several rows or too many partial runs (the general plan then serves it)."""
     q_block, kv_block = _block_sizes(block_mask)
     num = block_mask.kv_num_blocks
     if num.shape[0] != 1 or num.shape[1] != 1 or L > q_block:
         return None
+    contents, partial, full = _first_row_blocks(block_mask)
+    key = (contents, q_block, kv_block, L, S, device) if contents is not None else None
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan_row(partial, full, kv_block, S, device)
+        if key is not None:
+            _PLANS[key] = plan
+            while len(_PLANS) > _MAX_PLANS:
+                _PLANS.popitem(last=False)
+    return plan if plan is not _TOO_MANY_SPANS else None
+
+
+_TOO_MANY_SPANS = _RowPlan(None, None, (), None)
+
+
+def _plan_row(partial: list, full: list, kv_block: int, S: int, device: torch.device) -> _RowPlan:
     n_blocks = -(-S // kv_block)
     classes: dict[int, bool] = {}  # block -> is partial
-    for counts, indices, partial in ((num, block_mask.kv_indices, True),
-                                     (getattr(block_mask, "full_kv_num_blocks", None),
-                                      getattr(block_mask, "full_kv_indices", None), False)):
-        if counts is None:
-            continue
-        count = int(counts.view(-1)[0])
-        for block in indices.view(-1)[:count].tolist():
+    for blocks, is_partial in ((partial, True), (full, False)):
+        for block in blocks:
             if block < n_blocks:
-                classes[block] = classes.get(block, False) or partial
+                classes[block] = classes.get(block, False) or is_partial
     if not classes:
-        return None, None, []
+        return _NOTHING_LISTED
     blocks = sorted(classes)
     spans: list[tuple[int, int]] = []
     offset = 0
@@ -106,13 +156,21 @@ def _one_row_plan(block_mask: Any, L: int, S: int, device: torch.device):
                 spans.append((offset, length))
         offset += length
     if len(spans) > _MAX_SPANS:
-        return None
+        return _TOO_MANY_SPANS
     if blocks[-1] - blocks[0] + 1 == len(blocks):
         start = blocks[0] * kv_block
-        return torch.arange(start, start + offset, device=device), start, spans
-    block_t = torch.tensor(blocks, device=device)
-    positions = (block_t[:, None] * kv_block + torch.arange(kv_block, device=device)).flatten()
-    return positions[positions < S], None, spans
+        positions = torch.arange(start, start + offset, device=device)
+    else:
+        start = None
+        block_t = torch.tensor(blocks, device=device)
+        positions = (block_t[:, None] * kv_block + torch.arange(kv_block, device=device)).flatten()
+        positions = positions[positions < S]
+    span_kv = None
+    if len(spans) == 1:
+        span_kv = positions[spans[0][0]:spans[0][0] + spans[0][1]].view(1, 1, 1, -1)
+    elif spans:  # several spans: one evaluation over every position (the op count, not the elements, costs)
+        span_kv = positions.view(1, 1, 1, -1)
+    return _RowPlan(positions, start, tuple(spans), span_kv)
 
 
 def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
@@ -144,24 +202,48 @@ def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
     return positions, start, partial[..., cols], (full[..., cols] if full is not None else None)
 
 
-def _blocked_spans(mask_mod: TracedMod, spans, positions: torch.Tensor, index: dict):
-    """``(offset, length, not allowed)`` for each partial span; one mask_mod evaluation covers them
-    all (over every position when there are several spans: the op count, not the elements, costs)."""
-    reads = _reads(mask_mod)
-    if len(spans) == 1:
-        offset, length = spans[0]
-        kv = positions[offset:offset + length].view(1, 1, 1, -1)
-        allowed = evaluate(mask_mod, **{k: (kv if k == "kv_idx" else index[k]) for k in reads})
-        return [(offset, length, allowed.logical_not())]
-    kv = positions.view(1, 1, 1, -1)
-    blocked = evaluate(mask_mod, **{k: (kv if k == "kv_idx" else index[k]) for k in reads}).logical_not()
-    return [(offset, length, blocked[..., offset:offset + length]) for offset, length in spans]
+def _blocked_spans(mask_mod: TracedMod, plan: _RowPlan, index: dict) -> list:
+    """``(offset, length, not allowed)`` for each partial span of ``plan``, from one mask_mod evaluation."""
+    blocked = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k])
+                                    for k in _reads(mask_mod)}).logical_not()
+    if len(plan.spans) == 1:
+        return [(*plan.spans[0], blocked)]
+    return [(offset, length, blocked[..., offset:offset + length]) for offset, length in plan.spans]
 
 
-def _flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, positions: torch.Tensor, spans,
-           mask_mod: TracedMod | None, scale: float):
-    """``(out, lse)`` from one fused-kernel call: GQA query heads stacked as rows, the mask_mod
-    (reading only q_idx/kv_idx) evaluated on the partial spans into an additive mask."""
+def _masked_columns(blocked_spans: list, n: int) -> tuple[list, int, int]:
+    """``(masked, lo, hi)``: the spans whose mask_mod verdicts block some pair, and the column range
+    ``[lo, hi)`` still worth reading.
+
+    A partial block is partial for its whole query-block row, but the few rows of a decoding call
+    often see it entirely allowed (the diagonal block of a causal mask at the last row: no mask
+    needed) or entirely blocked (the block a sliding window just left: its keys need not be read at
+    all, when it lies at either end of the range).
+    """
+    masked = []
+    for offset, length, blocked in blocked_spans:
+        count = int(blocked.sum())
+        if count:  # (count == numel: blocked for every row, broadcast dims included)
+            masked.append((offset, length, blocked, count == blocked.numel()))
+    lo, hi = 0, n
+    while masked and masked[0][3] and masked[0][0] == lo:
+        lo += masked.pop(0)[1]
+    while masked and masked[-1][3] and masked[-1][0] + masked[-1][1] == hi:
+        hi = masked.pop()[0]
+    return [(offset - lo, length, blocked) for offset, length, blocked, _ in masked], lo, hi
+
+
+def _finite_columns(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masked: list) -> bool:
+    """Whether the query and the masked columns' keys and values are finite: an additive -inf mask
+    (and ``0 * value`` for a masked key) turns NaN or inf there into NaN; elsewhere they are allowed
+    and propagate, as in torch."""
+    return all_finite(query) and all(all_finite(key[:, :, o:o + n], value[:, :, o:o + n]) for o, n, _ in masked)
+
+
+def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float):
+    """``(out, lse)`` from one fused-kernel call: GQA query heads stacked as rows, the masked
+    columns' verdicts (a mask_mod reading only q_idx/kv_idx) as an additive mask. With no masked
+    columns, any query length: unmasked attention is exactly this one call."""
     B, Hq, L, E = query.shape
     Hkv, n = k_sel.shape[1], k_sel.shape[2]
     G = Hq // Hkv
@@ -169,17 +251,24 @@ def _flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, positi
     if k_sel.shape[0] != B:  # one key batch for every query batch: the kernel takes a stride-0 view
         k_sel, v_sel = k_sel.expand(B, *k_sel.shape[1:]), v_sel.expand(B, *v_sel.shape[1:])
     mask = None
-    if spans and not _is_true(mask_mod):
+    if masked:
         mask = torch.zeros(1, 1, L, n, dtype=query.dtype, device=query.device)
-        q_idx = torch.arange(L, device=query.device).view(1, 1, L, 1)
-        for offset, length, blocked in _blocked_spans(mask_mod, spans, positions, {"q_idx": q_idx}):
+        for offset, length, blocked in masked:
             mask[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
         mask = fused_cpu._stack_heads(mask, G)
     o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E), k_sel, v_sel, attn_mask=mask, scale=scale)
-    if mask is not None and sum(length for _, length in spans) == n:  # no full block: rows may be dead
+    if masked and sum(length for _, length, _ in masked) == n:  # no allowed block: rows may be dead
         fused_cpu._fix_dead_rows(lse, mask)
     lse = lse.masked_fill(lse.isposinf(), float("nan"))  # a +inf score: NaN, as on the other paths
     return o.reshape(B, Hq, L, v_sel.shape[-1]).contiguous(), lse.reshape(B, Hq, L)
+
+
+def _nothing_allowed(query: torch.Tensor, Ev: int, need_max: bool, lse_dtype: torch.dtype):
+    """Every query row blocked: output 0, logsumexp (and row maxima) -inf."""
+    B, Hq, L, _ = query.shape
+    out = torch.zeros(B, Hq, L, Ev, dtype=query.dtype, device=query.device)
+    dead = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
+    return out, dead, (dead.float() if need_max else None)
 
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
@@ -191,6 +280,13 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     G = Hq // Hkv
     device = query.device
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    shapes = {"b": (B, 1, 1, 1), "h": (1, Hq, 1, 1), "q_idx": (1, 1, L, 1)}
+
+    def index(name: str) -> torch.Tensor:  # only the index tensors a mod reads are built
+        if name == "kv_idx":
+            return positions.view(1, 1, 1, n)
+        return _index_tensor(shapes[name], device)
+
     spans = None  # (offset, length) column runs that need the mask_mod, when known per column
     partial = full = None
     if block_mask is None:
@@ -198,14 +294,21 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     else:
         plan = _one_row_plan(block_mask, L, S, device)
         if plan is not None:
-            positions, start, spans = plan
+            positions, start, spans = plan.positions, plan.start, plan.spans
         else:
             positions, start, partial, full = _visited_positions(block_mask, L, S, device)
     if positions is None:  # no key block listed anywhere
-        out = torch.zeros(B, Hq, L, Ev, dtype=query.dtype, device=device)
-        dead = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=device)
-        return out, dead, (dead.float() if need_max else None)
+        return _nothing_allowed(query, Ev, need_max, lse_dtype)
     n = positions.numel()
+    masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
+    if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
+        given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
+        masked, lo, hi = _masked_columns(_blocked_spans(mask_mod, plan, given), n)
+        if lo >= hi:
+            return _nothing_allowed(query, Ev, need_max, lse_dtype)
+        if (lo, hi) != (0, n):  # blocked blocks at either end of the range are not read at all
+            positions, n = positions[lo:hi], hi - lo
+            start = start + lo if start is not None else None
     if start is not None:
         k_sel, v_sel = key[:, :, start:start + n], value[:, :, start:start + n]
     else:
@@ -213,10 +316,9 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     if (score_mod is None and not need_max and fused_cpu._FLASH is not None and device.type == "cpu"
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
-            and (_is_true(mask_mod) or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
-            # its additive -inf mask turns masked NaN/inf into NaN: only for finite inputs
-            and (_is_true(mask_mod) or not spans or all_finite(query, k_sel, v_sel))):
-        out, lse = _flash(query, k_sel, v_sel, positions, spans, mask_mod, scale)
+            and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
+            and (not masked or _finite_columns(query, k_sel, v_sel, masked))):
+        out, lse = flash(query, k_sel, v_sel, masked, scale)
         return out, lse.to(lse_dtype), None
 
     # scores in log2 units unless a score_mod needs natural ones: [B, Hkv, G*L, n] read as [B, Hq, L, n]
@@ -224,32 +326,21 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     q = query.to(work) * (scale if general else scale * LOG2E)
     s = torch.matmul(q.reshape(B, Hkv, G * L, E), k_sel.to(work).transpose(-1, -2))
     s4 = s.view(B, Hq, L, n)
-    shapes = {"b": (B, 1, 1, 1), "h": (1, Hq, 1, 1), "q_idx": (1, 1, L, 1)}
-
-    def index(name: str) -> torch.Tensor:  # only the index tensors a mod reads are built
-        if name == "kv_idx":
-            return positions.view(1, 1, 1, n)
-        shape = shapes[name]
-        return torch.arange(max(shape), device=device).view(shape)
-
     if general:
         modded = evaluate(score_mod, **{k: (s4 if k == "score" else index(k)) for k in _reads(score_mod)})
         if modded is not s4:
             s4.copy_(modded)
         s4.mul_(LOG2E)
+    for offset, length, blocked in masked:
+        s4[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
     allowed = None
-    if spans is not None:
-        if not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
-            given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
-            for offset, length, blocked in _blocked_spans(mask_mod, spans, positions, given):
-                s4[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
-    elif partial is not None:
+    if partial is not None:
         allowed = partial
         if not _is_true(mask_mod):
             allowed = allowed & evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})
         if full is not None:
             allowed = allowed | full
-    elif not _is_true(mask_mod):  # no BlockMask tables but a mask_mod: evaluate it everywhere
+    elif spans is None and not _is_true(mask_mod):  # no BlockMask tables but a mask_mod: evaluate it everywhere
         allowed = evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})
     if allowed is not None:
         s4.masked_fill_(allowed.logical_not(), _NEG_INF)
@@ -261,9 +352,13 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     # a row with any allowed key has l >= 1 (its maximum contributes exp2(0)); a fully masked row
     # has l = 0, P = 0 and m = -inf: clamping l to 1 gives it output 0 and lse -inf without a branch
     l = s4.sum(-1, keepdim=True).clamp_min_(1.0)
-    # masked keys' NaN/inf values must not reach P @ V through 0 * NaN (an uninitialised cache)
-    masked = allowed is not None or (spans is not None and not _is_true(mask_mod))
-    matmul = torch.matmul if not masked or all_finite(v_sel) else matmul_skipping_zeros
+    # masked keys' NaN/inf values must not reach P @ V through 0 * NaN (an uninitialised cache);
+    # on one-row plans only the masked columns can hold such keys
+    if allowed is not None:
+        finite = all_finite(v_sel)
+    else:
+        finite = all(all_finite(v_sel[:, :, o:o + length]) for o, length, _ in masked)
+    matmul = torch.matmul if finite else matmul_skipping_zeros
     o = matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
     lse = m.add_(l.log2_()).mul_(LN2).squeeze(-1) if not need_max else (m + l.log2()).mul_(LN2).squeeze(-1)
     row_max = (m * LN2).squeeze(-1).float() if need_max else None

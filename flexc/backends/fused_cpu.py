@@ -41,11 +41,12 @@ MIN_COST_PER_WORKER = 2e6
 
 
 def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) -> bool:
-    """Whether the fused kernel computes this forward exactly as the plain-torch path would."""
+    """Whether the fused kernel computes this forward exactly as the plain-torch path would
+    (``mods`` None: attention without mods)."""
     return (_FLASH is not None and not need_max and query.device.type == "cpu"
             and query.dtype in (torch.float32, torch.float64)
             and query.shape[-1] == value.shape[-1]
-            and (mods.score_mod is None or mods.bias_node is not None))
+            and (mods is None or mods.score_mod is None or mods.bias_node is not None))
 
 
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:

@@ -224,6 +224,10 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     """
     if decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
         return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype)
+    if (block_mask is None and score_mod is None and query.numel() and key.shape[2]
+            and fused_cpu.supported(query, value, None, need_max)):  # plain attention: torch's fused kernel
+        out, lse = decode_cpu.flash(query, key, value, [], scale)
+        return out, lse.to(lse_dtype), None
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     work = _work_dtype(query.dtype)

@@ -95,8 +95,10 @@ def resolve_backward_config(kernel_options: dict | None, dtype: torch.dtype, hea
 
 def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
                        v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None,
-                       target: str, grad_slots: Sequence[int] = (), has_full_blocks: bool = True) -> BackwardSpec:
-    """The :class:`BackwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask."""
+                       target: str, grad_slots: Sequence[int] = (), has_full_blocks: bool = True,
+                       index_dtype: str = "int32") -> BackwardSpec:
+    """The :class:`BackwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
+    ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`)."""
     if block_size is None:
         # no BlockMask: every block is full; blocks as large as the largest tile
         m1, n1, m2, n2, warps, stages = resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
@@ -107,7 +109,8 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
         m1, n1, m2, n2, warps, stages = resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
                                                                 q_block, kv_block, target)
     return BackwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, m1, n1, m2, n2,
-                        warps, stages, has_full_blocks, tuple(grad_slots), target, fwd._fp32_precision(target))
+                        warps, stages, has_full_blocks, tuple(grad_slots), target, fwd._fp32_precision(target),
+                        index_dtype)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
@@ -115,8 +118,11 @@ def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
     """The backward spec that a flex_attention call with these (validated) arguments runs."""
     block_size = fwd._block_sizes(block_mask) if block_mask is not None else None
     has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
-    return make_backward_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], block_size,
-                              kernel_options, fwd._target(query.device), grad_slots, has_full)
+    B, Hq, L, E = query.shape
+    # as the forward: int64 index arithmetic where int32 could wrap (torch computes in int64)
+    index_dtype = fwd._index_dtype((score_mod, mask_mod), B, Hq, L, value.shape[-2])
+    return make_backward_spec(score_mod, mask_mod, query.dtype, E, value.shape[-1], block_size,
+                              kernel_options, fwd._target(query.device), grad_slots, has_full, index_dtype)
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -148,8 +154,9 @@ def _tables(block_mask: Any, spec: BackwardSpec, L: int, S: int, device: torch.d
 # ---- the launch ---------------------------------------------------------------------------
 
 def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, dq, dk, dv, tables,
-                   grads, score_mod, mask_mod, scale: float) -> tuple[list, dict]:
-    """The backward kernel's positional arguments and constexprs for one launch."""
+                   grads, score_mod, mask_mod, scale: float, guard_inputs: bool | None = None) -> tuple[list, dict]:
+    """The backward kernel's positional arguments and constexprs for one launch (``guard_inputs``:
+    compile the NaN/inf input guard in; by default the launcher's choice for these tensors)."""
     B, Hq, L, E = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
@@ -167,15 +174,15 @@ def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, l
               *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *grad_out.stride(),
               delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(), *dv.stride(), Bm, Hm, nQ, nKV]
     args = [query, key, value, grad_out, lse2, delta, dq, dk, dv] + tables + buffers + shapes
+    if guard_inputs is None:
+        # zeroing masked NaN/inf q and k entries: compiled in only where it can matter
+        # (CPU calls with such entries; on CUDA as torch's kernels, see _guards_nonfinite_values)
+        guard_inputs = spec.mask_mod is not None and device.type == "cpu" and not all_finite(query, key)
     constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
                      Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
                      # lengths that are multiples of every tile need no bounds checks (a second variant)
                      DIVISIBLE=L % max(spec.block_m1, spec.block_m2) == 0 and S % max(spec.block_n1, spec.block_n2) == 0,
-                     # zeroing masked NaN/inf q and k entries: compiled in only where it can matter
-                     # (CPU calls with such entries; on CUDA as torch's kernels, see _guards_nonfinite_values)
-                     GUARD_NONFINITE_INPUTS=(spec.mask_mod is not None and device.type == "cpu"
-                                             and not all_finite(query, key)),
-                     HEAD_DIM=E,
+                     GUARD_NONFINITE_INPUTS=guard_inputs, HEAD_DIM=E,
                      HEAD_DIM_PAD=fwd.padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=fwd.padded_head_dim(Ev))
     return args, constants
 
@@ -247,8 +254,10 @@ def compile_backward_offline(spec: BackwardSpec, inputs: tuple, capability: int 
     dq, dk, dv, _, grads = _outputs(spec, query, key, value, spec.score_mod)
     rows = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
     tables = _tables(block_mask, spec, query.shape[2], key.shape[2], query.device)
+    # the stand-in tensors are uninitialised: the guard is off, as in every CUDA launch
     args, constants = _backward_args(spec, generated, query, key, value, torch.empty_like(query), rows, rows, dq, dk,
-                                     dv, tables, grads, spec.score_mod, spec.mask_mod, query.shape[-1] ** -0.5)
+                                     dv, tables, grads, spec.score_mod, spec.mask_mod, query.shape[-1] ** -0.5,
+                                     guard_inputs=False)
     return fwd.compile_like_launcher(getattr(module, generated.kernel_name), args, constants, spec.num_warps,
                                      spec.num_stages, capability, warp_size)
 

@@ -25,6 +25,8 @@ MAX_PACKED = 128  # GQA group x query rows in one tile
 def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
     """True when the decode kernel serves this call (short queries, packed heads share a mask row)."""
     B, Hq, L, _ = query.shape
+    if key.shape[1] == 0:  # no heads: the forward kernel's launcher returns the empty output
+        return False
     G = Hq // key.shape[1]
     if not 0 < L <= MAX_ROWS or G * L > MAX_PACKED or key.shape[2] == 0:
         return False
@@ -46,13 +48,18 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
     else:
         kv_block = tb._block_sizes(block_mask)[1]
         has_full = getattr(block_mask, "full_kv_num_blocks", None) is not None
-    # the interpreter pays per tile, so it takes whole key blocks; GPUs take 64-key tiles
-    block_n = tb._largest_pow2_divisor(kv_block, kv_block if target == "interpreter" else 64)
+    # the interpreter pays per tile, so it takes whole key blocks; GPUs take 64-key tiles. Tiles are
+    # powers of two (tl.arange): a 48-key block is three 16-key tiles, on either
+    largest = 1 << (kv_block.bit_length() - 1)
+    block_n = tb._largest_pow2_divisor(kv_block, largest if target == "interpreter" else 64)
     if block_n < 16:
         raise ValueError(f"flexc: the BlockMask's key block size {kv_block} must be a multiple of 16 for the "
                          f"Triton decode kernel. Fix: build the BlockMask with BLOCK_SIZE a multiple of 16 (e.g. 128).")
+    # as the forward: int64 index arithmetic where int32 could wrap (torch computes in int64)
+    index_dtype = tb._index_dtype((score_mod, mask_mod), B, Hq, L, value.shape[-2])
     return DecodeSpec(score_mod, mask_mod, query.dtype, E, value.shape[-1], kv_block,
-                      max(16, next_power_of_2(G * L)), block_n, 4, 2, has_full, target, tb._fp32_precision(target))
+                      max(16, next_power_of_2(G * L)), block_n, 4, 2, has_full, target, tb._fp32_precision(target),
+                      index_dtype)
 
 
 def _kernel(spec: DecodeSpec):

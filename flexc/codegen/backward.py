@@ -27,8 +27,9 @@ import torch
 from .. import ir
 from ..derivative import ScoreModDerivative, differentiate
 from ..trace import TracedMod
-from .forward import RCP_LN2, _TL, _dot, _render, _stems, padded_head_dim
-from .printer import HELPERS, BufferParam, RenderedMod, python_literal, render_mod
+from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
+from .forward import KV_BASES, RCP_LN2, _TL, _describe, _dot, _padded, _render, _stems, padded_head_dim
+from .printer import BufferParam, RenderedMod, python_literal, render_mod
 
 KERNEL_NAME = "flex_attention_backward"
 
@@ -59,6 +60,8 @@ class BackwardSpec:
     grad_slots: tuple[int, ...] = ()
     target: str = "cuda"
     fp32_precision: str = "ieee"
+    # integer type of the mods' index arithmetic, as the forward's (flexc.codegen.index_width)
+    index_dtype: str = "int32"
 
     def key(self) -> tuple:
         """The kernel cache key: the mods' structure, never their captured values or lengths."""
@@ -68,7 +71,7 @@ class BackwardSpec:
             self.mask_mod.key if self.mask_mod is not None else None,
             self.dtype, self.head_dim, self.v_head_dim, self.q_block_size, self.kv_block_size,
             self.block_m1, self.block_n1, self.block_m2, self.block_n2, self.num_warps, self.num_stages,
-            self.has_full_blocks, self.grad_slots, self.target, self.fp32_precision,
+            self.has_full_blocks, self.grad_slots, self.target, self.fp32_precision, self.index_dtype,
         )
 
     def grad_dtype(self, slot: int) -> torch.dtype:
@@ -123,7 +126,9 @@ def _call(r: RenderedMod, args: str) -> str:
 
 def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     """The Triton source of the backward kernel described by ``spec``."""
-    score, mask = _render(spec)  # the forward's mod functions, parameter names and all
+    score, mask = _render(spec, spec.target, spec.index_dtype)  # the forward's mod functions, parameter names and all
+    # the derivative functions and gradient addresses print like the mods (libdevice, index width)
+    style = dict(target=spec.target, index_dtype=spec.index_dtype)
     widen = "float64" if spec.dtype == torch.float64 else None
     derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()
@@ -133,7 +138,7 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     if derivative is not None:
         # derivatives read the score_mod's captured numbers: the same kernel arguments (score_mod_<name>)
         d_score = render_mod(derivative.as_mod(derivative.d_score, "score_grad"), "score_grad", score_stems,
-                             scalar_prefix="score_mod")
+                             scalar_prefix="score_mod", **style)
         n = len(spec.score_mod.buffers)
         gathers = []
         for j, g in enumerate(derivative.gathers):
@@ -147,9 +152,10 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
             names = spec.score_mod.buffer_names + tuple(f"{name}_grad" for name in spec.score_mod.buffer_names)
             target = dataclasses.replace(spec.score_mod, root=ir.load(grad_buf, g.indices), buffer_names=names,
                                          name=f"gather{j}_address")
-            address = render_mod(target, f"gather{j}_address", stems, address=True, scalar_prefix="score_mod")
+            address = render_mod(target, f"gather{j}_address", stems, address=True, scalar_prefix="score_mod",
+                                 index_dtype=spec.index_dtype)
             grad = render_mod(derivative.as_mod(g.grad, f"gather{j}_grad"), f"gather{j}_grad", score_stems,
-                              scalar_prefix="score_mod")
+                              scalar_prefix="score_mod", **style)
             what = ir.format_expr(g.load, spec.score_mod.buffer_names)
             gathers.append(_GatherCode(grad, address, what))
     else:
@@ -158,7 +164,6 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
 
     mods = [r for r in (score, mask, d_score) if r is not None]
     mods += [r for g in gathers for r in (g.grad, g.address)]
-    helpers = set().union(*(r.helpers for r in mods)) if mods else set()
     n_buf = len(spec.score_mod.buffers) if spec.score_mod is not None else 0
     # captured numbers (flexc.codegen.scalars) an address reads are the score_mod's, like its tensors
     score_params = _unique([p for r in (score, d_score) if r is not None for p in r.params]
@@ -168,13 +173,8 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     grad_params = _unique([p for g in gathers for p in g.address.params if p.what != "scalar"])
     buffers = [p.name for p in score_params] + [p.name for p in mask_params] + [p.name for p in grad_params]
 
-    lines = _header(spec, derivative, gathers)
-    lines += ["import triton", "import triton.language as tl", "", ""]
-    for name in sorted(helpers):
-        lines += [HELPERS[name], ""]
-    for r in mods:
-        if not r.is_constant:
-            lines += [r.source, ""]
+    # a constant mod is printed as its value where it is used: no function
+    lines = preamble(_header(spec, derivative, gathers), [r for r in mods if not r.is_constant])
     lines += _dkdv_blocks(spec, score, mask, d_score, gathers, buffers)
     lines += ["", ""]
     dq_buffers = buffers[:len(buffers) - len(grad_params)]  # dQ programs add no captured-tensor gradients
@@ -187,18 +187,12 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
 
 
 def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: list[_GatherCode]) -> list[str]:
-    def describe(traced: TracedMod | None, what: str) -> str:
-        if traced is None:
-            return f"#   {what:<9} none"
-        name = traced.name if traced.name != "<lambda>" else "lambda"
-        return f"#   {what:<9} {name}: {traced}"
-
     names = spec.score_mod.buffer_names if spec.score_mod is not None else ()
     E, Ev = spec.head_dim, spec.v_head_dim
     lines = [
         "# flexc backward attention kernel (generated; flexc.kernel_source(..., backward=True) returns this text).",
-        describe(spec.score_mod, "score_mod"),
-        describe(spec.mask_mod, "mask_mod"),
+        _describe(spec.score_mod, "score_mod"),
+        _describe(spec.mask_mod, "mask_mod"),
     ]
     if derivative is not None:
         lines.append(f"#   d score_mod / d score = {ir.format_expr(derivative.d_score, names)}")
@@ -213,6 +207,7 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
         f"#   tiles: dQ programs BLOCK_M2={spec.block_m2} x BLOCK_N2={spec.block_n2}, dK/dV programs "
         f"BLOCK_M1={spec.block_m1} x BLOCK_N1={spec.block_n1}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; target: {spec.target}",
+        *([f"#   index arithmetic in the mods: {spec.index_dtype}"] if spec.index_dtype != "int32" else []),
         "# One launch. Programs [0, NUM_KV_TILES) each own a key tile of one key head: they walk the",
         "# BlockMask's query tables for every query head of the GQA group and write dK, dV (and add",
         "# captured-tensor gradients). The remaining programs each own a query tile of one query head:",
@@ -344,27 +339,19 @@ def _bounds(indent: str, in_range: str, idx: str, offs: str, length: str, block:
 def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     tiles = spec.q_block_size // spec.block_m1
     widen = _widen(spec)
-    pad_e = spec.head_dim != padded_head_dim(spec.head_dim)
-    pad_ev = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    pad_e, pad_ev = _padded(spec)
     params = [
         "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
         "query_ptr, grad_out_ptr, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
         "block_count_ptr, block_index_ptr, scale, Q_LEN,",
+        *names_line(buffers),
+        *constexprs(("IS_FULL_BLOCKS", "BLOCK_M1", "BLOCK_N1", "Q_BLOCK_SIZE"), ("DIVISIBLE", "GUARD_NONFINITE_INPUTS"),
+                    HEAD_DIMS),
     ]
-    if buffers:
-        params.append(", ".join(buffers) + ",")
-    params += [
-        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr,",
-        "DIVISIBLE: tl.constexpr, GUARD_NONFINITE_INPUTS: tl.constexpr,",
-        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
-    ]
-    q_mask = "q_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if pad_e else "")
-    do_mask = "q_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if pad_ev else "")
+    q_ptrs = "query_ptr + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd"
+    do_ptrs = "grad_out_ptr + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod"
     body = [
-        "@triton.jit",
-        "def dkdv_blocks(",
-        *("    " + p for p in params),
-        "):",
+        *jit_def("dkdv_blocks", params),
         "    # One key tile against the query tiles of the listed query blocks, transposed: rows are",
         "    # keys, columns are queries, so dv and dk accumulate without transposing p and ds.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
@@ -372,8 +359,8 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         *_walk("block_count_ptr", "block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m"),
         "        offs_m = tl.multiple_of(start_m, BLOCK_M1) + tl.arange(0, BLOCK_M1)",
         *_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
-        f"        qT = tl.load(query_ptr + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd, mask={q_mask}, other=0.0){widen}",
-        f"        do = tl.load(grad_out_ptr + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod, mask={do_mask}, other=0.0){widen}",
+        f"        qT = {load(q_ptrs, 'q_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', pad_e), widen=widen)}",
+        f"        do = {load(do_ptrs, 'q_in_range[:, None]', pad_check('offs_dv[None, :]', 'V_HEAD_DIM', pad_ev), widen=widen)}",
         "        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0",
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
         f"        score = {_dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
@@ -402,35 +389,27 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
 def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     tiles = spec.kv_block_size // spec.block_n2
     widen = _widen(spec)
-    pad_e = spec.head_dim != padded_head_dim(spec.head_dim)
-    pad_ev = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    pad_e, pad_ev = _padded(spec)
     params = [
         "dq, q, do, lse, delta, b, h, q_idx, q_in_range,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_count_ptr, block_index_ptr, scale, KV_LEN,",
+        *names_line(buffers),
+        *constexprs(("IS_FULL_BLOCKS", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE"), ("DIVISIBLE", "GUARD_NONFINITE_INPUTS"),
+                    HEAD_DIMS),
     ]
-    if buffers:
-        params.append(", ".join(buffers) + ",")
-    params += [
-        "IS_FULL_BLOCKS: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
-        "DIVISIBLE: tl.constexpr, GUARD_NONFINITE_INPUTS: tl.constexpr,",
-        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
-    ]
-    k_mask = "kv_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if pad_e else "")
-    v_mask = "kv_in_range[None, :]" + (" & (offs_dv[:, None] < V_HEAD_DIM)" if pad_ev else "")
+    k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
+    v_ptrs = "value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd"
     return [
-        "@triton.jit",
-        "def dq_blocks(",
-        *("    " + p for p in params),
-        "):",
+        *jit_def("dq_blocks", params),
         "    # One query tile against the key tiles of the listed key blocks.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *_walk("block_count_ptr", "block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n"),
         "        offs_n = tl.multiple_of(start_n, BLOCK_N2) + tl.arange(0, BLOCK_N2)",
         *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
-        f"        kT = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen}",
-        f"        vT = tl.load(value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd, mask={v_mask}, other=0.0){widen}",
+        f"        kT = {load(k_ptrs, 'kv_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', pad_e), widen=widen)}",
+        f"        vT = {load(v_ptrs, 'kv_in_range[None, :]', pad_check('offs_dv[:, None]', 'V_HEAD_DIM', pad_ev), widen=widen)}",
         f"        score = {_dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
@@ -447,16 +426,14 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
 def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str], dq_buffers: list[str]) -> list[str]:
     acc = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
     widen = _widen(spec)
-    pad_e = spec.head_dim != padded_head_dim(spec.head_dim)
-    pad_ev = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    pad_e, pad_ev = _padded(spec)
     full = spec.has_full_blocks
     params = [
         "query_ptr, key_ptr, value_ptr, grad_out_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,",
         "partial_kv_counts_ptr, partial_kv_indices_ptr," + (" full_kv_counts_ptr, full_kv_indices_ptr," if full else ""),
         "partial_q_counts_ptr, partial_q_indices_ptr," + (" full_q_counts_ptr, full_q_indices_ptr," if full else ""),
+        *names_line(buffers),
     ]
-    if buffers:
-        params.append(", ".join(buffers) + ",")
     params += [
         "scale, Q_LEN, KV_LEN, GQA_GROUP,",
         "stride_qb, stride_qh, stride_qm, stride_qd,",
@@ -468,48 +445,34 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "stride_dkb, stride_dkh, stride_dkn, stride_dkd,",
         "stride_dvb, stride_dvh, stride_dvn, stride_dvd,",
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
-        "BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,",
-        "Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, DIVISIBLE: tl.constexpr,",
-        "GUARD_NONFINITE_INPUTS: tl.constexpr,",
-        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+        *constexprs(("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), ("Q_BLOCK_SIZE", "KV_BLOCK_SIZE", "DIVISIBLE"),
+                    ("GUARD_NONFINITE_INPUTS",), HEAD_DIMS),
     ]
     unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
-    dims = ("GUARD_NONFINITE_INPUTS=GUARD_NONFINITE_INPUTS, "
-            "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,")
-    buffer_args = [", ".join(buffers) + ","] if buffers else []
-    dq_buffer_args = [", ".join(dq_buffers) + ","] if dq_buffers else []
+    dims = ("GUARD_NONFINITE_INPUTS", *HEAD_DIMS)
 
     def dkdv_call(kind: str, is_full: bool) -> list[str]:
-        args = [
+        return call("dk, dv", "dkdv_blocks", [
             "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
             "q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
             f"{kind}_q_counts_ptr + mask_col, {kind}_q_indices_ptr + mask_col * MASK_Q_BLOCKS, scale, Q_LEN,",
-            *buffer_args,
-            f"IS_FULL_BLOCKS={is_full}, BLOCK_M1=BLOCK_M1, BLOCK_N1=BLOCK_N1, Q_BLOCK_SIZE=Q_BLOCK_SIZE, DIVISIBLE=DIVISIBLE,",
-            dims,
-        ]
-        return ["            dk, dv = dkdv_blocks(", *("                " + a for a in args), "            )"]
+            *names_line(buffers),
+            *keywords((f"IS_FULL_BLOCKS={is_full}", "BLOCK_M1", "BLOCK_N1", "Q_BLOCK_SIZE", "DIVISIBLE"), dims),
+        ], "            ")
 
     def dq_call(kind: str, is_full: bool) -> list[str]:
-        args = [
+        return call("dq", "dq_blocks", [
             "dq, q, do, lse, delta, b, h, q_idx, q_in_range,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_kv_counts_ptr + mask_row, {kind}_kv_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
-            *dq_buffer_args,
-            f"IS_FULL_BLOCKS={is_full}, BLOCK_M2=BLOCK_M2, BLOCK_N2=BLOCK_N2, KV_BLOCK_SIZE=KV_BLOCK_SIZE, DIVISIBLE=DIVISIBLE,",
-            dims,
-        ]
-        return ["        dq = dq_blocks(", *("            " + a for a in args), "        )"]
+            *names_line(dq_buffers),
+            *keywords((f"IS_FULL_BLOCKS={is_full}", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE", "DIVISIBLE"), dims),
+        ], "        ")
 
-    k_mask = "kv_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if pad_e else "")
-    v_mask = "kv_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if pad_ev else "")
-    q_mask = "q_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if pad_e else "")
-    do_mask = "q_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if pad_ev else "")
+    d_check = pad_check("offs_d[None, :]", "HEAD_DIM", pad_e)
+    dv_check = pad_check("offs_dv[None, :]", "V_HEAD_DIM", pad_ev)
     body = [
-        f"@triton.jit(do_not_specialize={unspecialised!r})",
-        f"def {KERNEL_NAME}(",
-        *("    " + p for p in params),
-        "):",
+        *jit_def(KERNEL_NAME, params, f"@triton.jit(do_not_specialize={unspecialised!r})"),
         "    pid = tl.program_id(0)",
         "    h_kv = tl.program_id(1)  # the key/value head",
         "    b = tl.program_id(2)  # the batch index the mods see",
@@ -517,14 +480,13 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         "    NUM_KV_TILES = (KV_LEN + BLOCK_N1 - 1) // BLOCK_N1",
         "    NUM_Q_TILES = (Q_LEN + BLOCK_M2 - 1) // BLOCK_M2",
-        "    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
-        "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh",
+        *KV_BASES,
         "    if pid < NUM_KV_TILES:",
         "        # ---- a dK/dV program: one key tile, every query head of the group ----",
         "        offs_n = pid * BLOCK_N1 + tl.arange(0, BLOCK_N1)",
         *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N1", "[:, None]"),
-        f"        k = tl.load(key_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask={k_mask}, other=0.0){widen}",
-        f"        v = tl.load(value_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen}",
+        f"        k = {load('key_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd', 'kv_in_range[:, None]', d_check, widen=widen)}",
+        f"        v = {load('value_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd', 'kv_in_range[:, None]', dv_check, widen=widen)}",
         f"        dk = tl.full((BLOCK_N1, HEAD_DIM_PAD), 0.0, {acc})",
         f"        dv = tl.full((BLOCK_N1, V_HEAD_DIM_PAD), 0.0, {acc})",
         "        for g in range(GQA_GROUP):",
@@ -542,9 +504,9 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         body += ["            # 2. full query blocks: score_mod only", *dkdv_call("full", True)]
     body += [
         "        dk_out = dk_ptr + b * stride_dkb + h_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd",
-        f"        tl.store(dk_out, (dk * scale).to(dk_ptr.dtype.element_ty), mask={k_mask})",
+        f"        {store('dk_out', '(dk * scale).to(dk_ptr.dtype.element_ty)', 'kv_in_range[:, None]', d_check)}",
         "        dv_out = dv_ptr + b * stride_dvb + h_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd",
-        f"        tl.store(dv_out, dv.to(dv_ptr.dtype.element_ty), mask={v_mask})",
+        f"        {store('dv_out', 'dv.to(dv_ptr.dtype.element_ty)', 'kv_in_range[:, None]', dv_check)}",
         "    else:",
         "        # ---- a dQ program: one query tile of one query head ----",
         "        tile = pid - NUM_KV_TILES",
@@ -557,9 +519,9 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
     if not _ignores_score(d_score):
         body += [
             "        q = tl.load(query_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,",
-            f"                    mask={q_mask}, other=0.0){widen}",
+            f"                    mask={bounds('q_in_range[:, None]', d_check)}, other=0.0){widen}",
             "        do = tl.load(grad_out_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,",
-            f"                     mask={do_mask}, other=0.0){widen}",
+            f"                     mask={bounds('q_in_range[:, None]', dv_check)}, other=0.0){widen}",
             "        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=float(\"inf\"))",
             "        delta = tl.load(delta_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=0.0)",
             "        mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M2) // Q_BLOCK_SIZE",
@@ -572,7 +534,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         body.append("        # the score_mod ignores the score: no gradient reaches q (or k)")
     body += [
         "        dq_out = dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd",
-        f"        tl.store(dq_out, (dq * scale).to(dq_ptr.dtype.element_ty), mask={q_mask})",
+        f"        {store('dq_out', '(dq * scale).to(dq_ptr.dtype.element_ty)', 'q_in_range[:, None]', d_check)}",
     ]
     return body
 

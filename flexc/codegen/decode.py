@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from ..trace import TracedMod
-from .forward import (LN2, RCP_LN2, _NONFINITE_VALUES, _TL, _buffer_args, _describe, _dot, _mask_lines, _render,
-                      _row_max, _row_sum, _score_lines, _value_guard_lines, padded_head_dim)
-from .printer import HELPERS, BufferParam
+from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble
+from .forward import (KV_BASES, LN2, RCP_LN2, _NONFINITE_VALUES, _TL, _buffer_args, _describe, _dot, _mask_lines, _padded,
+                      _render, _row_max, _row_sum, _score_lines, _softmax_state, _value_guard_lines,
+                      padded_head_dim)
+from .printer import BufferParam
 
 KERNEL_NAME = "flex_decode_split"
 
@@ -52,13 +54,16 @@ class DecodeSpec:
     has_full_blocks: bool = True
     target: str = "cuda"
     fp32_precision: str = "ieee"
+    # integer type of the mods' index arithmetic, as the forward's (flexc.codegen.index_width)
+    index_dtype: str = "int32"
 
     def key(self) -> tuple:
         return ("decode",
                 self.score_mod.key if self.score_mod is not None else None,
                 self.mask_mod.key if self.mask_mod is not None else None,
                 self.dtype, self.head_dim, self.v_head_dim, self.kv_block_size, self.block_m, self.block_n,
-                self.num_warps, self.num_stages, self.has_full_blocks, self.target, self.fp32_precision)
+                self.num_warps, self.num_stages, self.has_full_blocks, self.target, self.fp32_precision,
+                self.index_dtype)
 
 
 @dataclass(frozen=True)
@@ -71,11 +76,7 @@ class GeneratedDecode:
 
 def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     """The Triton source of the split-KV decode kernel described by ``spec``."""
-    score, mask = _render(spec)
-    helpers = set()
-    for r in (score, mask):
-        if r is not None:
-            helpers |= r.helpers
+    score, mask = _render(spec, spec.target, spec.index_dtype)
     E, Ev = spec.head_dim, spec.v_head_dim
     widen = spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
     acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
@@ -88,6 +89,7 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
         f"#   BlockMask key blocks of {spec.kv_block_size}; tiles: BLOCK_M={spec.block_m} packed query rows, "
         f"BLOCK_N={spec.block_n} keys; num_warps={spec.num_warps}, num_stages={spec.num_stages}; "
         f"target: {spec.target}",
+        *([f"#   index arithmetic in the mods: {spec.index_dtype}"] if spec.index_dtype != "int32" else []),
         "# One program per (split, key head, batch). Its tile's rows are the GQA_GROUP query heads that",
         "# share the key head times the Q_LEN query rows (row r: head h_kv * GQA_GROUP + r // Q_LEN,",
         "# q_idx r % Q_LEN). It walks its share of the BlockMask row's listed key blocks (partial: score_mod",
@@ -97,12 +99,7 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     if widen:
         header.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
         header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
-    lines = header + ["import triton", "import triton.language as tl", "", ""]
-    for name in sorted(helpers):
-        lines += [HELPERS[name], ""]
-    for r in (score, mask):
-        if r is not None:
-            lines += [r.source, ""]
+    lines = preamble(header, [r for r in (score, mask) if r is not None])
     if mask is not None:
         lines += [_NONFINITE_VALUES, ""]
     lines += _attend_range(spec, score, mask, widen)
@@ -114,20 +111,19 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
 
 def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
     """The online-softmax loop over listed blocks ``[first, last)`` of one table row."""
-    buffers = _buffer_args(score, mask)
     tiles = spec.kv_block_size // spec.block_n
-    k_mask = "kv_in_range[None, :]" + (" & (offs_d[:, None] < HEAD_DIM)" if spec.head_dim != padded_head_dim(spec.head_dim) else "")
-    v_mask = "kv_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if spec.v_head_dim != padded_head_dim(spec.v_head_dim) else "")
+    d_pad, dv_pad = _padded(spec)
+    k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
+    v_ptrs = "value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd"
     widen_t = ".to(tl.float32)" if widen else ""
     p_operand = f"p.to({_TL[spec.dtype]}).to(tl.float32)" if widen else f"p.to({_TL[spec.dtype]})"
     params = [
         "acc, l_i, m_i, q, b, h, q_idx,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_index_ptr, first, last, scale, KV_LEN,",
-        *([", ".join(buffers) + ","] if buffers else []),
-        "IS_FULL_BLOCKS: tl.constexpr, GUARD_NONFINITE_VALUES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,",
-        "KV_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,",
-        "V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
+        *names_line(_buffer_args(score, mask)),
+        *constexprs(("IS_FULL_BLOCKS", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
+                    ("KV_BLOCK_SIZE", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
     if tiles == 1:
         walk = ["    for i in range(first, last):",
@@ -137,16 +133,13 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
                 f"    for i in range(first * {tiles}, last * {tiles}):",
                 f"        start_n = tl.load(block_index_ptr + i // {tiles}) * KV_BLOCK_SIZE + (i % {tiles}) * BLOCK_N"]
     body = [
-        "@triton.jit",
-        "def attend_range(",
-        *("    " + p for p in params),
-        "):",
+        *jit_def("attend_range", params),
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *walk,
         "        offs_n = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)",
         "        kv_in_range = offs_n < KV_LEN",
-        f"        k = tl.load(key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd, mask={k_mask}, other=0.0){widen_t}",
+        f"        k = {load(k_ptrs, 'kv_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', d_pad), widen=widen_t)}",
         *([f"        qk = {_dot('q', 'k', spec)} * scale"] if score is not None else
           [f"        qk = {_dot('q', 'k', spec)} * (scale * {RCP_LN2})  # scaled and in base 2 at once: no score_mod"]),
         "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
@@ -163,7 +156,7 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
         "        alpha = tl.exp2(m_i - m_safe)",
         "        p = tl.exp2(qk - m_safe[:, None])",
         f"        l_i = l_i * alpha + {_row_sum(spec, 'p')}",
-        f"        v = tl.load(value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, other=0.0){widen_t}",
+        f"        v = {load(v_ptrs, 'kv_in_range[:, None]', pad_check('offs_dv[None, :]', 'V_HEAD_DIM', dv_pad), widen=widen_t)}",
     ]
     if masked:  # the guard adds to the rescaled acc, so it must come between the rescale and the dot
         body += ["        acc = acc * alpha[:, None]",
@@ -182,42 +175,34 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
 
 def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[str]:
     buffers = _buffer_args(score, mask)
-    q_mask = "row_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if spec.head_dim != padded_head_dim(spec.head_dim) else "")
-    o_mask = "row_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if spec.v_head_dim != padded_head_dim(spec.v_head_dim) else "")
+    d_pad, dv_pad = _padded(spec)
     params = [
         "query_ptr, key_ptr, value_ptr, out_split_ptr, lse_split_ptr,",
         "partial_block_counts_ptr, partial_block_indices_ptr,"
         + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
-        *([", ".join(buffers) + ","] if buffers else []),
+        *names_line(buffers),
         "scale, Q_LEN, KV_LEN, GQA_GROUP, KV_HEADS, NUM_SPLITS,",
         "stride_qb, stride_qh, stride_qm, stride_qd,",
         "stride_kb, stride_kh, stride_kn, stride_kd,",
         "stride_vb, stride_vh, stride_vn, stride_vd,",
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
-        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
-        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
-        "GUARD_NONFINITE_VALUES: tl.constexpr,",
+        *constexprs(("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS, ("GUARD_NONFINITE_VALUES",)),
     ]
     unspecialised = ["Q_LEN", "KV_LEN", "NUM_SPLITS"] + [b for b in buffers if not b.endswith("_ptr")]
 
-    def call(kind: str, first: str, last: str, full: bool) -> list[str]:
-        args = [
+    def attend(kind: str, first: str, last: str, full: bool) -> list[str]:
+        return call("acc, l_i, m_i", "attend_range", [
             "acc, l_i, m_i, q, b, h, q_idx,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, {first}, {last}, scale, KV_LEN,",
-            *([", ".join(buffers) + ","] if buffers else []),
-            f"IS_FULL_BLOCKS={full}, GUARD_NONFINITE_VALUES=GUARD_NONFINITE_VALUES,",
-            "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
-            "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,",
-        ]
-        return ["    acc, l_i, m_i = attend_range(", *("        " + a for a in args), "    )"]
+            *names_line(buffers),
+            *keywords((f"IS_FULL_BLOCKS={full}", "GUARD_NONFINITE_VALUES"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"),
+                      HEAD_DIMS),
+        ], "    ")
 
     full_count = "tl.load(full_block_counts_ptr + mask_row)" if spec.has_full_blocks else "0"
     body = [
-        f"@triton.jit(do_not_specialize={unspecialised!r})",
-        f"def {KERNEL_NAME}(",
-        *("    " + p for p in params),
-        "):",
+        *jit_def(KERNEL_NAME, params, f"@triton.jit(do_not_specialize={unspecialised!r})"),
         "    split = tl.program_id(0)",
         "    h_kv = tl.program_id(1)",
         "    b = tl.program_id(2)  # the batch index the mods see",
@@ -231,7 +216,8 @@ def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         "    q = tl.load(query_ptr + b * stride_qb + h * stride_qh + q_idx * stride_qm + offs_d[None, :] * stride_qd,",
-        f"                mask={q_mask}, other=0.0){'.to(tl.float32)' if widen else ''}",
+        f"                mask={bounds('row_in_range[:, None]', pad_check('offs_d[None, :]', 'HEAD_DIM', d_pad))}, "
+        f"other=0.0){'.to(tl.float32)' if widen else ''}",
         "    # the group's row of the BlockMask tables (shared by its heads: MASK_HEADS is 1 or GQA_GROUP is 1)",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + (h_kv * GQA_GROUP) % MASK_HEADS) * MASK_Q_BLOCKS",
         "    n_partial = tl.load(partial_block_counts_ptr + mask_row)",
@@ -240,17 +226,14 @@ def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[
         "    per_split = (n_partial + n_full + NUM_SPLITS - 1) // NUM_SPLITS",
         "    first = split * per_split",
         "    last = tl.minimum(first + per_split, n_partial + n_full)",
-        "    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
-        "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh",
-        f"    m_i = tl.full((BLOCK_M,), float(\"-inf\"), {acc_dtype})",
-        f"    l_i = tl.full((BLOCK_M,), 0.0, {acc_dtype})",
-        f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})",
+        *KV_BASES,
+        *_softmax_state(acc_dtype),
         "    # 1. partial blocks: score_mod and mask_mod",
-        *call("partial", "tl.minimum(first, n_partial)", "tl.minimum(last, n_partial)", False),
+        *attend("partial", "tl.minimum(first, n_partial)", "tl.minimum(last, n_partial)", False),
     ]
     if spec.has_full_blocks:
         body += ["    # 2. full blocks: score_mod only",
-                 *call("full", "tl.maximum(first - n_partial, 0)", "tl.maximum(last - n_partial, 0)", True)]
+                 *attend("full", "tl.maximum(first - n_partial, 0)", "tl.maximum(last - n_partial, 0)", True)]
     body += [
         "    # a row with nothing allowed in this split has l_i == 0, m_i == -inf: output 0, lse -inf",
         "    l_safe = tl.where(l_i == 0.0, 1.0, l_i)",
@@ -259,7 +242,8 @@ def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[
         "    # per-split results: out_split [B, Hkv, NUM_SPLITS, BLOCK_M, V_HEAD_DIM], lse_split [B, Hkv, NUM_SPLITS, BLOCK_M]",
         "    slot = (b * KV_HEADS + h_kv) * NUM_SPLITS + split",
         "    tl.store(out_split_ptr + (slot * BLOCK_M + rows[:, None]) * V_HEAD_DIM + offs_dv[None, :],",
-        f"             out.to(out_split_ptr.dtype.element_ty), mask={o_mask})",
+        f"             out.to(out_split_ptr.dtype.element_ty), "
+        f"mask={bounds('row_in_range[:, None]', pad_check('offs_dv[None, :]', 'V_HEAD_DIM', dv_pad))})",
         "    tl.store(lse_split_ptr + slot * BLOCK_M + rows, lse.to(lse_split_ptr.dtype.element_ty), mask=row_in_range)",
     ]
     return body

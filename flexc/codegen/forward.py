@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..trace import TracedMod
-from .printer import HELPERS, BufferParam, RenderedMod, python_literal, render_mod
+from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
+from .printer import BufferParam, RenderedMod, python_literal, render_mod
 
 KERNEL_NAME = "flex_attention_forward"
 RCP_LN2 = 1.4426950408889634  # 1 / ln(2): scores move to base 2 so the softmax can use exp2
@@ -149,10 +150,6 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     score, mask = _render(spec, spec.target, spec.index_dtype)
     score_params = score.params if score is not None else ()
     mask_params = mask.params if mask is not None else ()
-    helpers = set()
-    for r in (score, mask):
-        if r is not None:
-            helpers |= r.helpers
 
     E, Ev = spec.head_dim, spec.v_head_dim
     E_pad, Ev_pad = padded_head_dim(E), padded_head_dim(Ev)
@@ -187,15 +184,7 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     if widen:
         header.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
         header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
-    imports = ["import triton", "import triton.language as tl"]
-    if any(r is not None and r.uses_libdevice for r in (score, mask)):
-        imports.append("from triton.language.extra import libdevice")
-    lines = header + imports + ["", ""]
-    for name in sorted(helpers):
-        lines += [HELPERS[name], ""]
-    for r in (score, mask):
-        if r is not None:
-            lines += [r.source, ""]
+    lines = preamble(header, [r for r in (score, mask) if r is not None])
     if mask is not None:
         lines += [_NONFINITE_VALUES, ""]
 
@@ -215,6 +204,23 @@ def _buffer_args(score: RenderedMod | None, mask: RenderedMod | None) -> list[st
         if r is not None:
             names += [p.name for p in r.params]
     return names
+
+
+# a program's key and value heads (every kernel); stride_kb/vb are 0 when key/value broadcast over batch
+KV_BASES = ["    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
+            "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh"]
+
+
+def _softmax_state(acc_dtype: str) -> list[str]:
+    """The online softmax's starting state: row max -inf, row sum 0, output accumulator 0."""
+    return [f"    m_i = tl.full((BLOCK_M,), float(\"-inf\"), {acc_dtype})",
+            f"    l_i = tl.full((BLOCK_M,), 0.0, {acc_dtype})",
+            f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})"]
+
+
+def _padded(spec) -> tuple[bool, bool]:
+    """Whether the head dim and the value head dim are padded (their tiles need bounds checks)."""
+    return spec.head_dim != padded_head_dim(spec.head_dim), spec.v_head_dim != padded_head_dim(spec.v_head_dim)
 
 
 def _dot(a: str, b: str, spec: ForwardSpec, acc: str = "") -> str:
@@ -308,28 +314,22 @@ def _mask_lines(spec: ForwardSpec, mask: RenderedMod | None, indent: str) -> lis
 
 def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
     """The device function for one key tile: scores, mods, and the online-softmax update."""
-    buffers = _buffer_args(score, mask)
     params = [
         "acc, l_i, m_i, q, b, h, q_idx, start_n,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
+        *names_line(_buffer_args(score, mask)),
+        *constexprs(("IS_FULL_BLOCKS", "CHECK_KV", "ROWS_GUARANTEED_SAFE"), ("GUARD_NONFINITE_VALUES",),
+                    ("BLOCK_M", "BLOCK_N", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
-    if buffers:
-        params.append(", ".join(buffers) + ",")
-    params += [
-        "IS_FULL_BLOCKS: tl.constexpr, CHECK_KV: tl.constexpr, ROWS_GUARANTEED_SAFE: tl.constexpr,",
-        "GUARD_NONFINITE_VALUES: tl.constexpr,",
-        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,",
-        "V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
-    ]
-    d_pad = spec.head_dim != padded_head_dim(spec.head_dim)
-    dv_pad = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    d_pad, dv_pad = _padded(spec)
     k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
     v_ptrs = "value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd"
     widen_k = ".to(tl.float32)" if widen else ""
-    k_checked = f"tl.load({k_ptrs}, mask=kv_in_range[None, :]{' & (offs_d[:, None] < HEAD_DIM)' if d_pad else ''}, other=0.0){widen_k}"
-    v_checked = f"tl.load({v_ptrs}, mask=kv_in_range[:, None]{' & (offs_dv[None, :] < V_HEAD_DIM)' if dv_pad else ''}, other=0.0){widen_k}"
-    k_plain = (f"tl.load({k_ptrs}, mask=offs_d[:, None] < HEAD_DIM, other=0.0)" if d_pad else f"tl.load({k_ptrs})") + widen_k
-    v_plain = (f"tl.load({v_ptrs}, mask=offs_dv[None, :] < V_HEAD_DIM, other=0.0)" if dv_pad else f"tl.load({v_ptrs})") + widen_k
+    k_pad = pad_check("offs_d[:, None]", "HEAD_DIM", d_pad)
+    v_pad = pad_check("offs_dv[None, :]", "V_HEAD_DIM", dv_pad)
+    k_checked = load(k_ptrs, "kv_in_range[None, :]", k_pad, widen=widen_k)
+    v_checked = load(v_ptrs, "kv_in_range[:, None]", v_pad, widen=widen_k)
+    k_plain, v_plain = load(k_ptrs, k_pad, widen=widen_k), load(v_ptrs, v_pad, widen=widen_k)
     value_dtype = _TL[spec.dtype]
     p_operand = f"p.to({value_dtype}).to(tl.float32)" if widen else f"p.to({value_dtype})"
     prescaled = spec.prescale_qk
@@ -347,10 +347,7 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
                 else RCP_LN2 if score is not None else "qk_scale")
     row_max = _row_max(spec, "qk")
     body = [
-        "@triton.jit",
-        "def attend_tile(",
-        *("    " + p for p in params),
-        "):",
+        *jit_def("attend_tile", params),
         "    # One BLOCK_N tile of keys starting at start_n: scores, the mods, the online-softmax update.",
         "    # Only the tile that holds the end of the keys (CHECK_KV) pays for bounds: masked loads,",
         "    # clamped indices and -inf past KV_LEN.",
@@ -409,43 +406,31 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
 
 
 def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list[str]:
-    buffers = _buffer_args(score, mask)
+    buffers = names_line(_buffer_args(score, mask))
     params = [
         "acc, l_i, m_i, q, b, h, q_idx,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_count_ptr, block_index_ptr, scale, KV_LEN,",
+        *buffers,
+        *constexprs(("IS_FULL_BLOCKS", "KV_LEN_DIVISIBLE"),
+                    ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "GUARD_NONFINITE_VALUES"),
+                    ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS),
     ]
-    if buffers:
-        params.append(", ".join(buffers) + ",")
-    params += [
-        "IS_FULL_BLOCKS: tl.constexpr, KV_LEN_DIVISIBLE: tl.constexpr,",
-        "ROWS_GUARANTEED_SAFE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, GUARD_NONFINITE_VALUES: tl.constexpr,",
-        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
-        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
-    ]
-    tile_args = ["acc, l_i, m_i, q, b, h, q_idx, start_n,",
-                 "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,"]
-    if buffers:
-        tile_args.append(", ".join(buffers) + ",")
-    tail = ["ROWS_GUARANTEED_SAFE=ROWS_GUARANTEED_SAFE, GUARD_NONFINITE_VALUES=GUARD_NONFINITE_VALUES,",
-            "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,",
-            "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"]
 
     def tile(check: str, indent: str) -> list[str]:
-        return [f"{indent}acc, l_i, m_i = attend_tile(",
-                *(f"{indent}    {a}" for a in tile_args),
-                f"{indent}    IS_FULL_BLOCKS=IS_FULL_BLOCKS, CHECK_KV={check},",
-                *(f"{indent}    {a}" for a in tail),
-                f"{indent})"]
+        return call("acc, l_i, m_i", "attend_tile", [
+            "acc, l_i, m_i, q, b, h, q_idx, start_n,",
+            "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
+            *buffers,
+            *keywords(("IS_FULL_BLOCKS", f"CHECK_KV={check}"), ("ROWS_GUARANTEED_SAFE", "GUARD_NONFINITE_VALUES"),
+                      ("BLOCK_M", "BLOCK_N"), HEAD_DIMS),
+        ], indent)
 
     count = "tl.load(block_count_ptr)" + (f" * {tiles_per_block}" if tiles_per_block > 1 else "")
     in_block = f" + (i % {tiles_per_block}) * BLOCK_N" if tiles_per_block > 1 else ""
     block_of = f"i // {tiles_per_block}" if tiles_per_block > 1 else "i"
     body = [
-        "@triton.jit",
-        "def attend_blocks(",
-        *("    " + p for p in params),
-        "):",
+        *jit_def("attend_blocks", params),
         "    # Online softmax over the key tiles of the listed blocks: running row max m_i and row sum",
         "    # l_i (base 2) and the unnormalised output acc.",
         "    first_block = tl.load(block_index_ptr)  # read even when the list is empty: the table has a column",
@@ -476,9 +461,8 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         "query_ptr, key_ptr, value_ptr, out_ptr," + (" lse_ptr," if spec.output_lse else ""),
         "partial_block_counts_ptr, partial_block_indices_ptr,"
         + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
+        *names_line(buffers),
     ]
-    if buffers:
-        params.append(", ".join(buffers) + ",")
     strides = ["stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kn", "stride_kd",
                "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_ob", "stride_oh", "stride_om", "stride_od"]
     params += [
@@ -490,47 +474,35 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         strides += ["stride_lb", "stride_lh"]
     params += [
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
-        "BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLOCK_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,",
-        "HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, V_HEAD_DIM: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,",
-        "ROWS_GUARANTEED_SAFE: tl.constexpr, BLOCKS_ARE_CONTIGUOUS: tl.constexpr, GUARD_NONFINITE_VALUES: tl.constexpr,",
-        "Q_LEN_DIVISIBLE: tl.constexpr, KV_LEN_DIVISIBLE: tl.constexpr, INT64_OFFSETS: tl.constexpr,",
+        *constexprs(("BLOCK_M", "BLOCK_N", "Q_BLOCK_SIZE", "KV_BLOCK_SIZE"), HEAD_DIMS,
+                    ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "GUARD_NONFINITE_VALUES"),
+                    ("Q_LEN_DIVISIBLE", "KV_LEN_DIVISIBLE", "INT64_OFFSETS")),
     ]
     buffer_strides = [b for b in buffers if "_stride_" in b]
     # Lengths and captured-tensor sizes/strides change with the input; Triton must not specialise
     # on them, or every new length would compile again.
     unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
-    d_pad = spec.head_dim != padded_head_dim(spec.head_dim)
-    dv_pad = spec.v_head_dim != padded_head_dim(spec.v_head_dim)
+    d_pad, dv_pad = _padded(spec)
     q_ptrs = "query_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd"
     o_ptrs = "out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od"
-    q_mask_checked = "q_in_range[:, None]" + (" & (offs_d[None, :] < HEAD_DIM)" if d_pad else "")
-    o_mask_checked = "q_in_range[:, None]" + (" & (offs_dv[None, :] < V_HEAD_DIM)" if dv_pad else "")
+    q_pad = pad_check("offs_d[None, :]", "HEAD_DIM", d_pad)
+    o_pad = pad_check("offs_dv[None, :]", "V_HEAD_DIM", dv_pad)
     widen_q = ".to(tl.float32)" if widen else ""
-    q_plain = (f"tl.load({q_ptrs}, mask=offs_d[None, :] < HEAD_DIM, other=0.0)" if d_pad else f"tl.load({q_ptrs})") + widen_q
     out_value = "out.to(out_ptr.dtype.element_ty)"
-    o_plain = f"tl.store({o_ptrs}, {out_value}" + (", mask=offs_dv[None, :] < V_HEAD_DIM)" if dv_pad else ")")
-    tail = ["ROWS_GUARANTEED_SAFE=ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS=BLOCKS_ARE_CONTIGUOUS,",
-            "GUARD_NONFINITE_VALUES=GUARD_NONFINITE_VALUES,",
-            "BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_BLOCK_SIZE=KV_BLOCK_SIZE,",
-            "HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, V_HEAD_DIM=V_HEAD_DIM, V_HEAD_DIM_PAD=V_HEAD_DIM_PAD,"]
 
-    def call(kind: str, full: bool) -> list[str]:
-        args = [
+    def blocks(kind: str, full: bool) -> list[str]:
+        return call("acc, l_i, m_i", "attend_blocks", [
             "acc, l_i, m_i, q, b, h, q_idx,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_block_counts_ptr + mask_row, {kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
-        ]
-        if buffers:
-            args.append(", ".join(buffers) + ",")
-        args += [f"IS_FULL_BLOCKS={full}, KV_LEN_DIVISIBLE=KV_LEN_DIVISIBLE,", *tail]
-        return ["    acc, l_i, m_i = attend_blocks(", *("        " + a for a in args), "    )"]
+            *names_line(buffers),
+            *keywords((f"IS_FULL_BLOCKS={full}", "KV_LEN_DIVISIBLE"), ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS"),
+                      ("GUARD_NONFINITE_VALUES",), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS),
+        ], "    ")
 
     widened = strides + buffer_strides + ["MASK_KV_BLOCKS"]
     body = [
-        f"@triton.jit(do_not_specialize={unspecialised!r})",
-        f"def {KERNEL_NAME}(",
-        *("    " + p for p in params),
-        "):",
+        *jit_def(KERNEL_NAME, params, f"@triton.jit(do_not_specialize={unspecialised!r})"),
         "    q_tile = tl.program_id(0)",
         "    h = tl.program_id(1)  # the query head the mods see",
         "    b = tl.program_id(2)  # the batch index the mods see",
@@ -541,11 +513,11 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         "    if Q_LEN_DIVISIBLE:  # every query tile is whole",
-        f"        q = {q_plain}",
+        f"        q = {load(q_ptrs, q_pad, widen=widen_q)}",
         "        q_idx = offs_m[:, None]",
         "    else:",
         "        q_in_range = offs_m < Q_LEN",
-        f"        q = tl.load({q_ptrs}, mask={q_mask_checked}, other=0.0){widen_q}",
+        f"        q = {load(q_ptrs, 'q_in_range[:, None]', q_pad, widen=widen_q)}",
         "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
     ]
     if spec.prescale_qk:
@@ -555,24 +527,21 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     body += [
         "    # this tile's row of the BlockMask tables; their batch and heads broadcast by modulo",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M) // Q_BLOCK_SIZE",
-        "    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
-        "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh",
-        f"    m_i = tl.full((BLOCK_M,), float(\"-inf\"), {acc_dtype})",
-        f"    l_i = tl.full((BLOCK_M,), 0.0, {acc_dtype})",
-        f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})",
+        *KV_BASES,
+        *_softmax_state(acc_dtype),
         "    # 1. partial blocks: score_mod and mask_mod",
-        *call("partial", False),
+        *blocks("partial", False),
     ]
     if spec.has_full_blocks:
-        body += ["    # 2. full blocks: score_mod only", *call("full", True)]
+        body += ["    # 2. full blocks: score_mod only", *blocks("full", True)]
     body += [
         "    # a row that saw no allowed key has l_i == 0 and m_i == -inf: its output is 0 and its lse -inf",
         "    l_safe = tl.where(l_i == 0.0, 1.0, l_i)",
         "    out = acc / l_safe[:, None]",
         "    if Q_LEN_DIVISIBLE:",
-        f"        {o_plain}",
+        f"        {store(o_ptrs, out_value, o_pad)}",
         "    else:",
-        f"        tl.store({o_ptrs}, {out_value}, mask={o_mask_checked})",
+        f"        {store(o_ptrs, out_value, 'q_in_range[:, None]', o_pad)}",
     ]
     if spec.output_lse:
         lse_ptrs = "lse_ptr + b * stride_lb + h * stride_lh + offs_m"

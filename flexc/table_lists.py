@@ -1,0 +1,57 @@
+"""Small BlockMask tables as Python lists: a content key for decoding's validation and planning.
+
+A decoding step slices a one-row BlockMask out of a large one and calls attention with it. The
+tables then hold a few dozen entries, and every tensor operation on them costs more than the
+arithmetic. Read once as Python lists (one ``tolist`` per table), their contents are a hashable
+key: masks with the same entries share one validation verdict and one key-range plan, whichever
+objects hold them, so neither is redone while decoding stays inside one query-block row.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+LIMIT = 4096  # entries of kv_indices up to which tables are read as lists
+
+# the tables read last, by identity and version, and their contents: validation and planning of
+# one call read the same tables (the kept tables keep their ids from being reused)
+_last: list = [None, None, None]
+
+
+class TableContents(NamedTuple):
+    """The kv tables of a BlockMask as Python values; equal contents mean equal tables."""
+
+    layout: tuple  # (shape, dtype) of each of the four tables, None for absent full tables
+    num_shape: tuple  # kv_num_blocks' shape [B, H, nQ]: the flat rows below follow it
+    n_kv: int  # entries per row of the index tables
+    counts: tuple
+    indices: tuple  # row r's entries are indices[r * n_kv:(r + 1) * n_kv]
+    full_counts: tuple | None
+    full_indices: tuple | None
+
+
+def table_lists(tables: tuple) -> TableContents | None:
+    """The contents of ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)``, or None
+    when they are not small tensors (at most :data:`LIMIT` index entries)."""
+    identity = tuple((id(t), t._version) if isinstance(t, torch.Tensor) else id(t) for t in tables)
+    if _last[0] == identity:
+        return _last[2]
+    num, idx = tables[0], tables[1]
+    if (not all(isinstance(t, torch.Tensor) for t in tables if t is not None) or num is None or idx is None
+            or idx.numel() > LIMIT or idx.dim() < 1 or (tables[2] is None) != (tables[3] is None)):
+        return None
+    flat = [tuple(t.reshape(-1).tolist()) if t is not None else None for t in tables]
+    layout = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in tables)
+    contents = TableContents(layout, tuple(num.shape), idx.shape[-1], *flat)
+    _last[:] = [identity, tables, contents]
+    return contents
+
+
+def row_blocks(contents: TableContents, row: int) -> tuple[tuple, tuple]:
+    """``(partial blocks, full blocks)`` listed by flat row ``row`` of ``contents``."""
+    n_kv = contents.n_kv
+    partial = contents.indices[row * n_kv: row * n_kv + contents.counts[row]]
+    if contents.full_counts is None:
+        return partial, ()
+    return partial, contents.full_indices[row * n_kv: row * n_kv + contents.full_counts[row]]
