@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import bounds
-from .errors import InvalidTablesError, InvalidValueError
+from .errors import AssertedValueError, InvalidValueError
 from .mask_mods import noop_mask
 from .tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_ordered,
                     evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
@@ -179,7 +179,7 @@ class BlockMask:
         pairs = {"full_kv": (full_kv_num_blocks, full_kv_indices), "full_q": (full_q_num_blocks, full_q_indices)}
         for prefix, (num, idx) in pairs.items():
             if (num is None) != (idx is None):
-                raise InvalidTablesError(f"BlockMask: {prefix}_num_blocks and {prefix}_indices must be both "
+                raise AssertedValueError(f"BlockMask: {prefix}_num_blocks and {prefix}_indices must be both "
                                          f"provided or omitted (given together or both None).")
         if dq_write_order_full is not None and dq_write_order is None:
             raise ValueError("BlockMask: dq_write_order_full requires dq_write_order.")
@@ -237,7 +237,7 @@ class BlockMask:
             raise InvalidValueError(f"{where}: BlockMask must have at least 2 dimensions: kv_indices must be a "
                                     f"tensor with at least 2 dims [..., nQ, nKV].")
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
-            raise InvalidTablesError(f"{where}: full_kv_num_blocks and full_kv_indices must be given together or "
+            raise AssertedValueError(f"{where}: full_kv_num_blocks and full_kv_indices must be given together or "
                                      f"both be None.")
         if kv_num_blocks.shape != kv_indices.shape[:-1]:
             raise ValueError(f"{where}: kv_num_blocks has shape {list(kv_num_blocks.shape)} but kv_indices "

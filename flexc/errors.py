@@ -22,9 +22,9 @@ class InvalidValueError(ValueError, RuntimeError):
     FORCE_USE_FLEX_ATTENTION, a sliced BlockMask passed to flex_attention)."""
 
 
-class InvalidTablesError(ValueError, AssertionError):
-    """Inconsistent BlockMask tables, which torch's ``BlockMask`` constructor rejects with ``AssertionError``
-    (e.g. ``full_kv_num_blocks`` without ``full_kv_indices``)."""
+class AssertedValueError(ValueError, AssertionError):
+    """A value torch rejects with ``AssertionError``: unpaired BlockMask tables (``full_kv_num_blocks``
+    without ``full_kv_indices``), kernel_options keys torch reserves for itself (``OUTPUT_LOGSUMEXP``)."""
 
 
 class InvalidTypeError(TypeError, RuntimeError):

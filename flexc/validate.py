@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidValueError, UnsupportedInputError, UnsupportedTypeError
+from .errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError
 from .table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -326,6 +326,9 @@ def check_kernel_options(kernel_options: Any) -> dict:
     options = dict(kernel_options)
     for name in options:
         base = name[4:] if isinstance(name, str) and name.startswith(("fwd_", "bwd_")) else name
+        if name in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):  # torch sets these itself from return_lse/return_aux
+            raise AssertedValueError(f"flex_attention: {name} must not be in kernel_options. Fix: ask for the "
+                                     f"output with return_aux=AuxRequest(lse=True) or AuxRequest(max_scores=True).")
         if name != "BACKEND" and base not in KNOWN_OPTIONS:
             raise ValueError(f"flex_attention: unknown kernel_options key {name!r}; expected BACKEND or one of "
                              f"{sorted(KNOWN_OPTIONS)} (optionally prefixed fwd_/bwd_). Fix: remove or correct the key.")

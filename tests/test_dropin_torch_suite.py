@@ -54,6 +54,8 @@ CASES = {
     "backend_and_force": (lambda lib: lib.flex_attention(*_qkv(), kernel_options={
         "BACKEND": "TRITON", "FORCE_USE_FLEX_ATTENTION": True}),
         r"BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION"),
+    "reserved_option": (lambda lib: lib.flex_attention(*_qkv(), kernel_options={"OUTPUT_LOGSUMEXP": True}),
+                        r"OUTPUT_LOGSUMEXP must not be in kernel_options"),
     "bad_backend": (lambda lib: lib.flex_attention(*_qkv(), kernel_options={"BACKEND": "NOPE"}),
                     r"Invalid BACKEND value"),
     "sliced_mask": (lambda lib: lib.flex_attention(*_qkv(L=128, S=256), block_mask=lib.create_block_mask(
