@@ -445,6 +445,7 @@ def run_paged_case(c, backend):
     n_pages = sum(-(-n // page) for n in c["lengths"]) + c["spare_pages"]
     N = n_pages * page  # logical key positions the converted mods may compute lie in [-page, N)
     masks, scores = catalogues(B, Hq, N)
+    masks = {**masks, **KV_BLIND_MASKS}
     positions = lengths - L  # the query rows are each sequence's last L tokens
     inner = masks[c["mask"]] if c["mask"] is not None else None
 
