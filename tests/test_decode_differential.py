@@ -114,7 +114,8 @@ def decode_cases(draw, triton: bool = False):
         lengths_seed=draw(st.integers(0, 2 ** 16)),
         mask_batch=draw(st.sampled_from(["B", "None", "None"])),
         mask_heads=draw(st.sampled_from(["H", "None", "None"])),
-        build=draw(st.sampled_from(["direct", "sliced", "sliced_tensor_index", "torch", "no_full_tables",
+        build=draw(st.sampled_from(["direct", "sliced", "sliced_tensor_index", "sliced_torch", "torch",
+                                    "no_full_tables",
                                     "reclassified"])),
         layout=draw(st.sampled_from(["contiguous", "bshd", "cache_slice", "expanded_kv", "strided_dim"])),
         nan_masked=draw(st.booleans()),
@@ -197,7 +198,10 @@ def build_block_mask(c, mask_mod, lib=flexc):
         whole_mod = masks[c["mask"]] if c["mask"] is not None else (lambda b, h, q_idx, kv_idx: q_idx >= 0)
         if c["ragged"]:
             whole_mod = with_cache_lengths(whole_mod if c["mask"] is not None else None, _lengths_of(mask_mod))
-        whole = flexc.create_block_mask(whole_mod, B, H, N, S, BLOCK_SIZE=block)
+        if c["build"] == "sliced_torch":  # torch's mask and torch's slicing, handed to flexc
+            whole = torch_flex.create_block_mask(whole_mod, B, H, N, S, device="cpu", BLOCK_SIZE=block)
+        else:
+            whole = flexc.create_block_mask(whole_mod, B, H, N, S, BLOCK_SIZE=block)
         row, end = offset // block[0], -(-(offset + L) // block[0])
         if end - row > 1:
             sliced = whole[:, :, row:end]
@@ -273,8 +277,8 @@ def tolerances(dtype):
     return {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}[dtype]
 
 
-def assert_matches(out, lse, ref_out, ref_lse, dtype, what):
-    atol = tolerances(dtype)
+def assert_matches(out, lse, ref_out, ref_lse, dtype, what, atol=None):
+    atol = atol or tolerances(dtype)
     assert out.shape == ref_out.shape and out.dtype == dtype, what
     assert not out.isnan().any(), f"{what}: NaN in the output"
     torch.testing.assert_close(out.double(), ref_out.double(), atol=atol, rtol=atol, msg=lambda m: f"{what}: {m}")
@@ -317,8 +321,8 @@ def run_case(c, backend):
         poisoned = hide_nan_in_masked_cache(q, k, v, mask_mod)
         if poisoned is not None:
             k2, v2 = poisoned
-            out2, lse2 = flexc.flex_attention(q, k2, v2, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
-                                              return_lse=True, kernel_options=options)
+            out2, lse2 = flexc.flex_attention(q, k2, v2, score_mod=score_mod, block_mask=bm, scale=scale,
+                                              enable_gqa=gqa, return_lse=True, kernel_options=options)
             assert_matches(out2, lse2, ref_out, ref_lse, c["dtype"], f"{backend} with NaN in the masked cache")
     return q, k, v, score_mod, mask_mod, out, lse
 
@@ -352,7 +356,10 @@ def check_against_torch(c, q, k, v, score_mod, mask_mod, out, lse):
         warnings.simplefilter("ignore")
         t_out, t_lse = torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm, scale=c["scale"],
                                                  enable_gqa=c["Hq"] != c["Hkv"], return_lse=True)
-    assert_matches(out, lse, t_out, t_lse.to(lse.dtype), c["dtype"], "flexc vs torch")
+    # torch's eager path runs float32 parts of a mod (an int index times a Python float) its own
+    # way: ~1e-8 from the float64 reference, where flexc is exact
+    assert_matches(out, lse, t_out, t_lse.to(lse.dtype), c["dtype"], "flexc vs torch",
+                   atol=max(1e-6, tolerances(c["dtype"])))
 
 
 @fuzz(40)
