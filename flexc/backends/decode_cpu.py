@@ -212,6 +212,8 @@ def _span_verdicts(mask_mod: TracedMod, plan: _RowPlan, index: dict) -> list:
     allowed = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k]) for k in _reads(mask_mod)})
     if len(plan.spans) == 1:
         return [(*plan.spans[0], allowed)]
+    # a mask_mod that ignores kv_idx gives one verdict column: widen it before slicing out the spans
+    allowed = allowed.expand(*allowed.shape[:-1], plan.span_kv.shape[-1])
     return [(offset, length, allowed[..., offset:offset + length]) for offset, length in plan.spans]
 
 
