@@ -104,6 +104,13 @@ def _laid_out_like(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return t.new_empty_strided(t.shape, strides).copy_(t)
 
 
+def _in_dtype_of(query: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (key or value) in query's dtype. torch accepts key/value of another dtype (e.g. low-precision
+    caches) and computes in query's: exact for a narrower key/value, rounded for a wider one. The cast
+    is differentiable, so gradients reach key/value in their own dtype."""
+    return t if t.dtype == query.dtype else t.to(query.dtype)
+
+
 def _grad_slots(score_mod: TracedMod | None) -> tuple[int, ...]:
     """Slots of the score_mod's captured float tensors that require grad."""
     if score_mod is None:
@@ -233,6 +240,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
+    key, value = _in_dtype_of(query, key), _in_dtype_of(query, value)
     backend = _choose_backend(options, query.device)
     # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
     B, Hq, L, _ = query.shape
@@ -285,6 +293,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     validate.check_block_mask(block_mask, query, key)
     scale = validate.check_scale(scale, query)
     options = validate.check_kernel_options(kernel_options)
+    key, value = _in_dtype_of(query, key), _in_dtype_of(query, value)
     backend = options["BACKEND"] = _choose_backend(options, query.device)
     want_max = bool(return_aux is not None and return_aux.max_scores)
     if want_max and backend != "TORCH":

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import bounds
+from .errors import AssertedValueError, InvalidValueError
 from .mask_mods import noop_mask
 from .tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_ordered,
                     evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
@@ -48,7 +49,7 @@ DERIVED = _Derived()
 def _sliced_mask_mod_error(b, h, q_idx, kv_idx):
     """Stands in for the mask_mod of a sliced BlockMask, whose block rows no longer start at 0."""
     raise RuntimeError(
-        "this mask_mod belongs to a sliced BlockMask: slicing with [] renumbers batches, heads or "
+        "Cannot use mask_mod from a sliced BlockMask: this mask_mod belongs to a sliced BlockMask: slicing with [] renumbers batches, heads or "
         "query blocks, so the original mask_mod no longer describes it. Fix: set "
         "`sliced.mask_mod` from the original BlockMask's mask_mod, adjusted for the slice "
         "(for example with a q_idx offset).")
@@ -165,8 +166,9 @@ class BlockMask:
                  dq_write_order_full: torch.Tensor | None = None, dq_kv_order: torch.Tensor | None = None,
                  dq_kv_order_spt: bool | None = None) -> None:
         if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() < 2:
-            raise ValueError(f"BlockMask: kv_indices must be a tensor with at least 2 dims [..., nQ, nKV], "
-                             f"got {kv_indices if not isinstance(kv_indices, torch.Tensor) else list(kv_indices.shape)}.")
+            raise InvalidValueError(f"BlockMask must have at least 2 dimensions: kv_indices must be a tensor with at "
+                                    f"least 2 dims [..., nQ, nKV], "
+                                    f"got {kv_indices if not isinstance(kv_indices, torch.Tensor) else list(kv_indices.shape)}.")
         if not isinstance(kv_num_blocks, torch.Tensor):
             raise TypeError(f"BlockMask: kv_num_blocks must be a tensor, got {type(kv_num_blocks).__name__}.")
         q_tables = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
@@ -177,8 +179,8 @@ class BlockMask:
         pairs = {"full_kv": (full_kv_num_blocks, full_kv_indices), "full_q": (full_q_num_blocks, full_q_indices)}
         for prefix, (num, idx) in pairs.items():
             if (num is None) != (idx is None):
-                raise ValueError(f"BlockMask: {prefix}_num_blocks and {prefix}_indices must be given together "
-                                 f"or both be None.")
+                raise AssertedValueError(f"BlockMask: {prefix}_num_blocks and {prefix}_indices must be both "
+                                         f"provided or omitted (given together or both None).")
         if dq_write_order_full is not None and dq_write_order is None:
             raise ValueError("BlockMask: dq_write_order_full requires dq_write_order.")
         self.seq_lengths = tuple(seq_lengths)
@@ -232,10 +234,11 @@ class BlockMask:
         """
         where = "BlockMask.from_kv_blocks"
         if not isinstance(kv_indices, torch.Tensor) or kv_indices.dim() < 2:
-            raise ValueError(f"{where}: kv_indices must be a tensor with at least 2 dims [..., nQ, nKV].")
+            raise InvalidValueError(f"{where}: BlockMask must have at least 2 dimensions: kv_indices must be a "
+                                    f"tensor with at least 2 dims [..., nQ, nKV].")
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
-            raise ValueError(f"{where}: full_kv_num_blocks and full_kv_indices must be given together or "
-                             f"both be None.")
+            raise AssertedValueError(f"{where}: full_kv_num_blocks and full_kv_indices must be given together or "
+                                     f"both be None.")
         if kv_num_blocks.shape != kv_indices.shape[:-1]:
             raise ValueError(f"{where}: kv_num_blocks has shape {list(kv_num_blocks.shape)} but kv_indices "
                              f"{list(kv_indices.shape)}; expected kv_num_blocks to be kv_indices.shape[:-1].")

@@ -27,9 +27,9 @@ _R = TypeVar("_R")
 _score_mod_signature = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 _mask_mod_signature = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
-# The backends kernel_options["BACKEND"] may name in flexc (torch's FLASH/TRITON_DECODE have no
-# flexc counterpart; TORCH is flexc's CPU block-sparse path).
-_Backend = Literal["AUTO", "TORCH", "TRITON"]
+# The backends kernel_options["BACKEND"] may name in flexc: TORCH is flexc's CPU block-sparse path;
+# torch's FLASH/TRITON_DECODE (its own kernels) are accepted and run as AUTO.
+_Backend = Literal["AUTO", "TORCH", "TRITON", "FLASH", "TRITON_DECODE"]
 
 _DEFAULT_SPARSE_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 # A block size larger than any sequence: one block covers everything.

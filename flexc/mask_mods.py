@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from .errors import InvalidTypeError
 from .trace import MASK_MOD, mod_kind
 
 MaskMod = Callable[..., torch.Tensor]
@@ -33,8 +34,9 @@ def _name_of(mod: Callable) -> str:
 def _check_mask_mods(combinator: str, mods: tuple) -> None:
     for position, mod in enumerate(mods):
         if not callable(mod):
-            raise TypeError(
-                f"{combinator}: argument {position} must be a mask_mod function (b, h, q_idx, kv_idx), "
+            raise InvalidTypeError(
+                f"{combinator}: All inputs should be callable mask_mods: argument {position} must be a "
+                f"mask_mod function (b, h, q_idx, kv_idx), "
                 f"got {type(mod).__name__} {mod!r}. Fix: pass the function itself, not its result.")
         kind = mod_kind(mod)
         if kind != MASK_MOD:

@@ -1,7 +1,10 @@
 """Input checks for :func:`flexc.flex_attention`, run before any work.
 
 Each check raises ``TypeError`` (wrong kind of object) or ``ValueError`` (right kind, wrong value)
-naming the argument, what was expected, what was given, and how to fix it.
+naming the argument, what was expected, what was given, and how to fix it. Where torch's
+FlexAttention rejects the same input, the message opens with torch's sentence (code written for torch
+matches on it) and, where torch raises another type, the error is also of that type
+(:mod:`flexc.errors`).
 """
 from __future__ import annotations
 
@@ -12,10 +15,15 @@ from typing import Any
 
 import torch
 
+from .errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError
 from .table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
+# torch's names for its own kernels (CuTe flash, split-KV decode), which flexc does not have: code
+# written for torch passes them unchanged and flexc chooses its own path, as for "AUTO" (torch's eager
+# CPU path ignores BACKEND too).
+TORCH_ONLY_BACKENDS = ("FLASH", "TRITON_DECODE")
 
 # torch 2.13's documented FlexKernelOptions keys (each may also carry a fwd_/bwd_ prefix).
 KNOWN_OPTIONS = frozenset({
@@ -32,21 +40,25 @@ def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
             raise TypeError(f"flex_attention: `{name}` must be a torch.Tensor, got {type(t).__name__}. "
                             f"Fix: pass a tensor of shape [batch, heads, length, head_dim].")
         if t.dim() != 4:
-            raise ValueError(f"flex_attention: `{name}` must be 4-D [batch, heads, length, head_dim], got "
-                             f"{t.dim()}-D shape {tuple(t.shape)}. Fix: reshape it, e.g. add a batch "
-                             f"dimension with `.unsqueeze(0)`.")
+            torch_says = ("Expected query, key, and value to all be  at least 2 dimensional" if t.dim() < 2
+                          else "NYI: query, key, and value must be 4D tensors")
+            error = ValueError if t.dim() < 2 else UnsupportedInputError
+            raise error(f"flex_attention: {torch_says}: `{name}` must be 4-D [batch, heads, length, head_dim], "
+                        f"got {t.dim()}-D shape {tuple(t.shape)}. Fix: reshape it, e.g. add a batch "
+                        f"dimension with `.unsqueeze(0)`.")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"flex_attention: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, "
                             f"float32, float64. Fix: convert it with `.float()` or `.to(torch.bfloat16)`.")
         if t.is_nested:
-            raise TypeError(f"flex_attention: `{name}` is a nested tensor; expected a dense tensor. "
-                            f"Fix: pad the sequences and mask the padding with a mask_mod.")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise ValueError(f"flex_attention: query, key and value must share a dtype, got {query.dtype}, "
-                         f"{key.dtype}, {value.dtype}. Fix: convert them to one dtype, e.g. `key.to(query.dtype)`.")
+            raise UnsupportedTypeError(f"flex_attention: flex_attention does not support NestedTensor inputs: "
+                                       f"`{name}` is a nested tensor; expected a dense tensor. "
+                                       f"Fix: pad the sequences and mask the padding with a mask_mod.")
+    # key/value may have another dtype than query (as in torch): flex_attention computes in query's dtype
     if not (query.device == key.device == value.device):
-        raise ValueError(f"flex_attention: query, key and value must be on one device, got {query.device}, "
-                         f"{key.device}, {value.device}. Fix: move them with `.to(query.device)`.")
+        raise ValueError(f"flex_attention: Expected query, key, and value to have the same device type, but got "
+                         f"query.device: "
+                         f"{query.device}, key.device: {key.device}, and value.device: {value.device} instead. "
+                         f"Fix: move them with `.to(query.device)`.")
     B, Hq, L, E = query.shape
     Bk, Hkv, S, Ek = key.shape
     Bv, Hv, Sv, _ = value.shape
@@ -55,7 +67,8 @@ def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
                          f"{tuple(query.shape)}). Fix: pass tensors with a non-empty last dimension; only "
                          f"`value` may have head dim 0.")
     if Ek != E:
-        raise ValueError(f"flex_attention: `key` head dim must equal query's (E={E}), got {Ek} "
+        raise ValueError(f"flex_attention: Expect query and key/value to have the same embedding dimension "
+                         f"but got E={E} and E={Ek}: `key` head dim must equal query's (E={E}), got {Ek} "
                          f"(query {tuple(query.shape)}, key {tuple(key.shape)}). Fix: project both to the same head dim.")
     if Sv != S:
         raise ValueError(f"flex_attention: `value` length must equal key's (S={S}), got {Sv} "
@@ -64,15 +77,17 @@ def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
         raise ValueError(f"flex_attention: `value` batch and heads must equal key's ({Bk}, {Hkv}), got ({Bv}, {Hv}). "
                          f"Fix: key and value must come from the same [batch, heads] layout.")
     if Bk not in (B, 1):
-        raise ValueError(f"flex_attention: `key`/`value` batch must equal query's (B={B}) or be 1 (broadcast), "
-                         f"got {Bk}. Fix: expand or slice key/value to batch {B}.")
+        raise ValueError(f"flex_attention: Expect query and key/value to have the same batch size (or key/value "
+                         f"batch 1, broadcast): `key`/`value` batch must equal query's (B={B}) or be 1, got {Bk}. "
+                         f"Fix: expand or slice key/value to batch {B}.")
     if Hq != Hkv:
         if not enable_gqa:
-            raise ValueError(f"flex_attention: query has Hq={Hq} heads but key/value have Hkv={Hkv}; expected "
-                             f"equal heads when enable_gqa=False. Fix: pass enable_gqa=True for grouped-query attention.")
+            raise ValueError(f"flex_attention: Expect query and key/value to have the same number of heads but "
+                             f"got Hq={Hq} and Hkv={Hkv}. Try setting enable_gqa=True for GQA. Fix: pass "
+                             f"enable_gqa=True for grouped-query attention.")
         if Hkv == 0 or Hq % Hkv != 0:
-            raise ValueError(f"flex_attention: with enable_gqa=True, query heads (Hq={Hq}) must be a multiple of "
-                             f"key/value heads (Hkv={Hkv}). Fix: choose Hkv dividing Hq.")
+            raise ValueError(f"flex_attention: Expect number of query heads to be a multiple of kv heads for GQA "
+                             f"but got Hq={Hq} and Hkv={Hkv}. Fix: choose Hkv dividing Hq.")
 
 
 def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
@@ -83,24 +98,31 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
     if not all(hasattr(block_mask, a) for a in needed):
         raise TypeError(f"flex_attention: `block_mask` must be a BlockMask (flexc's or torch's), got "
                         f"{type(block_mask).__name__}. Fix: build one with flexc.create_block_mask(mask_mod, B, H, L, S).")
+    if _is_sliced_stub(getattr(block_mask, "mask_mod", None)):
+        raise InvalidValueError("flex_attention: Cannot use mask_mod from a sliced BlockMask: slicing with [] "
+                                "replaces the mask_mod. Fix: set `sliced.mask_mod` from the original BlockMask's "
+                                "mask_mod (adjusted for the slice), or build a BlockMask for these inputs.")
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     lengths = tuple(int(x) for x in block_mask.seq_lengths)
     if lengths != (L, S):
-        raise ValueError(f"flex_attention: `block_mask` was built for (Q_LEN, KV_LEN)={lengths} but the inputs have "
-                         f"(L, S)=({L}, {S}). Fix: rebuild it with create_block_mask(mask_mod, B, H, {L}, {S}), or, "
+        raise ValueError(f"flex_attention: block_mask was created for (Q_LEN, KV_LEN)={lengths} but got "
+                         f"q_len={L} and kv_len={S}: `block_mask` must be built for the inputs' (L, S)=({L}, {S}). "
+                         f"Fix: rebuild it with create_block_mask(mask_mod, B, H, {L}, {S}), or, "
                          f"if it is larger, crop it with block_mask._adjust({L}, {S}) (keeps the upper-left corner; "
                          f"right only for masks that do not depend on the total length).")
     Bm, Hm = block_mask.kv_num_blocks.shape[:2]
     if Bm not in (1, B):
-        raise ValueError(f"flex_attention: `block_mask` has batch {Bm}; expected 1 (broadcast) or the query's "
-                         f"batch {B}. Fix: build it with B=None (broadcast) or B={B}.")
+        raise ValueError(f"flex_attention: Expect query and key/value to have the same batch size, or block_mask "
+                         f"and query to have the same batch size: `block_mask` has batch {Bm}; expected 1 "
+                         f"(broadcast) or the query's batch {B}. Fix: build it with B=None (broadcast) or B={B}.")
     if Hm not in (1, Hq):
         raise ValueError(f"flex_attention: `block_mask` has {Hm} heads; expected 1 (broadcast) or the query's "
                          f"{Hq} heads. Fix: build it with H=None (broadcast) or H={Hq}.")
     if block_mask.kv_num_blocks.device != query.device:
-        raise ValueError(f"flex_attention: `block_mask` is on {block_mask.kv_num_blocks.device} but the inputs are on "
-                         f"{query.device}. Fix: `block_mask.to({str(query.device)!r})`.")
+        raise InvalidValueError(f"flex_attention: Expect q/k/v and block_mask to be on the same device: "
+                                f"`block_mask` is on {block_mask.kv_num_blocks.device} but the inputs are on "
+                                f"{query.device}. Fix: `block_mask.to({str(query.device)!r})`.")
     if not torch.compiler.is_compiling():  # compiled calls check the tables' values in the custom op
         check_block_tables(block_mask, L, S)
 
@@ -273,6 +295,13 @@ def check_captured(traced: Any, device: torch.device, where: str = "flex_attenti
                              f"`{name} = {name}.to({str(device)!r})` before defining the mod.")
 
 
+def _is_sliced_stub(mask_mod: Any) -> bool:
+    """Whether ``mask_mod`` is the stand-in that flexc's or torch's ``BlockMask.__getitem__`` attaches."""
+    # by name, not identity: flexc.block_mask imports this module
+    return (getattr(mask_mod, "__name__", None) == "_sliced_mask_mod_error"
+            and getattr(mask_mod, "__module__", None) in ("flexc.block_mask", "torch.nn.attention.flex_attention"))
+
+
 def check_scale(scale: Any, query: torch.Tensor) -> float:
     """The softmax scale: ``1/sqrt(E)`` by default, else a finite real number."""
     if scale is None:
@@ -297,12 +326,21 @@ def check_kernel_options(kernel_options: Any) -> dict:
     options = dict(kernel_options)
     for name in options:
         base = name[4:] if isinstance(name, str) and name.startswith(("fwd_", "bwd_")) else name
+        if name in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):  # torch sets these itself from return_lse/return_aux
+            raise AssertedValueError(f"flex_attention: {name} must not be in kernel_options. Fix: ask for the "
+                                     f"output with return_aux=AuxRequest(lse=True) or AuxRequest(max_scores=True).")
         if name != "BACKEND" and base not in KNOWN_OPTIONS:
             raise ValueError(f"flex_attention: unknown kernel_options key {name!r}; expected BACKEND or one of "
                              f"{sorted(KNOWN_OPTIONS)} (optionally prefixed fwd_/bwd_). Fix: remove or correct the key.")
+    if "BACKEND" in options and options.get("FORCE_USE_FLEX_ATTENTION", False):
+        raise InvalidValueError("flex_attention: BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION. "
+                                "Fix: drop FORCE_USE_FLEX_ATTENTION and only specify the desired BACKEND.")
     backend = options.get("BACKEND", "AUTO")
+    if isinstance(backend, str) and backend.upper() in TORCH_ONLY_BACKENDS:
+        backend = "AUTO"
     if not isinstance(backend, str) or backend.upper() not in BACKEND_NAMES:
-        raise ValueError(f"flex_attention: kernel_options['BACKEND'] must be one of {list(BACKEND_NAMES)}, got "
+        raise ValueError(f"flex_attention: Invalid BACKEND value {backend!r}: kernel_options['BACKEND'] must be one "
+                         f"of {list(BACKEND_NAMES)} (or torch's {list(TORCH_ONLY_BACKENDS)}, run as 'AUTO'), got "
                          f"{backend!r}. Fix: use 'TORCH' for the CPU block-sparse path, 'TRITON' for generated "
                          f"kernels, or 'AUTO'.")
     options["BACKEND"] = backend.upper()
@@ -320,7 +358,7 @@ def check_flags(enable_gqa: Any, return_lse: Any, return_aux: Any) -> None:
             raise TypeError(f"flex_attention: `return_aux` must be an AuxRequest or None, got "
                             f"{type(return_aux).__name__}. Fix: pass flexc.AuxRequest(lse=True).")
         if return_lse:
-            raise ValueError("flex_attention: pass either return_lse=True or return_aux, not both; got both. "
+            raise ValueError("flex_attention: Cannot specify both return_lse and return_aux; got both. "
                              "Fix: use return_aux=AuxRequest(lse=True) alone.")
 
 

@@ -145,3 +145,40 @@ def test_non_contiguous_blocks_are_gathered():
     ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=sparse)
     _close(out, ref_out)
     _close(lse, ref_lse)
+
+
+def _window(size):
+    return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < size)
+
+
+@pytest.mark.parametrize("position", [63, 64, 95, 100, 127, 169])
+@pytest.mark.parametrize("L", [1, 4])
+def test_partial_blocks_the_rows_see_whole_are_trimmed_or_unmasked(position, L, monkeypatch):
+    # a sliding window sliced for a decoding step: its partial blocks may be entirely allowed or
+    # entirely blocked for these few rows (then no mask, or the keys are not read at all) or mixed
+    window = 2 * BLOCK
+    offset = position - L + 1
+    mask_mod = shifted(_window(window), offset)
+    q, k, v = random_qkv(1, HQ, HKV, L, S, E, seed=position)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
+    whole = flexc.create_block_mask(_window(window), None, None, S, S, BLOCK_SIZE=BLOCK)
+    sliced = whole[:, :, torch.tensor([offset // BLOCK])] if offset // BLOCK == position // BLOCK else None
+    if sliced is None:  # the rows straddle two query blocks: a mask built for them
+        sliced = flexc.create_block_mask(mask_mod, None, None, L, S, BLOCK_SIZE=BLOCK)
+    else:
+        sliced.mask_mod, sliced.seq_lengths = mask_mod, (L, S)
+    # keys the window excludes hold NaN: they must contribute nothing, whether read or trimmed
+    k, v = k.clone(), v.clone()
+    k[:, :, position + 1:] = float("nan")
+    v[:, :, : max(0, offset - window + 1)] = float("nan")
+    calls = []
+    monkeypatch.setattr(decode_cpu, "flash", lambda *a: calls.append(a) or flash(*a))
+    out, lse = flexc.flex_attention(q, k, v, block_mask=sliced, enable_gqa=True, return_lse=True)
+    _close(out, ref_out)
+    _close(lse, ref_lse)
+    if L == 1 and position % BLOCK == BLOCK - 1:  # both partial blocks are whole for the row: no mask
+        (_, k_sel, _, masked, _), = calls
+        assert masked == [] and k_sel.shape[2] == window  # the block the window left was not read
+
+
+flash = decode_cpu.flash

@@ -65,11 +65,6 @@ def test_query_heads_not_a_multiple_of_key_heads():
     _raises(ValueError, "Hq=3", "Hkv=2", "multiple", args=(q, k, v), enable_gqa=True)
 
 
-def test_mixed_dtypes():
-    q, k, v = _qkv()
-    _raises(ValueError, "dtype", "torch.float32", "torch.float16", args=(q, k.half(), v))
-
-
 def test_unsupported_dtype():
     q, k, v = _qkv()
     _raises(TypeError, "`query`", "torch.int64", args=(q.long(), k.long(), v.long()))
@@ -123,7 +118,7 @@ def test_unknown_kernel_option_key():
     _raises(ValueError, "'BLOCK_Q'", "kernel_options", args=(q, k, v), kernel_options={"BLOCK_Q": 64})
 
 
-@pytest.mark.parametrize("backend", ["CUDNN", "FLASH", 3])
+@pytest.mark.parametrize("backend", ["CUDNN", "FLASHY", 3])
 def test_unknown_backend_value(backend):
     q, k, v = _qkv()
     _raises(ValueError, "BACKEND", repr(backend), "'TORCH'", args=(q, k, v), kernel_options={"BACKEND": backend})

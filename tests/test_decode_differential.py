@@ -48,7 +48,12 @@ def catalogues(B: int, H: int, N: int):
     return mask_catalogue(B, H, N, N), score_catalogue(B, H, N, N)
 
 
-MASK_NAMES = sorted(mask_catalogue(1, 1, 8, 8))
+# masks that ignore kv_idx (query padding, rows or batches switched off): one verdict per row
+KV_BLIND_MASKS = {
+    "query_rows_parity": lambda b, h, q_idx, kv_idx: q_idx % 3 != 1,
+    "batch_switched_off": lambda b, h, q_idx, kv_idx: (b != 1) & (q_idx >= 0),
+}
+MASK_NAMES = sorted(mask_catalogue(1, 1, 8, 8)) + sorted(KV_BLIND_MASKS)
 SCORE_NAMES = sorted(score_catalogue(1, 1, 8, 8))
 
 
@@ -104,12 +109,13 @@ def decode_cases(draw, triton: bool = False):
         offset_kind=draw(st.sampled_from(["int", "int64", "int32"])),
         mask=draw(st.sampled_from([None, *MASK_NAMES])),
         score=draw(st.one_of(st.none(), st.sampled_from(SCORE_NAMES))),
-        scale=draw(st.sampled_from([None, None, 0.3])),
+        scale=draw(st.sampled_from([None, None, 0.3, -0.5])),
         ragged=draw(st.booleans()),
         lengths_seed=draw(st.integers(0, 2 ** 16)),
         mask_batch=draw(st.sampled_from(["B", "None", "None"])),
         mask_heads=draw(st.sampled_from(["H", "None", "None"])),
-        build=draw(st.sampled_from(["direct", "sliced", "sliced_tensor_index", "torch", "no_full_tables"])),
+        build=draw(st.sampled_from(["direct", "sliced", "sliced_tensor_index", "torch", "no_full_tables",
+                                    "reclassified"])),
         layout=draw(st.sampled_from(["contiguous", "bshd", "cache_slice", "expanded_kv", "strided_dim"])),
         nan_masked=draw(st.booleans()),
         max_scores=draw(st.booleans()),
@@ -154,6 +160,7 @@ def build_mods(c):
     B, Hq, L, S, offset = c["B"], c["Hq"], c["L"], c["S"], c["offset"]
     N = max(S, offset + L)
     masks, scores = catalogues(B, Hq, N)
+    masks = {**masks, **KV_BLIND_MASKS}
     if c["offset_kind"] == "int":
         shift = offset
     else:
@@ -180,21 +187,30 @@ def build_block_mask(c, mask_mod, lib=flexc):
     H = c["Hq"] if c["mask_heads"] == "H" or varies_h else None
     block = (c["q_block"], c["kv_block"])
     kw = {"device": "cpu"} if lib is torch_flex else {}
-    sliceable = offset % block[0] + L <= block[0]  # the rows lie in one query block of the whole mask
+    # the rows lie in one query block of the whole mask, or start a block (a chunk of several rows)
+    sliceable = offset % block[0] + L <= block[0] or offset % block[0] == 0
     if lib is flexc and c["build"].startswith("sliced") and sliceable:
         # gpt-fast: a mask over the whole sequence, sliced to the query block of the current position
         N = max(S, offset + L)
         masks, _ = catalogues(c["B"], c["Hq"], N)
+        masks = {**masks, **KV_BLIND_MASKS}
         whole_mod = masks[c["mask"]] if c["mask"] is not None else (lambda b, h, q_idx, kv_idx: q_idx >= 0)
         if c["ragged"]:
             whole_mod = with_cache_lengths(whole_mod if c["mask"] is not None else None, _lengths_of(mask_mod))
         whole = flexc.create_block_mask(whole_mod, B, H, N, S, BLOCK_SIZE=block)
-        row = offset // block[0]
-        sliced = whole[:, :, torch.tensor([row])] if c["build"] == "sliced_tensor_index" else whole[:, :, row]
+        row, end = offset // block[0], -(-(offset + L) // block[0])
+        if end - row > 1:
+            sliced = whole[:, :, row:end]
+        elif c["build"] == "sliced_tensor_index":
+            sliced = whole[:, :, torch.tensor([row])]
+        else:
+            sliced = whole[:, :, row]
         sliced.mask_mod, sliced.seq_lengths = mask_mod, (L, S)
         return sliced
     if lib is flexc and c["build"] == "torch":  # torch's BlockMask, handed to flexc as is
         return torch_flex.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+    if lib is flexc and c["build"] == "reclassified":
+        return reclassified(flexc.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block), c["seed"])
     if lib is flexc and c["build"] == "no_full_tables":  # every listed block partial (from_kv_blocks)
         bm = flexc.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block)
         dense = bm.to_dense()
@@ -202,6 +218,25 @@ def build_block_mask(c, mask_mod, lib=flexc):
         indices = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
         return flexc.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(L, S))
     return lib.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block, **kw)
+
+
+def reclassified(bm, seed):
+    """The same mask with other tables (from_kv_blocks): some full blocks demoted to partial, some
+    empty blocks listed as partial (the mask_mod decides both exactly), entries in random order.
+    Rows then mix partial and full blocks in ways create_block_mask never produces."""
+    g = torch.Generator().manual_seed(seed)
+    classes = bm._tile_classes()  # 0 empty, 1 partial, 2 full
+    r = torch.rand(classes.shape, generator=g)
+    full = (classes == 2) & (r < 0.5)
+    partial = (classes == 1) | ((classes == 2) & ~full) | ((classes == 0) & (r < 0.3))
+
+    def ordered(dense):
+        perm = torch.randperm(dense.shape[-1], generator=g)
+        order = torch.argsort(dense[..., perm].to(torch.int8), dim=-1, descending=True, stable=True)
+        return dense.sum(-1, dtype=torch.int32), perm[order].to(torch.int32)
+
+    return flexc.BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=bm.BLOCK_SIZE,
+                                          mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths)
 
 
 def _varies(mask_mod, B, H, L, S):
@@ -362,3 +397,133 @@ def test_triton_decode_key_blocks_that_are_not_powers_of_two(kv_block):
                                     kernel_options={"BACKEND": "TRITON"})
     ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"TRITON, key blocks of {kv_block}")
+
+
+@pytest.mark.parametrize("L", [16, 17])
+def test_float64_logsumexp_just_below_and_above_the_decode_rows(L):
+    """A float64 call's logsumexp is float64-exact on the TRITON backend whichever kernel runs (the
+    forward kernel once wrote it in fp32 for calls without gradients: errors of 2e-7)."""
+    g = torch.Generator().manual_seed(L)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((1, 2, L, 16), (1, 2, 64, 16),
+                                                                                    (1, 2, 64, 16)))
+    out, lse = flexc.flex_attention(q, k, v, scale=0.3, return_lse=True, kernel_options={"BACKEND": "TRITON"})
+    ref_out, ref_lse, _ = dense_attention(q, k, v, scale=0.3)
+    assert lse.dtype == torch.float64
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
+
+
+# ---- paged KV caches (torch's PagedAttention) -------------------------------------------------
+
+@st.composite
+def paged_cases(draw, triton: bool = False):
+    B = draw(st.integers(1, 3))
+    L = draw(st.integers(1, 3))
+    return dict(
+        B=B, Hkv=draw(st.integers(1, 2)), G=draw(st.sampled_from([1, 2, 4])), L=L,
+        page=draw(st.sampled_from([16, 32])),
+        lengths=draw(st.lists(st.integers(L, 100 if triton else 150), min_size=B, max_size=B)),
+        spare_pages=draw(st.integers(0, 2)),
+        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+        mask=draw(st.sampled_from([None, *MASK_NAMES])),
+        score=draw(st.one_of(st.none(), st.sampled_from(SCORE_NAMES))),
+        order_seed=draw(st.integers(0, 2 ** 16)),
+        seed=draw(st.integers(0, 2 ** 16)),
+    )
+
+
+def run_paged_case(c, backend):
+    """Continuous batching on a paged cache: each sequence's last L tokens attend to its own
+    ``length`` cached keys, scattered over pages that the sequences reserved in turns; the cache
+    slots no sequence owns hold NaN. Compared with attention over each sequence's logical cache."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    B, Hkv, L, page, dtype = c["B"], c["Hkv"], c["L"], c["page"], c["dtype"]
+    Hq, E = Hkv * c["G"], 16
+    lengths = torch.tensor(c["lengths"])
+    S = int(lengths.max())
+    n_pages = sum(-(-n // page) for n in c["lengths"]) + c["spare_pages"]
+    N = n_pages * page  # logical key positions the converted mods may compute lie in [-page, N)
+    masks, scores = catalogues(B, Hq, N)
+    positions = lengths - L  # the query rows are each sequence's last L tokens
+    inner = masks[c["mask"]] if c["mask"] is not None else None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        in_cache = kv_idx < lengths[b]
+        return in_cache if inner is None else in_cache & inner(b, h, q_idx + positions[b], kv_idx)
+
+    score_mod = None
+    if c["score"] is not None:
+        s_inner = scores[c["score"]]
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return s_inner(score, b, h, q_idx + positions[b], kv_idx)
+
+    g = torch.Generator().manual_seed(c["seed"])
+    q = torch.randn(B, Hq, L, E, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hkv, S, E, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, Hkv, S, E, generator=g, dtype=torch.float64).to(dtype)
+    paged = PagedAttention(n_pages, page, B, device="cpu")
+    order = torch.Generator().manual_seed(c["order_seed"])
+    for step in range(1, 4):  # reservations in turns interleave the sequences' pages
+        for b in torch.randperm(B, generator=order).tolist():
+            paged.reserve(torch.tensor(b), torch.tensor(min(int(lengths[b]), step * int(lengths[b]) // 3 + 1)))
+    k_cache = torch.full((1, Hkv, N, E), float("nan"), dtype=dtype)
+    v_cache = torch.full((1, Hkv, N, E), float("nan"), dtype=dtype)
+    for b, n in enumerate(c["lengths"]):
+        paged.assign(torch.tensor([b]), torch.arange(n).view(1, n), k[b:b + 1, :, :n], v[b:b + 1, :, :n], k_cache,
+                     v_cache)
+    H = Hq if _varies(mask_mod, B, Hq, L, S)[1] else None
+    logical = flexc.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=(16, page))
+    physical = paged.convert_logical_block_mask(logical)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    spy_target = (decode_cpu, "forward") if backend == "TORCH" else (triton_decode, "launch")
+    if backend == "TRITON" and not triton_decode.applies(q, k_cache, physical):
+        return
+    with mock.patch.object(*spy_target, wraps=getattr(*spy_target)) as spy:
+        out, lse = flexc.flex_attention(q, k_cache, v_cache, score_mod=paged.get_score_mod(score_mod),
+                                        block_mask=physical, enable_gqa=Hq != Hkv, return_lse=True,
+                                        kernel_options={"BACKEND": backend})
+    assert spy.call_count == 1, f"the {backend} decode path did not run"
+    assert_matches(out, lse, ref_out, ref_lse, dtype, f"{backend} on a paged cache")
+
+
+@fuzz(12)
+@given(paged_cases())
+def test_cpu_decode_path_on_a_paged_cache(case):
+    run_paged_case(case, "TORCH")
+
+
+@fuzz(3)
+@given(paged_cases(triton=True))
+def test_triton_decode_kernel_on_a_paged_cache(case):
+    run_paged_case(case, "TRITON")
+
+
+def test_a_mask_mod_that_ignores_kv_idx_on_several_partial_spans():
+    """A one-row mask whose partial blocks (0 and 2) sit on either side of a full one, with a
+    mask_mod that reads only q_idx: its verdicts, one column wide, must mask both spans (the CPU
+    decode path once sliced the second span out of that one column, got nothing, and let row 1
+    attend to block 2: errors of 0.4)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((1, 2, 2, 16), (1, 2, 64, 16), (1, 2, 64, 16)))
+
+    def first_row_only(b, h, q_idx, kv_idx):
+        return q_idx < 1
+
+    table = torch.tensor([[[[0, 2, 1, 3]]]], dtype=torch.int32)
+    bm = flexc.BlockMask.from_kv_blocks(torch.tensor([[[2]]], dtype=torch.int32), table,
+                                        torch.tensor([[[1]]], dtype=torch.int32), table.roll(-2, -1),
+                                        BLOCK_SIZE=16, mask_mod=first_row_only, seq_lengths=(2, 64))
+
+    def meaning(b, h, q_idx, kv_idx):  # block 1 full, blocks 0 and 2 partial, block 3 not listed
+        block = kv_idx // 16
+        return (block == 1) | (((block == 0) | (block == 2)) & (q_idx < 1))
+
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=meaning)
+    for backend in ("TORCH", "TRITON"):
+        for score_mod in (None, lambda score, b, h, q_idx, kv_idx: score * 1.5):
+            ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=meaning)
+            out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True,
+                                            kernel_options={"BACKEND": backend})
+            assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"{backend}, q_idx-only mask_mod")

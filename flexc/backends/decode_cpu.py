@@ -43,6 +43,7 @@ MAX_SCORES = 1 << 24
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _NEG_INF = float("-inf")
+_NAN = float("nan")
 
 
 def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -145,18 +146,22 @@ def _plan_row(partial: list, full: list, kv_block: int, S: int, device: torch.de
     if not classes:
         return _NOTHING_LISTED
     blocks = sorted(classes)
-    spans: list[tuple[int, int]] = []
+    partial_blocks: list[tuple[int, int]] = []  # (offset, length) of each partial block
+    runs: list[tuple[int, int]] = []  # the same merged into runs of adjacent blocks
     offset = 0
     for block in blocks:
         length = min(kv_block, S - block * kv_block)
         if classes[block]:
-            if spans and spans[-1][0] + spans[-1][1] == offset:  # extends the previous run
-                spans[-1] = (spans[-1][0], spans[-1][1] + length)
+            partial_blocks.append((offset, length))
+            if runs and runs[-1][0] + runs[-1][1] == offset:  # extends the previous run
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
             else:
-                spans.append((offset, length))
+                runs.append((offset, length))
         offset += length
-    if len(spans) > _MAX_SPANS:
+    if len(runs) > _MAX_SPANS:
         return _TOO_MANY_SPANS
+    # block by block when few: each is then found entirely allowed or blocked for the rows on its own
+    spans = partial_blocks if len(partial_blocks) <= _MAX_SPANS else runs
     if blocks[-1] - blocks[0] + 1 == len(blocks):
         start = blocks[0] * kv_block
         positions = torch.arange(start, start + offset, device=device)
@@ -202,18 +207,19 @@ def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
     return positions, start, partial[..., cols], (full[..., cols] if full is not None else None)
 
 
-def _blocked_spans(mask_mod: TracedMod, plan: _RowPlan, index: dict) -> list:
-    """``(offset, length, not allowed)`` for each partial span of ``plan``, from one mask_mod evaluation."""
-    blocked = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k])
-                                    for k in _reads(mask_mod)}).logical_not()
+def _span_verdicts(mask_mod: TracedMod, plan: _RowPlan, index: dict) -> list:
+    """``(offset, length, allowed)`` for each partial span of ``plan``, from one mask_mod evaluation."""
+    allowed = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k]) for k in _reads(mask_mod)})
     if len(plan.spans) == 1:
-        return [(*plan.spans[0], blocked)]
-    return [(offset, length, blocked[..., offset:offset + length]) for offset, length in plan.spans]
+        return [(*plan.spans[0], allowed)]
+    # a mask_mod that ignores kv_idx gives one verdict column: widen it before slicing out the spans
+    allowed = allowed.expand(*allowed.shape[:-1], plan.span_kv.shape[-1])
+    return [(offset, length, allowed[..., offset:offset + length]) for offset, length in plan.spans]
 
 
-def _masked_columns(blocked_spans: list, n: int) -> tuple[list, int, int]:
-    """``(masked, lo, hi)``: the spans whose mask_mod verdicts block some pair, and the column range
-    ``[lo, hi)`` still worth reading.
+def _masked_columns(verdicts: list, n: int) -> tuple[list, int, int]:
+    """``(masked, lo, hi)``: ``(offset, length, blocked)`` of the spans whose verdicts block some
+    pair, and the column range ``[lo, hi)`` still worth reading.
 
     A partial block is partial for its whole query-block row, but the few rows of a decoding call
     often see it entirely allowed (the diagonal block of a causal mask at the last row: no mask
@@ -221,16 +227,16 @@ def _masked_columns(blocked_spans: list, n: int) -> tuple[list, int, int]:
     all, when it lies at either end of the range).
     """
     masked = []
-    for offset, length, blocked in blocked_spans:
-        count = int(blocked.sum())
-        if count:  # (count == numel: blocked for every row, broadcast dims included)
-            masked.append((offset, length, blocked, count == blocked.numel()))
+    for offset, length, allowed in verdicts:
+        count = int(allowed.sum())
+        if count != allowed.numel():  # (over broadcast dims too: 0 means blocked for every row)
+            masked.append((offset, length, allowed, count == 0))
     lo, hi = 0, n
     while masked and masked[0][3] and masked[0][0] == lo:
         lo += masked.pop(0)[1]
     while masked and masked[-1][3] and masked[-1][0] + masked[-1][1] == hi:
         hi = masked.pop()[0]
-    return [(offset - lo, length, blocked) for offset, length, blocked, _ in masked], lo, hi
+    return [(offset - lo, length, allowed.logical_not()) for offset, length, allowed, _ in masked], lo, hi
 
 
 def _finite_columns(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masked: list) -> bool:
@@ -259,7 +265,7 @@ def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked:
     o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E), k_sel, v_sel, attn_mask=mask, scale=scale)
     if masked and sum(length for _, length, _ in masked) == n:  # no allowed block: rows may be dead
         fused_cpu._fix_dead_rows(lse, mask)
-    lse = lse.masked_fill(lse.isposinf(), float("nan"))  # a +inf score: NaN, as on the other paths
+    lse = lse.nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)  # a +inf score: NaN, as on the other paths
     return o.reshape(B, Hq, L, v_sel.shape[-1]).contiguous(), lse.reshape(B, Hq, L)
 
 
@@ -303,7 +309,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
     if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
         given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
-        masked, lo, hi = _masked_columns(_blocked_spans(mask_mod, plan, given), n)
+        masked, lo, hi = _masked_columns(_span_verdicts(mask_mod, plan, given), n)
         if lo >= hi:
             return _nothing_allowed(query, Ev, need_max, lse_dtype)
         if (lo, hi) != (0, n):  # blocked blocks at either end of the range are not read at all

@@ -30,8 +30,9 @@ import torch
 from ..evaluate import evaluate
 from .block_plan import Chunk, chunk_kv_index, chunk_rows, fused_pieces, shared_full_columns, tree_calls
 
-# guarded: older or trimmed torch builds may lack the op
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# guarded: older or trimmed torch builds may lack the op. The overload itself, not its packet:
+# the packet's Python dispatch cost ~20 us a call, which decoding pays every token
+_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
 _NEG_INF = float("-inf")
 # An additive mask holds at most this many elements (2 MiB in fp32) per call
 MASK_ELEMENTS = 1 << 19

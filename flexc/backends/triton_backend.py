@@ -600,7 +600,9 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                                            kernel_options, need_lse)
     score_mod, mask_mod = lift_scalars(score_mod), lift_scalars(mask_mod)  # captured numbers become arguments
     spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
-    return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
+    # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, lse_dtype=lse_dtype)
 
 
 def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
