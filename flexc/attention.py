@@ -94,10 +94,20 @@ def _strides_like(shape: tuple, reference_strides: tuple) -> list[int]:
     return strides
 
 
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 def _laid_out_like(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """``t`` (dense) in the dimension order of ``reference``, as torch returns outputs and gradients
     (a query permuted from [B, L, H, D] gives an output whose transpose back is free); copies only
     when the layouts differ."""
+    if t.stride() == _row_major(t.shape) and reference.stride() == _row_major(reference.shape):
+        return t  # the common case, decided without the sort
     strides = _strides_like(tuple(t.shape), reference.stride())
     if list(t.stride()) == strides:
         return t
@@ -274,7 +284,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     else:
         out, lse = BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options, want_lse)
     out = _laid_out_like(out, query)
-    if lse is not None:
+    if lse is not None and lse.dtype != _lse_dtype(query.dtype):
         lse = lse.to(_lse_dtype(query.dtype))
 
     if return_aux is not None:

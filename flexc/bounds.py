@@ -23,6 +23,7 @@ from . import ir
 from .evaluate import evaluate, index_grid
 from .ranges import domain_bounds
 from .trace import TracedMod
+from .versions import write_count
 
 # Passed checks: (root, sizes, buffer shapes) -> None when the proof holds for any captured values,
 # else the captured tensors it read, as (weak reference, version) pairs that must still match.
@@ -54,7 +55,7 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
     with _proven_lock:
         if key in _proven:
             values = _proven[key]
-            if values is None or all(ref() is t and t._version == version
+            if values is None or all(ref() is t and write_count(t) == version
                                      for (ref, version), t in zip(values, traced.buffers)):
                 _proven.move_to_end(key)
                 return
@@ -67,7 +68,7 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
         if not _proven_by(bounds.get(id(expr)), check):
             _exact_check(traced, check, sizes, where)
     # a proof that read captured values holds while those very tensors are unchanged
-    values = tuple((weakref.ref(t), t._version) for t in traced.buffers) if data_dependent else None
+    values = tuple((weakref.ref(t), write_count(t)) for t in traced.buffers) if data_dependent else None
     with _proven_lock:
         _proven[key] = values
         while len(_proven) > _MAX_PROVEN:

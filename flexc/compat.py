@@ -114,6 +114,24 @@ def _transpose_ordered(num_blocks_in_row: Tensor, col_indices: Tensor) -> tuple[
     return transpose_ordered(num_blocks_in_row, col_indices)
 
 
+def _create_empty_block_mask(query: Tensor, key: Tensor) -> BlockMask:
+    """The BlockMask that allows everything: one tile of ``_LARGE_SPARSE_BLOCK_SIZE`` covering the whole
+    ``(L, S)`` (torch's default mask). Its ``seq_lengths`` are the inputs' (torch records ``(1, 1)`` and
+    skips its length check for this block size)."""
+    one = torch.ones(1, 1, 1, dtype=torch.int32, device=query.device)
+    return BlockMask.from_kv_blocks(one, torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=query.device),
+                                    BLOCK_SIZE=_LARGE_SPARSE_BLOCK_SIZE,
+                                    seq_lengths=(query.shape[-2], key.shape[-2]))
+
+
+# torch's own plumbing, re-exported (not reimplemented) so test suites and libraries that import
+# them from the flex_attention module import them from flexc unchanged: the option defaults torch's
+# kernels get, the set of warnings torch's eager path has shown, and torch's higher-order op.
+# flexc's own options are checked by flexc.validate.check_kernel_options.
+from torch.nn.attention.flex_attention import _WARNINGS_SHOWN, _apply_kernel_options  # noqa: E402
+from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop  # noqa: E402
+
+
 def _round_up_to_multiple(x: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is at least ``x``."""
     return -(-x // multiple) * multiple

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from .versions import write_count
+
 LIMIT = 4096  # entries of kv_indices up to which tables are read as lists
 
 # the tables read last, by identity and version, and their contents: validation and planning of
@@ -34,7 +36,7 @@ class TableContents(NamedTuple):
 def table_lists(tables: tuple) -> TableContents | None:
     """The contents of ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)``, or None
     when they are not small tensors (at most :data:`LIMIT` index entries)."""
-    identity = tuple((id(t), t._version) if isinstance(t, torch.Tensor) else id(t) for t in tables)
+    identity = tuple((id(t), write_count(t)) if isinstance(t, torch.Tensor) else id(t) for t in tables)
     if _last[0] == identity:
         return _last[2]
     num, idx = tables[0], tables[1]

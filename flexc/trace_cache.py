@@ -45,9 +45,10 @@ _MAX_ITEMS = 256  # longer Python containers are not snapshotted (the mod is tra
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _LIBRARY_MODULES = ("torch", "math", "numpy", "functools", "operator", "builtins", "triton", "flexc", "sympy")
-_VALUE_TYPES = (type(None), bool, int, str, bytes, complex, type(Ellipsis), torch.dtype, torch.device,
-                torch.Size, torch.memory_format, torch.layout)
+_VALUE_TYPES = frozenset((type(None), bool, int, str, bytes, complex, type(Ellipsis), torch.dtype, torch.device,
+                          torch.Size, torch.memory_format, torch.layout))
 _MISSING = ("missing",)
+_NO_DEFAULTS = (type(None), None)  # what value() makes of None
 
 
 class _Unknown(Exception):
@@ -195,8 +196,10 @@ class _Snapshot:
         reads = tuple(self.value(globs[name], names, depth + 1) if name in globs else _MISSING
                       for name in sorted_names)
         self.active.discard(id(fn))
-        return (*self.ident("code", code), fn.__name__, self.value(fn.__defaults__, names, depth + 1),
-                self.value(fn.__kwdefaults__, names, depth + 1), tuple(cells), reads)
+        defaults, kwdefaults = fn.__defaults__, fn.__kwdefaults__  # usually None: no call for those
+        return (*self.ident("code", code), fn.__name__,
+                _NO_DEFAULTS if defaults is None else self.value(defaults, names, depth + 1),
+                _NO_DEFAULTS if kwdefaults is None else self.value(kwdefaults, names, depth + 1), tuple(cells), reads)
 
 
 def snapshot(fn: Callable) -> tuple[Any, list] | None:

@@ -17,6 +17,7 @@ import torch
 
 from .errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError
 from .table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
+from .versions import write_count
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
@@ -136,7 +137,7 @@ _REBUILD = "Fix: build the BlockMask with flexc.create_block_mask or BlockMask.f
 
 def _table_state(tables: list) -> tuple:
     # _version counts in-place writes, so an edited table is checked again
-    return tuple((id(t), t._version) if t is not None else None for t in tables)
+    return tuple((id(t), write_count(t)) if t is not None else None for t in tables)
 
 
 def check_block_tables(block_mask: Any, L: int, S: int) -> None:

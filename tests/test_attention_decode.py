@@ -182,3 +182,21 @@ def test_partial_blocks_the_rows_see_whole_are_trimmed_or_unmasked(position, L, 
 
 
 flash = decode_cpu.flash
+
+
+def test_inference_mode_tensors_without_write_counters_decode_and_prefill():
+    # tensors made under torch.inference_mode() have no version counter: the caches keyed by one
+    # (validated tables, proven lookups, table contents) must fall back to redoing their work
+    bias = torch.randn(HQ)
+    score_mod = lambda s, b, h, q_idx, kv_idx: s + bias[h]  # noqa: E731
+    with torch.inference_mode():
+        whole = flexc.create_block_mask(_window(48), None, None, S, S, BLOCK_SIZE=BLOCK)
+        q, k, v = random_qkv(1, HQ, HKV, S, S, E, seed=11)
+        out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=whole, enable_gqa=True)
+        step = whole[:, :, torch.tensor([150 // BLOCK])]
+        step.mask_mod, step.seq_lengths = shifted(_window(48), 150), (1, S)
+        out_step = flexc.flex_attention(q[:, :, 150:151], k, v, score_mod=score_mod, block_mask=step,
+                                        enable_gqa=True)
+    ref, _, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=_window(48))
+    _close(out, ref)
+    _close(out_step, ref[:, :, 150:151])

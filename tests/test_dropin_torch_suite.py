@@ -158,3 +158,24 @@ def test_tables_are_authoritative_for_broadcast_masks():
     torch.testing.assert_close(out, dense_attention(q, k, v, mask_mod=kernel_rule)[0].float(), atol=1e-5, rtol=1e-5)
     # (b, h) = (0, 1) differs from the mod on the whole grid: the test has teeth
     assert not torch.allclose(out, dense_attention(q, k, v, mask_mod=mask_mod)[0].float(), atol=1e-3)
+
+
+# the names torch 2.13's test/inductor/test_flex_attention.py imports from the flex_attention module
+TORCH_SUITE_IMPORTS = ["_apply_kernel_options", "_create_empty_block_mask", "_DEFAULT_SPARSE_BLOCK_SIZE", "_identity",
+                       "_mask_mod_signature", "_score_mod_signature", "_WARNINGS_SHOWN", "and_masks", "AuxOutput",
+                       "AuxRequest", "BlockMask", "create_block_mask", "flex_attention", "flex_attention_hop",
+                       "noop_mask", "or_masks"]
+
+
+def test_torch_suites_import_every_name_from_flexc():
+    assert [name for name in TORCH_SUITE_IMPORTS if not hasattr(tfa, name)] == []  # still torch's names
+    assert [name for name in TORCH_SUITE_IMPORTS if not hasattr(flexc, name)] == []
+
+
+def test_empty_block_mask_allows_everything():
+    q, k, v = _qkv(B=2, L=100, S=260)
+    block_mask = flexc._create_empty_block_mask(q, k)
+    assert block_mask.BLOCK_SIZE == (flexc._LARGE_SPARSE_BLOCK_SIZE,) * 2 and block_mask.seq_lengths == (100, 260)
+    bias = lambda s, b, h, qi, kv: s + (qi - kv) * 0.01
+    out = flexc.flex_attention(q, k, v, bias, block_mask=block_mask)
+    torch.testing.assert_close(out, dense_attention(q, k, v, bias)[0].float(), atol=1e-5, rtol=1e-5)

@@ -44,6 +44,29 @@ def test_new_captured_numbers_reuse_one_kernel():
     assert "score * 0.5" in source and "9.0" not in source  # literals stay, captured values do not
 
 
+def test_float64_calls_on_gpus_keep_captured_floats_as_literals():
+    # a compiled kernel receives a Python float argument as fp32; torch computes a float64 call's
+    # mod in float64, so on a GPU such a call keeps captured floats literals (ints still lifted)
+    from types import SimpleNamespace
+
+    from flexc.codegen.scalars import floats_travel_exactly, lift_for_call
+    from flexc.trace import trace
+
+    gpu64 = SimpleNamespace(dtype=torch.float64, device=torch.device("cuda", 0))
+    assert not floats_travel_exactly(gpu64)
+    assert floats_travel_exactly(SimpleNamespace(dtype=torch.float32, device=torch.device("cuda", 0)))
+    assert floats_travel_exactly(torch.empty(1, dtype=torch.float64))  # the interpreter keeps float64
+    traced = trace(temperature_mod(0.1 + 1e-9, 5))
+    (lifted,) = lift_for_call(gpu64, traced)
+    assert lifted.scalars == (5,)
+    assert lift_for_call(torch.empty(1), traced)[0].scalars == (5, 0.1 + 1e-9)
+    # on the CPU a float64 call lifts the float and stays exact
+    q, k, v = (t.double() for t in random_qkv(1, 1, 1, L, S, 16))
+    out = flexc.flex_attention(q, k, v, score_mod=temperature_mod(0.1 + 1e-9, 5), kernel_options=TRITON)
+    ref = dense_attention(q, k, v, score_mod=temperature_mod(0.1 + 1e-9, 5))[0]
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
 def softcap_mod(cap: float, temperature: float):
     def softcap(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap) / temperature

@@ -253,7 +253,8 @@ def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked:
     B, Hq, L, E = query.shape
     Hkv, n = k_sel.shape[1], k_sel.shape[2]
     G = Hq // Hkv
-    query, k_sel, v_sel = (fused_cpu.unit_last_stride(t) for t in (query, k_sel, v_sel))
+    if query.stride(-1) != 1 or k_sel.stride(-1) != 1 or v_sel.stride(-1) != 1:
+        query, k_sel, v_sel = (fused_cpu.unit_last_stride(t) for t in (query, k_sel, v_sel))
     if k_sel.shape[0] != B:  # one key batch for every query batch: the kernel takes a stride-0 view
         k_sel, v_sel = k_sel.expand(B, *k_sel.shape[1:]), v_sel.expand(B, *v_sel.shape[1:])
     mask = None
@@ -262,11 +263,14 @@ def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked:
         for offset, length, blocked in masked:
             mask[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
         mask = fused_cpu._stack_heads(mask, G)
-    o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E), k_sel, v_sel, attn_mask=mask, scale=scale)
+    o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E) if G > 1 else query, k_sel, v_sel, attn_mask=mask,
+                              scale=scale)
     if masked and sum(length for _, length, _ in masked) == n:  # no allowed block: rows may be dead
         fused_cpu._fix_dead_rows(lse, mask)
     lse = lse.nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)  # a +inf score: NaN, as on the other paths
-    return o.reshape(B, Hq, L, v_sel.shape[-1]).contiguous(), lse.reshape(B, Hq, L)
+    if G > 1:
+        o, lse = o.reshape(B, Hq, L, v_sel.shape[-1]), lse.reshape(B, Hq, L)
+    return o.contiguous(), lse
 
 
 def _nothing_allowed(query: torch.Tensor, Ev: int, need_max: bool, lse_dtype: torch.dtype):
@@ -290,22 +294,22 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
 
     def index(name: str) -> torch.Tensor:  # only the index tensors a mod reads are built
         if name == "kv_idx":
-            return positions.view(1, 1, 1, n)
+            return (positions if positions is not None else _index_tensor((S,), device)).view(1, 1, 1, n)
         return _index_tensor(shapes[name], device)
 
     spans = None  # (offset, length) column runs that need the mask_mod, when known per column
     partial = full = None
-    if block_mask is None:
-        positions, start = torch.arange(S, device=device), 0
+    if block_mask is None:  # every key (kv_idx built only if a mod reads it)
+        positions, start, n = None, 0, S
     else:
         plan = _one_row_plan(block_mask, L, S, device)
         if plan is not None:
             positions, start, spans = plan.positions, plan.start, plan.spans
         else:
             positions, start, partial, full = _visited_positions(block_mask, L, S, device)
-    if positions is None:  # no key block listed anywhere
-        return _nothing_allowed(query, Ev, need_max, lse_dtype)
-    n = positions.numel()
+        if positions is None:  # no key block listed anywhere
+            return _nothing_allowed(query, Ev, need_max, lse_dtype)
+        n = positions.numel()
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
     if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
         given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
@@ -315,8 +319,10 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         if (lo, hi) != (0, n):  # blocked blocks at either end of the range are not read at all
             positions, n = positions[lo:hi], hi - lo
             start = start + lo if start is not None else None
-    if start is not None:
-        k_sel, v_sel = key[:, :, start:start + n], value[:, :, start:start + n]
+    if (start, n) == (0, S):
+        k_sel, v_sel = key, value
+    elif start is not None:
+        k_sel, v_sel = key.narrow(2, start, n), value.narrow(2, start, n)
     else:
         k_sel, v_sel = key.index_select(2, positions), value.index_select(2, positions)
     if (score_mod is None and not need_max and fused_cpu._FLASH is not None and device.type == "cpu"

@@ -30,7 +30,7 @@ from ..codegen.decode import DecodeSpec, generate_decode
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
                                padded_head_dim)
 from ..codegen.index_width import index_dtype as _index_dtype
-from ..codegen.scalars import lift_scalars
+from ..codegen.scalars import lift_for_call
 from ..tiles import cdiv
 from .nonfinite import all_finite
 from ..trace import TracedMod
@@ -598,7 +598,7 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if triton_decode.applies(query, key, block_mask):  # short queries: the split-KV decode kernel
         return triton_decode.triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale,
                                            kernel_options, need_lse)
-    score_mod, mask_mod = lift_scalars(score_mod), lift_scalars(mask_mod)  # captured numbers become arguments
+    score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
     spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -628,9 +628,9 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     from . import triton_decode
 
     if triton_decode.applies(query, key, block_mask):  # short queries run the split-KV decode kernel
-        return triton_decode.source_for(triton_decode.make_spec(lift_scalars(traced_score), lift_scalars(traced_mask),
+        return triton_decode.source_for(triton_decode.make_spec(*lift_for_call(query, traced_score, traced_mask),
                                                                 query, key, value, block_mask))
-    spec = _spec_for_call(query, value, lift_scalars(traced_score), lift_scalars(traced_mask), block_mask, options,
+    spec = _spec_for_call(query, value, *lift_for_call(query, traced_score, traced_mask), block_mask, options,
                           return_lse)
     return source_for(spec)
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from ..codegen.backward import BackwardSpec, generate_backward
-from ..codegen.scalars import lift_scalars
+from ..codegen.scalars import lift_for_call
 from ..tiles import cdiv, transpose_ordered
 from ..trace import TracedMod
 from . import triton_backend as fwd
@@ -270,7 +270,7 @@ def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: 
     ``lse`` is the forward's natural-log logsumexp (``-inf`` on rows with nothing allowed);
     ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``.
     """
-    score_mod, mask_mod = lift_scalars(score_mod), lift_scalars(mask_mod)  # captured numbers become arguments
+    score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
     spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
     return launch_backward(spec, query, key, value, out, lse, grad_out, grad_lse, score_mod, mask_mod,
                            block_mask, scale)
@@ -280,7 +280,7 @@ def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mo
                          block_mask: Any, scale: float, kernel_options: dict | None):
     """The Triton forward that autograd saves for :func:`triton_backward`: ``(out, lse)``, the
     logsumexp in float64 for float64 inputs (the backward's probabilities come from it)."""
-    score_mod, mask_mod = lift_scalars(score_mod), lift_scalars(mask_mod)
+    score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)
     spec = fwd._spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, True)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return fwd.launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, lse_dtype=lse_dtype)
@@ -292,7 +292,7 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
     require grad receive gradients); compiles nothing."""
     from ..attention import _grad_slots
 
-    spec = spec_for_call(query, value, lift_scalars(score_mod), lift_scalars(mask_mod), block_mask, kernel_options,
+    spec = spec_for_call(query, value, *lift_for_call(query, score_mod, mask_mod), block_mask, kernel_options,
                          _grad_slots(score_mod))
     return fwd.source_for(spec)
 

@@ -171,7 +171,7 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
 
 def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):
     """The TRITON backend's forward for short queries (same contract as ``triton_forward``)."""
-    score_mod, mask_mod = tb.lift_scalars(score_mod), tb.lift_scalars(mask_mod)  # numbers become arguments
+    score_mod, mask_mod = tb.lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
     spec = make_spec(score_mod, mask_mod, query, key, value, block_mask)
     out, lse = launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
     return out, (lse if need_lse else None)

@@ -28,7 +28,8 @@ from .. import ir
 from ..derivative import ScoreModDerivative, differentiate
 from ..trace import TracedMod
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
-from .forward import KV_BASES, RCP_LN2, _TL, _describe, _dot, _padded, _render, _stems, padded_head_dim
+from .forward import (KV_BASES, RCP_LN2, _TL, _describe, _dot, _padded, _render, _row_sum, _stems, _widens,
+                      padded_head_dim)
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
 
 KERNEL_NAME = "flex_attention_backward"
@@ -100,13 +101,6 @@ class _GatherCode:
     grad: RenderedMod      # d score_mod / d element
     address: RenderedMod   # where that element's gradient accumulates
     what: str              # the gathered element, for the comment
-
-
-def _reduce(spec: BackwardSpec, x: str, axis: int) -> str:
-    # Triton's interpreter cannot call tl.sum (see forward._row_sum); tl.reduce runs there.
-    if spec.target == "interpreter":
-        return f"tl.reduce({x}, {axis}, tl.standard._sum_combine)"
-    return f"tl.sum({x}, {axis})"
 
 
 def _unique(params) -> list[BufferParam]:
@@ -214,14 +208,14 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
         "# they walk the key tables and write dQ. Partial blocks run the mask_mod, full blocks do not;",
         "# scores are recomputed and turned into probabilities with the saved base-2 logsumexp.",
     ]
-    if spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16):
+    if _widens(spec):
         lines.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
         lines.append("# dot is unreliable); operands are rounded to the input dtype first, as on the GPU.")
     return lines
 
 
 def _widen(spec: BackwardSpec) -> str:
-    return ".to(tl.float32)" if spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16) else ""
+    return ".to(tl.float32)" if _widens(spec) else ""
 
 
 def _operand(spec: BackwardSpec, x: str) -> str:
@@ -299,13 +293,13 @@ def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -
                 address = f"{address} + tl.full((BLOCK_N1, BLOCK_M1), 0, tl.int32)"
             out.append(f"{indent}tl.atomic_add({address}, grad, mask=valid)")
         elif "q_idx" in reads:  # constant along the keys: one add per query
-            out.append(f"{indent}grad = {_reduce(spec, term, 0)}[None, :]  # summed over the keys")
+            out.append(f"{indent}grad = {_row_sum(spec, term, 0)}[None, :]  # summed over the keys")
             out.append(f"{indent}tl.atomic_add({address}, grad, mask=q_in_range[None, :])")
         elif "kv_idx" in reads:  # constant along the queries: one add per key
-            out.append(f"{indent}grad = {_reduce(spec, term, 1)}[:, None]  # summed over the queries")
+            out.append(f"{indent}grad = {_row_sum(spec, term, 1)}[:, None]  # summed over the queries")
             out.append(f"{indent}tl.atomic_add({address}, grad, mask=kv_in_range[:, None])")
         else:  # one element for the whole tile
-            out.append(f"{indent}grad = {_reduce(spec, _reduce(spec, term, 1), 0)}  # summed over the tile")
+            out.append(f"{indent}grad = {_row_sum(spec, _row_sum(spec, term, 1), 0)}  # summed over the tile")
             out.append(f"{indent}tl.atomic_add({address}, grad)")
     return out
 

@@ -26,7 +26,7 @@ import torch
 from ..trace import TracedMod
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble
 from .forward import (KV_BASES, LN2, RCP_LN2, _NONFINITE_VALUES, _TL, _buffer_args, _describe, _dot, _mask_lines, _padded,
-                      _render, _row_max, _row_sum, _score_lines, _softmax_state, _value_guard_lines,
+                      _render, _row_max, _row_sum, _score_lines, _softmax_state, _value_guard_lines, _widens,
                       padded_head_dim)
 from .printer import BufferParam
 
@@ -78,7 +78,7 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     """The Triton source of the split-KV decode kernel described by ``spec``."""
     score, mask = _render(spec, spec.target, spec.index_dtype)
     E, Ev = spec.head_dim, spec.v_head_dim
-    widen = spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
+    widen = _widens(spec)
     acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
     header = [
         "# flexc split-KV decode kernel (generated; flexc.kernel_source() returns this text).",

@@ -157,7 +157,7 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     q_blocks = "none (every key is allowed)" if spec.q_block_size == NO_BLOCK_MASK else \
         f"{spec.q_block_size} x {spec.kv_block_size} (query x key)"
     dtype_name = str(spec.dtype).removeprefix("torch.")
-    widen = spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
+    widen = _widens(spec)
     acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
 
     header = [
@@ -218,6 +218,12 @@ def _softmax_state(acc_dtype: str) -> list[str]:
             f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})"]
 
 
+def _widens(spec) -> bool:
+    """Whether 16-bit tiles are widened to fp32 before tl.dot (Triton's interpreter: its 16-bit dot
+    is unreliable)."""
+    return spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
+
+
 def _padded(spec) -> tuple[bool, bool]:
     """Whether the head dim and the value head dim are padded (their tiles need bounds checks)."""
     return spec.head_dim != padded_head_dim(spec.head_dim), spec.v_head_dim != padded_head_dim(spec.v_head_dim)
@@ -240,10 +246,11 @@ def _row_max(spec: ForwardSpec, x: str) -> str:
     return f"tl.max({x}, 1)"
 
 
-def _row_sum(spec: ForwardSpec, x: str) -> str:
+def _row_sum(spec, x: str, axis: int = 1) -> str:
+    """The sum of ``x`` along ``axis`` (rows by default); tl.reduce under the interpreter (see _row_max)."""
     if spec.target == "interpreter":
-        return f"tl.reduce({x}, 1, tl.standard._sum_combine)"
-    return f"tl.sum({x}, 1)"
+        return f"tl.reduce({x}, {axis}, tl.standard._sum_combine)"
+    return f"tl.sum({x}, {axis})"
 
 
 # Masked keys must add exactly 0 to the output even where their value rows hold NaN or inf, but

@@ -28,23 +28,38 @@ from ..promotion import node_dtype
 from ..trace import TracedMod, captured_numbers
 
 _LIFT_OPS = {"add", "sub", "mul", "truediv", "min", "max"} | ir.COMPARE_OPS
-_memo: "weakref.WeakKeyDictionary[TracedMod, TracedMod]" = weakref.WeakKeyDictionary()
+_memo: "weakref.WeakKeyDictionary[TracedMod, dict]" = weakref.WeakKeyDictionary()  # -> {lift floats: lifted}
 
 
-def lift_scalars(traced: TracedMod | None) -> TracedMod | None:
+def lift_scalars(traced: TracedMod | None, floats: bool = True) -> TracedMod | None:
     """``traced`` with its captured, non-structural numbers replaced by ``scalar`` nodes whose
-    values are in ``.scalars`` (``traced`` itself when there are none)."""
+    values are in ``.scalars`` (``traced`` itself when there are none). ``floats=False`` keeps
+    captured floats literals (see :func:`floats_travel_exactly`)."""
     if traced is None:
         return None
-    lifted = _memo.get(traced)
+    lifted = _memo.get(traced, {}).get(floats)
     if lifted is None:
-        lifted = _lift(traced)
-        _memo[traced] = lifted
+        lifted = _lift(traced, floats)
+        _memo.setdefault(traced, {})[floats] = lifted
     return lifted
 
 
-def _liftable(const: ir.Node, other: ir.Node, names: dict) -> bool:
-    if const.op != "const" or type(const.attr) not in (int, float) or (type(const.attr), const.attr) not in names:
+def lift_for_call(query: torch.Tensor, *mods: TracedMod | None) -> tuple:
+    """:func:`lift_scalars` of each mod, for a kernel call on ``query``."""
+    floats = floats_travel_exactly(query)
+    return tuple(lift_scalars(mod, floats) for mod in mods)
+
+
+def floats_travel_exactly(query: torch.Tensor) -> bool:
+    """Whether a captured float can be a kernel argument for this call without rounding: a compiled
+    kernel receives a Python float as fp32, which a float64 call on a GPU would feel (torch
+    computes its mod in float64); Triton's interpreter keeps float64."""
+    return query.dtype != torch.float64 or query.device.type != "cuda"
+
+
+def _liftable(const: ir.Node, other: ir.Node, names: dict, floats: bool) -> bool:
+    if const.op != "const" or type(const.attr) not in ((int, float) if floats else (int,)) \
+            or (type(const.attr), const.attr) not in names:
         return False
     if isinstance(const.attr, float) and not math.isfinite(const.attr):
         return False
@@ -54,7 +69,7 @@ def _liftable(const: ir.Node, other: ir.Node, names: dict) -> bool:
     return dtype == torch.int64 if type(const.attr) is int else dtype != torch.float64
 
 
-def _lift(traced: TracedMod) -> TracedMod:
+def _lift(traced: TracedMod, floats: bool) -> TracedMod:
     names: dict[tuple, str] = {}
     for name, value in captured_numbers(traced.fn).items():
         names.setdefault((type(value), value), name)
@@ -81,7 +96,7 @@ def _lift(traced: TracedMod) -> TracedMod:
         if node.op in _LIFT_OPS or node.op == "where":
             pair = (0, 1) if node.op != "where" else (1, 2)
             for i, j in (pair, pair[::-1]):
-                if _liftable(node.args[i], node.args[j], names):
+                if _liftable(node.args[i], node.args[j], names, floats):
                     args[i] = placeholder(node.args[i])
         same = all(a is b for a, b in zip(args, node.args))
         rebuilt[id(node)] = node if same else ir.make(node.op, tuple(args), node.attr, node.kind)
@@ -90,4 +105,4 @@ def _lift(traced: TracedMod) -> TracedMod:
     return dataclasses.replace(traced, root=rebuilt[id(traced.root)], scalars=tuple(values))
 
 
-__all__ = ["lift_scalars"]
+__all__ = ["floats_travel_exactly", "lift_for_call", "lift_scalars"]

@@ -1,0 +1,17 @@
+"""Tensor write counters for caches that must notice in-place edits.
+
+``tensor._version`` counts in-place writes, so a cache keyed by a tensor's identity and version
+is never stale. Tensors made under ``torch.inference_mode()`` (common when decoding) have no
+counter and raise on reading it; for them :func:`write_count` gives a value equal to nothing
+else, so such caches simply never hit and the work is redone, which is always correct.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def write_count(t: torch.Tensor) -> Any:
+    """``t._version``, or a fresh object (equal only to itself) for an inference tensor."""
+    return object() if t.is_inference() else t._version
