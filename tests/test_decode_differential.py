@@ -88,7 +88,7 @@ def decode_cases(draw, triton: bool = False):
         dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float64, torch.float16,
                                       torch.bfloat16]))
         # 48: each key block spans three 16-key tiles
-        block = draw(st.sampled_from([16, 32, (16, 32), (32, 16), (16, 48)]))
+        block = draw(st.sampled_from([16, 32, (16, 32), (32, 16), (16, 48), (1, 32)]))
     else:
         B = draw(st.integers(1, 3))
         Hkv = draw(st.integers(1, 3))
@@ -362,14 +362,14 @@ def check_against_torch(c, q, k, v, score_mod, mask_mod, out, lse):
                    atol=max(1e-6, tolerances(c["dtype"])))
 
 
-@fuzz(40)
+@fuzz(80)
 @given(decode_cases())
 def test_cpu_decode_path_matches_dense_and_torch(case):
     result = run_case(case, "TORCH")
     check_against_torch(case, *result)
 
 
-@fuzz(5)
+@fuzz(8)
 @given(decode_cases(triton=True))
 def test_triton_decode_kernel_matches_dense(case):
     run_case(case, "TRITON")
@@ -496,13 +496,13 @@ def run_paged_case(c, backend):
     assert_matches(out, lse, ref_out, ref_lse, dtype, f"{backend} on a paged cache")
 
 
-@fuzz(12)
+@fuzz(16)
 @given(paged_cases())
 def test_cpu_decode_path_on_a_paged_cache(case):
     run_paged_case(case, "TORCH")
 
 
-@fuzz(3)
+@fuzz(4)
 @given(paged_cases(triton=True))
 def test_triton_decode_kernel_on_a_paged_cache(case):
     run_paged_case(case, "TRITON")
