@@ -14,8 +14,8 @@ Triton's interpreter on tiny sizes) and checks output and logsumexp: fully maske
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import math
 import os
 import warnings
 from unittest import mock
@@ -123,6 +123,7 @@ def decode_cases(draw, triton: bool = False):
         grad=draw(st.sampled_from([False, False, True])),
         seed=draw(st.integers(0, 2 ** 16)),
         q_gain=draw(st.sampled_from([1.0, 1.0, 12.0])),  # large scores: the online max and the merge matter
+        mode=draw(st.sampled_from(["default", "default", "no_grad", "inference_mode"])),
     )
 
 
@@ -273,6 +274,9 @@ def hide_nan_in_masked_cache(q, k, v, mask_mod):
     return k2, v2
 
 
+MODES = {"default": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
 def tolerances(dtype):
     return {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}[dtype]
 
@@ -314,7 +318,7 @@ def run_case(c, backend):
         dead = torch.isneginf(ref_max)
         assert torch.equal(torch.isneginf(aux.max_scores), dead), "max_scores of fully masked rows"
         torch.testing.assert_close(aux.max_scores[~dead].double(), ref_max[~dead], atol=1e-4, rtol=1e-4)
-    if backend == "TORCH" and c["grad"] and c["dtype"] in (torch.float32, torch.float64):
+    if backend == "TORCH" and c["grad"] and c["mode"] == "default" and c["dtype"] in (torch.float32, torch.float64):
         check_gradients(c, q, k, v, score_mod, mask_mod, bm)
     # masked cache positions holding NaN (keys and values) change nothing
     if c["nan_masked"] and mask_mod is not None:
@@ -365,14 +369,16 @@ def check_against_torch(c, q, k, v, score_mod, mask_mod, out, lse):
 @fuzz(80)
 @given(decode_cases())
 def test_cpu_decode_path_matches_dense_and_torch(case):
-    result = run_case(case, "TORCH")
-    check_against_torch(case, *result)
+    with MODES[case["mode"]]():  # inputs and masks made and used under the mode, as a decoding loop does
+        result = run_case(case, "TORCH")
+        check_against_torch(case, *result)
 
 
 @fuzz(8)
 @given(decode_cases(triton=True))
 def test_triton_decode_kernel_matches_dense(case):
-    run_case(case, "TRITON")
+    with MODES[case["mode"]]():
+        run_case(case, "TRITON")
 
 
 @pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
