@@ -41,8 +41,7 @@ class CallSpec(NamedTuple):
     score_name: str | None  # None: no score_mod
     mask_name: str | None  # None: no mask_mod
     tables: tuple[bool, ...]  # which BlockMask tables are present
-    block_size: tuple[int, ...]  # () without a BlockMask
-    seq_lengths: tuple[int, ...]
+    block_size: tuple[int, ...]  # () without a BlockMask (its seq_lengths are the inputs' (L, S), checked)
     scale: float
     options: tuple  # kernel_options' sorted items (JSON is written outside dynamo)
     need_max: bool
@@ -59,18 +58,16 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     mask_mod = None
     tables: list = []
     block_size: tuple = ()
-    seq_lengths: tuple = ()
     if block_mask is not None:
         mask_mod = block_mask.mask_mod
         tables = [getattr(block_mask, name, None) for name in custom_ops.TABLE_NAMES]
         block_size = tuple(int(x) for x in block_mask.BLOCK_SIZE)
-        seq_lengths = tuple(int(x) for x in block_mask.seq_lengths)
     present = [t for t in tables if t is not None]
     # torch scores in float32 (float64 for float64 inputs); indices are int32, as in torch
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     spec = CallSpec(_name(score_mod, "score_mod") if score_mod is not None else None,
                     _name(mask_mod, "mask_mod") if mask_mod is not None else None,
-                    tuple(t is not None for t in tables), block_size, seq_lengths, float(scale),
+                    tuple(t is not None for t in tables), block_size, float(scale),
                     tuple(sorted(options.items())), need_max)
     # the mods' arguments: one-element tensors, so dynamo records the mods' arithmetic elementwise
     # (indexing a captured tensor by a 0-d tensor would be data-dependent for dynamo)
@@ -131,9 +128,12 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         tables = [next(tables) if p else None for p in spec.tables]
         score_key, score_buffers = _mod(gm, plan, inputs, SCORE_MOD, spec.score_name)
         mask_key, mask_buffers = _mod(gm, plan, inputs, MASK_MOD, spec.mask_name)
+        # the BlockMask's lengths are the inputs' (checked before): symbolic under dynamic shapes (a
+        # growing KV cache), so they come from the tensors, not the constant spec
+        seq_lengths = [query.shape[-2], key.shape[-2]] if spec.block_size else []
         out, lse, row_max = custom_ops.flex_attention_op(
             query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key, list(spec.block_size),
-            list(spec.seq_lengths), spec.scale, custom_ops.options_key(dict(spec.options)), spec.need_max)
+            seq_lengths, spec.scale, custom_ops.options_key(dict(spec.options)), spec.need_max)
         # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
         # the same type, never read
         fill = lambda node: torch.zeros(node.meta["example_value"].shape, dtype=node.meta["example_value"].dtype,

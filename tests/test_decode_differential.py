@@ -548,3 +548,20 @@ def test_a_mask_mod_that_ignores_kv_idx_on_several_partial_spans():
             out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True,
                                             kernel_options={"BACKEND": backend})
             assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"{backend}, q_idx-only mask_mod")
+
+
+def test_compiled_decoding_with_a_growing_cache_and_a_block_mask():
+    """One compiled attention over a KV cache that grows each step, with a BlockMask: dynamo makes the
+    lengths symbolic after the first recompilation, and the compiled call once failed on them
+    (InternalTorchDynamoError: SymNodeVariable() is not a constant)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(flexc.flex_attention)
+    g = torch.Generator().manual_seed(11)
+    position = torch.tensor(0)  # the query's position, a 0-d tensor as in gpt-fast
+    for S in (150, 151, 170):
+        q, k, v = (torch.randn(*shape, generator=g) for shape in ((2, 4, 1, 16), (2, 2, S, 16), (2, 2, S, 16)))
+        position.fill_(S - 1)
+        mask_mod = at_offset(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 100), position)
+        bm = flexc.create_block_mask(mask_mod, None, None, 1, S, BLOCK_SIZE=32)
+        out, lse = compiled(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+        assert_matches(out, lse, *dense_attention(q, k, v, mask_mod=mask_mod)[:2], torch.float32, f"compiled, S={S}")
