@@ -84,7 +84,8 @@ class _RowPlan(NamedTuple):
     ``positions``: the key positions of the listed blocks (sorted); ``start``: their first one when
     they are contiguous (the cache rows are then a slice), else None; ``spans``: ``(offset, length)``
     runs of partial-block columns, the only ones the mask_mod is evaluated on (as in the kernels);
-    ``span_kv``: ``kv_idx`` for one mask_mod evaluation covering the spans. Never written to.
+    ``span_kv``: ``kv_idx`` for one mask_mod evaluation covering the spans (their positions side
+    by side). Never written to.
     """
 
     positions: torch.Tensor | None
@@ -170,11 +171,8 @@ def _plan_row(partial: list, full: list, kv_block: int, S: int, device: torch.de
         block_t = torch.tensor(blocks, device=device)
         positions = (block_t[:, None] * kv_block + torch.arange(kv_block, device=device)).flatten()
         positions = positions[positions < S]
-    span_kv = None
-    if len(spans) == 1:
-        span_kv = positions[spans[0][0]:spans[0][0] + spans[0][1]].view(1, 1, 1, -1)
-    elif spans:  # several spans: one evaluation over every position (the op count, not the elements, costs)
-        span_kv = positions.view(1, 1, 1, -1)
+    # the spans' key positions side by side: one mask_mod evaluation covers them all
+    span_kv = torch.cat([positions[o:o + n] for o, n in spans]).view(1, 1, 1, -1) if spans else None
     return _RowPlan(positions, start, tuple(spans), span_kv)
 
 
@@ -214,7 +212,11 @@ def _span_verdicts(mask_mod: TracedMod, plan: _RowPlan, index: dict) -> list:
         return [(*plan.spans[0], allowed)]
     # a mask_mod that ignores kv_idx gives one verdict column: widen it before slicing out the spans
     allowed = allowed.expand(*allowed.shape[:-1], plan.span_kv.shape[-1])
-    return [(offset, length, allowed[..., offset:offset + length]) for offset, length in plan.spans]
+    verdicts, column = [], 0
+    for offset, length in plan.spans:
+        verdicts.append((offset, length, allowed[..., column:column + length]))
+        column += length
+    return verdicts
 
 
 def _masked_columns(verdicts: list, n: int) -> tuple[list, int, int]:
