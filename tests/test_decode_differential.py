@@ -277,6 +277,12 @@ def hide_nan_in_masked_cache(q, k, v, mask_mod):
 MODES = {"default": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 
+def kernel_tolerance(dtype, backend):
+    """A kernel evaluates the float32 parts of a mod (an int index times a Python float, then
+    sigmoid/exp) with its own float32 functions, a few ulps from torch's: ~1e-7 in float64 calls."""
+    return 1e-6 if backend == "TRITON" and dtype == torch.float64 else tolerances(dtype)
+
+
 def tolerances(dtype):
     return {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}[dtype]
 
@@ -317,7 +323,8 @@ def run_case(c, backend):
         out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
                                         return_lse=True, kernel_options=options)
     assert spy.call_count == 1, f"the {backend} path for short queries did not run"
-    assert_matches(out, lse, ref_out, ref_lse, c["dtype"], f"{backend} vs dense")
+    atol = kernel_tolerance(c["dtype"], backend)
+    assert_matches(out, lse, ref_out, ref_lse, c["dtype"], f"{backend} vs dense", atol=atol)
     if backend == "TORCH" and c["max_scores"]:  # the row maxima of the masked, modded scores
         out3, aux = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
                                          return_aux=flexc.AuxRequest(lse=True, max_scores=True))
@@ -334,7 +341,8 @@ def run_case(c, backend):
             k2, v2 = poisoned
             out2, lse2 = flexc.flex_attention(q, k2, v2, score_mod=score_mod, block_mask=bm, scale=scale,
                                               enable_gqa=gqa, return_lse=True, kernel_options=options)
-            assert_matches(out2, lse2, ref_out, ref_lse, c["dtype"], f"{backend} with NaN in the masked cache")
+            assert_matches(out2, lse2, ref_out, ref_lse, c["dtype"], f"{backend} with NaN in the masked cache",
+                           atol=atol)
     return q, k, v, score_mod, mask_mod, out, lse
 
 
@@ -506,7 +514,8 @@ def run_paged_case(c, backend):
                                         block_mask=physical, enable_gqa=Hq != Hkv, return_lse=True,
                                         kernel_options={"BACKEND": backend})
     assert spy.call_count == 1, f"the {backend} decode path did not run"
-    assert_matches(out, lse, ref_out, ref_lse, dtype, f"{backend} on a paged cache")
+    assert_matches(out, lse, ref_out, ref_lse, dtype, f"{backend} on a paged cache",
+                   atol=kernel_tolerance(dtype, backend))
 
 
 @fuzz(16)
