@@ -95,6 +95,8 @@ class _RowPlan(NamedTuple):
 
 
 _NOTHING_LISTED = _RowPlan(None, None, (), None)
+# (cached too) a row the general plan serves: more partial runs than _MAX_SPANS; told apart by identity
+_TOO_MANY_SPANS = _RowPlan(None, None, (), None)
 # (table contents, block sizes, L, S, device) -> _RowPlan: the tables of a decoding step's sliced
 # mask repeat for every token of a query-block row
 _PLANS: OrderedDict = OrderedDict()
@@ -132,9 +134,6 @@ def _one_row_plan(block_mask: Any, L: int, S: int, device: torch.device) -> _Row
             while len(_PLANS) > _MAX_PLANS:
                 _PLANS.popitem(last=False)
     return plan if plan is not _TOO_MANY_SPANS else None
-
-
-_TOO_MANY_SPANS = _RowPlan(None, None, (), None)
 
 
 def _plan_row(partial: list, full: list, kv_block: int, S: int, device: torch.device) -> _RowPlan:
@@ -241,11 +240,11 @@ def _masked_columns(verdicts: list, n: int) -> tuple[list, int, int]:
     return [(offset - lo, length, allowed.logical_not()) for offset, length, allowed, _ in masked], lo, hi
 
 
-def _finite_columns(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masked: list) -> bool:
-    """Whether the query and the masked columns' keys and values are finite: an additive -inf mask
-    (and ``0 * value`` for a masked key) turns NaN or inf there into NaN; elsewhere they are allowed
+def _finite_columns(masked: list, *tensors: torch.Tensor) -> bool:
+    """Whether the masked columns (dim 2) of ``tensors`` are finite: an additive -inf mask (and
+    ``0 * value`` for a masked key) turns NaN or inf there into NaN; elsewhere they are allowed
     and propagate, as in torch."""
-    return all_finite(query) and all(all_finite(key[:, :, o:o + n], value[:, :, o:o + n]) for o, n, _ in masked)
+    return all(all_finite(*(t[:, :, o:o + n] for t in tensors)) for o, n, _ in masked)
 
 
 def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float):
@@ -331,7 +330,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
             and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
-            and (not masked or _finite_columns(query, k_sel, v_sel, masked))):
+            and (not masked or (all_finite(query) and _finite_columns(masked, k_sel, v_sel)))):
         out, lse = flash(query, k_sel, v_sel, masked, scale)
         return out, lse.to(lse_dtype), None
 
@@ -368,10 +367,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     l = s4.sum(-1, keepdim=True).clamp_min_(1.0)
     # masked keys' NaN/inf values must not reach P @ V through 0 * NaN (an uninitialised cache);
     # on one-row plans only the masked columns can hold such keys
-    if allowed is not None:
-        finite = all_finite(v_sel)
-    else:
-        finite = all(all_finite(v_sel[:, :, o:o + length]) for o, length, _ in masked)
+    finite = all_finite(v_sel) if allowed is not None else _finite_columns(masked, v_sel)
     matmul = torch.matmul if finite else matmul_skipping_zeros
     o = matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
     lse = m.add_(l.log2_()).mul_(LN2).squeeze(-1) if not need_max else (m + l.log2()).mul_(LN2).squeeze(-1)
