@@ -124,6 +124,7 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
 
     def run(*inputs):
         query, key, value, *present = (inputs[i] for i in plan.tensors)
+        inputs = _numbers_as_tensors(inputs, query.device)
         tables = iter(present)
         tables = [next(tables) if p else None for p in spec.tables]
         score_key, score_buffers = _mod(gm, plan, inputs, SCORE_MOD, spec.score_name)
@@ -141,6 +142,25 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         return out, lse, row_max, fill(plan.mod_outs[SCORE_MOD]), fill(plan.mod_outs[MASK_MOD])
 
     return run
+
+
+def _numbers_as_tensors(inputs: tuple, device: torch.device) -> tuple:
+    """The subgraph's inputs with its numbers as 0-d tensors on ``device``.
+
+    A Python number a mod captures is a constant of the dynamo graph until it changes; then dynamo
+    makes it symbolic (a decode loop's position) and passes it as an input of the subgraph: a
+    ``SymInt`` while AOT autograd traces, a plain int when the dynamo graph runs as is. Traced as a
+    number it would be baked into the mod (the first value reused for every later one); as a 0-d
+    tensor it is a captured buffer, read afresh on every call, as torch's compiled mods read it.
+    (0-d tensors take part in type promotion as the Python numbers do, so dtypes are unchanged.)
+    """
+    numbers = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+    if not any(isinstance(x, numbers) for x in inputs):
+        return inputs
+    dtypes = ((bool, torch.SymBool, torch.bool), (int, torch.SymInt, torch.int64), (float, torch.SymFloat, torch.float64))
+    as_tensor = lambda x: next(torch.scalar_tensor(x, dtype=dt, device=device)
+                               for kind, sym, dt in dtypes if isinstance(x, (kind, sym)))
+    return tuple(as_tensor(x) if isinstance(x, numbers) else x for x in inputs)
 
 
 def _mod(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, kind: str, name: str | None) -> tuple[str, list]:
@@ -285,7 +305,7 @@ def _mask_wrapper(spec: tuple, gm: torch.fx.GraphModule) -> Callable:
         plan = _plans[gm] = _read_plan(gm, 4, 0)
 
     def run(*inputs):
-        key, buffers = _mod(gm, plan, inputs, MASK_MOD, name)
+        key, buffers = _mod(gm, plan, _numbers_as_tensors(inputs, device), MASK_MOD, name)
         tables = custom_ops.create_block_mask_op(buffers, key, *sizes, device)
         meta = plan.mod_outs[MASK_MOD].meta["example_value"]
         return (*tables, torch.zeros(meta.shape, dtype=meta.dtype, device=device))
