@@ -8,6 +8,7 @@ matches on it) and, where torch raises another type, the error is also of that t
 """
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import weakref
@@ -31,6 +32,16 @@ KNOWN_OPTIONS = frozenset({
     "num_warps", "num_stages", "BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
     "FORCE_USE_FLEX_ATTENTION", "USE_TMA", "kpack", "matrix_instr_nonkdim", "waves_per_eu",
+})
+# The undocumented keys torch 2.13's kernels read from kernel_options (its Triton forward, backward and
+# split-KV decode templates, and its compiled CPU kernel), which torch accepts from users too. flexc
+# accepts them as tuning hints; SPLIT_KV sets the Triton decode kernel's split count, the others are
+# ignored (flexc derives them from the inputs, as torch does when they are absent).
+TORCH_KERNEL_OPTIONS = frozenset({
+    "SPLIT_KV", "GQA_SHARED_HEADS", "SPARSE_Q_BLOCK_SIZE", "SPARSE_KV_BLOCK_SIZE", "IS_DIVISIBLE",
+    "SAFE_HEAD_DIM", "SAFE_M_BOUNDARY", "SAFE_N_BOUNDARY", "SM_SCALE", "HAS_FULL_BLOCKS", "QK_HEAD_DIM",
+    "QK_HEAD_DIM_ROUNDED", "V_HEAD_DIM", "V_HEAD_DIM_ROUNDED", "FLOAT32_PRECISION", "num_consumer_groups",
+    "num_buffers_warp_spec", "PARTITION_SIZE", "SKIP_MASK_SCORE",
 })
 
 
@@ -330,9 +341,13 @@ def check_kernel_options(kernel_options: Any) -> dict:
         if name in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):  # torch sets these itself from return_lse/return_aux
             raise AssertedValueError(f"flex_attention: {name} must not be in kernel_options. Fix: ask for the "
                                      f"output with return_aux=AuxRequest(lse=True) or AuxRequest(max_scores=True).")
-        if name != "BACKEND" and base not in KNOWN_OPTIONS:
-            raise ValueError(f"flex_attention: unknown kernel_options key {name!r}; expected BACKEND or one of "
-                             f"{sorted(KNOWN_OPTIONS)} (optionally prefixed fwd_/bwd_). Fix: remove or correct the key.")
+        if name != "BACKEND" and base not in KNOWN_OPTIONS and base not in TORCH_KERNEL_OPTIONS:
+            by_lower = {known.lower(): known for known in KNOWN_OPTIONS | TORCH_KERNEL_OPTIONS}
+            close = difflib.get_close_matches(str(base).lower(), sorted(by_lower), n=1)
+            hint = f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+            raise ValueError(f"flex_attention: unknown kernel_options key {name!r}{hint}; expected BACKEND or one "
+                             f"of {sorted(KNOWN_OPTIONS)}, torch's kernel keys {sorted(TORCH_KERNEL_OPTIONS)} "
+                             f"(optionally prefixed fwd_/bwd_). Fix: remove or correct the key.")
     if "BACKEND" in options and options.get("FORCE_USE_FLEX_ATTENTION", False):
         raise InvalidValueError("flex_attention: BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION. "
                                 "Fix: drop FORCE_USE_FLEX_ATTENTION and only specify the desired BACKEND.")

@@ -23,6 +23,68 @@ def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def _torch_kernel_option_keys() -> set:
+    """The keys torch's installed FlexAttention kernels read from kernel_options (its source, not a copy)."""
+    folder = pathlib.Path(torch.__file__).parent / "_inductor" / "kernel" / "flex"
+    pattern = re.compile(r"""(?:kernel_options|cur_kernel_options)\s*(?:\.setdefault\(\s*|\.get\(\s*|\[)"(\w+)\"""")
+    keys = set()
+    for path in folder.glob("*.py"):
+        keys |= set(pattern.findall(path.read_text()))
+    # torch asserts these two are absent (it sets them from return_lse/return_aux); flexc does too
+    return keys - {"OUTPUT_LOGSUMEXP", "OUTPUT_MAX"}
+
+
+def test_every_kernel_options_key_torch_reads_is_accepted_and_changes_nothing():
+    keys = _torch_kernel_option_keys()
+    assert {"SPLIT_KV", "GQA_SHARED_HEADS", "BLOCK_M", "IS_DIVISIBLE"} <= keys  # the scan found torch's keys
+    q, k, v = random_qkv(1, 4, 2, 24, 40, 16)
+    values = {key: "ieee" if key == "FLOAT32_PRECISION" else 64 if key.startswith("BLOCK") else 1 for key in keys}
+    ref = tfa.flex_attention(q, k, v, causal_score, enable_gqa=True)
+    torch_out = tfa.flex_attention(q, k, v, causal_score, enable_gqa=True, kernel_options=dict(values))
+    torch.testing.assert_close(torch_out, ref, atol=0, rtol=0)  # torch's eager path ignores them too
+    for key, value in sorted(values.items()):
+        for name in (key, f"fwd_{key}", f"bwd_{key}"):
+            options = {name: value}
+            out = flexc.flex_attention(q, k, v, causal_score, enable_gqa=True, kernel_options=options)
+            assert options == {name: value}  # not mutated
+            torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6, msg=name)
+
+
+def causal_score(score, b, h, q_idx, kv_idx):
+    return torch.where(q_idx + 16 >= kv_idx, score, -float("inf"))
+
+
+@pytest.mark.parametrize("typo, suggestion", [("SPLIT_KVV", "SPLIT_KV"), ("fwd_BLOCK_MM", "BLOCK_M"),
+                                              ("gqa_shared_heads", "GQA_SHARED_HEADS"), ("NOT_A_KEY", None)])
+def test_a_misspelt_kernel_options_key_is_still_rejected_by_name(typo, suggestion):
+    q = torch.randn(1, 1, 16, 16)
+    with pytest.raises(ValueError, match=f"unknown kernel_options key '{typo}'") as error:
+        flexc.flex_attention(q, q, q, kernel_options={typo: 2})
+    if suggestion:
+        assert f"did you mean '{suggestion}'" in str(error.value)
+    else:
+        assert "did you mean" not in str(error.value)
+
+
+def test_split_kv_sets_the_triton_decode_kernels_splits(monkeypatch):
+    """SPLIT_KV (fwd_SPLIT_KV over it) is the number of key splits of the decode kernel, as in torch."""
+    seen = []
+    merge = triton_decode.merge_splits
+    monkeypatch.setattr(triton_decode, "merge_splits", lambda out_split, *a: seen.append(out_split.shape[2])
+                        or merge(out_split, *a))
+    q, k, v = random_qkv(2, 4, 2, 1, 160, 16)
+    window = lambda b, h, q_idx, kv_idx: kv_idx > 20
+    block_mask = flexc.create_block_mask(window, None, None, 1, 160, device="cpu", BLOCK_SIZE=32)
+    gold = dense_attention(q, k, v, mask_mod=window)[0]
+    for options, splits in (({"SPLIT_KV": 3}, 3), ({"SPLIT_KV": 7, "fwd_SPLIT_KV": 1}, 1), ({"SPLIT_KV": 9}, 9)):
+        out = flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                   kernel_options={**INTERPRET, **options})
+        assert seen[-1] == splits  # 9 splits of 5 listed blocks: the last splits are empty
+        torch.testing.assert_close(out.double(), gold, atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match=r"kernel_options\['SPLIT_KV'\] must be >= 1, got 0"):
+        flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options={**INTERPRET, "SPLIT_KV": 0})
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiled_decode_loop_with_a_python_int_position(backend):
     """torch.compile makes the captured position symbolic from the third step on. Before, the

@@ -169,9 +169,20 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     return merge_splits(out_split, lse_split, Hq, L, query.dtype)  # lse float64 for float64 inputs
 
 
+def requested_splits(kernel_options: dict | None) -> int | None:
+    """torch's ``SPLIT_KV`` kernel option (``fwd_SPLIT_KV`` overrides it): the number of splits per
+    (batch, key head), or None for :func:`default_splits`. Splits past the listed blocks are empty."""
+    options = kernel_options or {}
+    name = "fwd_SPLIT_KV" if "fwd_SPLIT_KV" in options else "SPLIT_KV"
+    if name not in options:
+        return None
+    return tb._check_int_option(name, options[name], power_of_2=False, minimum=1)
+
+
 def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):
     """The TRITON backend's forward for short queries (same contract as ``triton_forward``)."""
+    splits = requested_splits(kernel_options)
     score_mod, mask_mod = tb.lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
     spec = make_spec(score_mod, mask_mod, query, key, value, block_mask)
-    out, lse = launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale)
+    out, lse = launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits=splits)
     return out, (lse if need_lse else None)
