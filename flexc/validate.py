@@ -117,7 +117,9 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     lengths = tuple(int(x) for x in block_mask.seq_lengths)
-    if lengths != (L, S):
+    # torch skips this check for its no-op mask (BLOCK_SIZE _LARGE_SPARSE_BLOCK_SIZE = 1 << 30, one block
+    # covering any lengths, seq_lengths (1, 1)): such a mask serves inputs of every length
+    if lengths != (L, S) and tuple(block_mask.BLOCK_SIZE) != (1 << 30, 1 << 30):
         raise ValueError(f"flex_attention: block_mask was created for (Q_LEN, KV_LEN)={lengths} but got "
                          f"q_len={L} and kv_len={S}: `block_mask` must be built for the inputs' (L, S)=({L}, {S}). "
                          f"Fix: rebuild it with create_block_mask(mask_mod, B, H, {L}, {S}), or, "

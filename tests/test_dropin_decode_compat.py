@@ -85,6 +85,47 @@ def test_split_kv_sets_the_triton_decode_kernels_splits(monkeypatch):
         flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options={**INTERPRET, "SPLIT_KV": 0})
 
 
+def _no_op_masks(q, k):
+    """torch's no-op BlockMask (seq_lengths (1, 1)) and flexc's, each built for other lengths than q/k's."""
+    return {"torch": tfa._create_empty_block_mask(q, k),
+            "flexc_other_lengths": flexc._create_empty_block_mask(q[:, :, :5], k[:, :, :9]),
+            "causal_at_large_block": flexc.BlockMask.from_kv_blocks(
+                torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                BLOCK_SIZE=flexc._LARGE_SPARSE_BLOCK_SIZE, mask_mod=causal, seq_lengths=(1, 1))}
+
+
+def test_torchs_no_op_block_mask_serves_inputs_of_any_length_as_in_torch():
+    q, k, v = random_qkv(2, 2, 2, 100, 70, 16)
+    for name, block_mask in _no_op_masks(q, k).items():
+        mask_mod = causal if name.startswith("causal") else None
+        gold = dense_attention(q, k, v, mask_mod=mask_mod)[0]
+        torch_out = tfa.flex_attention(q, k, v, block_mask=block_mask)  # torch accepts every one of them
+        torch.testing.assert_close(torch_out.double(), gold, atol=1e-5, rtol=1e-5)
+        for options in ({"BACKEND": "TORCH"}, INTERPRET):
+            out = flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options=options)
+            torch.testing.assert_close(out.double(), gold, atol=1e-5, rtol=1e-5, msg=f"{name} {options}")
+    # a mask of ordinary block size still has to be built for the inputs' lengths, as in torch
+    smaller = flexc.create_block_mask(causal, None, None, 64, 70, device="cpu")
+    with pytest.raises(ValueError, match="block_mask was created for"):
+        flexc.flex_attention(q, k, v, block_mask=smaller)
+
+
+def test_no_op_block_mask_in_the_triton_decode_kernel_and_backward():
+    """A key block of 1 << 30 runs as one block covering the keys (before: 2**24 tiles, a hang)."""
+    q, k, v = random_qkv(1, 4, 2, 3, 70, 16)
+    block_mask = _no_op_masks(q, k)["causal_at_large_block"]
+    gold = dense_attention(q, k, v, mask_mod=causal)[0]
+    out = flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=INTERPRET)
+    torch.testing.assert_close(out.double(), gold, atol=1e-5, rtol=1e-5)
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 40, 48, 16))
+    grad_out = torch.randn(1, 2, 40, 16)
+    out = flexc.flex_attention(q, k, v, block_mask=tfa._create_empty_block_mask(q, k), kernel_options=INTERPRET)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    dense = dense_attention(q, k, v)[0]
+    for got, want in zip(grads, torch.autograd.grad(dense, (q, k, v), grad_out.double())):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiled_decode_loop_with_a_python_int_position(backend):
     """torch.compile makes the captured position symbolic from the third step on. Before, the

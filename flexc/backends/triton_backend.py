@@ -28,7 +28,7 @@ import torch
 from ..codegen.backward import BackwardSpec, generate_backward
 from ..codegen.decode import DecodeSpec, generate_decode
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
-                               padded_head_dim)
+                               next_power_of_2, padded_head_dim)
 from ..codegen.index_width import index_dtype as _index_dtype
 from ..codegen.scalars import lift_for_call
 from ..tiles import cdiv
@@ -253,11 +253,19 @@ def _fp32_precision(target: str) -> str:
     return "ieee"
 
 
-def _block_sizes(block_mask: Any) -> tuple[int, int]:
+def _block_sizes(block_mask: Any, L: int, S: int) -> tuple[int, int]:
+    """The BlockMask's (query, key) block sizes as the kernels take them for ``L`` queries, ``S`` keys.
+
+    A block larger than the whole sequence (torch's ``1 << 30`` no-op mask from
+    ``_create_empty_block_mask``, or any BLOCK_SIZE past the lengths) is that sequence's only block,
+    index 0: any size covering the sequence reads the same tables. The kernels take the smallest
+    power of two >= the length (at least 16), so a key block is cdiv(S, BLOCK_N) tiles, not
+    ``(1 << 30) / BLOCK_N`` of them.
+    """
     size = block_mask.BLOCK_SIZE
-    if isinstance(size, int):
-        return size, size
-    return int(size[0]), int(size[1])
+    q_block, kv_block = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    cover_q, cover_kv = max(16, next_power_of_2(L)), max(16, next_power_of_2(S))
+    return min(q_block, cover_q), min(kv_block, cover_kv)  # only a block past the end is cut
 
 
 def _flags(kernel_options: dict | None) -> dict[str, bool]:
@@ -577,7 +585,7 @@ def _spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMo
                    mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None,
                    need_lse: bool) -> ForwardSpec:
     """The kernel spec that a flex_attention call with these (validated) arguments runs."""
-    block_size = _block_sizes(block_mask) if block_mask is not None else None
+    block_size = _block_sizes(block_mask, query.shape[-2], value.shape[-2]) if block_mask is not None else None
     has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
     B, Hq, L, _ = query.shape
     index_dtype = _index_dtype((score_mod, mask_mod), B, Hq, L, value.shape[-2])

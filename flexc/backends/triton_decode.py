@@ -32,7 +32,7 @@ def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
         return False
     if block_mask is None:
         return True
-    q_block, _ = tb._block_sizes(block_mask)
+    q_block, _ = tb._block_sizes(block_mask, L, key.shape[2])
     return L <= q_block and (block_mask.kv_num_blocks.shape[1] == 1 or G == 1)
 
 
@@ -46,7 +46,7 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
         kv_block, has_full = 128, True
         mask_mod = None
     else:
-        kv_block = tb._block_sizes(block_mask)[1]
+        kv_block = tb._block_sizes(block_mask, L, key.shape[2])[1]
         has_full = getattr(block_mask, "full_kv_num_blocks", None) is not None
     # the interpreter pays per tile, so it takes whole key blocks; GPUs take 64-key tiles. Tiles are
     # powers of two (tl.arange): a 48-key block is three 16-key tiles, on either
