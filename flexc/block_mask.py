@@ -197,15 +197,16 @@ class BlockMask:
 
     # -- the kv tables (a one-row slice builds them from its lists on first access) --
     def _kv(self) -> tuple:
-        if self._kv_tables is None:
+        tables = self._kv_tables
+        if tables is None:
             rows = self.lazy_rows
-            self._kv_tables = tuple(torch.tensor(values, dtype=dtype).view(shape) if values is not None else None
-                                    for values, (shape, dtype) in
-                                    zip((rows.counts, rows.indices, rows.full_counts, rows.full_indices),
-                                        (layout or ((), None) for layout in rows.layout)))
-        # once built, the tensors are the truth (they may be edited in place): the lists are dropped
-        self.lazy_rows = None
-        return self._kv_tables
+            tables = self._kv_tables = tuple(
+                torch.tensor(values, dtype=dtype).view(shape) if values is not None else None
+                for values, (shape, dtype) in zip((rows.counts, rows.indices, rows.full_counts, rows.full_indices),
+                                                  (layout or ((), None) for layout in rows.layout)))
+            # once built, the tensors are the truth (they may be edited in place): the lists are dropped
+            self.lazy_rows = None
+        return tables
 
     def _set_kv(self, slot: int, value: torch.Tensor | None) -> None:
         tables = list(self._kv())

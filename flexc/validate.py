@@ -154,8 +154,9 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
     """
     contents = state = None
     rows = getattr(block_mask, "lazy_rows", None)
-    if rows is not None and rows in _valid_contents:  # a one-row slice of tables found valid before
+    if rows is not None and (rows is _last_valid[0] or rows in _valid_contents):  # a row of tables found valid
         _check_rows_cover(block_mask, rows.num_shape[-1], L)
+        _last_valid[0] = rows  # (the same lists object next step: no hashing)
         return
     tables = [block_mask.kv_num_blocks, block_mask.kv_indices,
               getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask, "full_kv_indices", None)]
@@ -216,6 +217,7 @@ _SMALL_TABLE = TABLE_LIST_LIMIT  # table entries up to which the entries are che
 # contents (flexc.table_lists) of small tables found valid: a decoding step's one-row mask has the
 # entries of its predecessor while decoding stays in one query-block row
 _valid_contents: set = set()
+_last_valid: list = [None]
 
 
 def _bad_count(prefix: str, at: tuple, value: int, n_kv: int) -> ValueError:
