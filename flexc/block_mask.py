@@ -24,6 +24,7 @@ from .tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_
                     evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
 from .ranges import MIXED
 from .trace import MASK_MOD, TracedMod, mod_kind, trace
+from .table_lists import TableContents, row_contents
 from .validate import check_captured
 
 DEFAULT_BLOCK_SIZE = 128
@@ -184,14 +185,42 @@ class BlockMask:
         if dq_write_order_full is not None and dq_write_order is None:
             raise ValueError("BlockMask: dq_write_order_full requires dq_write_order.")
         self.seq_lengths = tuple(seq_lengths)
-        self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
-        self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
+        self._kv_tables: tuple | None = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+        # a one-row slice's tables as Python lists, its tables built from them on first access (see _row_slice)
+        self.lazy_rows: TableContents | None = None
         # None: derive from the kv tables on first access (see the class docstring)
         self._q_tables: tuple | None = None if all(derived) else q_tables
         self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
         self.dq_kv_order, self.dq_kv_order_spt = dq_kv_order, dq_kv_order_spt
         self.BLOCK_SIZE = tuple(BLOCK_SIZE)
         self.mask_mod = mask_mod
+
+    # -- the kv tables (a one-row slice builds them from its lists on first access) --
+    def _kv(self) -> tuple:
+        tables = self._kv_tables
+        if tables is None:
+            rows = self.lazy_rows
+            tables = self._kv_tables = tuple(
+                torch.tensor(values, dtype=dtype).view(shape) if values is not None else None
+                for values, (shape, dtype) in zip((rows.counts, rows.indices, rows.full_counts, rows.full_indices),
+                                                  (layout or ((), None) for layout in rows.layout)))
+            # once built, the tensors are the truth (they may be edited in place): the lists are dropped
+            self.lazy_rows = None
+        return tables
+
+    def _set_kv(self, slot: int, value: torch.Tensor | None) -> None:
+        tables = list(self._kv())
+        tables[slot] = value
+        self._kv_tables = tuple(tables)
+
+    kv_num_blocks = property(lambda self: self._kv()[0], lambda self, v: self._set_kv(0, v),
+                             doc="int32 ``[B, H, nQ]``: partial kv blocks per query-block row.")
+    kv_indices = property(lambda self: self._kv()[1], lambda self, v: self._set_kv(1, v),
+                          doc="int32 ``[B, H, nQ, nKV]``: their kv-block columns, valid entries first.")
+    full_kv_num_blocks = property(lambda self: self._kv()[2], lambda self, v: self._set_kv(2, v),
+                                  doc="int32 ``[B, H, nQ]``: full kv blocks per row, or None.")
+    full_kv_indices = property(lambda self: self._kv()[3], lambda self, v: self._set_kv(3, v),
+                               doc="int32 ``[B, H, nQ, nKV]``: their columns, or None.")
 
     # -- the q-direction tables, derived on first use --
     def _q(self) -> tuple:
@@ -393,7 +422,11 @@ class BlockMask:
         padded = (*index, slice(None), slice(None), slice(None))[:3]
         sizes = self.kv_num_blocks.shape[:3]
         index = tuple(_keep_dim(i, n) for i, n in zip(padded, sizes))
-        if _is_one_row(index, sizes[2]):  # decoding's block_mask[:, :, pos // 128]: the cheapest copy
+        row = _one_row(index, sizes[2]) if not torch.compiler.is_compiling() else None
+        if row is not None:  # decoding's block_mask[:, :, pos // 128]
+            sliced = self._row_slice(row)
+            if sliced is not None:
+                return sliced
             take = lambda table: table.index_select(2, index[2])  # noqa: E731
         else:
             take = lambda table: table[index]  # noqa: E731
@@ -403,6 +436,28 @@ class BlockMask:
         return BlockMask(self.seq_lengths, take(self.kv_num_blocks), take(self.kv_indices), *full,
                          *(((DERIVED,) * 4) if self._has_q_tables() else ((None,) * 4)), BLOCK_SIZE=self.BLOCK_SIZE,
                          mask_mod=_sliced_mask_mod_error, dq_kv_order_spt=self.dq_kv_order_spt)
+
+    def _row_slice(self, row: int) -> "BlockMask | None":
+        """``self[:, :, row]`` of a CPU mask with small rows, as lists read once per row and table state.
+
+        A decoding loop slices the same row for every token of a query block; the slice is then
+        a few attribute writes, and the tables of the result (the lists in ``lazy_rows``, which
+        validation and the decode path read directly) become tensors only when someone asks for
+        them. The lists are a copy, as slicing with a tensor index is in torch. None when the
+        tables are on another device or the rows too large (the caller slices the tensors).
+        """
+        if self.dq_kv_order is not None:
+            return None
+        rows = row_contents(self._kv(), row)
+        if rows is None:
+            return None
+        sliced = BlockMask.__new__(BlockMask)
+        sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows = self.seq_lengths, None, rows
+        sliced._q_tables = None if self._has_q_tables() else (None,) * 4
+        sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None
+        sliced.dq_kv_order_spt, sliced.BLOCK_SIZE = self.dq_kv_order_spt, self.BLOCK_SIZE
+        sliced.mask_mod = _sliced_mask_mod_error
+        return sliced
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """The upper-left ``new_q_len x new_kv_len`` corner, keeping the mask_mod (torch's private helper).
@@ -443,13 +498,16 @@ class BlockMask:
                          dq_kv_order_spt=self.dq_kv_order_spt)
 
 
-def _is_one_row(index: tuple, rows: int) -> bool:
-    """Whether ``index`` is ``[:, :, t]`` with ``t`` a one-element CPU integer tensor in ``[0, rows)``
-    (``index_select`` then gives what advanced indexing gives; negative or out-of-range values are
-    left to advanced indexing, which wraps or raises IndexError)."""
+def _one_row(index: tuple, rows: int) -> int | None:
+    """The row ``r`` when ``index`` is ``[:, :, t]`` with ``t`` a one-element CPU integer tensor
+    holding ``r`` in ``[0, rows)``, else None (negative or out-of-range values are left to advanced
+    indexing, which wraps or raises IndexError)."""
     i = index[2]
-    return (index[0] == index[1] == slice(None) and isinstance(i, torch.Tensor) and i.device.type == "cpu"
-            and i.dim() == 1 and i.numel() == 1 and i.dtype in (torch.int64, torch.int32) and 0 <= int(i) < rows)
+    if (index[0] == index[1] == slice(None) and type(i) is torch.Tensor and i.device.type == "cpu"
+            and i.dim() == 1 and i.numel() == 1 and i.dtype in (torch.int64, torch.int32)):
+        row = int(i)
+        return row if 0 <= row < rows else None
+    return None
 
 
 def _keep_dim(i: Any, n: int) -> Any:

@@ -8,7 +8,8 @@ objects hold them, so neither is redone while decoding stays inside one query-bl
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,3 +58,39 @@ def row_blocks(contents: TableContents, row: int) -> tuple[tuple, tuple]:
     if contents.full_counts is None:
         return partial, ()
     return partial, contents.full_indices[row * n_kv: row * n_kv + contents.full_counts[row]]
+
+
+# (identity and version of a mask's four kv tables, row) -> (kv_indices, the row's TableContents):
+# a decoding loop slices one query-block row for every token of that block
+_ROWS: OrderedDict = OrderedDict()
+_MAX_ROWS = 64
+
+
+def row_contents(tables: tuple, row: int) -> TableContents | None:
+    """The contents of query-block row ``row`` of ``tables`` (CPU ``[B, H, nQ, ...]`` kv tables), as
+    :func:`table_lists` gives for ``table[:, :, row:row + 1]``; None for tables on another device or
+    rows over :data:`LIMIT` entries. Read once per row while the tables are unchanged."""
+    idx = tables[1]
+    if idx.device.type != "cpu" or idx.dim() != 4:
+        return None
+    key = (tuple((id(t), write_count(t)) if t is not None else None for t in tables), row)
+    hit = _ROWS.get(key)
+    if hit is not None and hit[0] is idx:  # (the kept tensor keeps its id from being reused)
+        return hit[1]
+    if idx.shape[0] * idx.shape[1] * idx.shape[3] > LIMIT:
+        return None
+    contents = table_lists(tuple(t.narrow(2, row, 1) if t is not None else None for t in tables))
+    _ROWS[key] = (idx, contents)
+    while len(_ROWS) > _MAX_ROWS:
+        _ROWS.popitem(last=False)
+    return contents
+
+
+def contents_of(block_mask: Any) -> TableContents | None:
+    """The kv tables of ``block_mask`` as lists: a lazily sliced row's own lists, else
+    :func:`table_lists` of its tensors (None when they are not small)."""
+    rows = getattr(block_mask, "lazy_rows", None)
+    if rows is not None:
+        return rows
+    return table_lists((block_mask.kv_num_blocks, block_mask.kv_indices,
+                        getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask, "full_kv_indices", None)))

@@ -107,7 +107,8 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
     if block_mask is None:
         return
     needed = ("kv_num_blocks", "kv_indices", "BLOCK_SIZE", "seq_lengths")
-    if not all(hasattr(block_mask, a) for a in needed):
+    rows = getattr(block_mask, "lazy_rows", None)  # a one-row slice whose tables are still lists
+    if rows is None and not all(hasattr(block_mask, a) for a in needed):
         raise TypeError(f"flex_attention: `block_mask` must be a BlockMask (flexc's or torch's), got "
                         f"{type(block_mask).__name__}. Fix: build one with flexc.create_block_mask(mask_mod, B, H, L, S).")
     if _is_sliced_stub(getattr(block_mask, "mask_mod", None)):
@@ -125,7 +126,7 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
                          f"Fix: rebuild it with create_block_mask(mask_mod, B, H, {L}, {S}), or, "
                          f"if it is larger, crop it with block_mask._adjust({L}, {S}) (keeps the upper-left corner; "
                          f"right only for masks that do not depend on the total length).")
-    Bm, Hm = block_mask.kv_num_blocks.shape[:2]
+    Bm, Hm = rows.num_shape[:2] if rows is not None else block_mask.kv_num_blocks.shape[:2]
     if Bm not in (1, B):
         raise ValueError(f"flex_attention: Expect query and key/value to have the same batch size, or block_mask "
                          f"and query to have the same batch size: `block_mask` has batch {Bm}; expected 1 "
@@ -133,9 +134,10 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
     if Hm not in (1, Hq):
         raise ValueError(f"flex_attention: `block_mask` has {Hm} heads; expected 1 (broadcast) or the query's "
                          f"{Hq} heads. Fix: build it with H=None (broadcast) or H={Hq}.")
-    if block_mask.kv_num_blocks.device != query.device:
+    device = _CPU if rows is not None else block_mask.kv_num_blocks.device  # (lists are read from CPU rows only)
+    if device != query.device:
         raise InvalidValueError(f"flex_attention: Expect q/k/v and block_mask to be on the same device: "
-                                f"`block_mask` is on {block_mask.kv_num_blocks.device} but the inputs are on "
+                                f"`block_mask` is on {device} but the inputs are on "
                                 f"{query.device}. Fix: `block_mask.to({str(query.device)!r})`.")
     if not torch.compiler.is_compiling():  # compiled calls check the tables' values in the custom op
         check_block_tables(block_mask, L, S)
@@ -163,9 +165,14 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
     since they were last found valid are not checked again, nor are small tables (a decoding
     step's sliced mask) with the contents of tables found valid before.
     """
+    contents = state = None
+    rows = getattr(block_mask, "lazy_rows", None)
+    if rows is not None and (rows is _last_valid[0] or rows in _valid_contents):  # a row of tables found valid
+        _check_rows_cover(block_mask, rows.num_shape[-1], L)
+        _last_valid[0] = rows  # (the same lists object next step: no hashing)
+        return
     tables = [block_mask.kv_num_blocks, block_mask.kv_indices,
               getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask, "full_kv_indices", None)]
-    contents = state = None
     if isinstance(tables[1], torch.Tensor) and tables[1].numel() <= _SMALL_TABLE:
         contents = table_lists(tables)
     if contents is not None:
@@ -218,10 +225,12 @@ def _check_rows_cover(block_mask: Any, n_q: int, L: int) -> None:
                          f"{-(-L // q_block)}. {_REBUILD}")
 
 
+_CPU = torch.device("cpu")
 _SMALL_TABLE = TABLE_LIST_LIMIT  # table entries up to which the entries are checked as Python lists
 # contents (flexc.table_lists) of small tables found valid: a decoding step's one-row mask has the
 # entries of its predecessor while decoding stays in one query-block row
 _valid_contents: set = set()
+_last_valid: list = [None]
 
 
 def _bad_count(prefix: str, at: tuple, value: int, n_kv: int) -> ValueError:

@@ -28,10 +28,12 @@ import functools
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..evaluate import evaluate
-from ..table_lists import row_blocks, table_lists
+from ..evaluate_numpy import evaluate_small
+from ..table_lists import contents_of, row_blocks
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
 from . import fused_cpu
@@ -44,6 +46,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _NEG_INF = float("-inf")
 _NAN = float("nan")
+_ALLOWED, _BLOCKED = b"\x01", b"\x00"  # a bool verdict's byte
 
 
 def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -78,6 +81,14 @@ def _index_tensor(shape: tuple, device: torch.device) -> torch.Tensor:
     return torch.arange(max(shape), device=device).view(shape)
 
 
+@functools.lru_cache(maxsize=64)
+def _index_array(shape: tuple) -> np.ndarray:
+    """:func:`_index_tensor` for numpy evaluation (read-only)."""
+    array = np.arange(max(shape), dtype=np.int64).reshape(shape)
+    array.flags.writeable = False
+    return array
+
+
 class _RowPlan(NamedTuple):
     """The key range of a one-row decoding mask, reused while its table row is unchanged.
 
@@ -92,24 +103,26 @@ class _RowPlan(NamedTuple):
     start: int | None
     spans: tuple
     span_kv: torch.Tensor | None
+    span_kv_array: np.ndarray | None  # the same for numpy evaluation
 
 
-_NOTHING_LISTED = _RowPlan(None, None, (), None)
+_NOTHING_LISTED = _RowPlan(None, None, (), None, None)
 # (cached too) a row the general plan serves: more partial runs than _MAX_SPANS; told apart by identity
-_TOO_MANY_SPANS = _RowPlan(None, None, (), None)
+_TOO_MANY_SPANS = _RowPlan(None, None, (), None, None)
 # (table contents, block sizes, L, S, device) -> _RowPlan: the tables of a decoding step's sliced
 # mask repeat for every token of a query-block row
 _PLANS: OrderedDict = OrderedDict()
 _MAX_PLANS = 64
+_last_plan: list = [None, None, None]  # (row lists, shape key, plan) of the last lookup
 
 
 def _first_row_blocks(block_mask: Any) -> tuple[tuple, list, list] | tuple[None, list, list]:
     """``(content key or None, partial blocks, full blocks)`` of the tables' first row."""
-    tables = (block_mask.kv_num_blocks, block_mask.kv_indices, getattr(block_mask, "full_kv_num_blocks", None),
-              getattr(block_mask, "full_kv_indices", None))
-    contents = table_lists(tables)
+    contents = contents_of(block_mask)
     if contents is not None:
         return contents, *row_blocks(contents, 0)
+    tables = (block_mask.kv_num_blocks, block_mask.kv_indices, getattr(block_mask, "full_kv_num_blocks", None),
+              getattr(block_mask, "full_kv_indices", None))
     rows = []
     for counts, indices in (tables[:2], tables[2:]):
         rows.append(indices.view(-1)[:int(counts.view(-1)[0])].tolist() if counts is not None else [])
@@ -121,18 +134,25 @@ def _one_row_plan(block_mask: Any, L: int, S: int, device: torch.device) -> _Row
     broadcast mask sliced to one block row). :data:`_NOTHING_LISTED` when no block is listed; None
     when the mask has several rows or too many partial runs (the general plan then serves it)."""
     q_block, kv_block = _block_sizes(block_mask)
-    num = block_mask.kv_num_blocks
-    if num.shape[0] != 1 or num.shape[1] != 1 or L > q_block:
+    rows = getattr(block_mask, "lazy_rows", None)
+    batch_heads = rows.num_shape[:2] if rows is not None else tuple(block_mask.kv_num_blocks.shape[:2])
+    if batch_heads != (1, 1) or L > q_block:
         return None
-    contents, partial, full = _first_row_blocks(block_mask)
-    key = (contents, q_block, kv_block, L, S, device) if contents is not None else None
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _plan_row(partial, full, kv_block, S, device)
-        if key is not None:
-            _PLANS[key] = plan
-            while len(_PLANS) > _MAX_PLANS:
-                _PLANS.popitem(last=False)
+    shape = (q_block, kv_block, L, S, device)
+    if rows is not None and rows is _last_plan[0] and shape == _last_plan[1]:  # the same row lists: no hashing
+        plan = _last_plan[2]
+    else:
+        contents, partial, full = _first_row_blocks(block_mask)
+        key = (contents, *shape) if contents is not None else None
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is None:
+            plan = _plan_row(partial, full, kv_block, S, device)
+            if key is not None:
+                _PLANS[key] = plan
+                while len(_PLANS) > _MAX_PLANS:
+                    _PLANS.popitem(last=False)
+        if contents is not None:
+            _last_plan[:] = [contents, shape, plan]  # (kept: its id stays unique while remembered)
     return plan if plan is not _TOO_MANY_SPANS else None
 
 
@@ -172,7 +192,10 @@ def _plan_row(partial: list, full: list, kv_block: int, S: int, device: torch.de
         positions = positions[positions < S]
     # the spans' key positions side by side: one mask_mod evaluation covers them all
     span_kv = torch.cat([positions[o:o + n] for o, n in spans]).view(1, 1, 1, -1) if spans else None
-    return _RowPlan(positions, start, tuple(spans), span_kv)
+    span_kv_array = span_kv.numpy().copy() if spans and device.type == "cpu" else None
+    if span_kv_array is not None:
+        span_kv_array.flags.writeable = False
+    return _RowPlan(positions, start, tuple(spans), span_kv, span_kv_array)
 
 
 def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
@@ -204,40 +227,67 @@ def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
     return positions, start, partial[..., cols], (full[..., cols] if full is not None else None)
 
 
-def _span_verdicts(mask_mod: TracedMod, plan: _RowPlan, index: dict) -> list:
-    """``(offset, length, allowed)`` for each partial span of ``plan``, from one mask_mod evaluation."""
-    allowed = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k]) for k in _reads(mask_mod)})
-    if len(plan.spans) == 1:
-        return [(*plan.spans[0], allowed)]
-    # a mask_mod that ignores kv_idx gives one verdict column: widen it before slicing out the spans
-    allowed = allowed.expand(*allowed.shape[:-1], plan.span_kv.shape[-1])
-    verdicts, column = [], 0
-    for offset, length in plan.spans:
-        verdicts.append((offset, length, allowed[..., column:column + length]))
-        column += length
-    return verdicts
+def _masked_columns(mask_mod: TracedMod, plan: _RowPlan, index: dict, n: int) -> tuple[list, int, int]:
+    """``(masked, lo, hi)``: ``(offset, length, blocked)`` of the partial spans of ``plan`` whose
+    mask_mod verdicts block some pair (``blocked`` a bool tensor over the span's columns, offsets
+    from ``lo``), and the column range ``[lo, hi)`` still worth reading.
 
-
-def _masked_columns(verdicts: list, n: int) -> tuple[list, int, int]:
-    """``(masked, lo, hi)``: ``(offset, length, blocked)`` of the spans whose verdicts block some
-    pair, and the column range ``[lo, hi)`` still worth reading.
-
-    A partial block is partial for its whole query-block row, but the few rows of a decoding call
-    often see it entirely allowed (the diagonal block of a causal mask at the last row: no mask
-    needed) or entirely blocked (the block a sliding window just left: its keys need not be read at
-    all, when it lies at either end of the range).
+    One mask_mod evaluation covers every span; its verdicts are then read as a numpy array (a few
+    element checks per span instead of a tensor reduction each). A partial block is partial for its
+    whole query-block row, but the few rows of a decoding call often see it entirely allowed (the
+    diagonal block of a causal mask at the block's last row: no mask needed) or entirely blocked
+    (the block a sliding window just left: its keys need not be read at all, when it lies at either
+    end of the range). One query row whose verdicts do not depend on the batch or head also has its
+    ends narrowed to the allowed keys when a span at an end is blocked up to (or from) some column:
+    the causal diagonal and a sliding window's trailing edge then need no mask at all.
     """
-    masked = []
-    for offset, length, allowed in verdicts:
-        count = int(allowed.sum())
-        if count != allowed.numel():  # (over broadcast dims too: 0 means blocked for every row)
-            masked.append((offset, length, allowed, count == 0))
+    verdicts = evaluate_small(mask_mod, {k: (plan.span_kv_array if k == "kv_idx" else _index_array(index[k].shape))
+                                         for k in _reads(mask_mod)})
+    if verdicts is None:
+        allowed = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k]) for k in _reads(mask_mod)})
+        verdicts = allowed.numpy()
+    if verdicts.dtype != np.bool_:
+        verdicts = verdicts != 0
+    width = plan.span_kv.shape[-1]
+    if verdicts.shape[-1] != width:  # a mask_mod that ignores kv_idx gives one verdict column
+        verdicts = np.repeat(verdicts, width, axis=-1)
+    # one row (verdicts alike for every batch and head): its verdicts as bytes, 1 = allowed, which
+    # Python searches faster than numpy reduces a few hundred elements
+    row = verdicts.tobytes() if verdicts.size == width else None
+    masked, column = [], 0  # (offset, length, verdict column, some key allowed) of spans blocking some pair
+    for offset, length in plan.spans:
+        if row is not None:
+            span = row[column:column + length]
+            some_blocked, some_allowed = _BLOCKED in span, _ALLOWED in span
+        else:  # (over broadcast dims too: none allowed means blocked for every row)
+            span = verdicts[..., column:column + length]
+            some_blocked, some_allowed = not span.all(), bool(span.any())
+        if some_blocked:
+            masked.append((offset, length, column, some_allowed))
+        column += length
     lo, hi = 0, n
-    while masked and masked[0][3] and masked[0][0] == lo:
-        lo += masked.pop(0)[1]
-    while masked and masked[-1][3] and masked[-1][0] + masked[-1][1] == hi:
-        hi = masked.pop()[0]
-    return [(offset - lo, length, allowed.logical_not()) for offset, length, allowed, _ in masked], lo, hi
+    while masked and masked[0][0] == lo:  # a leading span blocked entirely, or (one row) up to some column
+        offset, length, column, some_allowed = masked[0]
+        if some_allowed:
+            first = row.find(_ALLOWED, column, column + length) if row is not None else -1
+            if first < 0 or _BLOCKED in row[first:column + length]:
+                break
+            lo = offset + first - column
+        else:
+            lo = offset + length
+        masked.pop(0)
+    while masked and masked[-1][0] + masked[-1][1] == hi:  # a trailing span blocked entirely, or from some column
+        offset, length, column, some_allowed = masked[-1]
+        if some_allowed:
+            stop = row.find(_BLOCKED, column, column + length) if row is not None else -1
+            if stop < 0 or _ALLOWED in row[stop:column + length]:
+                break
+            hi = offset + stop - column
+        else:
+            hi = offset
+        masked.pop()
+    return [(offset - lo, length, torch.from_numpy(~verdicts[..., column:column + length]))
+            for offset, length, column, _ in masked], lo, hi
 
 
 def _finite_columns(masked: list, *tensors: torch.Tensor) -> bool:
@@ -314,7 +364,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
     if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
         given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
-        masked, lo, hi = _masked_columns(_span_verdicts(mask_mod, plan, given), n)
+        masked, lo, hi = _masked_columns(mask_mod, plan, given, n)
         if lo >= hi:
             return _nothing_allowed(query, Ev, need_max, lse_dtype)
         if (lo, hi) != (0, n):  # blocked blocks at either end of the range are not read at all

@@ -1,0 +1,135 @@
+"""Evaluate an integer/boolean mask_mod with numpy on a few hundred index pairs.
+
+Decoding asks a mask_mod for its verdict on the partial blocks of one query row: a few hundred
+``(q_idx, kv_idx)`` pairs, where each torch operation costs more in dispatch (~3 us) than in
+arithmetic, and a numpy one about a third of that. Only graphs that numpy computes exactly as
+torch does are accepted: integer and boolean arithmetic, comparisons, logic, ``where``/``min``/
+``max``, casts to integer or boolean dtypes, floor division and remainder by a nonzero constant,
+and lookups into captured integer or boolean tensors. Captured 0-d tensors enter as Python
+numbers, which numpy (like torch for 0-d tensors) lets the array operand's dtype win.
+:func:`evaluate_small` returns None for anything else (floats, reductions, shifts, other dtypes),
+and the caller uses :func:`flexc.evaluate.evaluate`.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from . import ir
+from .trace import TracedMod
+
+_BINARY: dict[str, Callable] = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul,
+    "and": operator.and_, "or": operator.or_, "xor": operator.xor,
+    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
+    "gt": operator.gt, "ge": operator.ge, "min": np.minimum, "max": np.maximum,
+}
+_UNARY: dict[str, Callable] = {"neg": operator.neg, "not": operator.invert, "abs": np.abs}
+_BY_CONSTANT = {"floordiv": np.floor_divide, "mod": np.remainder}  # floor semantics in both libraries
+_DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int8": np.int8, "int16": np.int16, "int32": np.int32,
+           "int64": np.int64}
+# numpy 2 lets a Python number take the array operand's dtype (NEP 50), as torch does for numbers
+# and 0-d tensors; numpy 1 decides by value, so it is not used
+_SAME_PROMOTION = int(np.__version__.split(".")[0]) >= 2
+_BUFFER_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
+
+
+class _Program(NamedTuple):
+    size: int
+    leaves: tuple  # (slot, kind, what): kind "input" (a name), "const" (a value), "buffer"/"scalar" (an index)
+    steps: tuple  # (slot, function, argument slots)
+    root: int
+
+
+def _step(node: ir.Node) -> Callable | None:
+    op = node.op
+    if op in _BINARY:
+        return _BINARY[op]
+    if op in _UNARY:
+        return _UNARY[op]
+    if op in _BY_CONSTANT:
+        divisor = node.args[1]
+        if divisor.op != "const" or type(divisor.attr) is not int or divisor.attr == 0:
+            return None  # torch raises on an integer division by zero, numpy warns
+        return _BY_CONSTANT[op]
+    if op == "where":
+        return np.where
+    if op == "cast" and node.attr in _DTYPES:
+        dtype = _DTYPES[node.attr]
+        return lambda x: np.asarray(x).astype(dtype)
+    if op == "load":
+        if any(index.kind == ir.BOOL for index in node.args[1:]):
+            return None  # a bool index selects in numpy, converts to 0/1 in torch
+        return lambda table, *index: table[index] if index else table
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(root: ir.Node) -> _Program | None:
+    """The graph in evaluation order, or None when some node is not computed exactly as in torch."""
+    slots: dict[int, int] = {}
+    leaves, steps = [], []
+    for node in root.walk():
+        if node.kind not in (ir.INT, ir.BOOL):
+            return None
+        slot = slots[id(node)] = len(slots)
+        if node.op == "input":
+            leaves.append((slot, "input", node.attr))
+        elif node.op == "const":
+            if type(node.attr) not in (int, bool):
+                return None
+            leaves.append((slot, "const", node.attr))
+        elif node.op == "buffer":
+            leaves.append((slot, "buffer", node.attr[0]))
+        elif node.op == "scalar":
+            leaves.append((slot, "scalar", node.attr[0]))
+        else:
+            run = _step(node)
+            if run is None:
+                return None
+            steps.append((slot, run, tuple(slots[id(a)] for a in node.args)))
+    return _Program(len(slots), tuple(leaves), tuple(steps), slots[id(root)])
+
+
+def _buffer(t: torch.Tensor) -> Any:
+    if t.device.type != "cpu" or t.dtype not in _BUFFER_DTYPES:
+        raise _NotHere
+    return t.item() if t.dim() == 0 else t.detach().numpy()
+
+
+class _NotHere(Exception):
+    pass
+
+
+def evaluate_small(mod: TracedMod, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The mask_mod's verdicts on ``inputs`` (numpy int64 index arrays, broadcastable, 4-D) as a
+    4-D numpy array that broadcasts to their shape (size 1 along what the mod does not read), or
+    None when this graph or its captured tensors need :func:`flexc.evaluate.evaluate`."""
+    program = _program(mod.root) if _SAME_PROMOTION else None
+    if program is None:
+        return None
+    values: list[Any] = [None] * program.size
+    try:
+        for slot, kind, what in program.leaves:
+            if kind == "input":
+                values[slot] = inputs[what]
+            elif kind == "const":
+                values[slot] = what
+            elif kind == "buffer":
+                values[slot] = _buffer(mod.buffers[what])
+            else:
+                value = mod.scalars[what]
+                if type(value) not in (int, bool):
+                    return None
+                values[slot] = value
+        for slot, run, args in program.steps:  # (arrays wrap around on overflow, as torch's tensors)
+            values[slot] = run(*[values[a] for a in args])
+    except (_NotHere, KeyError, IndexError, OverflowError):  # torch's evaluation decides (and raises)
+        return None
+    out = values[program.root]
+    return out if type(out) is np.ndarray and out.ndim == 4 else np.asarray(out).reshape(
+        (1,) * (4 - np.ndim(out)) + np.shape(out))

@@ -1,0 +1,95 @@
+"""Decoding's numpy evaluation of a mask_mod equals torch's evaluation, or declines.
+
+The reference is flexc.evaluate (torch operations, itself checked against calling the mods on
+index tensors), over every mask in the catalogue and random graphs of integer/boolean operations,
+on small index grids like a decoding step's partial blocks.
+"""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from catalogue import mask_catalogue
+from flexc.evaluate import evaluate
+from flexc.evaluate_numpy import evaluate_small
+from flexc.trace import MASK_MOD, trace
+
+
+def _grids(B, H, L, kv_positions):
+    torch_grid = {"b": torch.arange(B).view(B, 1, 1, 1), "h": torch.arange(H).view(1, H, 1, 1),
+                  "q_idx": torch.arange(L).view(1, 1, L, 1),
+                  "kv_idx": torch.tensor(kv_positions).view(1, 1, 1, -1)}
+    return torch_grid, {name: t.numpy() for name, t in torch_grid.items()}
+
+
+def _assert_same(traced, B, H, L, kv_positions):
+    torch_grid, numpy_grid = _grids(B, H, L, kv_positions)
+    ours = evaluate_small(traced, numpy_grid)
+    if ours is None:
+        return False
+    ref = evaluate(traced, **torch_grid)
+    assert ours.ndim == 4
+    shape = torch.broadcast_shapes(ref.shape, tuple(ours.shape))
+    assert np.array_equal(np.broadcast_to(ours, shape), ref.expand(shape).numpy()), str(traced)
+    assert ours.dtype == ref.numpy().dtype, (ours.dtype, ref.dtype)
+    return True
+
+
+def test_every_catalogue_mask_matches_torch_or_declines():
+    B, H, L, S = 2, 3, 5, 300
+    evaluated = 0
+    for name, mod in mask_catalogue(B, H, L, S).items():
+        traced = trace(mod, MASK_MOD)
+        kv = list(range(120, 130)) + list(range(S - 40, S))
+        evaluated += _assert_same(traced, B, H, L, kv)
+    assert evaluated >= 15  # most masks are integer/boolean graphs
+
+
+def test_floats_and_division_by_a_variable_decline():
+    t = torch.tensor([3, 0, 2])
+    floats = trace(lambda b, h, q, kv: (q.float() * 0.5) < kv, MASK_MOD)
+    by_variable = trace(lambda b, h, q, kv: (kv // t[q % 3]) == 0, MASK_MOD)
+    grid = _grids(1, 1, 2, [0, 1, 2])[1]
+    assert evaluate_small(floats, grid) is None
+    assert evaluate_small(by_variable, grid) is None
+
+
+def test_a_captured_0d_tensor_reads_its_current_value_and_keeps_the_index_dtype():
+    offset = torch.tensor(100)
+    small = torch.tensor([7, 9], dtype=torch.int32)
+    traced = trace(lambda b, h, q, kv: ((q + offset) >= kv) & (small[kv % 2] + q > 8), MASK_MOD)
+    assert _assert_same(traced, 1, 1, 3, list(range(95, 110)))
+    offset.fill_(50)  # the trace reads the tensor when evaluated, as torch's evaluation does
+    assert _assert_same(traced, 1, 1, 3, list(range(45, 60)))
+
+
+_LEAVES = st.sampled_from(["q", "kv", "h", "off", "lookup", "c"])
+
+
+@st.composite
+def _expressions(draw, depth=0):
+    if depth >= 3 or draw(st.booleans()):
+        leaf = draw(_LEAVES)
+        return leaf if leaf != "c" else str(draw(st.integers(-300, 300)))
+    op = draw(st.sampled_from(["+", "-", "*", "//", "%", "min", "max", "where"]))
+    a, b = draw(_expressions(depth + 1)), draw(_expressions(depth + 1))
+    if op in ("//", "%"):
+        return f"({a} {op} {draw(st.sampled_from([1, 3, -4, 128]))})"
+    if op in ("min", "max"):
+        return f"torch.{'minimum' if op == 'min' else 'maximum'}({a} + q * 0, {b} + q * 0)"
+    if op == "where":
+        return f"torch.where({a} + q * 0 > {b}, {a} + q * 0, {b})"
+    return f"({a} {op} {b})"
+
+
+@settings(max_examples=60, deadline=None)
+@given(_expressions(), _expressions(), st.sampled_from(["<", "<=", "==", "!=", ">", ">="]),
+       st.sampled_from(["&", "|", "^"]), st.integers(-50, 400))
+def test_random_integer_masks_match_torch(left, right, compare, logic, offset_value):
+    off = torch.tensor(offset_value)
+    table = torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)
+    env = {"torch": torch, "off": off, "table": table}
+    body = f"(({left}) {compare} ({right})) {logic} (kv <= q + off)".replace("lookup", "table[kv % 8]")
+    mod = eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
+    traced = trace(mod, MASK_MOD)
+    assert _assert_same(traced, 1, 2, 3, list(range(0, 7)) + list(range(250, 262)))
