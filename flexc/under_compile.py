@@ -112,6 +112,7 @@ class _Plan(NamedTuple):
     tensors: tuple[int, ...]  # input positions of query, key, value and the present tables
     mod_outs: dict  # kind -> the subgraph node of that mod's value
     traced: dict  # kind -> (mod_key, input positions of its buffers) once traced
+    numbers: dict  # "nodes" -> the subgraph's number nodes (see _with_numbers), found on the first call
 
 
 _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakKeyDictionary()
@@ -124,7 +125,7 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
 
     def run(*inputs):
         query, key, value, *present = (inputs[i] for i in plan.tensors)
-        inputs = _numbers_as_tensors(inputs, query.device)
+        inputs = _with_numbers(gm, plan, inputs, query.device)
         tables = iter(present)
         tables = [next(tables) if p else None for p in spec.tables]
         score_key, score_buffers = _mod(gm, plan, inputs, SCORE_MOD, spec.score_name)
@@ -144,23 +145,54 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
     return run
 
 
-def _numbers_as_tensors(inputs: tuple, device: torch.device) -> tuple:
-    """The subgraph's inputs with its numbers as 0-d tensors on ``device``.
+def _with_numbers(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, device: torch.device) -> tuple:
+    """The subgraph's inputs followed by its numbers that tensor arithmetic reads, as 0-d tensors.
 
     A Python number a mod captures is a constant of the dynamo graph until it changes; then dynamo
-    makes it symbolic (a decode loop's position) and passes it as an input of the subgraph: a
-    ``SymInt`` while AOT autograd traces, a plain int when the dynamo graph runs as is. Traced as a
-    number it would be baked into the mod (the first value reused for every later one); as a 0-d
-    tensor it is a captured buffer, read afresh on every call, as torch's compiled mods read it.
-    (0-d tensors take part in type promotion as the Python numbers do, so dtypes are unchanged.)
+    makes it symbolic (a decoding loop's position) and passes it as an input of the subgraph: a
+    ``SymInt`` while AOT autograd traces, a plain int when the dynamo graph runs as is. The number
+    arithmetic dynamo recorded on it (``torch.sym_float``, ``torch._sym_sqrt``, ``torch.sym_min``,
+    ``w // 2``, ...) is evaluated here on this call's values, and each number where it meets a
+    tensor becomes a 0-d tensor on ``device``: a captured buffer of the traced mod, read afresh on
+    every call, as torch's compiled mods read it. Traced as a number it would be baked into the mod
+    (the first value reused for every later one). 0-d tensors take part in type promotion as Python
+    numbers do, so dtypes are unchanged. The mod's replay reads these tensors in place of the nodes.
     """
-    numbers = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
-    if not any(isinstance(x, numbers) for x in inputs):
+    if "nodes" not in plan.numbers:
+        plan.numbers["nodes"] = _number_nodes(gm, inputs)
+    computed, boundary = plan.numbers["nodes"]
+    if not boundary:
         return inputs
-    dtypes = ((bool, torch.SymBool, torch.bool), (int, torch.SymInt, torch.int64), (float, torch.SymFloat, torch.float64))
-    as_tensor = lambda x: next(torch.scalar_tensor(x, dtype=dt, device=device)
-                               for kind, sym, dt in dtypes if isinstance(x, (kind, sym)))
-    return tuple(as_tensor(x) if isinstance(x, numbers) else x for x in inputs)
+    env = {node: value for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs)}
+    for node in gm.graph.nodes:
+        if node in computed:
+            env[node] = _run_node(gm, node, env)
+    return (*inputs, *(_as_tensor(env[node], device) for node in boundary))
+
+
+def _number_nodes(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[list, list]:
+    """``(nodes computing numbers from number inputs only, the number inputs and nodes a tensor node reads)``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    numeric = {n for n, x in zip(placeholders, inputs) if not isinstance(x, torch.Tensor)}
+    computed = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and node.all_input_nodes \
+                and all(a in numeric for a in node.all_input_nodes):
+            numeric.add(node)
+            computed.append(node)
+    boundary = [n for n in gm.graph.nodes if n in numeric and any(u not in numeric for u in n.users)]
+    return computed, boundary
+
+
+def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):  # a tensor the mod builds from numbers (torch.tensor(w))
+        return value
+    for kinds, dtype in (((bool, torch.SymBool), torch.bool), ((int, torch.SymInt), torch.int64),
+                         ((float, torch.SymFloat), torch.float64)):
+        if isinstance(value, kinds):
+            return torch.scalar_tensor(value, dtype=dtype, device=device)
+    raise TypeError(f"flexc: a mod under torch.compile computes {type(value).__name__} {value!r} from captured "
+                    f"numbers; expected an int, float or bool. Fix: capture a tensor instead.")
 
 
 def _mod(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, kind: str, name: str | None) -> tuple[str, list]:
@@ -193,7 +225,8 @@ def _read_plan(gm: torch.fx.GraphModule, n_mod_args: int, n_tensors: int) -> _Pl
                            f"after the torch.cat:\n{gm.code}")
     output = nodes[-1].args[0]  # (op outputs..., score_mod value (a call only), mask_mod value)
     outs = {MASK_MOD: output[-1], SCORE_MOD: output[-2] if n_mod_args == 5 else None}
-    return _Plan(tuple(position[a] for a in cat.args[0]), tuple(position[n.args[0]] for n in detaches), outs, {})
+    return _Plan(tuple(position[a] for a in cat.args[0]), tuple(position[n.args[0]] for n in detaches), outs, {},
+                 {})
 
 
 def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, inputs: tuple, kind: str, name: str):
@@ -202,20 +235,26 @@ def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, in
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     arg_slots = plan.mod_args if kind == SCORE_MOD else plan.mod_args[-4:]
 
+    computed, boundary = plan.numbers.get("nodes", ((), ()))
+    numbers = dict(zip(boundary, inputs[len(placeholders):]))  # number nodes -> this call's 0-d tensors
+    skip = set(computed) | set(numbers)  # number arithmetic: done by _with_numbers, read from `numbers`
+
     def mod(*args):
         env: dict = {}
         for i, node in enumerate(placeholders):
             env[node] = inputs[i]
         for i, value in zip(arg_slots, args):
             env[placeholders[i]] = value
+        env.update(numbers)
         for node in gm.graph.nodes:
-            if node in needed and node.op != "placeholder":
+            if node in needed and node not in skip and node.op != "placeholder":
                 env[node] = _run_node(gm, node, env)
         return env[root]
 
     traced = trace(_ScoreReplay(mod) if kind == SCORE_MOD else _MaskReplay(mod), kind)
     # name the captured tensors after the subgraph inputs they came from (e.g. l_self_slopes_)
     names = {id(inputs[i]): node.name for i, node in enumerate(placeholders)}
+    names.update((id(t), node.name) for node, t in numbers.items())
     return replace(traced, name=name, fn=_named(mod, name),
                    buffer_names=tuple(names.get(id(t), f"buf{i}") for i, t in enumerate(traced.buffers)))
 
@@ -305,7 +344,7 @@ def _mask_wrapper(spec: tuple, gm: torch.fx.GraphModule) -> Callable:
         plan = _plans[gm] = _read_plan(gm, 4, 0)
 
     def run(*inputs):
-        key, buffers = _mod(gm, plan, _numbers_as_tensors(inputs, device), MASK_MOD, name)
+        key, buffers = _mod(gm, plan, _with_numbers(gm, plan, inputs, device), MASK_MOD, name)
         tables = custom_ops.create_block_mask_op(buffers, key, *sizes, device)
         meta = plan.mod_outs[MASK_MOD].meta["example_value"]
         return (*tables, torch.zeros(meta.shape, dtype=meta.dtype, device=device))

@@ -5,6 +5,7 @@ the kernel_options keys torch's kernels read, torch's no-op BlockMask (``_create
 used with inputs of any length, and a compiled decoding loop whose mask_mod and score_mod capture
 a Python int position that torch.compile makes symbolic.
 """
+import math
 import pathlib
 import re
 
@@ -130,7 +131,8 @@ def test_no_op_block_mask_in_the_triton_decode_kernel_and_backward():
 def test_compiled_decode_loop_with_a_python_int_position(backend):
     """torch.compile makes the captured position symbolic from the third step on. Before, the
     traced mods kept the first symbolic step's value ("eager": wrong outputs from then on) or failed
-    to trace the SymInt ("aot_eager": TraceError)."""
+    to trace the SymInt ("aot_eager": TraceError); a number computed from it (a temperature
+    math.sqrt(pos + 1)) was baked in from the first call that computed it."""
     torch._dynamo.reset()
     S = 48
     _, k, v = random_qkv(1, 2, 2, 1, S, 16)
@@ -139,8 +141,8 @@ def test_compiled_decode_loop_with_a_python_int_position(backend):
         def seen(b, h, q_idx, kv_idx):  # the cache holds keys 0..pos
             return kv_idx <= q_idx + pos
 
-        def recency(score, b, h, q_idx, kv_idx):
-            return score - 0.05 * (q_idx + pos - kv_idx)
+        def recency(score, b, h, q_idx, kv_idx):  # numbers derived from pos (dynamo's sym_float, sym_sqrt)
+            return score * (2 / math.sqrt(float(pos) + 1)) - 0.05 * (q_idx + pos - kv_idx)
 
         block_mask = flexc.create_block_mask(seen, None, None, 1, S, device="cpu", BLOCK_SIZE=16)
         return flexc.flex_attention(q, k, v, recency, block_mask=block_mask)
@@ -148,6 +150,6 @@ def test_compiled_decode_loop_with_a_python_int_position(backend):
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     for pos in (3, 4, 20, 35, 7):
         q = torch.randn(1, 2, 1, 16)
-        gold = dense_attention(q, k, v, lambda s, b, h, qi, kv: s - 0.05 * (qi + pos - kv),
+        gold = dense_attention(q, k, v, lambda s, b, h, qi, kv: s * (2 / math.sqrt(pos + 1)) - 0.05 * (qi + pos - kv),
                                lambda b, h, qi, kv: kv <= qi + pos)[0]
         torch.testing.assert_close(compiled(q, k, v, pos).double(), gold, atol=1e-5, rtol=1e-5, msg=f"pos={pos}")
