@@ -127,6 +127,30 @@ def test_no_op_block_mask_in_the_triton_decode_kernel_and_backward():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_block_past_a_short_sequence_keeps_the_users_tile():
+    """A block longer than the sequence is cut to cover it, never below a tile kernel_options asks for.
+
+    Before, keys of length 1 in 32-key blocks were cut to a 16-key block and BLOCK_N=32 raised
+    ValueError (a fuzzer case); torch's 1 << 30 blocks with BLOCK_N=64 on 20 keys did the same.
+    """
+    q, k, v = random_qkv(1, 2, 1, 1, 1, 16)
+    # a mask per head under GQA: the forward kernel serves it, not the decode kernel
+    block_mask = flexc.create_block_mask(causal, None, 2, 1, 1, device="cpu", BLOCK_SIZE=(16, 32))
+    gold = dense_attention(q, k, v, mask_mod=causal)[0]
+    out = flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                               kernel_options={**INTERPRET, "BLOCK_N": 32})
+    torch.testing.assert_close(out.double(), gold, atol=1e-6, rtol=1e-6)
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 12, 20, 16))
+    options = {**INTERPRET, "BLOCK_M": 32, "BLOCK_N": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 32}
+    out = flexc.flex_attention(q, k, v, block_mask=tfa._create_empty_block_mask(q, k), kernel_options=options)
+    torch.testing.assert_close(out.double(), dense_attention(q, k, v)[0], atol=1e-5, rtol=1e-5)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    dense = dense_attention(q, k, v)[0]
+    for got, want in zip(grads, torch.autograd.grad(dense, (q, k, v), grad_out.double())):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiled_decode_loop_with_a_python_int_position(backend):
     """torch.compile makes the captured position symbolic from the third step on. Before, the

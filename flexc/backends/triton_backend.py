@@ -253,19 +253,31 @@ def _fp32_precision(target: str) -> str:
     return "ieee"
 
 
-def _block_sizes(block_mask: Any, L: int, S: int) -> tuple[int, int]:
+def _block_sizes(block_mask: Any, L: int, S: int, kernel_options: dict | None = None) -> tuple[int, int]:
     """The BlockMask's (query, key) block sizes as the kernels take them for ``L`` queries, ``S`` keys.
 
     A block larger than the whole sequence (torch's ``1 << 30`` no-op mask from
     ``_create_empty_block_mask``, or any BLOCK_SIZE past the lengths) is that sequence's only block,
     index 0: any size covering the sequence reads the same tables. The kernels take the smallest
-    power of two >= the length (at least 16), so a key block is cdiv(S, BLOCK_N) tiles, not
+    power of two >= the length (at least 16, and at least a tile the user asks for in
+    ``kernel_options``, which must divide it), so a key block is cdiv(S, BLOCK_N) tiles, not
     ``(1 << 30) / BLOCK_N`` of them.
     """
     size = block_mask.BLOCK_SIZE
     q_block, kv_block = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
-    cover_q, cover_kv = max(16, next_power_of_2(L)), max(16, next_power_of_2(S))
+    cover_q = max(16, next_power_of_2(L), _requested_tile(kernel_options, "BLOCK_M"))
+    cover_kv = max(16, next_power_of_2(S), _requested_tile(kernel_options, "BLOCK_N"))
     return min(q_block, cover_q), min(kv_block, cover_kv)  # only a block past the end is cut
+
+
+def _requested_tile(kernel_options: dict | None, prefix: str) -> int:
+    """The largest tile in ``kernel_options`` along one direction (BLOCK_M, fwd_BLOCK_M, BLOCK_M1, ...)."""
+    largest = 1
+    for name, value in (kernel_options or {}).items():
+        bare = name[4:] if name.startswith(("fwd_", "bwd_")) else name
+        if bare.rstrip("12") == prefix and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            largest = max(largest, next_power_of_2(value))  # a bad value raises later, in resolve_config
+    return largest
 
 
 def _flags(kernel_options: dict | None) -> dict[str, bool]:
@@ -585,7 +597,8 @@ def _spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMo
                    mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None,
                    need_lse: bool) -> ForwardSpec:
     """The kernel spec that a flex_attention call with these (validated) arguments runs."""
-    block_size = _block_sizes(block_mask, query.shape[-2], value.shape[-2]) if block_mask is not None else None
+    block_size = (_block_sizes(block_mask, query.shape[-2], value.shape[-2], kernel_options)
+                  if block_mask is not None else None)
     has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
     B, Hq, L, _ = query.shape
     index_dtype = _index_dtype((score_mod, mask_mod), B, Hq, L, value.shape[-2])

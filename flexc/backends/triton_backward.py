@@ -116,7 +116,8 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
                   block_mask: Any, kernel_options: dict | None, grad_slots: Sequence[int] = ()) -> BackwardSpec:
     """The backward spec that a flex_attention call with these (validated) arguments runs."""
-    block_size = fwd._block_sizes(block_mask, query.shape[-2], value.shape[-2]) if block_mask is not None else None
+    block_size = (fwd._block_sizes(block_mask, query.shape[-2], value.shape[-2], kernel_options)
+                  if block_mask is not None else None)
     has_full = block_mask is not None and getattr(block_mask, "full_kv_num_blocks", None) is not None
     B, Hq, L, E = query.shape
     # as the forward: int64 index arithmetic where int32 could wrap (torch computes in int64)
