@@ -496,7 +496,7 @@ def _guards_nonfinite_values(spec: ForwardSpec, value: torch.Tensor) -> bool:
 def _constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: bool = False) -> dict[str, int]:
     """The kernel's compile-time arguments for ``spec`` and one call's lengths and tensors.
 
-    Whole tiles (lengths multiples of BLOCK_M / BLOCK_N), int64 offsets and the non-finite values
+    Whole tiles (lengths multiples of BLOCK_M, and of the key block, so of BLOCK_N), int64 offsets and the non-finite values
     guard select variants that Triton compiles once each; other lengths reuse them.
     """
     largest = max((t.numel() for t in tensors if isinstance(t, torch.Tensor)), default=0)
@@ -505,7 +505,10 @@ def _constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: 
                 HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
                 V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim), ROWS_GUARANTEED_SAFE=spec.rows_guaranteed_safe,
                 BLOCKS_ARE_CONTIGUOUS=spec.blocks_are_contiguous, Q_LEN_DIVISIBLE=L % spec.block_m == 0,
-                KV_LEN_DIVISIBLE=S % spec.block_n == 0, INT64_OFFSETS=largest >= INT32_OFFSET_LIMIT,
+                # the key loop walks every tile of a listed block: a last block reaching past KV_LEN
+                # has whole tiles past it even when BLOCK_N divides KV_LEN (kv_block_size is a multiple
+                # of BLOCK_N, so this implies it)
+                KV_LEN_DIVISIBLE=S % spec.kv_block_size == 0, INT64_OFFSETS=largest >= INT32_OFFSET_LIMIT,
                 GUARD_NONFINITE_VALUES=guard_values)
 
 

@@ -181,8 +181,10 @@ def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, l
         guard_inputs = spec.mask_mod is not None and device.type == "cpu" and not all_finite(query, key)
     constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
                      Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
-                     # lengths that are multiples of every tile need no bounds checks (a second variant)
-                     DIVISIBLE=L % max(spec.block_m1, spec.block_m2) == 0 and S % max(spec.block_n1, spec.block_n2) == 0,
+                     # lengths that are multiples of the blocks (so of every tile: blocks are multiples
+                     # of the tiles) need no bounds checks (a second variant). Tiles alone do not do:
+                     # the loops walk every tile of a listed block, past the end of a last, shorter one
+                     DIVISIBLE=L % spec.q_block_size == 0 and S % spec.kv_block_size == 0,
                      GUARD_NONFINITE_INPUTS=guard_inputs, HEAD_DIM=E,
                      HEAD_DIM_PAD=fwd.padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=fwd.padded_head_dim(Ev))
     return args, constants
