@@ -297,10 +297,13 @@ def _finite_columns(masked: list, *tensors: torch.Tensor) -> bool:
     return all(all_finite(*(t[:, :, o:o + n] for t in tensors)) for o, n, _ in masked)
 
 
-def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float):
+def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float,
+          need_lse: bool = True):
     """``(out, lse)`` from one fused-kernel call: GQA query heads stacked as rows, the masked
     columns' verdicts (a mask_mod reading only q_idx/kv_idx) as an additive mask. With no masked
-    columns, any query length: unmasked attention is exactly this one call."""
+    columns, any query length: unmasked attention is exactly this one call. ``need_lse=False``
+    returns the kernel's logsumexp without its fix-ups (dead rows, +inf scores): a call that
+    discards it saves them."""
     B, Hq, L, E = query.shape
     Hkv, n = k_sel.shape[1], k_sel.shape[2]
     G = Hq // Hkv
@@ -316,9 +319,10 @@ def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked:
         mask = fused_cpu._stack_heads(mask, G)
     o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E) if G > 1 else query, k_sel, v_sel, attn_mask=mask,
                               scale=scale)
-    if masked and sum(length for _, length, _ in masked) == n:  # no allowed block: rows may be dead
-        fused_cpu._fix_dead_rows(lse, mask)
-    lse = lse.nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)  # a +inf score: NaN, as on the other paths
+    if need_lse:
+        if masked and sum(length for _, length, _ in masked) == n:  # no allowed block: rows may be dead
+            fused_cpu._fix_dead_rows(lse, mask)
+        lse = lse.nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)  # a +inf score: NaN, as on the other paths
     if G > 1:
         o, lse = o.reshape(B, Hq, L, v_sel.shape[-1]), lse.reshape(B, Hq, L)
     return o.contiguous(), lse
@@ -334,8 +338,11 @@ def _nothing_allowed(query: torch.Tensor, Ev: int, need_max: bool, lse_dtype: to
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
             mask_mod: TracedMod | None, block_mask: Any, scale: float, need_max: bool = False,
-            lse_dtype: torch.dtype = torch.float32):
-    """``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] in lse_dtype, row maxima or None)``."""
+            lse_dtype: torch.dtype = torch.float32, need_lse: bool = True):
+    """``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] in lse_dtype, row maxima or None)``.
+
+    ``need_lse=False``: the caller discards the logsumexp (None or unfinished may come back).
+    """
     B, Hq, L, E = query.shape
     Bkv, Hkv, S, Ev = value.shape
     G = Hq // Hkv
@@ -345,7 +352,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
 
     def index(name: str) -> torch.Tensor:  # only the index tensors a mod reads are built
         if name == "kv_idx":
-            return (positions if positions is not None else _index_tensor((S,), device)).view(1, 1, 1, n)
+            return (positions[lo:hi] if positions is not None else _index_tensor((S,), device)).view(1, 1, 1, n)
         return _index_tensor(shapes[name], device)
 
     spans = None  # (offset, length) column runs that need the mask_mod, when known per column
@@ -361,6 +368,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         if positions is None:  # no key block listed anywhere
             return _nothing_allowed(query, Ev, need_max, lse_dtype)
         n = positions.numel()
+    lo, hi = 0, n  # the columns of ``positions`` read (sliced only where needed: a view costs a call)
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
     if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
         given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
@@ -368,21 +376,21 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         if lo >= hi:
             return _nothing_allowed(query, Ev, need_max, lse_dtype)
         if (lo, hi) != (0, n):  # blocked blocks at either end of the range are not read at all
-            positions, n = positions[lo:hi], hi - lo
+            n = hi - lo
             start = start + lo if start is not None else None
     if (start, n) == (0, S):
         k_sel, v_sel = key, value
     elif start is not None:
         k_sel, v_sel = key.narrow(2, start, n), value.narrow(2, start, n)
     else:
-        k_sel, v_sel = key.index_select(2, positions), value.index_select(2, positions)
+        k_sel, v_sel = key.index_select(2, positions[lo:hi]), value.index_select(2, positions[lo:hi])
     if (score_mod is None and not need_max and fused_cpu._FLASH is not None and device.type == "cpu"
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
             and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
             and (not masked or (all_finite(query) and _finite_columns(masked, k_sel, v_sel)))):
-        out, lse = flash(query, k_sel, v_sel, masked, scale)
-        return out, lse.to(lse_dtype), None
+        out, lse = flash(query, k_sel, v_sel, masked, scale, need_lse)
+        return out, (lse.to(lse_dtype) if need_lse else None), None
 
     # scores in log2 units unless a score_mod needs natural ones: [B, Hkv, G*L, n] read as [B, Hq, L, n]
     general = score_mod is not None
