@@ -82,8 +82,12 @@ def _index_tensor(shape: tuple, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _index_array(shape: tuple) -> np.ndarray:
-    """:func:`_index_tensor` for numpy evaluation (read-only)."""
+def _index_array(shape: tuple) -> np.ndarray | np.int64:
+    """:func:`_index_tensor` for numpy evaluation (read-only); a one-element index (``q_idx`` of one
+    query row, ``b`` of batch 1) as an int64 scalar, which promotes and wraps as the array would
+    but costs a fraction of an array operation."""
+    if max(shape) == 1:
+        return np.int64(0)
     array = np.arange(max(shape), dtype=np.int64).reshape(shape)
     array.flags.writeable = False
     return array
