@@ -200,3 +200,50 @@ def test_inference_mode_tensors_without_write_counters_decode_and_prefill():
     ref, _, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=_window(48))
     _close(out, ref)
     _close(out_step, ref[:, :, 150:151])
+
+
+@pytest.mark.parametrize("B, position, window", [(1, 200, 300), (2, 150, 40), (1, 95, 10), (2, 255, 1000)])
+def test_one_row_as_two_matrix_vector_products_equals_the_reference(monkeypatch, B, position, window):
+    """Large one-row calls (one query head per key head) run as two batched matrix-vector products
+    instead of the fused kernel; masked partial columns, batches and the logsumexp as the reference."""
+    S, H = 256, 4
+    monkeypatch.setattr(decode_cpu, "PRODUCTS_MIN_KEY_ELEMENTS", 1)  # every one-row call takes them
+    calls = []
+    products = decode_cpu.two_products
+    monkeypatch.setattr(decode_cpu, "two_products", lambda *a: calls.append(a) or products(*a))
+    mask_mod = shifted(_window(window), position)
+    q, k, v = random_qkv(B, H, H, 1, S, E, seed=position)
+    whole = flexc.create_block_mask(_window(window), None, None, S, S, BLOCK_SIZE=BLOCK)
+    step = whole[:, :, torch.tensor([position // BLOCK])]
+    step.mask_mod, step.seq_lengths = mask_mod, (1, S)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=step, return_lse=True)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
+    _close(out, ref_out)
+    _close(lse, ref_lse)
+    torch_mask = torch_flex.create_block_mask(mask_mod, None, None, 1, S, device="cpu", BLOCK_SIZE=BLOCK)
+    _close(out, torch_flex.flex_attention(q, k, v, block_mask=torch_mask).double())
+    assert len(calls) == 1  # (the products ran, not the fused kernel)
+
+
+def test_two_products_mask_the_columns_a_striped_mask_blocks(monkeypatch):
+    """A mask with holes inside its partial blocks leaves masked columns after narrowing: they get
+    -inf before the softmax, and keys listed in full blocks stay allowed."""
+    S, H, position = 256, 2, 180
+    monkeypatch.setattr(decode_cpu, "PRODUCTS_MIN_KEY_ELEMENTS", 1)
+    calls = []
+    products = decode_cpu.two_products
+    monkeypatch.setattr(decode_cpu, "two_products", lambda *a: calls.append(a) or products(*a))
+
+    def striped(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((kv_idx % 3 != 0) | (kv_idx < 64))
+
+    q, k, v = random_qkv(1, H, H, 1, S, E, seed=3)
+    whole = flexc.create_block_mask(striped, None, None, S, S, BLOCK_SIZE=BLOCK)
+    step = whole[:, :, torch.tensor([position // BLOCK])]
+    step.mask_mod, step.seq_lengths = shifted(striped, position), (1, S)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=step, return_lse=True)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=shifted(striped, position))
+    _close(out, ref_out)
+    _close(lse, ref_lse)
+    (_, _, _, masked, *_), = calls
+    assert masked  # (the striped blocks' columns were masked, not narrowed away)
