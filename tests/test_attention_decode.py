@@ -202,26 +202,31 @@ def test_inference_mode_tensors_without_write_counters_decode_and_prefill():
     _close(out_step, ref[:, :, 150:151])
 
 
-@pytest.mark.parametrize("B, position, window", [(1, 200, 300), (2, 150, 40), (1, 95, 10), (2, 255, 1000)])
-def test_one_row_as_two_matrix_vector_products_equals_the_reference(monkeypatch, B, position, window):
-    """Large one-row calls (one query head per key head) run as two batched matrix-vector products
-    instead of the fused kernel; masked partial columns, batches and the logsumexp as the reference."""
-    S, H = 256, 4
-    monkeypatch.setattr(decode_cpu, "PRODUCTS_MIN_KEY_ELEMENTS", 1)  # every one-row call takes them
+@pytest.mark.parametrize("B, Hq, Hkv, L, position, window", [
+    (1, 4, 4, 1, 200, 300), (2, 4, 4, 1, 150, 40), (1, 4, 4, 1, 95, 10), (2, 4, 4, 1, 255, 1000),
+    (1, 8, 2, 1, 200, 60), (2, 8, 2, 3, 130, 50), (1, 4, 4, 5, 100, 40)])
+def test_short_queries_as_two_batched_products_equal_the_reference(monkeypatch, B, Hq, Hkv, L, position, window):
+    """Large short-query calls run as two batched products instead of the fused kernel: one or
+    several rows, GQA heads stacked per key head, batches, masked partial columns and the
+    logsumexp as the reference (and torch)."""
+    S = 256
+    monkeypatch.setattr(decode_cpu, "PRODUCTS_MIN_KEY_ELEMENTS", 1)  # every call large enough
     calls = []
     products = decode_cpu.two_products
     monkeypatch.setattr(decode_cpu, "two_products", lambda *a: calls.append(a) or products(*a))
-    mask_mod = shifted(_window(window), position)
-    q, k, v = random_qkv(B, H, H, 1, S, E, seed=position)
+    offset = position - L + 1
+    mask_mod = shifted(_window(window), offset)
+    q, k, v = random_qkv(B, Hq, Hkv, L, S, E, seed=position)
     whole = flexc.create_block_mask(_window(window), None, None, S, S, BLOCK_SIZE=BLOCK)
-    step = whole[:, :, torch.tensor([position // BLOCK])]
-    step.mask_mod, step.seq_lengths = mask_mod, (1, S)
-    out, lse = flexc.flex_attention(q, k, v, block_mask=step, return_lse=True)
+    assert offset // BLOCK == position // BLOCK  # (the rows lie in one query block)
+    step = whole[:, :, torch.tensor([offset // BLOCK])]
+    step.mask_mod, step.seq_lengths = mask_mod, (L, S)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=step, return_lse=True, enable_gqa=True)
     ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
     _close(out, ref_out)
     _close(lse, ref_lse)
-    torch_mask = torch_flex.create_block_mask(mask_mod, None, None, 1, S, device="cpu", BLOCK_SIZE=BLOCK)
-    _close(out, torch_flex.flex_attention(q, k, v, block_mask=torch_mask).double())
+    torch_mask = torch_flex.create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    _close(out, torch_flex.flex_attention(q, k, v, block_mask=torch_mask, enable_gqa=True).double())
     assert len(calls) == 1  # (the products ran, not the fused kernel)
 
 

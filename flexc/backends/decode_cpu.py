@@ -332,10 +332,10 @@ def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked:
     return o.contiguous(), lse
 
 
-# One query row per key head reading at least this many key elements (8 MiB in fp32): two batched
-# matrix-vector products beat the fused kernel, whose key-blocked pass slows down once keys and
-# values no longer fit the cache (H=8, D=64: 0.85x its time at 4096 keys, 0.78x at 8192, 1.06x
-# at 2048; bench/decode.py's causal rows, one thread)
+# Short queries reading at least this many key elements (8 MiB in fp32): two batched products
+# beat the fused kernel, whose key-blocked pass slows down once keys and values no longer fit the
+# cache (D=64, one thread, one row per key head: 0.75-0.85x its time at H=8 and 4096 keys, 0.78x
+# at 8192, 1.06x at 2048; four GQA rows per key head: about 0.7x at 4096, 1.7x at 1024)
 PRODUCTS_MIN_KEY_ELEMENTS = 1 << 21
 
 
@@ -350,22 +350,25 @@ def _products_pay(query: torch.Tensor, k_sel: torch.Tensor, masked: list) -> boo
 
 def two_products(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float,
                  need_lse: bool = True):
-    """:func:`flash` for one query row per key head (``Hq == Hkv``, ``L == 1``): ``q @ K^T``, a
-    base-2 softmax and ``P @ V`` as two batched matrix-vector products, the masked columns filled
-    with -inf. The caller guarantees what :func:`flash` needs (finite masked keys and values) and
-    some column not masked (no fully masked row)."""
-    B, H, _, E = query.shape
-    n, Ev = k_sel.shape[2], v_sel.shape[3]
-    q = query.reshape(B * H, 1, E) * (scale * LOG2E)
-    s = torch.bmm(q, k_sel.reshape(B * H, n, E).transpose(1, 2))
-    if masked:
-        s4 = s.view(B, H, 1, n)
+    """:func:`flash` as two batched products: ``K @ q^T`` (the GQA query heads of a key head and
+    the query rows stacked as ``R`` columns), a base-2 softmax with the masked columns at -inf, and
+    ``P @ V``. The caller guarantees what :func:`flash` needs (finite masked keys and values) and
+    some column outside the masked spans (allowed for every row: no fully masked row)."""
+    B, Hq, L, E = query.shape
+    Hkv, n, Ev = k_sel.shape[1], k_sel.shape[2], v_sel.shape[3]
+    R = Hq // Hkv * L
+    q = query.reshape(B * Hkv, R, E) * (scale * LOG2E)
+    # K @ q^T reads the keys as stored, row by row (q @ K^T is several times slower for R > 1);
+    # its [n, R] result is laid out again as R rows of scores
+    s = torch.bmm(k_sel.reshape(B * Hkv, n, E), q.transpose(1, 2)).transpose(1, 2).contiguous()
+    if masked:  # (rows of a key head are its query heads' rows: s is [B, Hq, L, n] too)
+        s4 = s.view(B, Hq, L, n)
         for offset, length, blocked in masked:
             s4[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
     m = s.amax(-1, keepdim=True)  # finite: some column is allowed (a +inf score makes every entry NaN)
     l = s.sub_(m).exp2_().sum(-1, keepdim=True)
-    out = torch.bmm(s, v_sel.reshape(B * H, n, Ev)).div_(l).view(B, H, 1, Ev)
-    lse = m.add_(l.log2_()).mul_(LN2).view(B, H, 1) if need_lse else None
+    out = torch.bmm(s, v_sel.reshape(B * Hkv, n, Ev)).div_(l).view(B, Hq, L, Ev)
+    lse = m.add_(l.log2_()).mul_(LN2).view(B, Hq, L) if need_lse else None
     return out, lse
 
 
@@ -430,7 +433,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
             and (block_mask is None or spans is not None)
             and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
             and (not masked or (all_finite(query) and _finite_columns(masked, k_sel, v_sel)))):
-        run = two_products if G * L == 1 and _products_pay(query, k_sel, masked) else flash
+        run = two_products if _products_pay(query, k_sel, masked) else flash
         out, lse = run(query, k_sel, v_sel, masked, scale, need_lse)
         return out, (lse.to(lse_dtype) if need_lse else None), None
 
