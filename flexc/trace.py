@@ -40,6 +40,11 @@ class TraceError(TypeError):
     """A mod cannot be traced: the message names the mod, the line, and the fix."""
 
 
+class ArityError(TraceError, AssertionError):
+    """A mod takes neither 4 nor 5 positional parameters (torch asserts the same, so code that
+    catches torch's AssertionError catches this too)."""
+
+
 # ---- public API ---------------------------------------------------------------------------
 
 @dataclass(frozen=True, eq=False)
@@ -106,7 +111,7 @@ def mod_kind(fn: Callable) -> str:
         return SCORE_MOD
     if len(positional) == 4:
         return MASK_MOD
-    raise TraceError(
+    raise ArityError(
         f"cannot trace {_mod_name(fn)}{_def_site(fn)}: it takes {len(positional)} positional "
         f"parameters without defaults; expected 5 for a score_mod (score, b, h, q_idx, kv_idx) or 4 for a mask_mod "
         f"(b, h, q_idx, kv_idx). Fix: give extra parameters default values or bind them with "

@@ -358,3 +358,18 @@ def test_trace_error_is_a_type_error():
     assert issubclass(flexc.TraceError, TypeError)
     # the failing mod's line is where the error was raised from the user's point of view
     assert re.search(r"test_trace_errors\.py:\d+\)", _assert_trace_error(bool_call, []))
+
+
+def test_wrong_arity_is_also_the_assertion_error_torch_raises():
+    """torch asserts 4 or 5 positional parameters; code catching its AssertionError (or flexc's
+    TypeError) catches flexc's error for a mod given to create_block_mask or flex_attention."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    two = lambda a, b: a >= b  # noqa: E731
+    with pytest.raises(AssertionError):
+        torch_create_block_mask(two, None, None, 64, 64, device="cpu")
+    with pytest.raises(AssertionError, match="takes 2 positional parameters"):
+        flexc.create_block_mask(two, None, None, 64, 64, device="cpu")
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(TypeError, match="takes 2 positional parameters"):
+        flexc.flex_attention(q, q, q, score_mod=two)
