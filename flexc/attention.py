@@ -106,8 +106,11 @@ def _laid_out_like(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """``t`` (dense) in the dimension order of ``reference``, as torch returns outputs and gradients
     (a query permuted from [B, L, H, D] gives an output whose transpose back is free); copies only
     when the layouts differ."""
-    if t.stride() == _row_major(t.shape) and reference.stride() == _row_major(reference.shape):
-        return t  # the common case, decided without the sort
+    strides = t.stride()
+    if strides == reference.stride() and t.shape == reference.shape:
+        return t  # laid out exactly as the reference (the common case: both contiguous, E == Ev)
+    if strides == _row_major(t.shape) and reference.stride() == _row_major(reference.shape):
+        return t  # both row-major, decided without the sort
     strides = _strides_like(tuple(t.shape), reference.stride())
     if list(t.stride()) == strides:
         return t

@@ -413,6 +413,13 @@ class BlockMask:
         The result's mask_mod raises when called: its rows are renumbered, so the original mod no
         longer describes it. Reattach an adjusted mod if the kernel needs one.
         """
+        if (type(index) is tuple and len(index) == 3 and type(index[2]) is torch.Tensor and index[0] == _ALL
+                and index[1] == _ALL and self.dq_kv_order is None and not torch.compiler.is_compiling()):
+            # decoding's block_mask[:, :, pos // 128], every step: straight to the row
+            row = _one_row(index, self.kv_num_blocks.shape[2])
+            sliced = self._row_slice(row) if row is not None else None
+            if sliced is not None:
+                return sliced
         if self.dq_kv_order is not None:
             raise NotImplementedError("BlockMask.__getitem__: slicing a mask with a tensor dq_kv_order is not "
                                       "supported; build the sliced mask with from_kv_blocks instead.")
@@ -498,13 +505,17 @@ class BlockMask:
                          dq_kv_order_spt=self.dq_kv_order_spt)
 
 
+_ALL = slice(None)
+_ROW_DTYPES = (torch.int64, torch.int32)
+
+
 def _one_row(index: tuple, rows: int) -> int | None:
     """The row ``r`` when ``index`` is ``[:, :, t]`` with ``t`` a one-element CPU integer tensor
     holding ``r`` in ``[0, rows)``, else None (negative or out-of-range values are left to advanced
     indexing, which wraps or raises IndexError)."""
     i = index[2]
-    if (index[0] == index[1] == slice(None) and type(i) is torch.Tensor and i.device.type == "cpu"
-            and i.dim() == 1 and i.numel() == 1 and i.dtype in (torch.int64, torch.int32)):
+    if (index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.device.type == "cpu"
+            and i.dim() == 1 and i.numel() == 1 and i.dtype in _ROW_DTYPES):
         row = int(i)
         return row if 0 <= row < rows else None
     return None

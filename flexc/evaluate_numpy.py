@@ -22,13 +22,22 @@ import torch
 from . import ir
 from .trace import TracedMod
 
+def _invert(x: Any) -> Any:
+    """Logical/bitwise not as torch's ``~``: a Python bool (two scalar operands compared) is
+    negated, where Python's ``~True`` would give -2."""
+    return (not x) if type(x) is bool else ~x
+
+
 _BINARY: dict[str, Callable] = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul,
     "and": operator.and_, "or": operator.or_, "xor": operator.xor,
     "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
     "gt": operator.gt, "ge": operator.ge, "min": np.minimum, "max": np.maximum,
 }
-_UNARY: dict[str, Callable] = {"neg": operator.neg, "not": operator.invert, "abs": np.abs}
+# binary operations written inline in the compiled program (the rest are called)
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^", "eq": "==", "ne": "!=",
+          "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+_UNARY: dict[str, Callable] = {"neg": operator.neg, "not": _invert, "abs": np.abs}
 _BY_CONSTANT = {"floordiv": np.floor_divide, "mod": np.remainder}  # floor semantics in both libraries
 _DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int8": np.int8, "int16": np.int16, "int32": np.int32,
            "int64": np.int64}
@@ -41,8 +50,9 @@ _BUFFER_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, to
 class _Program(NamedTuple):
     size: int
     leaves: tuple  # (slot, kind, what): kind "input" (a name), "const" (a value), "buffer"/"scalar" (an index)
-    steps: tuple  # (slot, function, argument slots)
+    steps: tuple  # (slot, function, argument slots, operator name)
     root: int
+    run: Callable  # (inputs, buffers, scalars) -> the root's value: the steps as one Python function
 
 
 def _step(node: ir.Node) -> Callable | None:
@@ -91,8 +101,41 @@ def _program(root: ir.Node) -> _Program | None:
             run = _step(node)
             if run is None:
                 return None
-            steps.append((slot, run, tuple(slots[id(a)] for a in node.args)))
-    return _Program(len(slots), tuple(leaves), tuple(steps), slots[id(root)])
+            steps.append((slot, run, tuple(slots[id(a)] for a in node.args), node.op))
+    return _Program(len(slots), tuple(leaves), tuple(steps), slots[id(root)],
+                    _compile(leaves, steps, slots[id(root)]))
+
+
+def _compile(leaves: list, steps: list, root: int) -> Callable:
+    """The program as the body of one function: a decoding step evaluates it every call, and a
+    loop over the steps would cost more than the few numpy operations it runs."""
+    lines = ["def run(inputs, buffers, scalars):"]
+    namespace: dict[str, Any] = {"_buffer": _buffer, "_scalar": _scalar}
+    for slot, kind, what in leaves:
+        if kind == "input":
+            lines.append(f"    v{slot} = inputs[{what!r}]")
+        elif kind == "const":
+            lines.append(f"    v{slot} = {what!r}")
+        elif kind == "buffer":
+            lines.append(f"    v{slot} = _buffer(buffers[{int(what)}])")
+        else:
+            lines.append(f"    v{slot} = _scalar(scalars[{int(what)}])")
+    for slot, run, args, op in steps:
+        names = [f"v{a}" for a in args]
+        if op in _INFIX and len(args) == 2:
+            lines.append(f"    v{slot} = {names[0]} {_INFIX[op]} {names[1]}")
+        else:
+            namespace[f"f{slot}"] = run
+            lines.append(f"    v{slot} = f{slot}({', '.join(names)})")
+    lines.append(f"    return v{root}")
+    exec("\n".join(lines), namespace)  # (source made here from the graph's own ops, names and ints)
+    return namespace["run"]
+
+
+def _scalar(value: Any) -> Any:
+    if type(value) not in (int, bool):
+        raise _NotHere
+    return value
 
 
 def _buffer(t: torch.Tensor) -> Any:
@@ -106,30 +149,16 @@ class _NotHere(Exception):
 
 
 def evaluate_small(mod: TracedMod, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
-    """The mask_mod's verdicts on ``inputs`` (numpy int64 index arrays, broadcastable, 4-D) as a
-    4-D numpy array that broadcasts to their shape (size 1 along what the mod does not read), or
-    None when this graph or its captured tensors need :func:`flexc.evaluate.evaluate`."""
+    """The mask_mod's verdicts on ``inputs`` (numpy int64 index arrays, broadcastable, 4-D, or an
+    int64 scalar for an index with one value) as a 4-D numpy array that broadcasts to their shape
+    (size 1 along what the mod does not read), or None when this graph or its captured tensors
+    need :func:`flexc.evaluate.evaluate`."""
     program = _program(mod.root) if _SAME_PROMOTION else None
     if program is None:
         return None
-    values: list[Any] = [None] * program.size
-    try:
-        for slot, kind, what in program.leaves:
-            if kind == "input":
-                values[slot] = inputs[what]
-            elif kind == "const":
-                values[slot] = what
-            elif kind == "buffer":
-                values[slot] = _buffer(mod.buffers[what])
-            else:
-                value = mod.scalars[what]
-                if type(value) not in (int, bool):
-                    return None
-                values[slot] = value
-        for slot, run, args in program.steps:  # (arrays wrap around on overflow, as torch's tensors)
-            values[slot] = run(*[values[a] for a in args])
+    try:  # (arrays wrap around on overflow, as torch's tensors)
+        out = program.run(inputs, mod.buffers, mod.scalars)
     except (_NotHere, KeyError, IndexError, OverflowError):  # torch's evaluation decides (and raises)
         return None
-    out = values[program.root]
     return out if type(out) is np.ndarray and out.ndim == 4 else np.asarray(out).reshape(
         (1,) * (4 - np.ndim(out)) + np.shape(out))

@@ -73,7 +73,7 @@ def row_contents(tables: tuple, row: int) -> TableContents | None:
     idx = tables[1]
     if idx.device.type != "cpu" or idx.dim() != 4:
         return None
-    key = (tuple((id(t), write_count(t)) if t is not None else None for t in tables), row)
+    key = (tuple([(id(t), write_count(t)) if t is not None else None for t in tables]), row)
     hit = _ROWS.get(key)
     if hit is not None and hit[0] is idx:  # (the kept tensor keeps its id from being reused)
         return hit[1]

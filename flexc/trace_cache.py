@@ -15,7 +15,7 @@ Python numbers, strings and dtypes are compared by value (``1``, ``1.0`` and ``T
 their traces do); tensors by identity plus dtype, shape and device, so new values written into a
 captured tensor reuse the trace (its buffers are the same tensors) while a rebound name re-traces.
 A tensor that does not require grad also matches an earlier one viewing the same memory (same
-storage, offset, shape, strides, dtype): ``input_pos[0]`` makes a new view each decoding step, but
+address, shape, strides, dtype): ``input_pos[0]`` makes a new view each decoding step, but
 the old view, kept alive by the cache, always holds the same values. torch's own functions and
 modules, builtins and other C objects are compared by identity.
 
@@ -48,6 +48,7 @@ _LIBRARY_MODULES = ("torch", "math", "numpy", "functools", "operator", "builtins
 _VALUE_TYPES = frozenset((type(None), bool, int, str, bytes, complex, type(Ellipsis), torch.dtype, torch.device,
                           torch.Size, torch.memory_format, torch.layout))
 _MISSING = ("missing",)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _NO_DEFAULTS = (type(None), None)  # what value() makes of None
 
 
@@ -74,11 +75,6 @@ def _code_facts(code: types.CodeType, _memo: dict = {}) -> tuple[frozenset, tupl
     return result
 
 
-def _is_library_function(fn: types.FunctionType) -> bool:
-    # torch's Python functions are treated like its C ones: they do not change between calls
-    return _code_facts(fn.__code__)[2]
-
-
 def _is_library_module(module: types.ModuleType) -> bool:
     return module.__name__.split(".")[0] in _LIBRARY_MODULES or module.__name__ in sys.builtin_module_names
 
@@ -98,12 +94,15 @@ class _Snapshot:
         if depth > _MAX_DEPTH:
             raise _Unknown
         t = type(x)
+        # the kinds a mod's closure and globals usually hold come first: this runs every call
         if t in _VALUE_TYPES:
             return (t, x)
+        if t is types.FunctionType:
+            return self.function(x, depth)
+        if t is torch.Tensor or isinstance(x, torch.Tensor):
+            return self.tensor(x)
         if t is float:
             return (float, x.hex())  # keeps -0.0 apart from 0.0
-        if isinstance(x, torch.Tensor):
-            return self.tensor(x)
         if isinstance(x, np.generic):
             return (t, x.tobytes())
         if t in (tuple, list):
@@ -119,8 +118,6 @@ class _Snapshot:
             if len(x) > _MAX_ITEMS:
                 raise _Unknown
             return (t, frozenset(self.value(v, names, depth + 1) for v in x))
-        if t is types.FunctionType:
-            return self.function(x, depth)
         if t is functools.partial:
             return ("partial", self.value(x.func, names, depth + 1), self.value(x.args, names, depth + 1),
                     self.value(x.keywords, names, depth + 1))
@@ -157,16 +154,18 @@ class _Snapshot:
         raise _Unknown
 
     def tensor(self, x: torch.Tensor) -> tuple:
-        if not x.requires_grad and x.layout == torch.strided and type(x) in (torch.Tensor, torch.nn.Parameter):
+        if not x.requires_grad and type(x) in _PLAIN_TENSORS and x.layout is torch.strided:
             try:
-                storage = x.untyped_storage().data_ptr()
+                address = x.data_ptr()
             except (RuntimeError, NotImplementedError):  # fake or meta tensors: identity only
-                storage = None
-            if storage:
-                # the same memory: a view made anew each call reads what the kept one reads
+                address = 0
+            if address:
+                # the same memory: a view made anew each call reads what the kept one reads (the
+                # entry keeps x alive, so no other live tensor starts at its address unless it
+                # shares x's storage)
                 self.keep.append(x)
-                return ("memory", storage, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
-        return (*self.ident("tensor", x), x.dtype, tuple(x.shape), x.device)
+                return ("memory", address, x.shape, x.stride(), x.dtype, x.device)
+        return (*self.ident("tensor", x), x.dtype, x.shape, x.device)
 
     def attributes(self, obj: Any, names: frozenset, depth: int) -> tuple:
         out = []
@@ -179,27 +178,28 @@ class _Snapshot:
         return tuple(out)
 
     def function(self, fn: types.FunctionType, depth: int) -> tuple:
-        if _is_library_function(fn):
+        code = fn.__code__
+        names, sorted_names, is_library = _code_facts(code)
+        if is_library:  # torch's Python functions are treated like its C ones: they do not change
             return self.ident("library", fn)
         if id(fn) in self.active:  # recursion through a global or a cell
             return self.ident("recursive", fn)
         self.active.add(id(fn))
-        code = fn.__code__
-        names, sorted_names, _ = _code_facts(code)
+        inner = depth + 1
         cells = []
         for cell in fn.__closure__ or ():
             try:
-                cells.append(self.value(cell.cell_contents, names, depth + 1))
+                cells.append(self.value(cell.cell_contents, names, inner))
             except ValueError:  # a cell not yet assigned
                 cells.append(_MISSING)
         globs = fn.__globals__
-        reads = tuple(self.value(globs[name], names, depth + 1) if name in globs else _MISSING
-                      for name in sorted_names)
+        reads = tuple([self.value(globs[name], names, inner) if name in globs else _MISSING
+                       for name in sorted_names])
         self.active.discard(id(fn))
         defaults, kwdefaults = fn.__defaults__, fn.__kwdefaults__  # usually None: no call for those
         return (*self.ident("code", code), fn.__name__,
-                _NO_DEFAULTS if defaults is None else self.value(defaults, names, depth + 1),
-                _NO_DEFAULTS if kwdefaults is None else self.value(kwdefaults, names, depth + 1), tuple(cells), reads)
+                _NO_DEFAULTS if defaults is None else self.value(defaults, names, inner),
+                _NO_DEFAULTS if kwdefaults is None else self.value(kwdefaults, names, inner), tuple(cells), reads)
 
 
 def snapshot(fn: Callable) -> tuple[Any, list] | None:

@@ -14,4 +14,7 @@ import torch
 
 def write_count(t: torch.Tensor) -> Any:
     """``t._version``, or a fresh object (equal only to itself) for an inference tensor."""
-    return object() if t.is_inference() else t._version
+    try:  # (one attribute read: caches check several tables on every decoding step)
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return object()

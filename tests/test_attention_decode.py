@@ -177,7 +177,7 @@ def test_partial_blocks_the_rows_see_whole_are_trimmed_or_unmasked(position, L, 
     _close(out, ref_out)
     _close(lse, ref_lse)
     if L == 1:  # one row: the range is narrowed to the window's keys, with no mask (nor NaN) left
-        (_, k_sel, _, masked, _), = calls
+        (_, k_sel, _, masked, *_), = calls
         assert masked == [] and k_sel.shape[2] == min(window, position + 1)
 
 
@@ -200,3 +200,55 @@ def test_inference_mode_tensors_without_write_counters_decode_and_prefill():
     ref, _, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=_window(48))
     _close(out, ref)
     _close(out_step, ref[:, :, 150:151])
+
+
+@pytest.mark.parametrize("B, Hq, Hkv, L, position, window", [
+    (1, 4, 4, 1, 200, 300), (2, 4, 4, 1, 150, 40), (1, 4, 4, 1, 95, 10), (2, 4, 4, 1, 255, 1000),
+    (1, 8, 2, 1, 200, 60), (2, 8, 2, 3, 130, 50), (1, 4, 4, 5, 100, 40)])
+def test_short_queries_as_two_batched_products_equal_the_reference(monkeypatch, B, Hq, Hkv, L, position, window):
+    """Large short-query calls run as two batched products instead of the fused kernel: one or
+    several rows, GQA heads stacked per key head, batches, masked partial columns and the
+    logsumexp as the reference (and torch)."""
+    S = 256
+    monkeypatch.setattr(decode_cpu, "PRODUCTS_MIN_KEY_ELEMENTS", 1)  # every call large enough
+    calls = []
+    products = decode_cpu.two_products
+    monkeypatch.setattr(decode_cpu, "two_products", lambda *a: calls.append(a) or products(*a))
+    offset = position - L + 1
+    mask_mod = shifted(_window(window), offset)
+    q, k, v = random_qkv(B, Hq, Hkv, L, S, E, seed=position)
+    whole = flexc.create_block_mask(_window(window), None, None, S, S, BLOCK_SIZE=BLOCK)
+    assert offset // BLOCK == position // BLOCK  # (the rows lie in one query block)
+    step = whole[:, :, torch.tensor([offset // BLOCK])]
+    step.mask_mod, step.seq_lengths = mask_mod, (L, S)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=step, return_lse=True, enable_gqa=True)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
+    _close(out, ref_out)
+    _close(lse, ref_lse)
+    torch_mask = torch_flex.create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    _close(out, torch_flex.flex_attention(q, k, v, block_mask=torch_mask, enable_gqa=True).double())
+    assert len(calls) == 1  # (the products ran, not the fused kernel)
+
+
+def test_two_products_mask_the_columns_a_striped_mask_blocks(monkeypatch):
+    """A mask with holes inside its partial blocks leaves masked columns after narrowing: they get
+    -inf before the softmax, and keys listed in full blocks stay allowed."""
+    S, H, position = 256, 2, 180
+    monkeypatch.setattr(decode_cpu, "PRODUCTS_MIN_KEY_ELEMENTS", 1)
+    calls = []
+    products = decode_cpu.two_products
+    monkeypatch.setattr(decode_cpu, "two_products", lambda *a: calls.append(a) or products(*a))
+
+    def striped(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((kv_idx % 3 != 0) | (kv_idx < 64))
+
+    q, k, v = random_qkv(1, H, H, 1, S, E, seed=3)
+    whole = flexc.create_block_mask(striped, None, None, S, S, BLOCK_SIZE=BLOCK)
+    step = whole[:, :, torch.tensor([position // BLOCK])]
+    step.mask_mod, step.seq_lengths = shifted(striped, position), (1, S)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=step, return_lse=True)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=shifted(striped, position))
+    _close(out, ref_out)
+    _close(lse, ref_lse)
+    (_, _, _, masked, *_), = calls
+    assert masked  # (the striped blocks' columns were masked, not narrowed away)

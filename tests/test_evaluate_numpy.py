@@ -93,3 +93,34 @@ def test_random_integer_masks_match_torch(left, right, compare, logic, offset_va
     mod = eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
     traced = trace(mod, MASK_MOD)
     assert _assert_same(traced, 1, 2, 3, list(range(0, 7)) + list(range(250, 262)))
+
+
+@pytest.mark.parametrize("q_value", [0, 37, 299])
+def test_one_element_indices_as_int64_scalars_match_torch(q_value):
+    """Decoding passes b, h and q_idx of one row as int64 scalars (cheaper than 1-element arrays)."""
+    S = 300
+    kv = list(range(0, 20)) + list(range(S - 40, S))
+    evaluated = 0
+    for name, mod in mask_catalogue(1, 1, S, S).items():
+        traced = trace(mod, MASK_MOD)
+        scalars = {"b": np.int64(0), "h": np.int64(0), "q_idx": np.int64(q_value),
+                   "kv_idx": np.array(kv).reshape(1, 1, 1, -1)}
+        ours = evaluate_small(traced, scalars)
+        if ours is None:
+            continue
+        ref = evaluate(traced, b=torch.zeros(1, 1, 1, 1, dtype=torch.long), h=torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                       q_idx=torch.full((1, 1, 1, 1), q_value), kv_idx=torch.tensor(kv).view(1, 1, 1, -1))
+        shape = torch.broadcast_shapes(ref.shape, tuple(ours.shape))
+        assert np.array_equal(np.broadcast_to(ours, shape), ref.expand(shape).numpy()), name
+        assert ours.dtype == ref.numpy().dtype, (name, ours.dtype, ref.dtype)
+        evaluated += 1
+    assert evaluated >= 15
+
+
+def test_not_of_a_comparison_of_two_numbers_is_logical():
+    """``~(offset > 5)`` with a captured 0-d offset compares two Python numbers: True must become
+    False (Python's ``~True`` is -2, which would allow every key)."""
+    offset = torch.tensor(7)
+    traced = trace(lambda b, h, q, kv: ~(offset > 5) | (kv < 3), MASK_MOD)
+    ours = evaluate_small(traced, {"q_idx": np.int64(0), "kv_idx": np.arange(6).reshape(1, 1, 1, -1)})
+    assert ours.tolist() == [[[[True, True, True, False, False, False]]]]

@@ -82,8 +82,12 @@ def _index_tensor(shape: tuple, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _index_array(shape: tuple) -> np.ndarray:
-    """:func:`_index_tensor` for numpy evaluation (read-only)."""
+def _index_array(shape: tuple) -> np.ndarray | np.int64:
+    """:func:`_index_tensor` for numpy evaluation (read-only); a one-element index (``q_idx`` of one
+    query row, ``b`` of batch 1) as an int64 scalar, which promotes and wraps as the array would
+    but costs a fraction of an array operation."""
+    if max(shape) == 1:
+        return np.int64(0)
     array = np.arange(max(shape), dtype=np.int64).reshape(shape)
     array.flags.writeable = False
     return array
@@ -297,10 +301,13 @@ def _finite_columns(masked: list, *tensors: torch.Tensor) -> bool:
     return all(all_finite(*(t[:, :, o:o + n] for t in tensors)) for o, n, _ in masked)
 
 
-def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float):
+def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float,
+          need_lse: bool = True):
     """``(out, lse)`` from one fused-kernel call: GQA query heads stacked as rows, the masked
     columns' verdicts (a mask_mod reading only q_idx/kv_idx) as an additive mask. With no masked
-    columns, any query length: unmasked attention is exactly this one call."""
+    columns, any query length: unmasked attention is exactly this one call. ``need_lse=False``
+    returns the kernel's logsumexp without its fix-ups (dead rows, +inf scores): a call that
+    discards it saves them."""
     B, Hq, L, E = query.shape
     Hkv, n = k_sel.shape[1], k_sel.shape[2]
     G = Hq // Hkv
@@ -316,12 +323,53 @@ def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked:
         mask = fused_cpu._stack_heads(mask, G)
     o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E) if G > 1 else query, k_sel, v_sel, attn_mask=mask,
                               scale=scale)
-    if masked and sum(length for _, length, _ in masked) == n:  # no allowed block: rows may be dead
-        fused_cpu._fix_dead_rows(lse, mask)
-    lse = lse.nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)  # a +inf score: NaN, as on the other paths
+    if need_lse:
+        if masked and sum(length for _, length, _ in masked) == n:  # no allowed block: rows may be dead
+            fused_cpu._fix_dead_rows(lse, mask)
+        lse = lse.nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)  # a +inf score: NaN, as on the other paths
     if G > 1:
         o, lse = o.reshape(B, Hq, L, v_sel.shape[-1]), lse.reshape(B, Hq, L)
     return o.contiguous(), lse
+
+
+# Short queries reading at least this many key elements (8 MiB in fp32): two batched products
+# beat the fused kernel, whose key-blocked pass slows down once keys and values no longer fit the
+# cache (D=64, one thread, one row per key head: 0.75-0.85x its time at H=8 and 4096 keys, 0.78x
+# at 8192, 1.06x at 2048; four GQA rows per key head: about 0.7x at 4096, 1.7x at 1024)
+PRODUCTS_MIN_KEY_ELEMENTS = 1 << 21
+
+
+def _products_pay(query: torch.Tensor, k_sel: torch.Tensor, masked: list) -> bool:
+    """Whether :func:`two_products` serves this call: large key slices whose batch and heads fold
+    into one matmul batch without a copy, and some key allowed by the masked columns' spans."""
+    B = query.shape[0]
+    return (k_sel.numel() >= PRODUCTS_MIN_KEY_ELEMENTS and k_sel.shape[0] == B
+            and (B == 1 or k_sel.stride(0) == k_sel.shape[1] * k_sel.stride(1))
+            and sum(length for _, length, _ in masked) < k_sel.shape[2])
+
+
+def two_products(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float,
+                 need_lse: bool = True):
+    """:func:`flash` as two batched products: ``K @ q^T`` (the GQA query heads of a key head and
+    the query rows stacked as ``R`` columns), a base-2 softmax with the masked columns at -inf, and
+    ``P @ V``. The caller guarantees what :func:`flash` needs (finite masked keys and values) and
+    some column outside the masked spans (allowed for every row: no fully masked row)."""
+    B, Hq, L, E = query.shape
+    Hkv, n, Ev = k_sel.shape[1], k_sel.shape[2], v_sel.shape[3]
+    R = Hq // Hkv * L
+    q = query.reshape(B * Hkv, R, E) * (scale * LOG2E)
+    # K @ q^T reads the keys as stored, row by row (q @ K^T is several times slower for R > 1);
+    # its [n, R] result is laid out again as R rows of scores
+    s = torch.bmm(k_sel.reshape(B * Hkv, n, E), q.transpose(1, 2)).transpose(1, 2).contiguous()
+    if masked:  # (rows of a key head are its query heads' rows: s is [B, Hq, L, n] too)
+        s4 = s.view(B, Hq, L, n)
+        for offset, length, blocked in masked:
+            s4[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
+    m = s.amax(-1, keepdim=True)  # finite: some column is allowed (a +inf score makes every entry NaN)
+    l = s.sub_(m).exp2_().sum(-1, keepdim=True)
+    out = torch.bmm(s, v_sel.reshape(B * Hkv, n, Ev)).div_(l).view(B, Hq, L, Ev)
+    lse = m.add_(l.log2_()).mul_(LN2).view(B, Hq, L) if need_lse else None
+    return out, lse
 
 
 def _nothing_allowed(query: torch.Tensor, Ev: int, need_max: bool, lse_dtype: torch.dtype):
@@ -334,8 +382,11 @@ def _nothing_allowed(query: torch.Tensor, Ev: int, need_max: bool, lse_dtype: to
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
             mask_mod: TracedMod | None, block_mask: Any, scale: float, need_max: bool = False,
-            lse_dtype: torch.dtype = torch.float32):
-    """``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] in lse_dtype, row maxima or None)``."""
+            lse_dtype: torch.dtype = torch.float32, need_lse: bool = True):
+    """``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] in lse_dtype, row maxima or None)``.
+
+    ``need_lse=False``: the caller discards the logsumexp (None or unfinished may come back).
+    """
     B, Hq, L, E = query.shape
     Bkv, Hkv, S, Ev = value.shape
     G = Hq // Hkv
@@ -345,7 +396,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
 
     def index(name: str) -> torch.Tensor:  # only the index tensors a mod reads are built
         if name == "kv_idx":
-            return (positions if positions is not None else _index_tensor((S,), device)).view(1, 1, 1, n)
+            return (positions[lo:hi] if positions is not None else _index_tensor((S,), device)).view(1, 1, 1, n)
         return _index_tensor(shapes[name], device)
 
     spans = None  # (offset, length) column runs that need the mask_mod, when known per column
@@ -361,6 +412,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         if positions is None:  # no key block listed anywhere
             return _nothing_allowed(query, Ev, need_max, lse_dtype)
         n = positions.numel()
+    lo, hi = 0, n  # the columns of ``positions`` read (sliced only where needed: a view costs a call)
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
     if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
         given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
@@ -368,21 +420,22 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
         if lo >= hi:
             return _nothing_allowed(query, Ev, need_max, lse_dtype)
         if (lo, hi) != (0, n):  # blocked blocks at either end of the range are not read at all
-            positions, n = positions[lo:hi], hi - lo
+            n = hi - lo
             start = start + lo if start is not None else None
     if (start, n) == (0, S):
         k_sel, v_sel = key, value
     elif start is not None:
         k_sel, v_sel = key.narrow(2, start, n), value.narrow(2, start, n)
     else:
-        k_sel, v_sel = key.index_select(2, positions), value.index_select(2, positions)
+        k_sel, v_sel = key.index_select(2, positions[lo:hi]), value.index_select(2, positions[lo:hi])
     if (score_mod is None and not need_max and fused_cpu._FLASH is not None and device.type == "cpu"
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
             and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
             and (not masked or (all_finite(query) and _finite_columns(masked, k_sel, v_sel)))):
-        out, lse = flash(query, k_sel, v_sel, masked, scale)
-        return out, lse.to(lse_dtype), None
+        run = two_products if _products_pay(query, k_sel, masked) else flash
+        out, lse = run(query, k_sel, v_sel, masked, scale, need_lse)
+        return out, (lse.to(lse_dtype) if need_lse else None), None
 
     # scores in log2 units unless a score_mod needs natural ones: [B, Hkv, G*L, n] read as [B, Hq, L, n]
     general = score_mod is not None

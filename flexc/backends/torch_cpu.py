@@ -212,7 +212,11 @@ def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float, kernel_options: dict | None = None, need_lse: bool = True,
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention forward: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``."""
-    out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False)
+    if decode_cpu.applies(query, key):  # (the decode path skips the logsumexp's fix-ups when unwanted)
+        out, lse, _ = decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale,
+                                         need_lse=need_lse)
+    else:
+        out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False)
     return out, (lse if need_lse else None)
 
 
