@@ -55,9 +55,13 @@ def evaluate_tiles(traced: TracedMod, coords: torch.Tensor, Q_LEN: int, KV_LEN: 
     """
     device = coords.device
     out = torch.empty(coords.shape[0], dtype=torch.int8, device=device)
-    per_batch = max(1, max_elements // (Q_BLOCK * KV_BLOCK))
-    q_offsets = torch.arange(Q_BLOCK, device=device)
-    kv_offsets = torch.arange(KV_BLOCK, device=device)
+    # A tile holds at most min(BLOCK, LEN) real positions along each axis, so a grid that wide sees
+    # them all (the clamp below repeats the last one): a block far longer than the sequence (torch's
+    # 1 << 30) costs no more than the sequence itself. Raggedness still uses the whole block.
+    q_extent, kv_extent = min(Q_BLOCK, Q_LEN), min(KV_BLOCK, KV_LEN)
+    per_batch = max(1, max_elements // (q_extent * kv_extent))
+    q_offsets = torch.arange(q_extent, device=device)
+    kv_offsets = torch.arange(kv_extent, device=device)
     for start in range(0, coords.shape[0], per_batch):
         c = coords[start:start + per_batch]
         n = c.shape[0]
@@ -66,8 +70,8 @@ def evaluate_tiles(traced: TracedMod, coords: torch.Tensor, Q_LEN: int, KV_LEN: 
         # Positions past the end of a ragged tile are clamped onto the last real index: they repeat
         # an in-range value, so any()/all() over the clamped grid equal any()/all() over the real
         # elements, and captured tensors are never indexed out of range.
-        q = (q_first[:, None] + q_offsets).clamp_(max=Q_LEN - 1).view(n, Q_BLOCK, 1)
-        kv = (kv_first[:, None] + kv_offsets).clamp_(max=KV_LEN - 1).view(n, 1, KV_BLOCK)
+        q = (q_first[:, None] + q_offsets).clamp_(max=Q_LEN - 1).view(n, q_extent, 1)
+        kv = (kv_first[:, None] + kv_offsets).clamp_(max=KV_LEN - 1).view(n, 1, kv_extent)
         allowed = evaluate(traced, b=c[:, 0].view(n, 1, 1), h=c[:, 1].view(n, 1, 1), q_idx=q, kv_idx=kv)
         allowed = allowed.to(torch.bool).reshape(n, -1)
         any_allowed = allowed.any(dim=1)
