@@ -30,8 +30,11 @@ from .versions import write_count
 _proven: "OrderedDict[tuple, tuple | None]" = OrderedDict()
 _proven_lock = threading.Lock()
 _MAX_PROVEN = 512
-# TracedMod -> its checks (traces are reused across calls by flexc.trace_cache)
-_checks_memo: "weakref.WeakKeyDictionary[TracedMod, list]" = weakref.WeakKeyDictionary()
+# (graph, captured tensors' shapes) -> its checks: the same for every TracedMod around that graph
+# (eager calls reuse traces through flexc.trace_cache; a compiled call rebuilds its TracedMod
+# around the same graph every call, see flexc.mod_key)
+_checks_memo: "OrderedDict[tuple, list]" = OrderedDict()
+_MAX_CHECKS = 512
 # Exact checks evaluate at most this many index values at a time.
 _CHUNK = 1 << 22
 
@@ -45,13 +48,16 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
     by zero anywhere in ``[B, H, Q_LEN, KV_LEN]``; ``where`` names the caller in the message."""
     if traced is None:
         return
-    checks = _checks_memo.get(traced)
+    shapes = tuple(tuple(t.shape) for t in traced.buffers)
+    checks = _checks_memo.get((traced.root, shapes))
     if checks is None:
-        checks = _checks_memo[traced] = _checks(traced)
+        checks = _checks_memo[(traced.root, shapes)] = _checks(traced)
+        while len(_checks_memo) > _MAX_CHECKS:
+            _checks_memo.popitem(last=False)
     if not checks:
         return
     sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
-    key = (traced.root, B, H, Q_LEN, KV_LEN, tuple(tuple(t.shape) for t in traced.buffers))
+    key = (traced.root, B, H, Q_LEN, KV_LEN, shapes)
     with _proven_lock:
         if key in _proven:
             values = _proven[key]

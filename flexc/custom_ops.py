@@ -10,6 +10,7 @@ training runs flexc's own backward and captured tensors that require grad receiv
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from typing import Optional
 
@@ -33,6 +34,16 @@ def lse_dtype(query: torch.Tensor) -> torch.dtype:
 def options_key(options: dict) -> str:
     """``kernel_options`` (``BACKEND`` resolved) as the ops' string argument."""
     return json.dumps(options, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_options(kernel_options: str) -> dict:
+    return json.loads(kernel_options)
+
+
+def _options(kernel_options: str) -> dict:
+    """:func:`options_key`'s JSON as a dict (parsed once per distinct string; each call gets its own copy)."""
+    return dict(_parsed_options(kernel_options))
 
 
 def _block_mask(tables: list, block_size: list[int], seq_lengths: list[int], mask_mod) -> BlockMask | None:
@@ -93,7 +104,7 @@ def flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         validate.check_block_tables(block_mask, query.shape[2], key.shape[2])
     for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
         bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
-    options = json.loads(kernel_options)
+    options = _options(kernel_options)
     row_max = None
     if options["BACKEND"] == "TRITON":  # the forward that also serves the generated backward
         out, lse = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options)
@@ -129,7 +140,7 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
-    options = json.loads(kernel_options)
+    options = _options(kernel_options)
     # flex_attention's own rule for when the generated backward applies (imported at run time:
     # flexc.attention imports this module)
     from .attention import _generated_backward_applies

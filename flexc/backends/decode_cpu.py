@@ -60,10 +60,16 @@ def _is_true(mod: TracedMod | None) -> bool:
     return mod is None or (mod.root.op == "const" and mod.root.attr is True)
 
 
-@functools.lru_cache(maxsize=256)
 def _reads(mod: TracedMod) -> tuple[str, ...]:
-    """The mod arguments the graph reads (traces are reused across calls, so this is too)."""
-    return tuple(sorted({node.attr for node in mod.root.walk() if node.op == "input"}))
+    """The mod arguments the graph reads."""
+    return _inputs_of(mod.root)
+
+
+@functools.lru_cache(maxsize=256)
+def _inputs_of(root) -> tuple[str, ...]:
+    # keyed by the graph, not the TracedMod: a compiled call rebuilds its TracedMod every call
+    # around the same graph (flexc.mod_key), and eager calls reuse traces (flexc.trace_cache)
+    return tuple(sorted({node.attr for node in root.walk() if node.op == "input"}))
 
 
 _MAX_SPANS = 4  # more partial spans than this: the mask_mod is evaluated over every position at once
