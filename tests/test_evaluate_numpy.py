@@ -84,15 +84,25 @@ def _expressions(draw, depth=0):
 
 @settings(max_examples=60, deadline=None)
 @given(_expressions(), _expressions(), st.sampled_from(["<", "<=", "==", "!=", ">", ">="]),
-       st.sampled_from(["&", "|", "^"]), st.integers(-50, 400))
-def test_random_integer_masks_match_torch(left, right, compare, logic, offset_value):
+       st.sampled_from(["&", "|", "^"]), st.integers(-50, 400), st.booleans())
+def test_random_integer_masks_match_torch(left, right, compare, logic, offset_value, negate):
     off = torch.tensor(offset_value)
     table = torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)
     env = {"torch": torch, "off": off, "table": table}
-    body = f"(({left}) {compare} ({right})) {logic} (kv <= q + off)".replace("lookup", "table[kv % 8]")
+    comparison = f"((({left}) + q * 0) {compare} ({right}))"  # (a tensor, even for two constants)
+    body = f"{'~' if negate else ''}{comparison} {logic} (kv <= q + off)".replace("lookup", "table[kv % 8]")
     mod = eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
     traced = trace(mod, MASK_MOD)
-    assert _assert_same(traced, 1, 2, 3, list(range(0, 7)) + list(range(250, 262)))
+    kv = list(range(0, 7)) + list(range(250, 262))
+    assert _assert_same(traced, 1, 2, 3, kv)
+    # one decoding row: b, h and q_idx as int64 scalars (as decode_cpu passes them)
+    ours = evaluate_small(traced, {"b": np.int64(0), "h": np.int64(1), "q_idx": np.int64(2),
+                                   "kv_idx": np.array(kv).reshape(1, 1, 1, -1)})
+    ref = evaluate(traced, b=torch.zeros(1, 1, 1, 1, dtype=torch.long), h=torch.ones(1, 1, 1, 1, dtype=torch.long),
+                   q_idx=torch.full((1, 1, 1, 1), 2), kv_idx=torch.tensor(kv).view(1, 1, 1, -1))
+    shape = torch.broadcast_shapes(ref.shape, tuple(ours.shape))
+    assert np.array_equal(np.broadcast_to(ours, shape), ref.expand(shape).numpy()), body
+    assert ours.dtype == ref.numpy().dtype, (body, ours.dtype, ref.dtype)
 
 
 @pytest.mark.parametrize("q_value", [0, 37, 299])
