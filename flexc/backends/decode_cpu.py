@@ -357,13 +357,14 @@ def _products_pay(query: torch.Tensor, k_sel: torch.Tensor, masked: list) -> boo
 def two_products(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked: list, scale: float,
                  need_lse: bool = True):
     """:func:`flash` as two batched products: ``K @ q^T`` (the GQA query heads of a key head and
-    the query rows stacked as ``R`` columns), a base-2 softmax with the masked columns at -inf, and
+    the query rows stacked as ``R`` columns), a softmax with the masked columns at -inf, and
     ``P @ V``. The caller guarantees what :func:`flash` needs (finite masked keys and values) and
-    some column outside the masked spans (allowed for every row: no fully masked row)."""
+    some column outside the masked spans (allowed for every row: no fully masked row, so the
+    softmax and logsumexp need no special case)."""
     B, Hq, L, E = query.shape
     Hkv, n, Ev = k_sel.shape[1], k_sel.shape[2], v_sel.shape[3]
     R = Hq // Hkv * L
-    q = query.reshape(B * Hkv, R, E) * (scale * LOG2E)
+    q = query.reshape(B * Hkv, R, E) * scale
     # K @ q^T reads the keys as stored, row by row (q @ K^T is several times slower for R > 1);
     # its [n, R] result is laid out again as R rows of scores
     s = torch.bmm(k_sel.reshape(B * Hkv, n, E), q.transpose(1, 2)).transpose(1, 2).contiguous()
@@ -371,10 +372,10 @@ def two_products(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, 
         s4 = s.view(B, Hq, L, n)
         for offset, length, blocked in masked:
             s4[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
-    m = s.amax(-1, keepdim=True)  # finite: some column is allowed (a +inf score makes every entry NaN)
-    l = s.sub_(m).exp2_().sum(-1, keepdim=True)
-    out = torch.bmm(s, v_sel.reshape(B * Hkv, n, Ev)).div_(l).view(B, Hq, L, Ev)
-    lse = m.add_(l.log2_()).mul_(LN2).view(B, Hq, L) if need_lse else None
+    lse = None
+    if need_lse:  # a +inf score gives NaN, as on the other paths (not logsumexp's +inf)
+        lse = torch.logsumexp(s, -1).view(B, Hq, L).nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)
+    out = torch.bmm(s.softmax(-1), v_sel.reshape(B * Hkv, n, Ev)).view(B, Hq, L, Ev)
     return out, lse
 
 
