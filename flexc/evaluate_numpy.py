@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -22,21 +22,17 @@ import torch
 from . import ir
 from .trace import TracedMod
 
+
 def _invert(x: Any) -> Any:
     """Logical/bitwise not as torch's ``~``: a Python bool (two scalar operands compared) is
     negated, where Python's ``~True`` would give -2."""
     return (not x) if type(x) is bool else ~x
 
 
-_BINARY: dict[str, Callable] = {
-    "add": operator.add, "sub": operator.sub, "mul": operator.mul,
-    "and": operator.and_, "or": operator.or_, "xor": operator.xor,
-    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
-    "gt": operator.gt, "ge": operator.ge, "min": np.minimum, "max": np.maximum,
-}
-# binary operations written inline in the compiled program (the rest are called)
+# binary operations written inline in the compiled program, as Python operators
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^", "eq": "==", "ne": "!=",
           "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+_BINARY: dict[str, Callable] = {"min": np.minimum, "max": np.maximum}
 _UNARY: dict[str, Callable] = {"neg": operator.neg, "not": _invert, "abs": np.abs}
 _BY_CONSTANT = {"floordiv": np.floor_divide, "mod": np.remainder}  # floor semantics in both libraries
 _DTYPES = {"bool": np.bool_, "uint8": np.uint8, "int8": np.int8, "int16": np.int16, "int32": np.int32,
@@ -47,16 +43,12 @@ _SAME_PROMOTION = int(np.__version__.split(".")[0]) >= 2
 _BUFFER_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 
 
-class _Program(NamedTuple):
-    size: int
-    leaves: tuple  # (slot, kind, what): kind "input" (a name), "const" (a value), "buffer"/"scalar" (an index)
-    steps: tuple  # (slot, function, argument slots, operator name)
-    root: int
-    run: Callable  # (inputs, buffers, scalars) -> the root's value: the steps as one Python function
-
-
-def _step(node: ir.Node) -> Callable | None:
+def _step(node: ir.Node) -> str | Callable | None:
+    """How the program computes ``node``: a Python operator written inline, a function to call,
+    or None when numpy would not compute it exactly as torch does."""
     op = node.op
+    if op in _INFIX:
+        return _INFIX[op]
     if op in _BINARY:
         return _BINARY[op]
     if op in _UNARY:
@@ -79,10 +71,12 @@ def _step(node: ir.Node) -> Callable | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _program(root: ir.Node) -> _Program | None:
-    """The graph in evaluation order, or None when some node is not computed exactly as in torch."""
+def _program(root: ir.Node) -> Callable | None:
+    """The graph as one function ``(inputs, buffers, scalars) -> the root's value`` (see
+    :func:`_compile`), or None when some node is not computed exactly as in torch."""
     slots: dict[int, int] = {}
-    leaves, steps = [], []
+    leaves = []  # (slot, kind, what): kind "input" (a name), "const" (a value), "buffer"/"scalar" (an index)
+    steps = []  # (slot, operator or function, argument slots), operands first
     for node in root.walk():
         if node.kind not in (ir.INT, ir.BOOL):
             return None
@@ -101,9 +95,8 @@ def _program(root: ir.Node) -> _Program | None:
             run = _step(node)
             if run is None:
                 return None
-            steps.append((slot, run, tuple(slots[id(a)] for a in node.args), node.op))
-    return _Program(len(slots), tuple(leaves), tuple(steps), slots[id(root)],
-                    _compile(leaves, steps, slots[id(root)]))
+            steps.append((slot, run, tuple(slots[id(a)] for a in node.args)))
+    return _compile(leaves, steps, slots[id(root)])
 
 
 def _compile(leaves: list, steps: list, root: int) -> Callable:
@@ -120,10 +113,10 @@ def _compile(leaves: list, steps: list, root: int) -> Callable:
             lines.append(f"    v{slot} = _buffer(buffers[{int(what)}])")
         else:
             lines.append(f"    v{slot} = _scalar(scalars[{int(what)}])")
-    for slot, run, args, op in steps:
+    for slot, run, args in steps:
         names = [f"v{a}" for a in args]
-        if op in _INFIX and len(args) == 2:
-            lines.append(f"    v{slot} = {names[0]} {_INFIX[op]} {names[1]}")
+        if isinstance(run, str):  # a binary Python operator
+            lines.append(f"    v{slot} = {names[0]} {run} {names[1]}")
         else:
             namespace[f"f{slot}"] = run
             lines.append(f"    v{slot} = f{slot}({', '.join(names)})")
@@ -153,11 +146,11 @@ def evaluate_small(mod: TracedMod, inputs: dict[str, np.ndarray]) -> np.ndarray 
     int64 scalar for an index with one value) as a 4-D numpy array that broadcasts to their shape
     (size 1 along what the mod does not read), or None when this graph or its captured tensors
     need :func:`flexc.evaluate.evaluate`."""
-    program = _program(mod.root) if _SAME_PROMOTION else None
-    if program is None:
+    run = _program(mod.root) if _SAME_PROMOTION else None
+    if run is None:
         return None
     try:  # (arrays wrap around on overflow, as torch's tensors)
-        out = program.run(inputs, mod.buffers, mod.scalars)
+        out = run(inputs, mod.buffers, mod.scalars)
     except (_NotHere, KeyError, IndexError, OverflowError):  # torch's evaluation decides (and raises)
         return None
     return out if type(out) is np.ndarray and out.ndim == 4 else np.asarray(out).reshape(
