@@ -413,8 +413,8 @@ class BlockMask:
         The result's mask_mod raises when called: its rows are renumbered, so the original mod no
         longer describes it. Reattach an adjusted mod if the kernel needs one.
         """
-        if (type(index) is tuple and len(index) == 3 and type(index[2]) is torch.Tensor and index[0] == _ALL
-                and index[1] == _ALL and self.dq_kv_order is None and not torch.compiler.is_compiling()):
+        if (type(index) is tuple and len(index) == 3 and self.dq_kv_order is None
+                and not torch.compiler.is_compiling()):
             # decoding's block_mask[:, :, pos // 128], every step: straight to the row
             row = _one_row(index, self.kv_num_blocks.shape[2])
             sliced = self._row_slice(row) if row is not None else None

@@ -434,7 +434,8 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     elif start is not None:
         k_sel, v_sel = key.narrow(2, start, n), value.narrow(2, start, n)
     else:
-        k_sel, v_sel = key.index_select(2, positions[lo:hi]), value.index_select(2, positions[lo:hi])
+        read = positions[lo:hi]
+        k_sel, v_sel = key.index_select(2, read), value.index_select(2, read)
     if (score_mod is None and not need_max and fused_cpu._FLASH is not None and device.type == "cpu"
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)

@@ -212,22 +212,21 @@ def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float, kernel_options: dict | None = None, need_lse: bool = True,
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention forward: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``."""
-    if decode_cpu.applies(query, key):  # (the decode path skips the logsumexp's fix-ups when unwanted)
-        out, lse, _ = decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                         need_lse=need_lse)
-    else:
-        out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False)
+    out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False,
+                                   need_lse=need_lse)
     return out, (lse if need_lse else None)
 
 
 def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True,
-                     lse_dtype=torch.float32):
+                     lse_dtype=torch.float32, need_lse=True):
     """:func:`torch_forward` that also returns the row maxima of the masked, modded scores (or None).
 
-    ``lse_dtype`` lets the backward keep a float64 logsumexp for float64 inputs.
+    ``lse_dtype`` lets the backward keep a float64 logsumexp for float64 inputs; ``need_lse=False``
+    (the caller discards it) lets the decode path skip the logsumexp's fix-ups.
     """
     if decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
-        return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype)
+        return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype,
+                                  need_lse)
     if (block_mask is None and score_mod is None and query.numel() and key.shape[2]
             and fused_cpu.supported(query, value, None, need_max)):  # plain attention: torch's fused kernel
         out, lse = decode_cpu.flash(query, key, value, [], scale)
