@@ -312,9 +312,10 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     if want_max and backend != "TORCH":
         raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
                          f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
+    want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
     out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, options,
-                                                        want_max)
-    out, lse = _laid_out_like(out, query), lse.to(_lse_dtype(query.dtype))  # as in eager
+                                                        want_max, want_lse)
+    out, lse = _laid_out_like(out, query), lse.to(_lse_dtype(query.dtype))  # as in eager (empty if not wanted)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores if want_max else None)
     if return_lse:

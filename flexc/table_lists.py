@@ -44,11 +44,17 @@ def table_lists(tables: tuple) -> TableContents | None:
     if (not all(isinstance(t, torch.Tensor) for t in tables if t is not None) or num is None or idx is None
             or idx.numel() > LIMIT or idx.dim() < 1 or (tables[2] is None) != (tables[3] is None)):
         return None
-    flat = [tuple(t.reshape(-1).tolist()) if t is not None else None for t in tables]
+    flat = [_flat_values(t) if t is not None else None for t in tables]
     layout = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in tables)
     contents = TableContents(layout, tuple(num.shape), idx.shape[-1], *flat)
     _last[:] = [identity, tables, contents]
     return contents
+
+
+def _flat_values(t: torch.Tensor) -> tuple:
+    if t.device.type == "cpu" and not t.requires_grad:  # numpy reads it without torch's dispatch (a few us a table)
+        return tuple(t.numpy().ravel().tolist())
+    return tuple(t.reshape(-1).tolist())
 
 
 def row_blocks(contents: TableContents, row: int) -> tuple[tuple, tuple]:

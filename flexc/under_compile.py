@@ -45,13 +45,16 @@ class CallSpec(NamedTuple):
     scale: float
     options: tuple  # kernel_options' sorted items (JSON is written outside dynamo)
     need_max: bool
+    need_lse: bool  # (a call without gradients returns an empty logsumexp otherwise)
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
-                   block_mask: Any, scale: float, options: dict, need_max: bool):
-    """``(out, lse, max_scores)`` of one call, as one ``flexc::flex_attention`` node of the compiled graph.
+                   block_mask: Any, scale: float, options: dict, need_max: bool, need_lse: bool = True):
+    """``(out, lse, max_scores)`` of one call, as one ``flexc::flex_attention`` node of the compiled graph
+    (``flexc::flex_attention_inference`` when no gradient is needed).
 
-    ``options`` are the checked kernel_options with ``BACKEND`` resolved to "TORCH" or "TRITON".
+    ``options`` are the checked kernel_options with ``BACKEND`` resolved to "TORCH" or "TRITON";
+    ``lse`` is empty unless ``need_lse``.
 
     Runs under dynamo: only code that dynamo traces cleanly belongs here (no flexc tracing).
     """
@@ -68,7 +71,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     spec = CallSpec(_name(score_mod, "score_mod") if score_mod is not None else None,
                     _name(mask_mod, "mask_mod") if mask_mod is not None else None,
                     tuple(t is not None for t in tables), block_size, float(scale),
-                    tuple(sorted(options.items())), need_max)
+                    tuple(sorted(options.items())), need_max, need_lse)
     # the mods' arguments: one-element tensors, so dynamo records the mods' arithmetic elementwise
     # (indexing a captured tensor by a 0-d tensor would be data-dependent for dynamo)
     index = lambda: torch.zeros(1, dtype=torch.int32, device=query.device)
@@ -83,7 +86,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             t.detach()
         score_out = score_mod(score, b, h, q_idx, kv_idx) if score_mod is not None else score
         mask_out = mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else q_idx >= 0
-        return (*_output_meta(query, value, need_max), score_out, mask_out)
+        return (*_output_meta(query, value, need_max, need_lse), score_out, mask_out)
 
     out, lse, row_max, _, _ = dynamo_bypassing_wrapper(functools.partial(_wrapper, spec), inner,
                                                        score0, b0, h0, q0, kv0, query, key, value, *present)
@@ -94,11 +97,11 @@ def _name(fn: Any, default: str) -> str:
     return getattr(fn, "__name__", None) or default
 
 
-def _output_meta(query: torch.Tensor, value: torch.Tensor, need_max: bool):
+def _output_meta(query: torch.Tensor, value: torch.Tensor, need_max: bool, need_lse: bool):
     """Empty tensors shaped like the op's outputs (what dynamo records as the call's result)."""
     B, Hq, L, _ = query.shape
     out = query.new_empty((B, Hq, L, value.shape[-1]))
-    lse = query.new_empty((B, Hq, L), dtype=custom_ops.lse_dtype(query))
+    lse = query.new_empty((B, Hq, L) if need_lse else (0,), dtype=custom_ops.lse_dtype(query))
     row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
     return out, lse, row_max
 
@@ -133,9 +136,16 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         # the BlockMask's lengths are the inputs' (checked before): symbolic under dynamic shapes (a
         # growing KV cache), so they come from the tensors, not the constant spec
         seq_lengths = [query.shape[-2], key.shape[-2]] if spec.block_size else []
-        out, lse, row_max = custom_ops.flex_attention_op(
-            query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key, list(spec.block_size),
-            seq_lengths, spec.scale, custom_ops.options_key(dict(spec.options)), spec.need_max)
+        # (decided while tracing: dynamo guards on grad mode and requires_grad, so it holds for the graph)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *score_buffers))
+        arguments = (query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key,
+                     list(spec.block_size), seq_lengths, spec.scale, custom_ops.options_key(dict(spec.options)),
+                     spec.need_max)
+        if needs_grad:
+            out, lse, row_max = custom_ops.flex_attention_op(*arguments)
+            lse = lse if spec.need_lse else lse.new_empty((0,))
+        else:
+            out, lse, row_max = custom_ops.flex_attention_inference_op(*arguments, spec.need_lse)
         # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
         # the same type, never read
         fill = lambda node: torch.zeros(node.meta["example_value"].shape, dtype=node.meta["example_value"].dtype,

@@ -7,7 +7,7 @@ as inductor does, without minutes of C++ compilation on a small machine).
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 
 import flexc
 from flexc import custom_ops
@@ -124,6 +124,10 @@ def test_custom_ops_pass_opcheck():
             0.3, custom_ops.options_key({"BACKEND": "TORCH"}), False)
     torch.library.opcheck(custom_ops.flex_attention_op, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[:4]) + ([slopes.detach()],) + args[5:]
+    for need_lse in (True, False):
+        torch.library.opcheck(custom_ops.flex_attention_inference_op, (*plain, need_lse),
+                              test_utils=("test_schema", "test_faketensor"))
     doc = torch.tensor([0] * 20 + [1] * 25)
     mask = flexc.trace(lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx))
     torch.library.opcheck(custom_ops.create_block_mask_op,
@@ -259,3 +263,47 @@ def test_autograd_function_in_a_mod_under_compile():
     torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), f(q, k, v))
     traced = flexc.trace(lambda s, b, h, qi, ki: _Square.apply(s))
     assert traced_from_key(mod_key(traced), ()).root is traced.root  # the class travels by import path
+
+
+def _flexc_ops(graph: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in graph.graph.nodes if n.op == "call_function" and str(n.target).startswith("flexc.")]
+
+
+def test_calls_without_gradients_compile_to_the_inference_op_and_match_eager():
+    """No input requiring grad (or grad mode off): the op without an autograd layer, and the
+    logsumexp only when asked for; a training call keeps the differentiable op."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 4, 1, 16, generator=g) for _ in range(3))
+    k, v = (torch.randn(1, 2, 300, 16, generator=g) for _ in range(2))
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 300, 300, BLOCK_SIZE=64)
+    pos = torch.tensor([250])
+
+    def step(q, k, v, pos, return_lse):
+        mask = bm[:, :, pos // 64]
+        mask.mask_mod = lambda b, h, q_idx, kv_idx: q_idx + pos[0] >= kv_idx
+        mask.seq_lengths = (1, 300)
+        return flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=return_lse)
+
+    for return_lse in (False, True):
+        backend = AotEagerAndRecordGraphs()
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
+        got, want = compiled(q, k, v, pos, return_lse), step(q, k, v, pos, return_lse)
+        torch.testing.assert_close(got, want)
+        assert _flexc_ops(backend.fw_graphs[0]) == ["flexc.flex_attention_inference.default"]
+    out, lse = got
+    dense = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: q_idx + 250 >= kv_idx)
+    torch.testing.assert_close(out.double(), dense[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), dense[1], atol=1e-6, rtol=1e-5)
+
+    trained = q.clone().requires_grad_(True)
+    backend = AotEagerAndRecordGraphs()
+    torch.compile(step, backend=backend, fullgraph=True)(trained, k, v, pos, False).sum().backward()
+    assert _flexc_ops(backend.fw_graphs[0]) == ["flexc.flex_attention.default"]
+    reference = q.clone().requires_grad_(True)
+    step(reference, k, v, pos, False).sum().backward()
+    torch.testing.assert_close(trained.grad, reference.grad)
+    with torch.no_grad():
+        backend = AotEagerAndRecordGraphs()
+        torch.compile(step, backend=backend, fullgraph=True)(trained, k, v, pos, False)
+        assert _flexc_ops(backend.fw_graphs[0]) == ["flexc.flex_attention_inference.default"]
+
