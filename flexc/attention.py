@@ -43,12 +43,14 @@ BACKENDS: dict[str, Callable] = {"TORCH": torch_forward}
 #   -> (out, lse natural log, float64 for float64 inputs); the backward is torch_backward's plus
 #   kernel_options. Backends not listed train through the torch row loop (torch_backward).
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
+_CPU = torch.device("cpu")
 
 
 def _choose_backend(options: dict, device: torch.device) -> str:
     name = options["BACKEND"]
     if name == "AUTO":
-        name = "TRITON" if device.type == "cuda" and _triton_available() else "TORCH"
+        # (a CPU device first: reading device.type builds a string, a noticeable cost per decoding call)
+        name = "TRITON" if device != _CPU and device.type == "cuda" and _triton_available() else "TORCH"
     if name == "TRITON" and not _triton_available():
         raise ValueError("flex_attention: kernel_options['BACKEND']='TRITON' but no Triton backend is available "
                          "(flexc.backends.triton_backend did not register one). Fix: use 'TORCH' or 'AUTO'.")
@@ -257,8 +259,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     backend = _choose_backend(options, query.device)
     # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
     B, Hq, L, _ = query.shape
-    bounds.check_mod(traced_score, B, Hq, L, key.shape[-2], "flex_attention")
-    bounds.check_mod(traced_mask, B, Hq, L, key.shape[-2], "flex_attention")
+    S = key.shape[-2]
+    bounds.check_mod(traced_score, B, Hq, L, S, "flex_attention")
+    bounds.check_mod(traced_mask, B, Hq, L, S, "flex_attention")
     want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
     want_max = bool(return_aux is not None and return_aux.max_scores)
 

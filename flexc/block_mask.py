@@ -514,7 +514,7 @@ def _one_row(index: tuple, rows: int) -> int | None:
     holding ``r`` in ``[0, rows)``, else None (negative or out-of-range values are left to advanced
     indexing, which wraps or raises IndexError)."""
     i = index[2]
-    if (index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.device.type == "cpu"
+    if (index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.is_cpu
             and i.dim() == 1 and i.numel() == 1 and i.dtype in _ROW_DTYPES):
         row = int(i)
         return row if 0 <= row < rows else None

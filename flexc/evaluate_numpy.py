@@ -132,7 +132,7 @@ def _scalar(value: Any) -> Any:
 
 
 def _buffer(t: torch.Tensor) -> Any:
-    if t.device.type != "cpu" or t.dtype not in _BUFFER_DTYPES:
+    if not t.is_cpu or t.dtype not in _BUFFER_DTYPES:
         raise _NotHere
     return t.item() if t.dim() == 0 else t.detach().numpy()
 

@@ -52,7 +52,7 @@ def table_lists(tables: tuple) -> TableContents | None:
 
 
 def _flat_values(t: torch.Tensor) -> tuple:
-    if t.device.type == "cpu" and not t.requires_grad:  # numpy reads it without torch's dispatch (a few us a table)
+    if t.is_cpu and not t.requires_grad:  # numpy reads it without torch's dispatch (a few us a table)
         return tuple(t.numpy().ravel().tolist())
     return tuple(t.reshape(-1).tolist())
 
@@ -77,7 +77,7 @@ def row_contents(tables: tuple, row: int) -> TableContents | None:
     :func:`table_lists` gives for ``table[:, :, row:row + 1]``; None for tables on another device or
     rows over :data:`LIMIT` entries. Read once per row while the tables are unchanged."""
     idx = tables[1]
-    if idx.device.type != "cpu" or idx.dim() != 4:
+    if not idx.is_cpu or idx.dim() != 4:
         return None
     key = (tuple([(id(t), write_count(t)) if t is not None else None for t in tables]), row)
     hit = _ROWS.get(key)

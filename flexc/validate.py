@@ -328,7 +328,8 @@ def _is_sliced_stub(mask_mod: Any) -> bool:
 def check_scale(scale: Any, query: torch.Tensor) -> float:
     """The softmax scale: ``1/sqrt(E)`` by default, else a finite real number."""
     if scale is None:
-        return 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0
+        E = query.shape[-1]
+        return 1.0 / math.sqrt(E) if E > 0 else 1.0
     if isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.requires_grad:
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):

@@ -317,7 +317,7 @@ def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked:
     B, Hq, L, E = query.shape
     Hkv, n = k_sel.shape[1], k_sel.shape[2]
     G = Hq // Hkv
-    if query.stride(-1) != 1 or k_sel.stride(-1) != 1 or v_sel.stride(-1) != 1:
+    if query.stride()[-1] != 1 or k_sel.stride()[-1] != 1 or v_sel.stride()[-1] != 1:
         query, k_sel, v_sel = (fused_cpu.unit_last_stride(t) for t in (query, k_sel, v_sel))
     if k_sel.shape[0] != B:  # one key batch for every query batch: the kernel takes a stride-0 view
         k_sel, v_sel = k_sel.expand(B, *k_sel.shape[1:]), v_sel.expand(B, *v_sel.shape[1:])
@@ -436,7 +436,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     else:
         read = positions[lo:hi]
         k_sel, v_sel = key.index_select(2, read), value.index_select(2, read)
-    if (score_mod is None and not need_max and fused_cpu._FLASH is not None and device.type == "cpu"
+    if (score_mod is None and not need_max and fused_cpu._FLASH is not None and query.is_cpu
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
             and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})

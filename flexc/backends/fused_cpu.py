@@ -30,9 +30,11 @@ import torch
 from ..evaluate import evaluate
 from .block_plan import Chunk, chunk_kv_index, chunk_rows, fused_pieces, shared_full_columns, tree_calls
 
-# guarded: older or trimmed torch builds may lack the op. The overload itself, not its packet:
-# the packet's Python dispatch cost ~20 us a call, which decoding pays every token
-_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
+# guarded: older or trimmed torch builds may lack the op. Its Python binding (an unboxed call), else
+# the overload itself, not its packet: the packet's Python dispatch cost ~20 us a call, which
+# decoding pays every token, and the overload's boxed call still a few
+_FLASH = (getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
+          or getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None))
 _NEG_INF = float("-inf")
 # An additive mask holds at most this many elements (2 MiB in fp32) per call
 MASK_ELEMENTS = 1 << 19
@@ -44,7 +46,7 @@ MIN_COST_PER_WORKER = 2e6
 def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) -> bool:
     """Whether the fused kernel computes this forward exactly as the plain-torch path would
     (``mods`` None: attention without mods)."""
-    return (_FLASH is not None and not need_max and query.device.type == "cpu"
+    return (_FLASH is not None and not need_max and query.is_cpu
             and query.dtype in (torch.float32, torch.float64)
             and query.shape[-1] == value.shape[-1]
             and (mods is None or mods.score_mod is None or mods.bias_node is not None))
@@ -53,7 +55,7 @@ def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) ->
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` with stride 1 along its last dimension (a copy only when needed): the fused kernel
     misreads any other last-dim stride (channels_last, ``v[..., ::2]``, permuted views)."""
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+    return t if t.stride()[-1] == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 @functools.lru_cache(maxsize=4096)
