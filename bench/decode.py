@@ -9,6 +9,7 @@ cache position, with the slicing idiom torch users know (gpt-fast):
 - flexc: that idiom on a flexc BlockMask, then flexc.flex_attention;
 - torch eager / torch compiled: the same idiom with torch's BlockMask and flex_attention, the
   compiled one as one ``torch.compile``d decode step (slice + attention, as gpt-fast compiles it);
+- flexc compiled: flexc's step compiled the same way (its ``flexc::flex_attention_inference`` node);
 - SDPA: ``scaled_dot_product_attention`` on the cache slice the mask allows (the lower bound).
 
 Also printed: the host overhead of a call with L=128 and no mask (flexc vs SDPA), and the time to
@@ -23,6 +24,7 @@ Usage: python bench/decode.py [--quick] [--no-compile] [--rounds N] [--device cu
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 import warnings
@@ -88,10 +90,13 @@ def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds
     theirs = tfa.create_block_mask(mask_mod, None, None, S, S, device=device)
     lo = max(0, pos - WINDOW + 1) if mask_mod is sliding else 0
 
-    def flexc_step():
+    def flexc_step_of(q, k, v, input_pos):
         mask = ours[:, :, input_pos // 128]
         mask.mask_mod, mask.seq_lengths = shifted(mask_mod, input_pos[0]), (1, S)
         return flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+    def flexc_step():
+        return flexc_step_of(q, k, v, input_pos)
 
     def torch_step(q, k, v, input_pos):
         mask = theirs[:, :, input_pos // 128]
@@ -103,12 +108,13 @@ def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds
 
     fns = {"flexc": flexc_step, "torch eager": lambda: torch_step(q, k, v, input_pos), "SDPA": sdpa_step}
     if compile_torch:
-        compiled = torch.compile(torch_step)
-        try:
-            compiled(q, k, v, input_pos)
-            fns["torch compiled"] = lambda: compiled(q, k, v, input_pos)
-        except Exception as e:  # report, keep measuring the rest
-            print(f"  torch.compile failed: {type(e).__name__}: {str(e)[:120]}")
+        for name, step in (("torch compiled", torch_step), ("flexc compiled", flexc_step_of)):
+            compiled = torch.compile(step)
+            try:
+                compiled(q, k, v, input_pos)
+                fns[name] = functools.partial(compiled, q, k, v, input_pos)
+            except Exception as e:  # report, keep measuring the rest
+                print(f"  {name}: torch.compile failed: {type(e).__name__}: {str(e)[:120]}")
     # every implementation agrees before anything is timed
     ref = sdpa_step()
     tol = 2e-5 if dtype == torch.float32 else 2e-2
@@ -159,7 +165,7 @@ def main(argv=None) -> None:
         print(f"per-call {'CPU' if args.cpu_time else 'wall'} time, one query row, fp32, D=64, one thread "
               f"(medians of interleaved rounds)")
     print(f"{'cache':>6} {'Hq/Hkv':>7} {'mask':>8} | {'flexc':>9} {'SDPA':>9} {'eager':>9} {'compiled':>9}"
-          f" | {'/SDPA':>6} {'/eager':>7} {'/compiled':>9}")
+          f" | {'/SDPA':>6} {'/eager':>7} {'/compiled':>9} | {'flexc comp':>10} {'/compiled':>9}")
     sizes = [4096] if args.quick else [1024, 4096, 16384]
     heads = [(8, 8)] if args.quick else [(8, 8), (32, 8)]
     for S in sizes:
@@ -167,10 +173,11 @@ def main(argv=None) -> None:
             for mask_mod in (causal, sliding):
                 t = decode_case(S, Hq, Hkv, mask_mod, not args.no_compile, args.rounds, args.device, dtype)
                 ms = lambda name: f"{t[name] * 1e3:8.3f}m" if name in t else f"{'n/a':>9}"
-                ratio = lambda name: f"{t['flexc'] / t[name]:.2f}x" if name in t else "n/a"
+                ratio = lambda name, of="flexc": f"{t[of] / t[name]:.2f}x" if name in t and of in t else "n/a"
                 print(f"{S:>6} {f'{Hq}/{Hkv}':>7} {mask_mod.__name__:>8} | {ms('flexc')} {ms('SDPA')} "
                       f"{ms('torch eager')} {ms('torch compiled')} | {ratio('SDPA'):>6} {ratio('torch eager'):>7} "
-                      f"{ratio('torch compiled'):>9}")
+                      f"{ratio('torch compiled'):>9} | {ms('flexc compiled'):>10} "
+                      f"{ratio('torch compiled', 'flexc compiled'):>9}")
     if args.device == "cuda":
         return
     t = host_overhead(args.rounds)
