@@ -18,7 +18,9 @@ handful of whole-tensor operations over every batch and head at once:
 Without a score_mod, in fp32/fp64 with equal head dims, and a mask_mod that reads only ``q_idx``
 and ``kv_idx`` on a one-row plan, steps 2-4 are one call of torch's fused CPU flash kernel
 (what SDPA runs; :mod:`flexc.backends.fused_cpu`) over the key slice, with the mask_mod's verdict
-on the partial-block columns as an additive 0/-inf mask: keys and values are read once.
+on the partial-block columns as an additive 0/-inf mask: keys and values are read once. For one
+query row and a mask of affine comparisons those verdicts come from :mod:`flexc.row_intervals`
+(the allowed keys as intervals, no element evaluated), else from a numpy evaluation.
 
 :func:`applies` decides when this path is used: short queries whose scores fit a modest budget.
 """
@@ -33,6 +35,7 @@ import torch
 
 from ..evaluate import evaluate
 from ..evaluate_numpy import evaluate_small
+from ..row_intervals import allowed_intervals
 from ..table_lists import contents_of, row_blocks
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
@@ -114,11 +117,12 @@ class _RowPlan(NamedTuple):
     spans: tuple
     span_kv: torch.Tensor | None
     span_kv_array: np.ndarray | None  # the same for numpy evaluation
+    span_starts: tuple | None  # kv_idx of each span's first column when every span is a kv range
 
 
-_NOTHING_LISTED = _RowPlan(None, None, (), None, None)
+_NOTHING_LISTED = _RowPlan(None, None, (), None, None, None)
 # (cached too) a row the general plan serves: more partial runs than _MAX_SPANS; told apart by identity
-_TOO_MANY_SPANS = _RowPlan(None, None, (), None, None)
+_TOO_MANY_SPANS = _RowPlan(None, None, (), None, None, None)
 # (table contents, block sizes, L, S, device) -> _RowPlan: the tables of a decoding step's sliced
 # mask repeat for every token of a query-block row
 _PLANS: OrderedDict = OrderedDict()
@@ -205,7 +209,10 @@ def _plan_row(partial: list, full: list, kv_block: int, S: int, device: torch.de
     span_kv_array = span_kv.numpy().copy() if spans and device.type == "cpu" else None
     if span_kv_array is not None:
         span_kv_array.flags.writeable = False
-    return _RowPlan(positions, start, tuple(spans), span_kv, span_kv_array)
+    firsts = [(int(positions[o]), int(positions[o + n - 1])) for o, n in spans]
+    span_starts = (tuple(first for first, _ in firsts)
+                   if all(last - first == n - 1 for (first, last), (_, n) in zip(firsts, spans)) else None)
+    return _RowPlan(positions, start, tuple(spans), span_kv, span_kv_array, span_starts)
 
 
 def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
@@ -251,11 +258,13 @@ def _masked_columns(mask_mod: TracedMod, plan: _RowPlan, index: dict, n: int) ->
     ends narrowed to the allowed keys when a span at an end is blocked up to (or from) some column:
     the causal diagonal and a sliding window's trailing edge then need no mask at all.
     """
-    verdicts = evaluate_small(mask_mod, {k: (plan.span_kv_array if k == "kv_idx" else _index_array(index[k].shape))
-                                         for k in _reads(mask_mod)})
+    verdicts = None
+    if plan.span_kv_array is not None:  # (None: a mask on another device)
+        verdicts = evaluate_small(mask_mod, {k: (plan.span_kv_array if k == "kv_idx" else _index_array(index[k].shape))
+                                             for k in _reads(mask_mod)})
     if verdicts is None:
         allowed = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k]) for k in _reads(mask_mod)})
-        verdicts = allowed.numpy()
+        verdicts = allowed.cpu().numpy()  # (the tables of a mask on a GPU: a few hundred verdicts)
     if verdicts.dtype != np.bool_:
         verdicts = verdicts != 0
     width = plan.span_kv.shape[-1]
@@ -296,8 +305,47 @@ def _masked_columns(mask_mod: TracedMod, plan: _RowPlan, index: dict, n: int) ->
         else:
             hi = offset
         masked.pop()
-    return [(offset - lo, length, torch.from_numpy(~verdicts[..., column:column + length]))
+    device = plan.span_kv.device
+    return [(offset - lo, length, torch.from_numpy(~verdicts[..., column:column + length]).to(device))
             for offset, length, column, _ in masked], lo, hi
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_only_row_inputs(root) -> bool:
+    """Whether the graph reads no index but ``q_idx`` and ``kv_idx`` (its verdicts are alike for every batch and head)."""
+    return set(_inputs_of(root)) <= {"q_idx", "kv_idx"}
+
+
+def _masked_by_intervals(allowed: tuple, plan: _RowPlan, n: int) -> tuple[list, int, int]:
+    """:func:`_masked_columns` for one query row whose allowed ``kv_idx`` are the intervals
+    ``allowed`` (:func:`flexc.row_intervals.allowed_intervals`) and whose spans are kv ranges:
+    each span's allowed columns are its overlaps with them, no element evaluated."""
+    masked = []  # (offset, length, the span's allowed (first, end) column pairs), spans blocking some key
+    for (offset, length), first in zip(plan.spans, plan.span_starts):
+        inside = [(max(lo, first) - first, min(hi, first + length) - first) for lo, hi in allowed
+                  if lo < first + length and hi > first]
+        if sum(end - start for start, end in inside) < length:
+            masked.append((offset, length, inside))
+    lo, hi = 0, n
+    while masked and masked[0][0] == lo:  # a leading span blocked entirely, or up to some column
+        offset, length, inside = masked[0]
+        if len(inside) > 1 or inside and inside[0][1] != length:
+            break
+        lo = offset + (inside[0][0] if inside else length)
+        masked.pop(0)
+    while masked and masked[-1][0] + masked[-1][1] == hi:  # a trailing span blocked entirely, or from some column
+        offset, length, inside = masked[-1]
+        if len(inside) > 1 or inside and inside[0][0] != 0:
+            break
+        hi = offset + (inside[0][1] if inside else 0)
+        masked.pop()
+    out = []
+    for offset, length, inside in masked:
+        blocked = torch.ones(length, dtype=torch.bool, device=plan.positions.device)
+        for start, end in inside:
+            blocked[start:end] = False
+        out.append((offset - lo, length, blocked))
+    return out, lo, hi
 
 
 def _finite_columns(masked: list, *tensors: torch.Tensor) -> bool:
@@ -422,8 +470,14 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     lo, hi = 0, n  # the columns of ``positions`` read (sliced only where needed: a view costs a call)
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
     if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
-        given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
-        masked, lo, hi = _masked_columns(mask_mod, plan, given, n)
+        intervals = None  # one row of a mask of affine comparisons: its allowed keys as intervals
+        if L == 1 and plan.span_starts is not None and _reads_only_row_inputs(mask_mod.root):
+            intervals = allowed_intervals(mask_mod, 0, S)  # (None: the mod needs its elements evaluated)
+        if intervals is not None:
+            masked, lo, hi = _masked_by_intervals(intervals, plan, n)
+        else:
+            given = {k: index(k) for k in _reads(mask_mod) if k != "kv_idx"}
+            masked, lo, hi = _masked_columns(mask_mod, plan, given, n)
         if lo >= hi:
             return _nothing_allowed(query, Ev, need_max, lse_dtype)
         if (lo, hi) != (0, n):  # blocked blocks at either end of the range are not read at all

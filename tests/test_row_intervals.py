@@ -1,0 +1,125 @@
+"""A mask_mod's allowed kv intervals along one query row equal torch's evaluation, or decline.
+
+The reference is flexc.evaluate (torch operations on index tensors) over every key of a row, for
+every catalogue mask and for random graphs of affine comparisons and logic; decoding with the
+intervals must then equal torch's FlexAttention and the dense reference (tests/test_attention_decode.py
+and the decode fuzzer cover the path too, since it is the default for one query row).
+"""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import flexc
+from catalogue import mask_catalogue
+from flexc.evaluate import evaluate
+from flexc.row_intervals import allowed_intervals
+from flexc.trace import MASK_MOD, trace
+from reference import dense_attention
+
+
+def _row_verdicts(traced, q_value: int, S: int) -> list[bool]:
+    kv = torch.arange(-5, S + 5).view(1, 1, 1, -1)  # (past both ends too: the intervals are unbounded)
+    ref = evaluate(traced, b=torch.zeros(1, 1, 1, 1, dtype=torch.long), h=torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                   q_idx=torch.full((1, 1, 1, 1), q_value), kv_idx=kv)
+    return ref.expand(1, 1, 1, kv.shape[-1]).flatten().tolist()
+
+
+def _assert_same(traced, q_value: int, S: int) -> bool:
+    intervals = allowed_intervals(traced, q_value, S)
+    if intervals is None:
+        return False
+    ours = [any(lo <= kv < hi for lo, hi in intervals) for kv in range(-5, S + 5)]
+    assert ours == _row_verdicts(traced, q_value, S), (str(traced), q_value, intervals)
+    assert all(lo < hi for lo, hi in intervals) and all(a[1] < b[0] for a, b in zip(intervals, intervals[1:]))
+    return True
+
+
+@pytest.mark.parametrize("q_value", [0, 63, 199])
+def test_every_catalogue_mask_matches_torch_or_declines(q_value):
+    S = 200
+    answered = {name for name, mod in mask_catalogue(1, 1, S, S).items() if _assert_same(trace(mod, MASK_MOD), q_value, S)}
+    assert {"causal", "causal_lower_right", "sliding_window_17", "prefix_lm", "leading_sink_tokens_and_window",
+            "where_prefix_then_causal"} <= answered, answered
+
+
+def test_what_intervals_cannot_describe_declines():
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])
+    small = torch.tensor(3, dtype=torch.int8)
+    for mod in (lambda b, h, q, kv: doc[kv] == doc[q],         # a lookup by kv_idx
+                lambda b, h, q, kv: kv // 2 >= q,                # a division of kv_idx
+                lambda b, h, q, kv: kv * kv <= q + 9,            # not affine
+                lambda b, h, q, kv: (kv + small) > q,            # int8 arithmetic may wrap
+                lambda b, h, q, kv: kv * 3_000_000_000 > q,      # may overflow int32
+                lambda b, h, q, kv: (kv.float() * 0.5) < q,      # floats
+                lambda b, h, q, kv: h >= 0):                     # reads the head
+        assert allowed_intervals(trace(mod, MASK_MOD), 3, 6) is None
+
+
+def test_a_captured_0d_tensor_is_read_at_each_call():
+    offset = torch.tensor(100)
+    traced = trace(lambda b, h, q, kv: (q + offset >= kv) & (q + offset - kv < 16), MASK_MOD)
+    assert allowed_intervals(traced, 0, 300) == ((85, 101),)
+    offset.fill_(40)
+    assert allowed_intervals(traced, 0, 300) == ((25, 41),)
+
+
+_TERMS = st.sampled_from(["q", "kv", "off", "c", "table[q % 8]", "n"])
+
+
+@st.composite
+def _affine(draw, depth=0):
+    if depth >= 2 or draw(st.booleans()):
+        term = draw(_TERMS)
+        return term if term != "c" else str(draw(st.integers(-300, 300)))
+    op = draw(st.sampled_from(["+", "-", "*", "neg"]))
+    if op == "neg":
+        return f"(-{draw(_affine(depth + 1))})"
+    if op == "*":  # by a constant (a product of two kv terms declines, tested above)
+        return f"({draw(_affine(depth + 1))} * {draw(st.integers(-4, 4))})"
+    return f"({draw(_affine(depth + 1))} {op} {draw(_affine(depth + 1))})"
+
+
+@st.composite
+def _conditions(draw, depth=0):
+    if depth >= 2 or draw(st.booleans()):
+        compare = draw(st.sampled_from(["<", "<=", "==", "!=", ">", ">="]))
+        return f"(({draw(_affine())}) + q * 0 {compare} ({draw(_affine())}))"
+    op = draw(st.sampled_from(["&", "|", "^", "~", "where"]))
+    if op == "~":
+        return f"(~{draw(_conditions(depth + 1))})"
+    if op == "where":
+        return (f"torch.where({draw(_conditions(depth + 1))}, {draw(_conditions(depth + 1))}, "
+                f"{draw(_conditions(depth + 1))})")
+    return f"({draw(_conditions(depth + 1))} {op} {draw(_conditions(depth + 1))})"
+
+
+@settings(max_examples=150, deadline=None)
+@given(_conditions(), st.integers(-50, 400), st.integers(-20, 20), st.integers(0, 299))
+def test_random_affine_masks_match_torch(body, offset_value, number, q_value):
+    env = {"torch": torch, "off": torch.tensor(offset_value), "n": number,
+           "table": torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)}
+    mod = eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
+    assert _assert_same(trace(mod, MASK_MOD), q_value, 300), body
+
+
+@pytest.mark.parametrize("pos", [0, 127, 128, 300, 511])
+def test_decoding_with_a_window_and_a_prefix_matches_the_dense_reference(pos):
+    """A window plus an always-visible prefix (two allowed runs on a row), read through the
+    sliced idiom: the intervals decide the partial blocks, including an interior one."""
+    S, window, prefix = 512, 100, 40
+    g = torch.Generator().manual_seed(pos)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k, v = (torch.randn(2, 2, S, 16, generator=g) for _ in range(2))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((q_idx >= kv_idx) & (q_idx - kv_idx < window)) | (kv_idx < prefix)
+
+    bm = flexc.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=32)
+    input_pos = torch.tensor([pos])
+    mask = bm[:, :, input_pos // 32]
+    mask.mask_mod = lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + input_pos[0], kv_idx)
+    mask.seq_lengths = (1, S)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True)
+    want_out, want_lse, _ = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + pos, kv_idx))
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
