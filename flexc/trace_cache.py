@@ -48,6 +48,7 @@ _LIBRARY_MODULES = ("torch", "math", "numpy", "functools", "operator", "builtins
 _VALUE_TYPES = frozenset((type(None), bool, int, str, bytes, complex, type(Ellipsis), torch.dtype, torch.device,
                           torch.Size, torch.memory_format, torch.layout))
 _MISSING = ("missing",)
+_CPU = "cpu"  # a CPU tensor's device in a snapshot (reading x.device builds an object)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _NO_DEFAULTS = (type(None), None)  # what value() makes of None
 
@@ -164,7 +165,7 @@ class _Snapshot:
                 # entry keeps x alive, so no other live tensor starts at its address unless it
                 # shares x's storage)
                 self.keep.append(x)
-                return ("memory", address, x.shape, x.stride(), x.dtype, x.device)
+                return ("memory", address, x.shape, x.stride(), x.dtype, _CPU if x.is_cpu else x.device)
         return (*self.ident("tensor", x), x.dtype, x.shape, x.device)
 
     def attributes(self, obj: Any, names: frozenset, depth: int) -> tuple:
@@ -192,12 +193,15 @@ class _Snapshot:
                 cells.append(self.value(cell.cell_contents, names, inner))
             except ValueError:  # a cell not yet assigned
                 cells.append(_MISSING)
-        globs = fn.__globals__
-        reads = tuple([self.value(globs[name], names, inner) if name in globs else _MISSING
-                       for name in sorted_names])
+        reads = ()
+        if sorted_names:
+            globs = fn.__globals__
+            reads = tuple([self.value(globs[name], names, inner) if name in globs else _MISSING
+                           for name in sorted_names])
         self.active.discard(id(fn))
         defaults, kwdefaults = fn.__defaults__, fn.__kwdefaults__  # usually None: no call for those
-        return (*self.ident("code", code), fn.__name__,
+        # (the code object's id needs no keeping: _code_facts keeps every code object it has seen)
+        return ("code", id(code), fn.__name__,
                 _NO_DEFAULTS if defaults is None else self.value(defaults, names, inner),
                 _NO_DEFAULTS if kwdefaults is None else self.value(kwdefaults, names, inner), tuple(cells), reads)
 
@@ -251,7 +255,8 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
     key, keep = snap
     entry = store.get(key)
     if entry is not None and (kind is None or entry[0].kind == kind):
-        store.move_to_end(key)
+        if len(store) > 1:  # (a decoding loop's closure has one entry: no second hashing of its key)
+            store.move_to_end(key)
         return entry[0], None
     return None, (store, key, keep)
 

@@ -66,7 +66,8 @@ def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
                                        f"`{name}` is a nested tensor; expected a dense tensor. "
                                        f"Fix: pad the sequences and mask the padding with a mask_mod.")
     # key/value may have another dtype than query (as in torch): flex_attention computes in query's dtype
-    if not (query.device == key.device == value.device):
+    # (CPU tensors first: reading .device builds an object, three per call)
+    if not (query.is_cpu and key.is_cpu and value.is_cpu) and not (query.device == key.device == value.device):
         raise ValueError(f"flex_attention: Expected query, key, and value to have the same device type, but got "
                          f"query.device: "
                          f"{query.device}, key.device: {key.device}, and value.device: {value.device} instead. "
@@ -117,7 +118,9 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
                                 "mask_mod (adjusted for the slice), or build a BlockMask for these inputs.")
     B, Hq, L, _ = query.shape
     S = key.shape[2]
-    lengths = tuple(int(x) for x in block_mask.seq_lengths)
+    lengths = block_mask.seq_lengths
+    if lengths != (L, S):  # (usually a tuple of these ints: no conversion needed)
+        lengths = tuple(int(x) for x in lengths)
     # torch skips this check for its no-op mask (BLOCK_SIZE _LARGE_SPARSE_BLOCK_SIZE = 1 << 30, one block
     # covering any lengths, seq_lengths (1, 1)): such a mask serves inputs of every length
     if lengths != (L, S) and tuple(block_mask.BLOCK_SIZE) != (1 << 30, 1 << 30):
@@ -135,7 +138,7 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
         raise ValueError(f"flex_attention: `block_mask` has {Hm} heads; expected 1 (broadcast) or the query's "
                          f"{Hq} heads. Fix: build it with H=None (broadcast) or H={Hq}.")
     device = _CPU if rows is not None else block_mask.kv_num_blocks.device  # (lists are read from CPU rows only)
-    if device != query.device:
+    if (not query.is_cpu) if device is _CPU else device != query.device:
         raise InvalidValueError(f"flex_attention: Expect q/k/v and block_mask to be on the same device: "
                                 f"`block_mask` is on {device} but the inputs are on "
                                 f"{query.device}. Fix: `block_mask.to({str(query.device)!r})`.")
