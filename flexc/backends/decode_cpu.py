@@ -55,8 +55,9 @@ _ALLOWED, _BLOCKED = b"\x01", b"\x00"  # a bool verdict's byte
 def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     """True for at most :data:`MAX_ROWS` query rows whose full score matrix stays under :data:`MAX_SCORES`."""
     B, Hq, L, _ = query.shape
+    _, Hkv, S, _ = key.shape
     # no key heads (H == 0): the row path returns the empty output (the GQA group would divide by 0)
-    return 0 < L <= MAX_ROWS and B * Hq * L * key.shape[2] <= MAX_SCORES and key.shape[2] > 0 and key.shape[1] > 0
+    return 0 < L <= MAX_ROWS and B * Hq * L * S <= MAX_SCORES and S > 0 and Hkv > 0
 
 
 def _is_true(mod: TracedMod | None) -> bool:
