@@ -88,12 +88,18 @@ def _line(node: ir.Node, i: int, args: list) -> str | None:
         return f"a{i}, c{i} = 0, _number({value}, int)" + _CHECK.format(i=i)
     if op == "buffer":
         return f"v{i} = mod.buffers[{int(node.attr[0])}]"
+    if any(a.op == "buffer" for a in node.args[op == "load":]):
+        return None  # a captured tensor read other than by a lookup
     if op == "load":
+        if any(a.kind != ir.INT for a in node.args[1:]):
+            return None  # a boolean index
         value = f"_read(v{args[0]}, ({''.join(f'a{j}, c{j}, ' for j in args[1:])}))"
         if kind == ir.BOOL:
             return f"v{i} = ALL if _number({value}, bool) else NONE"
         return f"a{i}, c{i} = 0, _number({value}, int)" + _CHECK.format(i=i)
     if kind == ir.INT:
+        if any(a.kind != ir.INT for a in node.args):
+            return None  # a boolean used as a number
         if op in _ARITH:
             x, y = args
             return (f"a{i} = {_ARITH[op].format(x=f'a{x}', y=f'a{y}')}; c{i} = {_ARITH[op].format(x=f'c{x}', y=f'c{y}')}"

@@ -51,7 +51,8 @@ def test_what_intervals_cannot_describe_declines():
                 lambda b, h, q, kv: (kv + small) > q,            # int8 arithmetic may wrap
                 lambda b, h, q, kv: kv * 3_000_000_000 > q,      # may overflow int32
                 lambda b, h, q, kv: (kv.float() * 0.5) < q,      # floats
-                lambda b, h, q, kv: h >= 0):                     # reads the head
+                lambda b, h, q, kv: h >= 0,                      # reads the head
+                lambda b, h, q, kv: (kv < q) * 2 + kv > 5):      # a boolean used as a number
         assert allowed_intervals(trace(mod, MASK_MOD), 3, 6) is None
 
 
