@@ -416,7 +416,7 @@ class BlockMask:
         if (type(index) is tuple and len(index) == 3 and self.dq_kv_order is None
                 and not torch.compiler.is_compiling()):
             # decoding's block_mask[:, :, pos // 128], every step: straight to the row
-            row = _one_row(index, self.kv_num_blocks.shape[2])
+            row = _one_row(index, self._kv()[0].shape[2])
             sliced = self._row_slice(row) if row is not None else None
             if sliced is not None:
                 return sliced

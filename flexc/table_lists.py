@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .versions import write_count
+from .versions import table_states, write_count
 
 LIMIT = 4096  # entries of kv_indices up to which tables are read as lists
 
@@ -79,7 +79,7 @@ def row_contents(tables: tuple, row: int) -> TableContents | None:
     idx = tables[1]
     if not idx.is_cpu or idx.dim() != 4:
         return None
-    key = (tuple([(id(t), write_count(t)) if t is not None else None for t in tables]), row)
+    key = (table_states(tables), row)
     hit = _ROWS.get(key)
     if hit is not None and hit[0] is idx:  # (the kept tensor keeps its id from being reused)
         return hit[1]

@@ -18,7 +18,7 @@ import torch
 
 from .errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError
 from .table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
-from .versions import write_count
+from .versions import table_states
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
@@ -153,11 +153,6 @@ _MAX_REMEMBERED = 256
 _REBUILD = "Fix: build the BlockMask with flexc.create_block_mask or BlockMask.from_kv_blocks and do not edit its tables."
 
 
-def _table_state(tables: list) -> tuple:
-    # _version counts in-place writes, so an edited table is checked again
-    return tuple((id(t), write_count(t)) if t is not None else None for t in tables)
-
-
 def check_block_tables(block_mask: Any, L: int, S: int) -> None:
     """The kv tables of ``block_mask`` are consistent, so no backend reads out of bounds or double counts.
 
@@ -183,7 +178,7 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
             _check_rows_cover(block_mask, contents.num_shape[-1], L)
             return
     else:
-        state = (_table_state(tables), L, S)
+        state = (table_states(tables), L, S)
         seen = _valid_tables.get(id(tables[1]))
         if seen is not None and seen[0]() is tables[1] and seen[1] == state:
             return

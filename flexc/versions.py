@@ -18,3 +18,12 @@ def write_count(t: torch.Tensor) -> Any:
         return t._version
     except RuntimeError:  # "Inference tensors do not track version counter"
         return object()
+
+
+def table_states(tables) -> tuple:
+    """``(id, write count)`` of each tensor in ``tables`` (None stays None): a BlockMask's tables'
+    identity and edits, read on every decoding step."""
+    try:  # (the attribute read inline: four function calls cost more than the rest of the key)
+        return tuple([(id(t), t._version) if t is not None else None for t in tables])
+    except RuntimeError:  # an inference tensor among them
+        return tuple([(id(t), write_count(t)) if t is not None else None for t in tables])
