@@ -19,11 +19,9 @@ from typing import Any, Callable
 import torch
 
 from . import ir
+from .spans import ALL, INF, NONE, complement, intersect, union
 from .trace import TracedMod
 
-INF = float("inf")
-ALL = ((-INF, INF),)
-NONE = ()
 # |value| below this for every integer node over the key range: no wraparound in int32 or int64,
 # so exact Python arithmetic equals torch's
 SAFE = 1 << 31
@@ -171,38 +169,3 @@ def _at_least(a: int, c: int) -> tuple:
 def _equal(a: int, c: int) -> tuple:
     """Where ``a * kv + c == 0``."""
     return intersect(_at_least(a, c), _at_least(-a, -c))
-
-
-def intersect(x: tuple, y: tuple) -> tuple:
-    """The intersection of two interval tuples."""
-    if x is ALL:
-        return y
-    if y is ALL:
-        return x
-    out, i, j = [], 0, 0
-    while i < len(x) and j < len(y):
-        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if lo < hi:
-            out.append((lo, hi))
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return tuple(out)
-
-
-def complement(x: tuple) -> tuple:
-    """The integers outside an interval tuple."""
-    out, start = [], -INF
-    for lo, hi in x:
-        if start < lo:
-            out.append((start, lo))
-        start = hi
-    if start < INF:
-        out.append((start, INF))
-    return tuple(out)
-
-
-def union(x: tuple, y: tuple) -> tuple:
-    """The union of two interval tuples."""
-    return complement(intersect(complement(x), complement(y)))

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..spans import intersect
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -131,20 +133,6 @@ def fused_pieces(segments: tuple[tuple[int, int, bool], ...], max_masked_cols: i
     return _chunks(full, max(n_total, 1)) + partial
 
 
-def _intersect(a: list, b: list) -> list:
-    """Intersection of two sorted lists of disjoint half-open spans."""
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < end:
-            out.append((start, end))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
 def _subtract(a: list, b: list) -> list:
     """Spans of ``a`` not covered by ``b`` (both sorted, disjoint)."""
     out = []
@@ -163,7 +151,7 @@ def _subtract(a: list, b: list) -> list:
 def shared_full_columns(a: Row, b: Row) -> int:
     """How many key positions are full blocks for both rows."""
     full = lambda row: [(start, end) for start, end, partial in row.segments if not partial]
-    return sum(end - start for start, end in _intersect(full(a), full(b)))
+    return sum(end - start for start, end in intersect(full(a), full(b)))
 
 
 def tree_calls(rows: Sequence[Row], max_masked_cols: int, mode: str) -> list[tuple[int, int, Chunk]]:
@@ -187,7 +175,7 @@ def tree_calls(rows: Sequence[Row], max_masked_cols: int, mode: str) -> list[tup
             return
         common = full[lo]
         for spans in full[lo + 1:hi]:
-            common = _intersect(common, spans)
+            common = intersect(common, spans)
         new = _subtract(common, done)
         q0, q1 = rows[lo].q0, rows[hi - 1].q1
         if mode == "relative":
