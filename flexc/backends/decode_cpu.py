@@ -36,6 +36,7 @@ import torch
 from ..evaluate import evaluate
 from ..evaluate_numpy import evaluate_small
 from ..row_intervals import allowed_intervals
+from ..spans import intersect
 from ..table_lists import contents_of, row_blocks
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
@@ -274,41 +275,55 @@ def _masked_columns(mask_mod: TracedMod, plan: _RowPlan, index: dict, n: int) ->
     # one row (verdicts alike for every batch and head): its verdicts as bytes, 1 = allowed, which
     # Python searches faster than numpy reduces a few hundred elements
     row = verdicts.tobytes() if verdicts.size == width else None
-    masked, column = [], 0  # (offset, length, verdict column, some key allowed) of spans blocking some pair
+    masked, column = [], 0  # (offset, length, allowed runs, verdict column) of spans blocking some pair
     for offset, length in plan.spans:
         if row is not None:
-            span = row[column:column + length]
-            some_blocked, some_allowed = _BLOCKED in span, _ALLOWED in span
+            if _BLOCKED in row[column:column + length]:
+                masked.append((offset, length, _allowed_runs(row, column, length), column))
         else:  # (over broadcast dims too: none allowed means blocked for every row)
             span = verdicts[..., column:column + length]
-            some_blocked, some_allowed = not span.all(), bool(span.any())
-        if some_blocked:
-            masked.append((offset, length, column, some_allowed))
+            if not span.all():
+                masked.append((offset, length, None if span.any() else [], column))
         column += length
-    lo, hi = 0, n
-    while masked and masked[0][0] == lo:  # a leading span blocked entirely, or (one row) up to some column
-        offset, length, column, some_allowed = masked[0]
-        if some_allowed:
-            first = row.find(_ALLOWED, column, column + length) if row is not None else -1
-            if first < 0 or _BLOCKED in row[first:column + length]:
-                break
-            lo = offset + first - column
-        else:
-            lo = offset + length
-        masked.pop(0)
-    while masked and masked[-1][0] + masked[-1][1] == hi:  # a trailing span blocked entirely, or from some column
-        offset, length, column, some_allowed = masked[-1]
-        if some_allowed:
-            stop = row.find(_BLOCKED, column, column + length) if row is not None else -1
-            if stop < 0 or _ALLOWED in row[stop:column + length]:
-                break
-            hi = offset + stop - column
-        else:
-            hi = offset
-        masked.pop()
+    masked, lo, hi = _narrowed(masked, n)
     device = plan.span_kv.device
     return [(offset - lo, length, torch.from_numpy(~verdicts[..., column:column + length]).to(device))
-            for offset, length, column, _ in masked], lo, hi
+            for offset, length, _, column in masked], lo, hi
+
+
+def _allowed_runs(row: bytes, column: int, length: int) -> list:
+    """The runs of allowed columns in ``row[column:column + length]`` (verdict bytes), as
+    ``(start, end)`` offsets within the span."""
+    runs, at, end = [], column, column + length
+    while (start := row.find(_ALLOWED, at, end)) >= 0:
+        at = row.find(_BLOCKED, start, end)
+        at = end if at < 0 else at
+        runs.append((start - column, at - column))
+    return runs
+
+
+def _narrowed(masked: list, n: int) -> tuple[list, int, int]:
+    """``(the spans still masked, lo, hi)``: the columns ``[lo, hi)`` of ``[0, n)`` worth reading.
+
+    ``masked`` holds ``(offset, length, runs, ...)`` for the partial spans that block some key,
+    ``runs`` their allowed ``(start, end)`` columns within the span (None when rows differ). A span
+    at either end of the range that allows nothing is dropped from the range; one whose allowed
+    columns are one run reaching its inner edge moves that end of the range to the run and needs
+    no mask (the causal diagonal, a sliding window's trailing edge)."""
+    lo, hi = 0, n
+    while masked and masked[0][0] == lo:  # a leading span blocked entirely, or up to some column
+        offset, length, runs = masked[0][:3]
+        if runs is None or len(runs) > 1 or runs and runs[0][1] != length:
+            break
+        lo = offset + (runs[0][0] if runs else length)
+        masked.pop(0)
+    while masked and masked[-1][0] + masked[-1][1] == hi:  # a trailing span blocked entirely, or from some column
+        offset, length, runs = masked[-1][:3]
+        if runs is None or len(runs) > 1 or runs and runs[0][0] != 0:
+            break
+        hi = offset + (runs[0][1] if runs else 0)
+        masked.pop()
+    return masked, lo, hi
 
 
 @functools.lru_cache(maxsize=256)
@@ -321,25 +336,12 @@ def _masked_by_intervals(allowed: tuple, plan: _RowPlan, n: int) -> tuple[list, 
     """:func:`_masked_columns` for one query row whose allowed ``kv_idx`` are the intervals
     ``allowed`` (:func:`flexc.row_intervals.allowed_intervals`) and whose spans are kv ranges:
     each span's allowed columns are its overlaps with them, no element evaluated."""
-    masked = []  # (offset, length, the span's allowed (first, end) column pairs), spans blocking some key
+    masked = []  # (offset, length, the span's allowed (start, end) columns) of spans blocking some key
     for (offset, length), first in zip(plan.spans, plan.span_starts):
-        inside = [(max(lo, first) - first, min(hi, first + length) - first) for lo, hi in allowed
-                  if lo < first + length and hi > first]
+        inside = [(lo - first, hi - first) for lo, hi in intersect(allowed, ((first, first + length),))]
         if sum(end - start for start, end in inside) < length:
             masked.append((offset, length, inside))
-    lo, hi = 0, n
-    while masked and masked[0][0] == lo:  # a leading span blocked entirely, or up to some column
-        offset, length, inside = masked[0]
-        if len(inside) > 1 or inside and inside[0][1] != length:
-            break
-        lo = offset + (inside[0][0] if inside else length)
-        masked.pop(0)
-    while masked and masked[-1][0] + masked[-1][1] == hi:  # a trailing span blocked entirely, or from some column
-        offset, length, inside = masked[-1]
-        if len(inside) > 1 or inside and inside[0][0] != 0:
-            break
-        hi = offset + (inside[0][1] if inside else 0)
-        masked.pop()
+    masked, lo, hi = _narrowed(masked, n)
     out = []
     for offset, length, inside in masked:
         blocked = torch.ones(length, dtype=torch.bool, device=plan.positions.device)
