@@ -36,7 +36,6 @@ import torch
 from ..evaluate import evaluate
 from ..evaluate_numpy import evaluate_small
 from ..row_intervals import allowed_intervals
-from ..spans import intersect
 from ..table_lists import contents_of, row_blocks
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
@@ -338,8 +337,14 @@ def _masked_by_intervals(allowed: tuple, plan: _RowPlan, n: int) -> tuple[list, 
     each span's allowed columns are its overlaps with them, no element evaluated."""
     masked = []  # (offset, length, the span's allowed (start, end) columns) of spans blocking some key
     for (offset, length), first in zip(plan.spans, plan.span_starts):
-        inside = [(lo - first, hi - first) for lo, hi in intersect(allowed, ((first, first + length),))]
-        if sum(end - start for start, end in inside) < length:
+        # (allowed is sorted and disjoint: its overlaps with the span, one pass, every decoding step)
+        inside, covered, last = [], 0, first + length
+        for lo, hi in allowed:
+            if lo < last and hi > first:
+                start, end = (lo if lo > first else first) - first, (hi if hi < last else last) - first
+                inside.append((start, end))
+                covered += end - start
+        if covered < length:
             masked.append((offset, length, inside))
     masked, lo, hi = _narrowed(masked, n)
     out = []
