@@ -124,3 +124,27 @@ def test_decoding_with_a_window_and_a_prefix_matches_the_dense_reference(pos):
     want_out, want_lse, _ = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + pos, kv_idx))
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_conditions(), st.integers(-50, 250), st.integers(-20, 20), st.integers(0, 191))
+def test_decoding_random_affine_masks_matches_the_dense_reference(body, offset_value, number, pos):
+    """Any interval set (several runs inside one partial block, none, all) decides the partial
+    blocks of a decoding step as the elements would: output and logsumexp equal the float64 dense
+    computation, fully masked rows included (0 and -inf)."""
+    S = 192
+    env = {"torch": torch, "off": torch.tensor(offset_value), "n": number,
+           "table": torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)}
+    mask_mod = eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
+    g = torch.Generator().manual_seed(pos)
+    q = torch.randn(1, 2, 1, 8, generator=g)
+    k, v = (torch.randn(1, 2, S, 8, generator=g) for _ in range(2))
+    bm = flexc.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=32)
+    input_pos = torch.tensor([pos])
+    mask = bm[:, :, input_pos // 32]
+    mask.mask_mod = lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + input_pos[0], kv_idx)
+    mask.seq_lengths = (1, S)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=mask, return_lse=True)
+    want_out, want_lse, _ = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + pos, kv_idx))
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5, msg=body)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5, msg=body)
