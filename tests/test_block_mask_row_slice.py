@@ -93,3 +93,19 @@ def test_other_indices_keep_the_tensor_path(index):
     sliced = parent[:, :, index]
     assert sliced.lazy_rows is None
     _assert_kv_tables_equal(sliced, ref[:, :, index])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 32), (1, 1, 1, 1), (1, 1, 1, 0), (2, 1, 1, 0), (0, 1, 1, 5),
+                                   (1, 1, 4, 1), (1, 4, 16, 16), (2, 4, 3, 5), (7,)])
+def test_table_lists_read_every_layout_in_row_major_order(shape):
+    """The content key of small tables (one decoding row read as lists, larger tables through
+    numpy) holds their entries in torch's row-major order, whatever the shape."""
+    from flexc.table_lists import table_lists
+
+    g = torch.Generator().manual_seed(len(shape))
+    idx = torch.randint(0, 50, shape, dtype=torch.int32, generator=g)
+    num = torch.randint(0, 5, shape[:-1], dtype=torch.int32, generator=g)
+    contents = table_lists((num, idx, None, None))
+    assert contents.indices == tuple(idx.reshape(-1).tolist())
+    assert contents.counts == tuple(num.reshape(-1).tolist())
+    assert contents.num_shape == tuple(num.shape) and contents.full_counts is None
