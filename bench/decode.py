@@ -15,9 +15,10 @@ cache position, with the slicing idiom torch users know (gpt-fast):
 Also printed: the host overhead of a call with L=128 and no mask (flexc vs SDPA), and the time to
 slice a 16K causal BlockMask for one query block.
 
-Usage: python bench/decode.py [--quick] [--no-compile] [--rounds N] [--device cuda]
+Usage: python bench/decode.py [--quick] [--no-compile] [--breakdown] [--rounds N] [--device cuda]
   --quick: only cache 4096 with H=8 (the issue's acceptance case)
   --cpu-time: time.thread_time instead of wall time, for a loaded machine
+  --breakdown: what the slicing idiom, flexc's call and a compiled torch step each add to SDPA's call
   --device cuda: the same table on a GPU in bf16 (flexc's split-KV Triton decode kernel); also
                  reached as ``python bench/gpu.py --decode``
 """
@@ -82,7 +83,7 @@ def interleaved(fns: dict, rounds: int, calls: int) -> dict:
 
 
 def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds: int, device: str = "cpu",
-                dtype: torch.dtype = torch.float32) -> dict:
+                dtype: torch.dtype = torch.float32, breakdown: bool = False) -> dict:
     D = 64
     q = torch.randn(1, Hq, 1, D, device=device, dtype=dtype)
     k, v = (torch.randn(1, Hkv, S, D, device=device, dtype=dtype) for _ in range(2))
@@ -110,6 +111,12 @@ def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds
         return F.scaled_dot_product_attention(q, k[:, :, lo:pos + 1], v[:, :, lo:pos + 1], enable_gqa=gqa)
 
     fns = {"flexc": flexc_step, "torch eager": lambda: torch_step(q, k, v, input_pos), "SDPA": sdpa_step}
+    if breakdown:  # the user's idiom on flexc's mask, then SDPA: what flexc's call adds is flexc - this
+        def idiom_then_sdpa():
+            mask = ours[:, :, input_pos // 128]
+            mask.mask_mod, mask.seq_lengths = shifted(mask_mod, input_pos[0]), (1, S)
+            return sdpa_step()
+        fns["idiom + SDPA"] = idiom_then_sdpa
     if compile_torch:
         for name, step in (("torch compiled", torch_step), ("flexc compiled", flexc_step_of)):
             compiled = torch.compile(step)
@@ -149,6 +156,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the slicing idiom followed by SDPA, and print per row what the idiom, "
+                             "flexc's call and a compiled torch step each add to SDPA's call (microseconds)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="measure this thread's CPU time instead of wall time (on a loaded machine: what a "
                              "call costs without the waits for a core; one thread only)")
@@ -176,13 +186,18 @@ def main(argv=None) -> None:
     for S in sizes:
         for Hq, Hkv in heads:
             for mask_mod in (causal, sliding):
-                t = decode_case(S, Hq, Hkv, mask_mod, not args.no_compile, args.rounds, args.device, dtype)
+                t = decode_case(S, Hq, Hkv, mask_mod, not args.no_compile, args.rounds, args.device, dtype,
+                                args.breakdown)
                 ms = lambda name: f"{t[name] * 1e3:8.3f}m" if name in t else f"{'n/a':>9}"
                 ratio = lambda name, of="flexc": f"{t[of] / t[name]:.2f}x" if name in t and of in t else "n/a"
                 print(f"{S:>6} {f'{Hq}/{Hkv}':>7} {mask_mod.__name__:>8} | {ms('flexc')} {ms('SDPA')} "
                       f"{ms('torch eager')} {ms('torch compiled')} | {ratio('SDPA'):>6} {ratio('torch eager'):>7} "
                       f"{ratio('torch compiled'):>9} | {ms('flexc compiled'):>10} "
                       f"{ratio('torch compiled', 'flexc compiled'):>9}")
+                if "idiom + SDPA" in t:
+                    over = lambda a, b: f"{(t[a] - t[b]) * 1e6:.0f} us" if a in t and b in t else "n/a"
+                    print(f"{'':>24}   over SDPA's call: the idiom {over('idiom + SDPA', 'SDPA')}, then flexc's call "
+                          f"{over('flexc', 'idiom + SDPA')}; a compiled torch step {over('torch compiled', 'SDPA')}")
     if args.device == "cuda":
         return
     t = host_overhead(args.rounds)
