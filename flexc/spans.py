@@ -16,12 +16,15 @@ def intersect(x, y) -> tuple:
         return y
     if y is ALL:
         return x
-    out, i, j = [], 0, 0
-    while i < len(x) and j < len(y):
-        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+    # (locals and conditional expressions, not repeated indexing and max/min calls: decoding
+    # intersects a row's intervals with each partial block on every step)
+    out, i, j, nx, ny = [], 0, 0, len(x), len(y)
+    while i < nx and j < ny:
+        (x_lo, x_hi), (y_lo, y_hi) = x[i], y[j]
+        lo, hi = (x_lo if x_lo > y_lo else y_lo), (x_hi if x_hi < y_hi else y_hi)
         if lo < hi:
             out.append((lo, hi))
-        if x[i][1] < y[j][1]:
+        if x_hi < y_hi:
             i += 1
         else:
             j += 1

@@ -36,6 +36,7 @@ import torch
 from ..evaluate import evaluate
 from ..evaluate_numpy import evaluate_small
 from ..row_intervals import allowed_intervals
+from ..spans import intersect
 from ..table_lists import contents_of, row_blocks
 from ..tiles import ordered_to_dense
 from ..trace import TracedMod
@@ -337,13 +338,10 @@ def _masked_by_intervals(allowed: tuple, plan: _RowPlan, n: int) -> tuple[list, 
     each span's allowed columns are its overlaps with them, no element evaluated."""
     masked = []  # (offset, length, the span's allowed (start, end) columns) of spans blocking some key
     for (offset, length), first in zip(plan.spans, plan.span_starts):
-        # (allowed is sorted and disjoint: its overlaps with the span, one pass, every decoding step)
-        inside, covered, last = [], 0, first + length
-        for lo, hi in allowed:
-            if lo < last and hi > first:
-                start, end = (lo if lo > first else first) - first, (hi if hi < last else last) - first
-                inside.append((start, end))
-                covered += end - start
+        inside, covered = [], 0
+        for lo, hi in intersect(allowed, ((first, first + length),)):
+            inside.append((lo - first, hi - first))
+            covered += hi - lo
         if covered < length:
             masked.append((offset, length, inside))
     masked, lo, hi = _narrowed(masked, n)
