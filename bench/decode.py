@@ -94,18 +94,19 @@ def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds
     theirs = tfa.create_block_mask(mask_mod, None, None, S, S, device=device)
     lo = max(0, pos - WINDOW + 1) if mask_mod is sliding else 0
 
-    def flexc_step_of(q, k, v, input_pos):
-        mask = ours[:, :, input_pos // 128]
+    def sliced(block_mask, input_pos):  # the idiom, on either library's BlockMask
+        mask = block_mask[:, :, input_pos // 128]
         mask.mask_mod, mask.seq_lengths = shifted(mask_mod, input_pos[0]), (1, S)
-        return flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return mask
+
+    def flexc_step_of(q, k, v, input_pos):
+        return flexc.flex_attention(q, k, v, block_mask=sliced(ours, input_pos), enable_gqa=gqa)
 
     def flexc_step():
         return flexc_step_of(q, k, v, input_pos)
 
     def torch_step(q, k, v, input_pos):
-        mask = theirs[:, :, input_pos // 128]
-        mask.mask_mod, mask.seq_lengths = shifted(mask_mod, input_pos[0]), (1, S)
-        return tfa.flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return tfa.flex_attention(q, k, v, block_mask=sliced(theirs, input_pos), enable_gqa=gqa)
 
     def sdpa_step():
         return F.scaled_dot_product_attention(q, k[:, :, lo:pos + 1], v[:, :, lo:pos + 1], enable_gqa=gqa)
@@ -113,8 +114,7 @@ def decode_case(S: int, Hq: int, Hkv: int, mask_mod, compile_torch: bool, rounds
     fns = {"flexc": flexc_step, "torch eager": lambda: torch_step(q, k, v, input_pos), "SDPA": sdpa_step}
     if breakdown:  # the user's idiom on flexc's mask, then SDPA: what flexc's call adds is flexc - this
         def idiom_then_sdpa():
-            mask = ours[:, :, input_pos // 128]
-            mask.mask_mod, mask.seq_lengths = shifted(mask_mod, input_pos[0]), (1, S)
+            sliced(ours, input_pos)
             return sdpa_step()
         fns["idiom + SDPA"] = idiom_then_sdpa
     if compile_torch:
