@@ -94,12 +94,33 @@ def _conditions(draw, depth=0):
     return f"({draw(_conditions(depth + 1))} {op} {draw(_conditions(depth + 1))})"
 
 
+def _mod_of(body: str, offset_value: int, number: int):
+    """A mask_mod from a generated body: ``off`` a captured 0-d tensor, ``n`` a captured number."""
+    env = {"torch": torch, "off": torch.tensor(offset_value), "n": number,
+           "table": torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)}
+    return eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
+
+
+def _assert_decodes_like_dense(mask_mod, q, k, v, pos, msg=None):
+    """One query row at ``pos`` through the slicing idiom (blocks of 32) equals the float64 dense
+    computation, output and logsumexp."""
+    S = k.shape[2]
+    bm = flexc.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=32)
+    input_pos = torch.tensor([pos])
+    mask = bm[:, :, input_pos // 32]
+    mask.mask_mod = lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + input_pos[0], kv_idx)
+    mask.seq_lengths = (1, S)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1],
+                                    return_lse=True)
+    want_out, want_lse, _ = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + pos, kv_idx))
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5, msg=msg)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5, msg=msg)
+
+
 @settings(max_examples=150, deadline=None)
 @given(_conditions(), st.integers(-50, 400), st.integers(-20, 20), st.integers(0, 299))
 def test_random_affine_masks_match_torch(body, offset_value, number, q_value):
-    env = {"torch": torch, "off": torch.tensor(offset_value), "n": number,
-           "table": torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)}
-    mod = eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
+    mod = _mod_of(body, offset_value, number)
     assert _assert_same(trace(mod, MASK_MOD), q_value, 300), body
 
 
@@ -115,15 +136,21 @@ def test_decoding_with_a_window_and_a_prefix_matches_the_dense_reference(pos):
     def mask_mod(b, h, q_idx, kv_idx):
         return ((q_idx >= kv_idx) & (q_idx - kv_idx < window)) | (kv_idx < prefix)
 
-    bm = flexc.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=32)
-    input_pos = torch.tensor([pos])
-    mask = bm[:, :, input_pos // 32]
-    mask.mask_mod = lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + input_pos[0], kv_idx)
-    mask.seq_lengths = (1, S)
-    out, lse = flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True)
-    want_out, want_lse, _ = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + pos, kv_idx))
-    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    _assert_decodes_like_dense(mask_mod, q, k, v, pos)
+
+
+@pytest.mark.parametrize("pos", [40, 63, 100])
+def test_decoding_with_holes_inside_a_block_matches_the_dense_reference(pos):
+    """Keys excluded one by one inside the diagonal block: several allowed runs in one partial
+    block, each of which must stay allowed."""
+    g = torch.Generator().manual_seed(pos)
+    q = torch.randn(1, 2, 1, 8, generator=g)
+    k, v = (torch.randn(1, 2, 128, 8, generator=g) for _ in range(2))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (kv_idx != q_idx - 3) & (kv_idx != q_idx - 10) & (kv_idx != q_idx - 17)
+
+    _assert_decodes_like_dense(mask_mod, q, k, v, pos)
 
 
 @settings(max_examples=60, deadline=None)
@@ -133,18 +160,8 @@ def test_decoding_random_affine_masks_matches_the_dense_reference(body, offset_v
     blocks of a decoding step as the elements would: output and logsumexp equal the float64 dense
     computation, fully masked rows included (0 and -inf)."""
     S = 192
-    env = {"torch": torch, "off": torch.tensor(offset_value), "n": number,
-           "table": torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)}
-    mask_mod = eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
+    mask_mod = _mod_of(body, offset_value, number)
     g = torch.Generator().manual_seed(pos)
     q = torch.randn(1, 2, 1, 8, generator=g)
     k, v = (torch.randn(1, 2, S, 8, generator=g) for _ in range(2))
-    bm = flexc.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=32)
-    input_pos = torch.tensor([pos])
-    mask = bm[:, :, input_pos // 32]
-    mask.mask_mod = lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + input_pos[0], kv_idx)
-    mask.seq_lengths = (1, S)
-    out, lse = flexc.flex_attention(q, k, v, block_mask=mask, return_lse=True)
-    want_out, want_lse, _ = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + pos, kv_idx))
-    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5, msg=body)
-    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5, msg=body)
+    _assert_decodes_like_dense(mask_mod, q, k, v, pos, msg=body)
