@@ -201,7 +201,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent.parent / "docs"),
                         help="folder for gallery.md and gallery/*.png (docs/)")
-    parser.add_argument("--dpi", type=int, default=80, help="resolution of the pictures (80)")
+    parser.add_argument("--dpi", type=int, default=64, help="resolution of the pictures (64: each PNG stays under 40 KB)")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
     (out / "gallery").mkdir(parents=True, exist_ok=True)
