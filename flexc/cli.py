@@ -8,13 +8,19 @@ values (masked by a mask_mod), with :func:`flexc.plot`.
 ``NAME`` is a score_mod or mask_mod defined in the file, or a Python expression evaluated in the
 file's namespace (``"masks.py:generate_sliding_window(128)"``). Without ``NAME`` every top-level
 function with a mod's signature is used (``show`` takes at most one of each kind).
+
+Bad input ends in one message and a ``Fix:`` line (exit status 2), never a traceback; an error
+inside flexc itself says so (exit status 1; ``FLEXC_TRACEBACK=1`` prints its traceback).
 """
 from __future__ import annotations
 
 import argparse
+import linecache
 import os
 import runpy
 import sys
+import sysconfig
+import traceback
 from typing import Any, Callable, Sequence
 
 import torch
@@ -39,7 +45,8 @@ def _split_target(target: str) -> tuple[str, str | None]:
 
 def _load_namespace(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise CliError(f"no such file: {path!r}. Expected FILE.py[:NAME], e.g. `flexc show masks.py:causal`.")
+        raise CliError(f"no such file: {path!r}. Fix: pass an existing FILE.py[:NAME], "
+                       f"e.g. `flexc show masks.py:causal`.")
     directory = os.path.dirname(os.path.abspath(path))
     sys.path.insert(0, directory)  # the file may import its neighbours
     try:
@@ -69,16 +76,19 @@ def _resolve(namespace: dict[str, Any], path: str, name: str) -> Callable:
     if name.isidentifier():
         if name not in namespace:
             candidates = ", ".join(sorted(k for k, v in namespace.items() if _is_mod(v))) or "none"
-            raise CliError(f"{path} defines no {name!r}. Mods defined there: {candidates}.")
+            raise CliError(f"{path} defines no {name!r}. Mods defined there: {candidates}. "
+                           f"Fix: name one of them, or define {name} in the file.")
         value = namespace[name]
     else:
         try:
             value = eval(name, namespace)  # noqa: S307 - the user's own file and expression
         except Exception as e:  # the user's expression: report whatever it raised
-            raise CliError(f"evaluating {name!r} in {path} raised {type(e).__name__}: {e}") from None
+            raise CliError(f"evaluating {name!r} in {path} raised {type(e).__name__}: {e}. "
+                           f"Fix: correct the expression (it is evaluated in {path}'s namespace).") from None
     if not _is_mod(value):
         raise CliError(f"{name!r} in {path} is not a score_mod (score, b, h, q_idx, kv_idx) or mask_mod "
-                       f"(b, h, q_idx, kv_idx); got {type(value).__name__}.")
+                       f"(b, h, q_idx, kv_idx); got {type(value).__name__}. Fix: name a function taking "
+                       f"those arguments.")
     return value
 
 
@@ -127,14 +137,41 @@ def _defined_in(fn: Callable, path: str) -> bool:
     return code is not None and os.path.abspath(code.co_filename) == os.path.abspath(path)
 
 
+_FLEXC_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_at(error: BaseException) -> tuple[str, str]:
+    """`` (file:line)`` and source text of the innermost frame of ``error`` outside flexc and torch."""
+    installed = (sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
+    libraries = tuple(os.path.abspath(d) + os.sep for d in (_FLEXC_DIR, os.path.dirname(torch.__file__), *installed))
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not os.path.abspath(frame.filename).startswith(libraries) and not frame.filename.startswith("<"):
+            return f" ({frame.filename}:{frame.lineno})", (frame.line or linecache.getline(frame.filename,
+                                                                                        frame.lineno)).strip()
+    return "", ""
+
+
+def _trace_mod(label: str, fn: Callable) -> TracedMod:
+    """``trace(fn)``; CliError for a mod that does not trace, or that raises when called on traced arguments."""
+    try:
+        return trace(fn)
+    except TraceError as e:
+        raise CliError(str(e)) from None
+    except Exception as e:  # the user's mod raised while flexc called it
+        site, line = _raised_at(e)
+        kind = mod_kind(fn)
+        raise CliError(f"cannot trace {kind} {label}: it raised {type(e).__name__}: {e}{site} when flexc "
+                       f"called it with symbolic arguments."
+                       + (f"\n    {line}" if line else "")
+                       + f"\nFix: make {label} run on tensor arguments without raising (flexc calls it once, "
+                       f"with symbolic {', '.join(_ARGS[kind])}).") from None
+
+
+_ARGS = {SCORE_MOD: ("score", "b", "h", "q_idx", "kv_idx"), MASK_MOD: ("b", "h", "q_idx", "kv_idx")}
+
+
 def _trace_all(mods: list[tuple[str, Callable]]) -> list[tuple[str, TracedMod]]:
-    traced = []
-    for label, fn in mods:
-        try:
-            traced.append((label, trace(fn)))
-        except TraceError as e:
-            raise CliError(str(e)) from None
-    return traced
+    return [(label, _trace_mod(label, fn)) for label, fn in mods]
 
 
 def _describe_buffers(t: TracedMod) -> list[str]:
@@ -150,8 +187,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         try:
             if isinstance(fn, CliError):
                 raise fn
-            t = trace(fn)
-        except (CliError, TraceError) as e:
+            t = _trace_mod(label, fn)
+        except CliError as e:
             failed += 1
             print(f"flexc trace: {label}: {e}", file=sys.stderr)
             continue
@@ -285,6 +322,14 @@ def cmd_draw(args: argparse.Namespace) -> int:
         if value >= size:
             raise CliError(f"{flag} {value} is out of range for {sizes} {size}. "
                            f"Fix: pass {flag} below {size}, or raise {sizes}.")
+    folder = os.path.dirname(args.png) or "."
+    if not os.path.isdir(folder):
+        raise CliError(f"--png {args.png}: the folder {folder!r} does not exist. "
+                       f"Fix: create it first (mkdir -p {folder}) or write to an existing folder.")
+    if os.path.isdir(args.png):
+        raise CliError(f"--png {args.png} is a folder, not a file name. "
+                       f"Fix: pass a file, e.g. --png {os.path.join(args.png, 'mask.png')}.")
+    _check_picture_format(args.png)
     q_len = args.q_len
     kv_len = args.kv_len or q_len
     try:
@@ -298,10 +343,40 @@ def cmd_draw(args: argparse.Namespace) -> int:
         else:
             plot(block_mask, batch=args.batch, head=args.head, max_pixels=args.max_pixels, path=args.png,
                  dpi=args.dpi)
-    except (ImportError, TypeError, ValueError) as e:  # no matplotlib; flexc's checks of sizes and mods
-        raise CliError(str(e)) from None
+    except OSError as e:  # savefig: no permission, disk full
+        raise CliError(f"--png {args.png}: cannot write it: {e.strerror or e}. "
+                       f"Fix: choose a writable location.") from None
+    except Exception as e:
+        if isinstance(e, (ImportError, TypeError, ValueError)) and "Fix:" in str(e):
+            raise CliError(str(e)) from None  # no matplotlib; flexc's checks of sizes and mods
+        raise _evaluation_error(e, fns, q_len, kv_len) from None  # e.g. a table too short for --q-len
     print(f"wrote {args.png}")
     return 0
+
+
+def _check_picture_format(png: str) -> None:
+    """CliError unless matplotlib can write a file named ``png`` (its suffix picks the format)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return  # plot reports the missing matplotlib, with its fix
+    suffix = os.path.splitext(png)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise CliError(f"--png {png}: matplotlib writes {', '.join('.' + f for f in sorted(formats))} files, "
+                       f"got {'.' + suffix if suffix else 'no suffix'}. Fix: name the file e.g. "
+                       f"{os.path.splitext(png)[0]}.png.")
+
+
+def _evaluation_error(error: Exception, fns: dict[str, Callable], q_len: int, kv_len: int) -> CliError:
+    """A CliError for a mod that traced but fails when evaluated at the drawn positions."""
+    site, line = _raised_at(error)
+    names = " and ".join(getattr(fn, "__name__", kind) for kind, fn in fns.items())
+    return CliError(f"evaluating {names} over {q_len} x {kv_len} positions raised {type(error).__name__}: "
+                    f"{error}{site}." + (f"\n    {line}" if line else "")
+                    + f"\nFix: make the mods valid at every q_idx < --q-len {q_len} and kv_idx < --kv-len "
+                    f"{kv_len} (a captured tensor indexed by q_idx needs --q-len entries), or draw a shorter "
+                    f"sequence.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,6 +426,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         print(f"flexc {args.command}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a flexc bug, not a user error: one line, and the traceback on request
+        if os.environ.get("FLEXC_TRACEBACK"):
+            raise
+        print(f"flexc {args.command}: internal error: {type(e).__name__}: {e}\n"
+              f"Fix: this is a flexc bug, not a problem with your input; please report it with the command "
+              f"line (set FLEXC_TRACEBACK=1 to print the traceback).", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

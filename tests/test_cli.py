@@ -197,3 +197,104 @@ def test_draw_rejects_selections_outside_the_problem(mods_file, tmp_path, capsys
     assert main(["draw", f"{mods_file}:causal", "--png", str(tmp_path / "x.png"), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+# ---- bad input never ends in a traceback ------------------------------------------------------
+
+RAISING = textwrap.dedent('''
+    import torch
+    table = torch.zeros(4)
+
+    def raising_score(score, b, h, q_idx, kv_idx):
+        raise RuntimeError("boom in the score_mod")
+
+    def raising_mask(b, h, q_idx, kv_idx):
+        raise ValueError("boom in the mask_mod")
+
+    def short_table(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx]
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+''')
+
+
+@pytest.fixture()
+def raising_file(tmp_path):
+    path = tmp_path / "raising.py"
+    path.write_text(RAISING)
+    return str(path)
+
+
+def _one_clean_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert "\nFix: " in captured.err or ". Fix: " in captured.err, captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize("command", ["show", "trace", "draw"])
+@pytest.mark.parametrize("name,raised,line", [
+    ("raising_score", "RuntimeError: boom in the score_mod", 'raise RuntimeError("boom in the score_mod")'),
+    ("raising_mask", "ValueError: boom in the mask_mod", 'raise ValueError("boom in the mask_mod")'),
+])
+def test_a_mod_that_raises_names_its_exception_and_line_not_a_traceback(raising_file, tmp_path, capsys,
+                                                                        command, name, raised, line):
+    extra = ["--png", str(tmp_path / "x.png")] if command == "draw" else []
+    assert main([command, f"{raising_file}:{name}", *extra]) == 2
+    err = _one_clean_error(capsys)
+    assert f"cannot trace {'score' if 'score' in name else 'mask'}_mod {name}: it raised {raised}" in err
+    assert f"({raising_file}:" in err and line in err
+    assert f"Fix: make {name} run on tensor arguments without raising" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_draw_into_a_missing_folder_says_which_folder(mods_file, tmp_path, capsys):
+    target = tmp_path / "missing_dir" / "x.png"
+    assert main(["draw", f"{mods_file}:causal", "--png", str(target), "--q-len", "64"]) == 2
+    err = _one_clean_error(capsys)
+    assert f"the folder '{tmp_path / 'missing_dir'}' does not exist" in err and "mkdir -p" in err
+
+
+def test_draw_onto_a_folder_or_an_unknown_file_type_is_an_error(mods_file, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["draw", f"{mods_file}:causal", "--png", str(tmp_path), "--q-len", "64"]) == 2
+    assert "is a folder, not a file name" in _one_clean_error(capsys)
+    assert main(["draw", f"{mods_file}:causal", "--png", str(tmp_path / "x.nope"), "--q-len", "64"]) == 2
+    assert "got .nope. Fix: name the file e.g." in _one_clean_error(capsys)
+    assert not (tmp_path / "x.nope").exists()
+
+
+def test_draw_of_a_mod_that_fails_at_the_drawn_positions_is_an_error(raising_file, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["draw", f"{raising_file}:short_table", "--png", str(tmp_path / "x.png"), "--q-len", "64"]) == 2
+    err = _one_clean_error(capsys)
+    assert "evaluating short_table over 64 x 64 positions raised IndexError" in err
+    assert "--q-len 64" in err.split("Fix:")[1]
+
+
+def test_draw_that_cannot_write_its_file_is_an_error(mods_file, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(Figure, "savefig", refuse)
+    assert main(["draw", f"{mods_file}:causal", "--png", str(tmp_path / "x.png"), "--q-len", "64"]) == 2
+    assert "cannot write it: Permission denied. Fix: choose a writable location." in _one_clean_error(capsys)
+
+
+def test_a_flexc_bug_is_one_line_and_exit_1_and_the_traceback_is_on_request(mods_file, capsys, monkeypatch):
+    import flexc.cli
+
+    def broken(*args, **kwargs):
+        raise KeyError("internal")
+    monkeypatch.setattr(flexc.cli, "_find_mods", broken)
+    monkeypatch.delenv("FLEXC_TRACEBACK", raising=False)
+    assert main(["trace", mods_file]) == 1
+    err = capsys.readouterr().err
+    assert "flexc trace: internal error: KeyError: 'internal'" in err and "FLEXC_TRACEBACK=1" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("FLEXC_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        main(["trace", mods_file])
