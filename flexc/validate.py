@@ -124,11 +124,7 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
     # torch skips this check for its no-op mask (BLOCK_SIZE _LARGE_SPARSE_BLOCK_SIZE = 1 << 30, one block
     # covering any lengths, seq_lengths (1, 1)): such a mask serves inputs of every length
     if lengths != (L, S) and tuple(block_mask.BLOCK_SIZE) != (1 << 30, 1 << 30):
-        raise ValueError(f"flex_attention: block_mask was created for (Q_LEN, KV_LEN)={lengths} but got "
-                         f"q_len={L} and kv_len={S}: `block_mask` must be built for the inputs' (L, S)=({L}, {S}). "
-                         f"Fix: rebuild it with create_block_mask(mask_mod, B, H, {L}, {S}), or, "
-                         f"if it is larger, crop it with block_mask._adjust({L}, {S}) (keeps the upper-left corner; "
-                         f"right only for masks that do not depend on the total length).")
+        raise ValueError(_lengths_message(block_mask, rows, lengths, L, S))
     Bm, Hm = rows.num_shape[:2] if rows is not None else block_mask.kv_num_blocks.shape[:2]
     if Bm not in (1, B):
         raise ValueError(f"flex_attention: Expect query and key/value to have the same batch size, or block_mask "
@@ -144,6 +140,22 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
                                 f"{query.device}. Fix: `block_mask.to({str(query.device)!r})`.")
     if not torch.compiler.is_compiling():  # compiled calls check the tables' values in the custom op
         check_block_tables(block_mask, L, S)
+
+
+def _lengths_message(block_mask: Any, rows: Any, lengths: tuple, L: int, S: int) -> str:
+    """Why a BlockMask's ``seq_lengths`` do not fit the inputs' ``(L, S)``, and how to set them."""
+    opening = (f"flex_attention: block_mask was created for (Q_LEN, KV_LEN)={lengths} but got q_len={L} and "
+               f"kv_len={S}: `block_mask.seq_lengths` must be the inputs' (L, S)=({L}, {S}).")
+    n_rows = int(rows.num_shape[-1] if rows is not None else block_mask.kv_num_blocks.shape[-1])
+    q_block = int(block_mask.BLOCK_SIZE[0])
+    if n_rows != -(-int(lengths[0]) // q_block):  # fewer query-block rows than its Q_LEN needs: a slice
+        return (f"{opening} It has {n_rows} query-block row{'s' if n_rows != 1 else ''} of {q_block}, not the "
+                f"{-(-int(lengths[0]) // q_block)} its seq_lengths {lengths} need: a slice "
+                f"(block_mask[:, :, row]) keeps the seq_lengths of the mask it was sliced from. Fix: set "
+                f"`block_mask.seq_lengths = ({L}, {S})` on the slice (as torch's decoding examples do), or pass "
+                f"seq_lengths=({L}, {S}) to BlockMask.from_kv_blocks when building a mask from tables.")
+    return (f"{opening} Fix: build it for these lengths with create_block_mask(mask_mod, B, H, {L}, {S}); a mask "
+            f"built from tables takes them as BlockMask.from_kv_blocks(..., seq_lengths=({L}, {S})).")
 
 
 # id(kv_indices) -> (a weak reference to it, the (id, version) of every table and (L, S) when it was

@@ -77,12 +77,27 @@ def test_mixed_devices():
 
 
 @pytest.mark.parametrize("make", [flexc.create_block_mask, torch_flex.create_block_mask])
-def test_block_mask_for_other_lengths_says_rebuild_or_adjust(make):
+def test_block_mask_for_other_lengths_names_seq_lengths_and_how_to_build_for_the_inputs(make):
     q, k, v = _qkv()
     bm = make(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
-    message = _raises(ValueError, "`block_mask`", "(64, 64)", "(32, 32)", "_adjust(32, 32)", "create_block_mask",
+    message = _raises(ValueError, "block_mask was created for", "`block_mask.seq_lengths`", "(64, 64)", "(32, 32)",
+                      "create_block_mask(mask_mod, B, H, 32, 32)", "seq_lengths=(32, 32)",
                       args=(q, k, v), block_mask=bm)
-    assert "rebuild" in message
+    assert "_adjust" not in message  # torch's private helper is no advice
+
+
+@pytest.mark.parametrize("make", [flexc.create_block_mask, torch_flex.create_block_mask])
+@pytest.mark.parametrize("index", [(slice(None), slice(None), 1), (0, 0, 1), (slice(None), slice(None), [3])])
+def test_a_sliced_block_mask_without_seq_lengths_says_set_seq_lengths_on_the_slice(make, index):
+    q, k, v = _qkv(L=1, S=64)
+    sliced = make(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)[index]
+    sliced.mask_mod = causal
+    message = _raises(ValueError, "block_mask was created for (Q_LEN, KV_LEN)=(64, 64)", "1 query-block row of 16",
+                      "a slice", "`block_mask.seq_lengths = (1, 64)`", "seq_lengths=(1, 64)",
+                      args=(q, k, v), block_mask=sliced)
+    assert "_adjust" not in message
+    sliced.seq_lengths = (1, 64)  # the fix the message gives works
+    flexc.flex_attention(q, k, v, block_mask=sliced)
 
 
 def test_block_mask_with_more_heads_than_the_input():
