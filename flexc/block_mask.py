@@ -376,9 +376,9 @@ class BlockMask:
         return "\n".join(pictures)
 
     def __str__(self) -> str:
-        # torch's layout line for line (its tests compare str(block_mask) whole); the glyph key is
-        # TEXT_LEGEND (to_string's docstring, docs/block_mask.md)
-        return f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n{self.to_string().strip()}\n)"
+        # torch's layout line for line, plus the key to the glyphs (TEXT_LEGEND) under the pictures
+        return (f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n{self.to_string().strip()}\n"
+                f"{TEXT_LEGEND}\n)")
 
     def __repr__(self) -> str:
         def shape_of(t):
@@ -540,8 +540,8 @@ def _product(dims: Sequence[int]):
             yield (i, *rest)
 
 
-# The key to the pictures of BlockMask.to_string.
-TEXT_LEGEND = "legend: ██ full tiles (mask_mod skipped)  ░░ partial (runs the mask_mod)  '  ' empty (skipped)"
+# The key to the pictures of BlockMask.to_string; str(block_mask) prints it under them.
+TEXT_LEGEND = "legend: ██ full (mask_mod skipped)  ░░ partial or mixed (mask_mod runs)  blank: empty (never visited)"
 
 
 def _draw(classes: torch.Tensor, row_step: int, col_step: int) -> str:

@@ -160,12 +160,23 @@ def test_a_65536_long_mask_is_drawn_without_allocating_l_by_s(tmp_path):
     assert (tmp_path / "long.png").stat().st_size > 1000 and (tmp_path / "long_score.png").stat().st_size > 1000
 
 
-def test_block_mask_text_view_is_torchs_with_partial_tiles_marked():
+def test_block_mask_text_view_is_torchs_with_partial_tiles_marked_and_a_legend_under_the_pictures():
     from torch.nn.attention import flex_attention as tfa
 
-    ours = str(flexc.create_block_mask(causal, None, None, 512, 384, device="cpu"))
-    theirs = str(tfa.create_block_mask(causal, None, None, 512, 384, device="cpu"))
-    # torch's layout line for line (torch's tests compare it whole); partial tiles drawn ░░, not ██
-    assert "░░" in ours and ours.replace("░", "█") == theirs
-    assert "██ full tiles (mask_mod skipped)" in flexc.block_mask.TEXT_LEGEND
-    assert "░░ partial (runs the mask_mod)" in flexc.block_mask.TEXT_LEGEND
+    ours = str(flexc.create_block_mask(causal, None, None, 512, 384, device="cpu")).splitlines()
+    theirs = str(tfa.create_block_mask(causal, None, None, 512, 384, device="cpu")).splitlines()
+    # torch's layout line for line, partial tiles drawn ░░ (not ██), and the legend as the line before ")"
+    assert ours[-2] == flexc.block_mask.TEXT_LEGEND and ours[-1] == theirs[-1] == ")"
+    assert any("░░" in line for line in ours[:-2])
+    assert [line.replace("░", "█") for line in ours[:-2]] == theirs[:-1]
+    legend = flexc.block_mask.TEXT_LEGEND
+    assert "\n" not in legend
+    for glyph, meaning in (("██", "full (mask_mod skipped)"), ("░░", "partial or mixed (mask_mod runs)"),
+                           ("blank", "empty (never visited)")):
+        assert f"{glyph} {meaning}" in legend or f"{glyph}: {meaning}" in legend
+
+
+def test_docs_block_mask_md_shows_what_print_block_mask_prints():
+    text = open(os.path.join(ROOT, "docs", "block_mask.md"), encoding="utf-8").read()
+    printed = str(flexc.create_block_mask(causal, None, None, 512, 384, device="cpu"))
+    assert "\n".join(line.rstrip() for line in printed.splitlines()) in text
