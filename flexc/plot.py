@@ -170,17 +170,28 @@ def _allow_all(b, h, q_idx, kv_idx):
     return q_idx >= 0
 
 
+def _length(upper: str, upper_value: int | None, lower: str, lower_value: int | None) -> int | None:
+    """``Q_LEN``/``KV_LEN`` given in either spelling (create_block_mask's, or the CLI's ``q_len``/``kv_len``)."""
+    if upper_value is not None and lower_value is not None:
+        raise ValueError(f"plot: got both {upper}={upper_value!r} and {lower}={lower_value!r}; they are one "
+                         f"argument in two spellings. Fix: pass only one of them.")
+    return upper_value if upper_value is not None else lower_value
+
+
 def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | None = None,
          KV_LEN: int | None = None, *, mask_mod: Callable | BlockMask | None = None, batch: int = 0,
          head: int = 0, BLOCK_SIZE: int | tuple[int, int] = 128, max_pixels: int = 1024,
          score: float | torch.Tensor = 0.0,
-         title: str | None = None, ax: Any = None, path: str | None = None, dpi: int = 100) -> Any:
+         title: str | None = None, ax: Any = None, path: str | None = None, dpi: int = 100,
+         q_len: int | None = None, kv_len: int | None = None) -> Any:
     """Draw a BlockMask, a mask_mod or a score_mod; return the matplotlib ``Figure``.
 
     - ``target`` a :class:`BlockMask` (flexc's or torch's): its tiles, and inside partial tiles the
       elements its mask_mod allows.
     - ``target`` a mask_mod: the BlockMask ``create_block_mask(target, B, H, Q_LEN, KV_LEN,
       BLOCK_SIZE=BLOCK_SIZE)`` builds (``Q_LEN`` defaults to 256, ``KV_LEN`` to ``Q_LEN``).
+      ``q_len``/``kv_len`` (the spelling of ``flexc draw --q-len/--kv-len``) are the same
+      arguments; pass one spelling of each.
     - ``target`` a score_mod: a heat map of ``score_mod(score, b, h, q_idx, kv_idx)``, blank where
       ``mask_mod`` (a mask_mod or a BlockMask, optional) masks. ``score`` is 0 by default (the
       picture shows the bias the mod adds), or a number, or a tensor broadcasting to
@@ -190,6 +201,7 @@ def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | N
     show the element at each cell's centre). Pass ``ax`` to draw into your own axes, ``path`` to
     save the figure (e.g. ``"mask.png"``).
     """
+    Q_LEN, KV_LEN = _length("Q_LEN", Q_LEN, "q_len", q_len), _length("KV_LEN", KV_LEN, "kv_len", kv_len)
     try:
         from matplotlib.colors import ListedColormap
         from matplotlib.patches import Patch

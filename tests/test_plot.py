@@ -180,3 +180,23 @@ def test_docs_block_mask_md_shows_what_print_block_mask_prints():
     text = open(os.path.join(ROOT, "docs", "block_mask.md"), encoding="utf-8").read()
     printed = str(flexc.create_block_mask(causal, None, None, 512, 384, device="cpu"))
     assert "\n".join(line.rstrip() for line in printed.splitlines()) in text
+
+
+def test_plot_takes_the_lengths_as_q_len_and_kv_len_too_as_flexc_draw_does(tmp_path):
+    upper = flexc.plot(causal, Q_LEN=96, KV_LEN=160, BLOCK_SIZE=32, path=str(tmp_path / "upper.png"), dpi=30)
+    lower = flexc.plot(causal, q_len=96, kv_len=160, BLOCK_SIZE=32, path=str(tmp_path / "lower.png"), dpi=30)
+    mixed = flexc.plot(causal, None, None, 96, kv_len=160, BLOCK_SIZE=32, path=str(tmp_path / "mixed.png"), dpi=30)
+    for fig in (upper, lower, mixed):
+        assert "96x160" in fig.axes[0].get_title()
+    assert (tmp_path / "upper.png").read_bytes() == (tmp_path / "lower.png").read_bytes() \
+        == (tmp_path / "mixed.png").read_bytes()
+
+
+@pytest.mark.parametrize("given,words", [
+    ({"Q_LEN": 64, "q_len": 64}, ["Q_LEN=64", "q_len=64"]),
+    ({"KV_LEN": 64, "kv_len": 128}, ["KV_LEN=64", "kv_len=128"]),
+])
+def test_plot_rejects_a_length_given_in_both_spellings(given, words):
+    with pytest.raises(ValueError, match="Fix: pass only one of them") as info:
+        flexc.plot(causal, **given)
+    assert all(word in str(info.value) for word in words)
