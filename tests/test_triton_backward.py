@@ -158,6 +158,21 @@ def test_tensor_gathered_twice_accumulates_both_gradients():
            extra=(pos,))
 
 
+
+@pytest.mark.parametrize("case", ["bias[doc[kv_idx]]", "table[idx[h], kv_idx]"])
+def test_tensor_gathered_through_an_index_tensor_gets_its_gradient(case):
+    # the gradient's address reads another captured tensor (doc, idx): the score_mod's, not an accumulator
+    g = torch.Generator().manual_seed(15)
+    doc, idx = torch.randint(0, 5, (S,), generator=g), torch.randint(0, 3, (H,), generator=g)
+    bias = torch.randn(5, dtype=torch.float64, generator=g).requires_grad_()
+    table = torch.randn(3, S, dtype=torch.float64, generator=g).requires_grad_()
+    mods = {"bias[doc[kv_idx]]": (lambda s, b, h, q_idx, kv_idx: s + bias[doc[kv_idx]], bias),
+            "table[idx[h], kv_idx]": (lambda s, b, h, q_idx, kv_idx: s * 0.5 + table[idx[h], kv_idx], table)}
+    mod, trainable = mods[case]
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=15))
+    mine = _check(q, k, v, mod, MASKS["causal"], extra=(trainable,))
+    assert mine[3].abs().sum() > 0
+
 # ---- shapes -----------------------------------------------------------------------------------
 
 def test_fully_masked_rows_get_zero_gradients():

@@ -112,6 +112,11 @@ def _unique(params) -> list[BufferParam]:
     return out
 
 
+def _accumulates(p: BufferParam, n_buf: int) -> bool:
+    """Whether an address parameter points into a gradient accumulator (slots ``n_buf + slot``)."""
+    return p.what != "scalar" and p.slot >= n_buf
+
+
 def _call(r: RenderedMod, args: str) -> str:
     if r.is_constant:
         return python_literal(float(r.literal))
@@ -142,7 +147,8 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
             stem = f"{score_stems[slot]}_grad"
             while stem in taken:
                 stem += "_"
-            stems = {n + slot: stem}
+            # the indices may read other captured tensors (bias[doc[kv_idx]]): the score_mod's parameters
+            stems = {**score_stems, n + slot: stem}
             names = spec.score_mod.buffer_names + tuple(f"{name}_grad" for name in spec.score_mod.buffer_names)
             target = dataclasses.replace(spec.score_mod, root=ir.load(grad_buf, g.indices), buffer_names=names,
                                          name=f"gather{j}_address")
@@ -159,12 +165,13 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     mods = [r for r in (score, mask, d_score) if r is not None]
     mods += [r for g in gathers for r in (g.grad, g.address)]
     n_buf = len(spec.score_mod.buffers) if spec.score_mod is not None else 0
-    # captured numbers (flexc.codegen.scalars) an address reads are the score_mod's, like its tensors
+    # what an address reads besides its gradient accumulator (captured numbers, index tensors such
+    # as doc in bias[doc[kv_idx]]) is the score_mod's, under the score_mod's parameter names
     score_params = _unique([p for r in (score, d_score) if r is not None for p in r.params]
                            + [p for g in gathers for p in g.grad.params]
-                           + [p for g in gathers for p in g.address.params if p.what == "scalar"])
+                           + [p for g in gathers for p in g.address.params if not _accumulates(p, n_buf)])
     mask_params = tuple(mask.params) if mask is not None else ()
-    grad_params = _unique([p for g in gathers for p in g.address.params if p.what != "scalar"])
+    grad_params = _unique([p for g in gathers for p in g.address.params if _accumulates(p, n_buf)])
     buffers = [p.name for p in score_params] + [p.name for p in mask_params] + [p.name for p in grad_params]
 
     # a constant mod is printed as its value where it is used: no function
