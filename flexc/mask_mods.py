@@ -22,9 +22,9 @@ from .trace import MASK_MOD, mod_kind
 MaskMod = Callable[..., torch.Tensor]
 
 
-def noop_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-    """The mask_mod that allows everything (torch's default)."""
-    return b.new_ones((), dtype=torch.bool)
+def noop_mask(batch: torch.Tensor, head: torch.Tensor, token_q: torch.Tensor, token_kv: torch.Tensor) -> torch.Tensor:
+    """The mask_mod that allows everything (torch's default; torch's parameter names)."""
+    return batch.new_ones((), dtype=torch.bool)
 
 
 def _name_of(mod: Callable) -> str:

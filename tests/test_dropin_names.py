@@ -1,6 +1,7 @@
 """flexc as a drop-in: torch's commonly imported FlexAttention names exist with the same meaning,
 and a library written against torch runs with only its import lines changed."""
 import importlib
+import inspect
 import os
 import re
 import shutil
@@ -43,6 +44,45 @@ def test_constants_aliases_and_enum_match_torch():
     assert torch_keys <= set(flexc.FlexKernelOptions.__annotations__)
     assert flexc._round_up_to_multiple(130, 128) == torch_flex._round_up_to_multiple(130, 128) == 256
     assert flexc._round_up_to_multiple(128, 128) == 128
+
+
+def _parameters(fn):
+    """(name, kind, has a default) of each parameter a caller may pass, flexc's own private keyword-only
+    extras (``_analytic``) left out."""
+    fn = getattr(fn, "__func__", fn)
+    return [(p.name, p.kind, p.default is not p.empty) for p in inspect.signature(fn).parameters.values()
+            if not (p.kind == p.KEYWORD_ONLY and p.name.startswith("_") and p.default is not p.empty)]
+
+
+def _shared_callables():
+    """Every function, and every method of a class, that torch's module and flexc both define."""
+    for name in sorted(n for n in dir(torch_flex) if not n.startswith("__") and hasattr(flexc, n)):
+        ours, theirs = getattr(flexc, name), getattr(torch_flex, name)
+        if ours is theirs or not callable(theirs) or getattr(theirs, "__module__", "").startswith("typing"):
+            continue
+        if isinstance(theirs, type):
+            for attr, value in vars(theirs).items():
+                if (callable(getattr(value, "__func__", value)) and hasattr(ours, attr)
+                        and (not attr.startswith("__") or attr == "__init__")):
+                    yield f"{name}.{attr}", inspect.getattr_static(ours, attr), value
+        elif inspect.isfunction(theirs):
+            yield name, ours, theirs
+
+
+_SHARED = list(_shared_callables())
+
+
+@pytest.mark.parametrize("name,ours,theirs", _SHARED, ids=[name for name, _, _ in _SHARED])
+def test_shared_functions_and_methods_take_torchs_parameter_names(name, ours, theirs):
+    """Code that passes arguments by name (noop_mask(batch=..., token_q=...)) works unchanged."""
+    assert _parameters(ours) == _parameters(theirs), name
+
+
+def test_noop_mask_takes_torchs_keywords():
+    b = h = q = kv = torch.tensor(0)
+    assert flexc.noop_mask(batch=b, head=h, token_q=q, token_kv=kv) == torch_flex.noop_mask(
+        batch=b, head=h, token_q=q, token_kv=kv)
+    assert str(flexc.trace(flexc.noop_mask)) == "True"
 
 
 def test_get_mod_type_and_identity():
