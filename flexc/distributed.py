@@ -19,7 +19,6 @@ queries and keys alike): the BlockMask must be square with equal query and key b
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import attention as _attention
+from . import derived
 from .mask_mods import noop_mask
 from .tiles import FULL, PARTIAL, dense_to_ordered
 from .trace import SCORE_MOD, trace
@@ -421,11 +421,11 @@ def _global_mods(score_mod, mask_mod, q_pos, q_valid, kv_pos, kv_valid, padded: 
 
 
 def _with_buffers(score_mod: Callable | None, replaced: dict[int, torch.Tensor]):
-    """The traced ``score_mod`` with captured tensors swapped by identity (for the gradient all-reduce)."""
+    """The traced ``score_mod`` with captured tensors swapped by identity (for the gradient all-reduce),
+    also where the mod computes from them (``torch.exp(w)``: the computation reads the swapped ``w``)."""
     if score_mod is None or not replaced:
         return score_mod
-    traced = trace(score_mod, SCORE_MOD)
-    return dataclasses.replace(traced, buffers=tuple(replaced.get(id(t), t) for t in traced.buffers))
+    return derived.current(trace(score_mod, SCORE_MOD), substitute=replaced)
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -500,7 +500,7 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
     # captured tensors that train: one all-reduce each, shared by both partial calls
     replaced = {}
     if score_mod is not None:
-        for t in trace(score_mod, SCORE_MOD).buffers:
+        for t in derived.sources(trace(score_mod, SCORE_MOD)):
             if t.is_floating_point() and t.requires_grad and torch.is_grad_enabled():
                 replaced[id(t)] = _SumGradAcrossRanks.apply(t, group)
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import elementwise, ir, lowering, reductions, trace_cache
+from . import derived, elementwise, ir, lowering, reductions, trace_cache
 from .promotion import weak_pair
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
@@ -66,6 +66,9 @@ class TracedMod:
     sites: dict = field(default_factory=dict, repr=False)
     # values of the graph's ``scalar`` nodes by index (set by flexc.codegen.scalars.lift_scalars)
     scalars: tuple = ()
+    # how buffers computed from captured tensors (``torch.exp(log_temp)``) are recomputed when those
+    # change (flexc.derived); None when the mod reads captured tensors only directly
+    derivations: Any = field(default=None, repr=False)
 
     @property
     def key(self) -> tuple:
@@ -133,7 +136,7 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
     if not isinstance(fn, TracedMod):
         cached, token = trace_cache.lookup(fn, kind)
         if cached is not None:
-            return cached
+            return cached if cached.derivations is None else derived.current(cached)
     actual = fn.kind if isinstance(fn, TracedMod) else mod_kind(fn)
     if kind is not None and kind != actual:
         source = fn.fn if isinstance(fn, TracedMod) else fn
@@ -143,7 +146,7 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
             f"Fix: pass a {kind} taking ({', '.join(SCORE_MOD_ARGS if kind == SCORE_MOD else MASK_MOD_ARGS)})."
         )
     if isinstance(fn, TracedMod):
-        return fn
+        return fn if fn.derivations is None else derived.current(fn)
     tracer = _Tracer(fn, actual)
     traced = tracer.run()
     if not tracer.reads_values:  # a trace that baked in a tensor's value must be redone each call
@@ -161,6 +164,7 @@ class _Tracer:
         self._site: tuple[str, str] | None = None  # overrides the error location once the mod returned
         self.reads_values = False  # the mod read a concrete tensor value: the trace is not cached
         self.sites: dict = {}  # lookup / division node -> where the mod wrote it
+        self.recorder = derived.Recorder()  # torch operations on captured tensors, for replay
 
     def note_site(self, node: ir.Node) -> ir.Node:
         """Remember where ``node`` (a lookup or an integer division) was written; the first place wins."""
@@ -198,7 +202,8 @@ class _Tracer:
         if self.kind == SCORE_MOD and root.kind == ir.INT:
             root = ir.cast(root, "float32", ir.FLOAT)
         return TracedMod(self.kind, root, tuple(self.buffers), _buffer_names(self.fn, self.buffers),
-                         _mod_name(self.fn), self.fn, self.sites)
+                         _mod_name(self.fn), self.fn, self.sites,
+                         derivations=self.recorder.derivations(self.buffers))
 
     # -- errors --
     def fail(self, what: str, fix: str) -> None:
@@ -1099,7 +1104,11 @@ class _TraceMode(TorchFunctionMode):
         if _mutates(name) and args and isinstance(args[0], torch.Tensor):
             self.tracer.fail(f"`{name}` mutates a tensor inside the mod",
                              "mods must be pure: compute new values instead of writing into captured tensors")
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        # an operation on captured tensors is replayed when they change (flexc.derived)
+        tensors = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
+        self.tracer.recorder.note(func, args, kwargs, tensors, result)
+        return result
 
 
 # ---- names and places ---------------------------------------------------------------------

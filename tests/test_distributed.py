@@ -45,6 +45,13 @@ def _case(name: str, L: int, block: int):
         def alibi(score, b, h, q, kv):
             return score - slopes[h] * (q - kv)
         return mask, alibi, [slopes]
+    if name == "temperature_softmax_slopes":  # captured tensors the mod transforms whole (flexc.derived)
+        log_temp = torch.tensor(0.2, requires_grad=True)
+        logits = torch.tensor([0.5, -0.25, 1.0, 0.0], requires_grad=True)
+
+        def tempered(score, b, h, q, kv):
+            return score * torch.exp(log_temp) - logits.softmax(0)[h] * (q - kv).abs()
+        return _causal, tempered, [log_temp, logits]
     if name == "prefix_lm":
         return (lambda b, h, q, kv: (kv < 40) | (q >= kv)), None, []
     if name == "dead_rows":  # rows q % 5 == 3 allow nothing: output 0, lse -inf, zero gradients
@@ -57,8 +64,18 @@ def _case(name: str, L: int, block: int):
 
 
 def _check_case(name: str, L: int, block: int, Hq: int, Hkv: int, counted: bool) -> None:
-    rank, size = dist.get_rank(), dist.get_world_size()
     mask_mod, score_mod, captured = _case(name, L, block)
+    _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted)
+    if captured:  # an optimizer-like step in place: the next call must read the new values
+        with torch.no_grad():
+            for t in captured:
+                t.add_(0.5)
+                t.grad = None
+        _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted)
+
+
+def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv: int, counted: bool) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
     bm = flexc.create_block_mask(mask_mod, None, None, L, L, BLOCK_SIZE=block)
     q, k, v = random_qkv(2, Hq, Hkv, L, L, 16, seed=L + Hq)
     gqa = Hq != Hkv
@@ -116,8 +133,8 @@ def _check_case(name: str, L: int, block: int, Hq: int, Hkv: int, counted: bool)
     needs[owner[qi], owner[ki]] = True
     expect_fwd = sorted(s for s in range(size) if s != rank and needs[rank, s])
     expect_bwd = sorted(r for r in range(size) if r != rank and needs[r, rank])
-    assert forward_sources == expect_fwd, (name, rank, forward_sources, expect_fwd)
-    assert backward_sources == expect_bwd, (name, rank, backward_sources, expect_bwd)
+    assert forward_sources == expect_fwd, ( rank, forward_sources, expect_fwd)
+    assert backward_sources == expect_bwd, ( rank, backward_sources, expect_bwd)
     if counted:  # the case is chosen so that some pair is skipped
         assert needs.sum() < size * size
 
@@ -169,7 +186,7 @@ def test_two_ranks_match_single_process():
     # (name, L, block, Hq, Hkv, counted): ragged lengths (200, 232), GQA, captured-tensor gradients
     _spawn(2, [("causal", 200, 32, 4, 2, False), ("sliding", 256, 32, 2, 2, False),
                ("document_alibi", 232, 32, 4, 2, False), ("prefix_lm", 224, 32, 2, 1, False),
-               ("dead_rows", 200, 32, 2, 2, False)])
+               ("dead_rows", 200, 32, 2, 2, False), ("temperature_softmax_slopes", 160, 32, 4, 2, False)])
 
 
 def test_four_ranks_skip_pairs_they_do_not_need():
