@@ -173,6 +173,52 @@ def test_tensor_gathered_through_an_index_tensor_gets_its_gradient(case):
     mine = _check(q, k, v, mod, MASKS["causal"], extra=(trainable,))
     assert mine[3].abs().sum() > 0
 
+
+def _sweep_mods(name, Bs, Hs, Ls, Ss):
+    """One (mask_mod, score_mod, trainable tensors) case of the mask/score sweep below."""
+    g = torch.Generator().manual_seed(Ls * 100 + Ss)
+    doc, doc_q = torch.randint(0, 4, (Ss,), generator=g), torch.randint(0, 4, (Ls,), generator=g)
+    idx = torch.randint(0, 3, (Hs,), generator=g)
+    leaf = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g).requires_grad_()
+    bias, table, pair, per_doc = leaf(Ls, Ss), leaf(3, Ss), leaf(4, 4), leaf(4)
+    cases = {
+        # the issue's two: a 2-D [L, S] bias under masks that read h
+        "h_or_causal/bias2d": (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (h == 0),
+                               lambda s, b, h, q_idx, kv_idx: s + bias[q_idx, kv_idx], (bias,)),
+        "kv_le_q_plus_h/bias2d": (lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + h,
+                                  lambda s, b, h, q_idx, kv_idx: s + bias[q_idx, kv_idx], (bias,)),
+        # a mask part constant over the tile (b only), a score-dependent nested 2-D gather
+        "b_or_prefix/pair": (lambda b, h, q_idx, kv_idx: (b == 0) | (kv_idx < 5),
+                             lambda s, b, h, q_idx, kv_idx: s + pair[doc_q[q_idx], doc[kv_idx]] * s, (pair,)),
+        # a mask reading only h (the whole tile allowed or not)
+        "h_only/bias2d": (lambda b, h, q_idx, kv_idx: h == 0,
+                          lambda s, b, h, q_idx, kv_idx: s + bias[q_idx, kv_idx], (bias,)),
+        "window_b_h/table[idx[h]]": (lambda b, h, q_idx, kv_idx: ((q_idx - kv_idx).abs() <= 9 + 4 * b) & (kv_idx < Ss - h),
+                                     lambda s, b, h, q_idx, kv_idx: s + table[idx[h], kv_idx], (table,)),
+        "q_only/per_doc": (lambda b, h, q_idx, kv_idx: q_idx % 3 != 1,
+                           lambda s, b, h, q_idx, kv_idx: s * 0.8 + per_doc[doc[kv_idx]], (per_doc,)),
+    }
+    return cases[name]
+
+
+# (case, (B, H, L, S), BlockMask BLOCK_SIZE): lengths that are not multiples of the blocks, query
+# blocks larger or smaller than key blocks, blocks larger than the whole sequence
+@pytest.mark.parametrize("case,shape,block", [
+    ("h_or_causal/bias2d", (1, 2, 120, 64), (32, 128)),
+    ("kv_le_q_plus_h/bias2d", (1, 2, 120, 64), (32, 128)),
+    ("b_or_prefix/pair", (2, 1, 50, 77), (64, 16)),
+    ("h_only/bias2d", (1, 2, 40, 24), (16, 32)),
+    ("window_b_h/table[idx[h]]", (2, 2, 17, 33), (128, 128)),
+    ("q_only/per_doc", (1, 2, 64, 48), (16, 32)),
+])
+def test_masks_reading_any_index_with_trainable_gathers_at_ragged_lengths_and_uneven_blocks(case, shape, block):
+    # a mask part that is one value per program (h == 0, b == 0) made an int32 tile under the
+    # interpreter, which the gathers' atomic adds rejected as a mask ("mask has unsupported dtype")
+    Bs, Hs, Ls, Ss = shape
+    mask_mod, score_mod, extra = _sweep_mods(case, Bs, Hs, Ls, Ss)
+    q, k, v = _leaves(*random_qkv(Bs, Hs, Hs, Ls, Ss, E, dtype=torch.float64, seed=Ls + Ss))
+    _check(q, k, v, score_mod, mask_mod, extra=extra, block=block)
+
 # ---- shapes -----------------------------------------------------------------------------------
 
 def test_fully_masked_rows_get_zero_gradients():

@@ -252,6 +252,11 @@ def _score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, 
             out.append(f"{indent}    valid = valid & (q_idx < 0)  # allows nothing")
         else:
             out.append(f"{indent}    valid = valid & {_call(mask, 'b, h, q_idx, kv_idx')}")
+            if spec.target == "interpreter":
+                # the interpreter stores a per-program comparison (h == 0, b < 2) as int32 and
+                # broadcasts it to the tile as int32: valid would be an int32 tile typed int1,
+                # which tl.where takes but an atomic add's mask (the gathers') rejects
+                out.append(f"{indent}    valid = valid != 0  # a bool tile again")
     out.append(f"{indent}qk = tl.where(valid, qk, float(\"-inf\"))")
     return out
 
