@@ -11,8 +11,8 @@ from .backends.triton_backend import cache_clear, cache_info, kernel_source
 # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`
 # becomes `from flexc import ...` unchanged
 from .compat import (FlexKernelOptions, _Backend, _DEFAULT_SPARSE_BLOCK_SIZE, _LARGE_SPARSE_BLOCK_SIZE,
-                     _WARNINGS_SHOWN, _apply_kernel_options, _create_empty_block_mask, flex_attention_hop,
-                     _ModificationType, _dense_to_ordered, _get_mod_type, _identity, _mask_mod_signature,
+                     _MaskModWrapper, _WARNINGS_SHOWN, _apply_kernel_options, _create_empty_block_mask,
+                     flex_attention_hop, _ModificationType, _dense_to_ordered, _get_mod_type, _identity, _mask_mod_signature,
                      _ordered_to_dense, _round_up_to_multiple, _score_mod_signature, _transpose_ordered,
                      _vmap_for_bhqkv, create_nested_block_mask)
 from .plot import plot  # matplotlib is imported only when plot() runs

@@ -127,8 +127,11 @@ def _create_empty_block_mask(query: Tensor, key: Tensor) -> BlockMask:
 # torch's own plumbing, re-exported (not reimplemented) so test suites and libraries that import
 # them from the flex_attention module import them from flexc unchanged: the option defaults torch's
 # kernels get, the set of warnings torch's eager path has shown, and torch's higher-order op.
-# flexc's own options are checked by flexc.validate.check_kernel_options.
-from torch.nn.attention.flex_attention import _WARNINGS_SHOWN, _apply_kernel_options  # noqa: E402
+# flexc's own options are checked by flexc.validate.check_kernel_options. _MaskModWrapper is the
+# wrapper torch's BlockMask puts around its mask_mod in pytree contexts; torch's compiler imports it
+# from the module path and checks isinstance against torch's objects, so it must be torch's class
+# (with sys.modules["torch.nn.attention.flex_attention"] = flexc, dynamo imports it from here).
+from torch.nn.attention.flex_attention import _MaskModWrapper, _WARNINGS_SHOWN, _apply_kernel_options  # noqa: E402
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop  # noqa: E402
 
 
@@ -189,3 +192,12 @@ def create_nested_block_mask(mask_mod: _mask_mod_signature, B: int | None, H: in
     nested_mask.__name__ = f"nested({getattr(mask_mod, '__name__', type(mask_mod).__name__)})"
     return create_block_mask(nested_mask, 1, H, total_q, total_kv, device=q_nt.device, BLOCK_SIZE=BLOCK_SIZE,
                              _compile=_compile)
+
+
+# The drop-in names (flexc/__init__.py re-exports them), torch's re-exported plumbing included.
+__all__ = ["FlexKernelOptions", "_Backend", "_DEFAULT_SPARSE_BLOCK_SIZE", "_LARGE_SPARSE_BLOCK_SIZE", "_MaskModWrapper",
+           "_WARNINGS_SHOWN",
+           "_apply_kernel_options", "_create_empty_block_mask", "flex_attention_hop", "_ModificationType",
+           "_dense_to_ordered", "_get_mod_type", "_identity", "_mask_mod_signature", "_ordered_to_dense",
+           "_round_up_to_multiple", "_score_mod_signature", "_transpose_ordered", "_vmap_for_bhqkv",
+           "create_nested_block_mask"]

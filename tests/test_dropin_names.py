@@ -237,3 +237,70 @@ def test_swapped_library_attends_like_torch(libraries, name, mods):
     assert out.dtype == ref_out.dtype and lse.dtype == ref_lse.dtype
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
+# ---- sys.modules["torch.nn.attention.flex_attention"] = flexc --------------------------------
+
+_MODULE = "torch.nn.attention.flex_attention"
+
+
+def _names_torch_takes_from_its_flex_attention_module():
+    """Every name torch's own sources import from the module path, or read as an attribute of it."""
+    import ast
+
+    root = os.path.dirname(torch.__file__)
+    names = {}
+    for directory, _, files in os.walk(root):
+        for file in files:
+            path = os.path.join(directory, file)
+            if not file.endswith(".py") or path == torch_flex.__file__:
+                continue
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+            if _MODULE not in text:
+                continue
+            try:
+                tree = ast.parse(text)
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module == _MODULE:
+                    names.update((alias.name, os.path.relpath(path, root)) for alias in node.names)
+                elif isinstance(node, ast.Attribute) and ast.unparse(node.value) == _MODULE:
+                    names[node.attr] = os.path.relpath(path, root)
+    return names
+
+
+def test_every_name_torch_itself_imports_from_the_flex_attention_module_is_in_flexc():
+    names = _names_torch_takes_from_its_flex_attention_module()
+    # torch's compiler (dynamo's user_defined.py) and its kernels import these; the list is not empty
+    assert {"_MaskModWrapper", "_vmap_for_bhqkv", "BlockMask", "noop_mask"} <= set(names)
+    missing = {name: where for name, where in names.items() if not hasattr(flexc, name)}
+    assert missing == {}, "torch imports these from torch.nn.attention.flex_attention; flexc lacks them"
+    assert flexc._MaskModWrapper is torch_flex._MaskModWrapper  # dynamo checks isinstance against torch's
+
+
+def test_swapping_flexc_in_for_torchs_module_keeps_compiled_calls_working(monkeypatch):
+    """The literal swap (as in transformers): torch's compiler imports _MaskModWrapper and friends
+    from the module path while compiling, so they come from flexc."""
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    expected = flexc.flex_attention(q, k, v, block_mask=flexc.create_block_mask(causal, None, None, 64, 64,
+                                                                                device="cpu", BLOCK_SIZE=32))
+    torch._dynamo.reset()
+    monkeypatch.setitem(sys.modules, _MODULE, flexc)  # restored when the test ends
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        assert importlib.import_module(_MODULE) is flexc and flex_attention is flexc.flex_attention
+
+        def attend(q, k, v, block_mask):
+            return flex_attention(q, k, v, block_mask=block_mask)
+
+        block_mask = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+        out = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, block_mask)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, expected)
