@@ -20,6 +20,7 @@ demo: setup
 	$(PY) examples/run_all.py
 
 test: setup
+	$(PY) -m ruff check
 	$(PY) -m pytest -q
 
 # The oldest Triton pyproject allows (triton>=3.6), proven on CPU: the Triton kernel tests in a venv

@@ -61,8 +61,6 @@ def _kib(field: str) -> int:
 
 def child(impl: str, name: str, length: int) -> dict:
     """One measurement, in a fresh process."""
-    import torch
-
     mod = mask_mod(name, length)
     result = {"impl": impl, "mask": name, "L": length}
     if impl == "flexc":

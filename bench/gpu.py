@@ -281,9 +281,6 @@ def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device
         raise
     except Exception as e:
         row["sdpa"] = short_error(e)
-    del q, k, v
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return row
 
 
@@ -304,8 +301,8 @@ def run_table(flexc, torch_flex, compiled_flex, device: str, dims, lengths, dead
                     raise
                 except Exception as e:  # e.g. out of memory: report it, keep going
                     rows.append(((D, L, name), {"flexc": short_error(e)}))
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+                if torch.cuda.is_available():  # the cell's tensors died with its frame
+                    torch.cuda.empty_cache()
     return rows
 
 

@@ -35,9 +35,10 @@ def main() -> None:
     import flexc
     from flexc.backends import triton_backend as tb
     from flexc.backends import triton_backward as tbw
+    from flexc.codegen.scalars import lift_scalars
 
     def build(mod):
-        lifted = tb.lift_scalars(flexc.trace(mod))
+        lifted = lift_scalars(flexc.trace(mod))
         tb.get_kernel(tb.make_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter", False))
         tb.get_kernel(tbw.make_backward_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter"))
 

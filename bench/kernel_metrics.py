@@ -385,12 +385,13 @@ def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_val
     """The split-KV decode kernel for one query row per head against an L-key cache, as a CUDA
     launch compiles it (``guard_values``: the CPU-only NaN/inf value guard compiled in)."""
     from flexc.backends import triton_decode
+    from flexc.codegen.scalars import lift_scalars
 
     q = torch.empty((BATCH, DECODE_HEADS, 1, head_dim), dtype=dtype)
     k = torch.empty((BATCH, DECODE_KV_HEADS, L, head_dim), dtype=dtype)
     block_mask = flexc.create_block_mask(mask_mod, 1, 1, 1, L, device="cpu") if mask_mod is not None else None
-    spec = triton_decode.make_spec(triton_backend.lift_scalars(flexc.trace(score_mod)) if score_mod else None,
-                                   triton_backend.lift_scalars(flexc.trace(mask_mod)) if mask_mod else None,
+    spec = triton_decode.make_spec(lift_scalars(flexc.trace(score_mod)) if score_mod else None,
+                                   lift_scalars(flexc.trace(mask_mod)) if mask_mod else None,
                                    q, k, k, block_mask, target="cuda")
     return spec, triton_decode.compile_decode_offline(spec, q, k, k, block_mask, CAPABILITY,
                                                       guard_values=guard_values)

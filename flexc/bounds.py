@@ -151,7 +151,7 @@ def _message(traced: TracedMod, check: tuple, sizes: dict, where: str, low: int,
     if size is None:
         text = (f"{head} divides by zero for {domain}: the divisor `{text_of(expr)}` of `{text_of(node)}` "
                 f"is 0 at {at or 'every position'} (torch raises ZeroDivisionError there)")
-        fix = f"keep the divisor non-zero, e.g. `torch.where(d == 0, 1, d)`, or divide floats with `/`"
+        fix = "keep the divisor non-zero, e.g. `torch.where(d == 0, 1, d)`, or divide floats with `/`"
     else:
         slot = node.args[0].attr[0]
         tensor = traced.buffers[slot]

@@ -1,6 +1,5 @@
 """flexc.flex_attention forward: against torch's FlexAttention (eager oracle) and a float64 dense
 reference, over the mod catalogue, GQA, non-square and ragged lengths, B/H broadcast and dtypes."""
-import math
 
 import pytest
 import torch

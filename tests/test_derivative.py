@@ -3,8 +3,6 @@ grids in float64, against torch.autograd through a direct (untraced) call of the
 every catalogue score_mod, hand-picked rules at their kinks, and hypothesis over random expressions."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st

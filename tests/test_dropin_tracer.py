@@ -1,7 +1,6 @@
 """Mods torch accepts and flexc's tracer used to reject: torch.nn.functional activations, the rest of
 torch's elementwise math, and shifts. Forward against torch's FlexAttention, gradients against
 float64 dense autograd, under the TORCH and TRITON backends."""
-import math
 import warnings
 
 import pytest

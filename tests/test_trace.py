@@ -251,7 +251,7 @@ def test_value_operation_evaluates_like_direct_call(name):
 
 def _lookup_mods():
     g = torch.Generator().manual_seed(11)
-    B, H, L, S = 1, 2, 37, 53
+    H, L, S = 2, 37, 53
     vec = torch.randn(64, generator=g)
     bias3 = torch.randn(H, L, S, generator=g)
     bias4 = torch.randn(2, H, L, S, generator=g)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import flexc
-from flexc import trace as _trace_module
 from flexc.trace import MASK_MOD, SCORE_MOD, TraceError, _Tracer, mod_kind, trace
 from reference import dense_attention, random_qkv
 

@@ -5,8 +5,6 @@ fully masked rows, and proof that partial blocks run the mask_mod, full blocks d
 blocks are never read."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.nn.attention import flex_attention as torch_flex

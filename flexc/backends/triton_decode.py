@@ -164,7 +164,7 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
         with tb._interpreter_lock:
             fn[grid](*args, **constants)
     else:
-        with torch.cuda.device(device):
+        with torch.cuda.device(query.device):
             fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
     return merge_splits(out_split, lse_split, Hq, L, query.dtype)  # lse float64 for float64 inputs
 

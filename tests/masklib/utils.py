@@ -1,8 +1,7 @@
 """Evaluate a mod over a whole [B, H, Q, KV] grid (how visualisation helpers do it)."""
 import torch
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-from torch.nn.attention.flex_attention import (_ModificationType, _get_mod_type, _mask_mod_signature,
-                                               _score_mod_signature, _vmap_for_bhqkv)
+from torch.nn.attention.flex_attention import _ModificationType, _get_mod_type, _vmap_for_bhqkv
 
 
 def mod_grid(mod, B: int, H: int, M: int, N: int, scores: torch.Tensor = None) -> torch.Tensor:
