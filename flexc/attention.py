@@ -13,6 +13,7 @@ import torch
 
 from . import bounds, under_compile, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
+from .layout import laid_out_like as _laid_out_like
 from .lowering import AUTOGRAD_FUNCTION
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
 
@@ -69,54 +70,6 @@ def _triton_available() -> bool:
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """torch's logsumexp dtype: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _strides_like(shape: tuple, reference_strides: tuple) -> list[int]:
-    """Dense strides for ``shape`` that lay dimensions out in the order of ``reference_strides``
-    (torch's rule for outputs and gradients): smallest stride innermost, ties put the later
-    dimension inside, and the last dimension innermost whatever the reference says."""
-    def dense(order):
-        strides, step = [0] * len(shape), 1
-        for d in order:
-            strides[d], step = step, step * shape[d]
-        return strides
-
-    # insertion sort by (stride, -dim), written out: dynamo cannot sort by symbolic sizes (sorted's key)
-    order: list[int] = []
-    for d in range(len(shape)):
-        i = len(order)
-        while i > 0 and (reference_strides[d] < reference_strides[order[i - 1]]
-                         or reference_strides[d] == reference_strides[order[i - 1]]):
-            i -= 1
-        order.insert(i, d)
-    strides = dense(order)
-    if strides[-1] != 1:
-        last = len(shape) - 1
-        strides = dense([last] + [d for d in order if d != last])
-    return strides
-
-
-def _row_major(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
-def _laid_out_like(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``t`` (dense) in the dimension order of ``reference``, as torch returns outputs and gradients
-    (a query permuted from [B, L, H, D] gives an output whose transpose back is free); copies only
-    when the layouts differ."""
-    strides = t.stride()
-    if strides == reference.stride() and t.shape == reference.shape:
-        return t  # laid out exactly as the reference (the common case: both contiguous, E == Ev)
-    if strides == _row_major(t.shape) and reference.stride() == _row_major(reference.shape):
-        return t  # both row-major, decided without the sort
-    strides = _strides_like(tuple(t.shape), reference.stride())
-    if list(t.stride()) == strides:
-        return t
-    return t.new_empty_strided(t.shape, strides).copy_(t)
 
 
 def _in_dtype_of(query: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 ``flexc::flex_attention`` (forward) and ``flexc::flex_attention_backward`` take only tensors and
 constants: query/key/value, the BlockMask's tables, the tensors each mod captured, and the mods'
-structure as strings (:mod:`flexc.mod_key`). Each has a fake implementation (shapes and dtypes
-only) for tracing, and the forward's autograd formula calls the backward op, so compiled
+structure as strings (:mod:`flexc.mod_key`). Each has a fake implementation for tracing (shapes,
+dtypes and the real one's strides: outputs and gradients laid out as eager calls return them, see
+:mod:`flexc.layout`), and the forward's autograd formula calls the backward op, so compiled
 training runs flexc's own backward and captured tensors that require grad receive gradients.
 :mod:`flexc.under_compile` is what calls these ops from inside a compiled region.
 """
@@ -19,6 +20,7 @@ import torch
 from . import bounds, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .block_mask import DERIVED, BlockMask, create_block_mask
+from .layout import empty_like_reference, laid_out_like
 from .mod_key import traced_from_key
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
@@ -130,9 +132,10 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
         out, lse = torch_forward(query, key, value, score, mask, block_mask, scale, options, need_lse)
     if row_max is None:
         row_max = query.new_empty((0,), dtype=torch.float32)
-    # contiguous whatever a backend chose, as the fake implementation promises
+    # laid out as an eager call returns it (the query's dimension order, flexc.layout) whatever a
+    # backend chose, and the logsumexp contiguous: what the fake implementation promises
     lse = lse.to(lse_dtype(query)).contiguous() if need_lse else query.new_empty((0,), dtype=lse_dtype(query))
-    return out.contiguous(), lse, row_max
+    return laid_out_like(out, query), lse, row_max
 
 
 flex_attention_op = torch.library.custom_op("flexc::flex_attention", _forward, mutates_args=())
@@ -143,7 +146,7 @@ def _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, scor
                     seq_lengths, scale, kernel_options, need_max):
     B, Hq, L, _ = query.shape
     Ev = value.shape[-1]
-    out = query.new_empty((B, Hq, L, Ev))
+    out = empty_like_reference((B, Hq, L, Ev), query)  # the real implementation's strides
     lse = query.new_empty((B, Hq, L), dtype=lse_dtype(query))
     row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
     return out, lse, row_max
@@ -170,14 +173,17 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
         with _autograd_enabled():  # carries dS through the score_mod
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
                                                    block_mask, scale, tuple(grad_slots))
-    # contiguous whatever the inputs' strides, as the fake implementation promises
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), [g.contiguous() for g in buf_grads]
+    # each gradient laid out like its input, as an eager call's (flexc.layout), and the captured
+    # tensors' contiguous: what the fake implementation promises
+    return (laid_out_like(dq, query), laid_out_like(dk, key), laid_out_like(dv, value),
+            [g.contiguous() for g in buf_grads])
 
 
 @flex_attention_backward_op.register_fake
 def _(query, key, value, out, lse, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
       mask_mod, block_size, seq_lengths, scale, kernel_options, grad_slots):
-    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+    return (empty_like_reference(query.shape, query), empty_like_reference(key.shape, key),
+            empty_like_reference(value.shape, value),
             [score_buffers[i].new_empty(score_buffers[i].shape) for i in grad_slots])
 
 

@@ -31,6 +31,7 @@ from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 
 from . import block_mask, custom_ops
 from .block_mask import DERIVED, BlockMask
+from .layout import empty_like_reference
 from .mod_key import mod_key
 from .trace import MASK_MOD, SCORE_MOD, trace
 
@@ -100,7 +101,7 @@ def _name(fn: Any, default: str) -> str:
 def _output_meta(query: torch.Tensor, value: torch.Tensor, need_max: bool, need_lse: bool):
     """Empty tensors shaped like the op's outputs (what dynamo records as the call's result)."""
     B, Hq, L, _ = query.shape
-    out = query.new_empty((B, Hq, L, value.shape[-1]))
+    out = empty_like_reference((B, Hq, L, value.shape[-1]), query)  # strided as the op's result
     lse = query.new_empty((B, Hq, L) if need_lse else (0,), dtype=custom_ops.lse_dtype(query))
     row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
     return out, lse, row_max

@@ -307,3 +307,80 @@ def test_calls_without_gradients_compile_to_the_inference_op_and_match_eager():
         torch.compile(step, backend=backend, fullgraph=True)(trained, k, v, pos, False)
         assert _flexc_ops(backend.fw_graphs[0]) == ["flexc.flex_attention_inference.default"]
 
+
+
+# [B, H, L, E] queries viewed from memory laid out other ways
+_QUERY_LAYOUTS = {
+    "contiguous": lambda g: torch.randn(2, 2, 24, 8, generator=g),
+    "bshd": lambda g: torch.randn(2, 24, 2, 8, generator=g).transpose(1, 2),
+    "channels_last": lambda g: torch.randn(2, 2, 24, 8, generator=g).to(memory_format=torch.channels_last),
+    "lbhd": lambda g: torch.randn(24, 2, 2, 8, generator=g).permute(1, 2, 0, 3),
+    "strided_rows": lambda g: torch.randn(2, 2, 48, 8, generator=g)[:, :, ::2],
+}
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_compiled_outputs_and_gradients_are_strided_as_in_eager_for_every_query_layout(backend, grad):
+    """The custom ops return what an eager call does (the query's dimension order, the head dim
+    innermost, as torch's _permute_strides), and their fake implementations say so: with
+    channels_last queries BACKEND="TRITON" returned (1280, 1, 32, 2)-like strides eagerly and
+    contiguous ones compiled."""
+    from torch._higher_order_ops.flex_attention import _permute_strides
+
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 24, 24, BLOCK_SIZE=16)
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options={"BACKEND": backend})
+
+    for name, make in _QUERY_LAYOUTS.items():
+        g = torch.Generator().manual_seed(len(name))
+        q = make(g).requires_grad_(grad)
+        # key and value laid out like the query; the value's head dim as the query's, where the
+        # output's shape is the query's (a wider one: the fake-strides test below)
+        k, v = make(g).requires_grad_(grad), make(g).requires_grad_(grad)
+        torch._dynamo.reset()
+        results = []
+        for fn in (torch.compile(f, backend="aot_eager", fullgraph=True), f):
+            out, lse = fn(q, k, v)
+            grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v)) if grad else ()
+            results.append((out, lse, *grads))
+        for compiled, eager in zip(*results):
+            assert compiled.stride() == eager.stride(), name
+            torch.testing.assert_close(compiled, eager)
+        out, lse = results[1][:2]
+        assert out.stride() == _permute_strides(torch.empty(out.shape), q.stride()).stride(), name
+        assert lse.is_contiguous()
+        for grad_, t in zip(results[1][2:], (q, k, v)):
+            assert grad_.stride() == _permute_strides(torch.empty(t.shape), t.stride()).stride(), name
+
+
+def test_custom_ops_fake_strides_equal_the_real_ones_for_permuted_inputs():
+    """Each op's fake implementation promises the strides its real one returns (AOT autograd
+    plans the graph around the fake ones)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 32, 8, generator=g).to(memory_format=torch.channels_last)
+    k = torch.randn(1, 32, 2, 8, generator=g).transpose(1, 2)
+    v = torch.randn(32, 1, 2, 16, generator=g).permute(1, 2, 0, 3)
+    slopes = torch.rand(2, generator=g, requires_grad=True)
+    score = flexc.trace(lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx))
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 32, 32, BLOCK_SIZE=16)
+    tables = [getattr(bm, name) for name in custom_ops.TABLE_NAMES]
+    mask = flexc.trace(bm.mask_mod)
+    for backend in ("TORCH", "TRITON"):
+        common = (tables, [slopes.detach()], list(mask.buffers), mod_key(score), mod_key(mask), [16, 16], [32, 32],
+                  0.3, custom_ops.options_key({"BACKEND": backend}))
+        out, lse, _ = custom_ops.flex_attention_inference_op(q, k, v, *common, False, True)
+        grad_out = torch.randn(out.shape, generator=g)
+        backward = (q, k, v, out, lse, grad_out, None, *common, [0])
+        real = [*custom_ops.flex_attention_inference_op(q, k, v, *common, False, True)[:2],
+                *pytree.tree_leaves(custom_ops.flex_attention_backward_op(*backward))]
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_args = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (q, k, v, common, backward))
+            fq, fk, fv, fcommon, fbackward = fake_args
+            fake = [*custom_ops.flex_attention_inference_op(fq, fk, fv, *fcommon, False, True)[:2],
+                    *pytree.tree_leaves(custom_ops.flex_attention_backward_op(*fbackward))]
+        assert [t.stride() for t in fake] == [t.stride() for t in real], backend
+        assert real[0].stride() == (1024, 16, 32, 1)  # [B, H, L, 16] in the query's (B, L, H) order, head dim innermost

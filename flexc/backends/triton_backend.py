@@ -31,6 +31,7 @@ from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, Generate
                                next_power_of_2, padded_head_dim)
 from ..codegen.index_width import index_dtype as _index_dtype
 from ..codegen.scalars import lift_for_call
+from ..layout import empty_like_reference
 from ..tiles import cdiv
 from .nonfinite import all_finite
 from ..trace import TracedMod
@@ -475,12 +476,10 @@ def _buffer_arguments(traced: TracedMod | None, params, device: torch.device) ->
 
 
 def _empty_like_query(query: torch.Tensor, v_head_dim: int) -> torch.Tensor:
-    """The output ``[B, Hq, L, Ev]`` laid out in memory in the query's dimension order."""
+    """The output ``[B, Hq, L, Ev]`` laid out as flex_attention returns it (:mod:`flexc.layout`:
+    the query's dimension order, the head dim innermost), so returning it copies nothing."""
     B, H, L, _ = query.shape
-    order = sorted(range(4), key=lambda d: -query.stride(d))
-    if order == [0, 1, 2, 3]:
-        return torch.empty((B, H, L, v_head_dim), dtype=query.dtype, device=query.device)
-    return torch.empty_permuted((B, H, L, v_head_dim), order, dtype=query.dtype, device=query.device)
+    return empty_like_reference((B, H, L, v_head_dim), query)
 
 
 def _guards_nonfinite_values(spec: ForwardSpec, value: torch.Tensor) -> bool:
