@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import bounds
+from .device import is_gpu
 from .errors import AssertedValueError, InvalidValueError
 from .mask_mods import noop_mask
 from .tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_ordered,
@@ -26,6 +27,7 @@ from .ranges import MIXED
 from .trace import MASK_MOD, TracedMod, mod_kind, trace
 from .table_lists import TableContents, row_contents
 from .validate import check_captured
+from .versions import table_states
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -188,6 +190,9 @@ class BlockMask:
         self._kv_tables: tuple | None = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         # a one-row slice's tables as Python lists, its tables built from them on first access (see _row_slice)
         self.lazy_rows: TableContents | None = None
+        # a slice's provenance, (parent's kv tables, their write counts, this mask's write counts) when
+        # sliced: rows of tables found valid are valid, so validation needs no look at the contents
+        self.sliced_from: tuple | None = None
         # None: derive from the kv tables on first access (see the class docstring)
         self._q_tables: tuple | None = None if all(derived) else q_tables
         self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
@@ -212,6 +217,7 @@ class BlockMask:
         tables = list(self._kv())
         tables[slot] = value
         self._kv_tables = tuple(tables)
+        self.sliced_from = None  # a table of other provenance
 
     kv_num_blocks = property(lambda self: self._kv()[0], lambda self, v: self._set_kv(0, v),
                              doc="int32 ``[B, H, nQ]``: partial kv blocks per query-block row.")
@@ -334,19 +340,66 @@ class BlockMask:
         """Percentage of the mask's elements that lie in skipped tiles.
 
         Exact for any lengths: a ragged edge tile counts only its in-range elements, so the result
-        stays in [0, 100] (torch counts whole tiles and goes negative for ragged lengths).
+        stays in [0, 100] (torch counts whole tiles and goes negative for ragged lengths). Read from
+        the tables' counts, never a dense tile grid, for the ordered tables that create_block_mask,
+        from_kv_blocks and torch build; other tables (repeated or unsorted columns, a tile both
+        partial and full) are counted on the dense grid, tile by tile as their union.
         """
         total = self.numel()
         if total == 0:
             return 0.0
+        computed = self._computed_elements()
+        if computed is None:
+            computed = self._computed_elements_dense()
+        return 100.0 * (1.0 - computed / total)
+
+    def _ordered_tables(self, index: tuple = ...) -> list | None:
+        """``[(entries, counts)]`` (see :func:`_ascending_rows`) of the partial and, if kept apart,
+        the full table at ``index`` of the batch dims; None unless the tables are ordered (every row's
+        valid entries ascending columns in range, no tile in both tables, the two tables one shape)."""
+        tables = [(self.kv_num_blocks, self.kv_indices)]
+        if self.full_kv_num_blocks is not None:
+            tables.append((self.full_kv_num_blocks, self.full_kv_indices))
+            if tables[1][0].shape != tables[0][0].shape or tables[1][1].shape != tables[0][1].shape:
+                return None
+        ordered = [_ascending_rows(num[index], idx[index]) for num, idx in tables]
+        if any(rows is None for rows in ordered):
+            return None
+        if len(ordered) == 2 and not _disjoint(*ordered, tables[0][1].shape[-1]):
+            return None
+        return ordered
+
+    def _computed_elements(self) -> int | None:
+        """Elements inside computed tiles, from the counts; None when the tables are not ordered."""
+        ordered = self._ordered_tables()
+        if ordered is None:
+            return None
+        (q_block, kv_block), (q_len, kv_len) = self.BLOCK_SIZE, self.seq_lengths
+        nq, width = self.kv_indices.shape[-2:]
+        if nq == 0 or ordered[0][1].numel() == 0:
+            return 0
+        short = kv_len // kv_block  # columns from here on hold fewer than kv_block in-range elements
+        per_row = 0
+        for entries, counts in ordered:
+            elements = counts * kv_block
+            if short < width:
+                # entries ascend: the ragged column `short` and those past kv_len are the last ones
+                below = _lower_bound(entries, counts, torch.tensor([short, short + 1], device=entries.device))
+                at_short, past = below[:, 1] - below[:, 0], counts - below[:, 1]
+                elements = elements - at_short * (kv_block - (kv_len - short * kv_block)) - past * kv_block
+            per_row = per_row + elements
+        starts_q = torch.arange(nq, device=per_row.device) * q_block
+        rows = (q_len - starts_q).clamp(0, q_block)
+        return int((per_row.view(-1, nq) * rows).sum())
+
+    def _computed_elements_dense(self) -> int:
         dense = self.to_dense().to(torch.int64)
         (q_block, kv_block), (q_len, kv_len) = self.BLOCK_SIZE, self.seq_lengths
         starts_q = torch.arange(dense.shape[-2], device=dense.device) * q_block
         starts_kv = torch.arange(dense.shape[-1], device=dense.device) * kv_block
         rows = (q_len - starts_q).clamp(0, q_block)
         cols = (kv_len - starts_kv).clamp(0, kv_block)
-        computed = int((dense * rows[:, None] * cols[None, :]).sum())
-        return 100.0 * (1.0 - computed / total)
+        return int((dense * rows[:, None] * cols[None, :]).sum())
 
     def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
         """An ASCII picture per (batch, head) that tells full, partial and empty tiles apart.
@@ -355,22 +408,32 @@ class BlockMask:
         (never visited), ``░░`` anything else (some tile runs the mask_mod, or the group is mixed).
         torch draws computed tiles as ``██`` whether full or partial; flexc shows which pay for the
         mask_mod. ``grid_size`` caps the cells per side (-1: one cell per tile); ``limit`` caps the
-        pictures.
+        pictures. Cells are counted from the tables of the pictures drawn, without a dense tile grid
+        (the grid is used for tables that are not ordered; see :meth:`sparsity`).
         """
-        dense = self._tile_classes().cpu()
-        *batch_dims, rows, cols = dense.shape
-        if grid_size == -1 or grid_size == (-1, -1):
-            max_rows, max_cols = rows, cols
-        elif isinstance(grid_size, int):
-            max_rows = max_cols = grid_size
-        else:
-            max_rows, max_cols = grid_size
-        row_step, col_step = max(1, cdiv(rows, max(1, max_rows))), max(1, cdiv(cols, max(1, max_cols)))
+        *batch_dims, rows, cols = self.kv_indices.shape
+        if self.full_kv_indices is not None and self.full_kv_indices.shape != self.kv_indices.shape:
+            return self._to_string_dense(grid_size, limit)
+        row_step, col_step = _grid_steps(rows, cols, grid_size)
         pictures = []
         for count, index in enumerate(_product(batch_dims)):
             if count == limit:
-                pictures += ["...", "To print out more, set BlockMask.to_string(limit=N)",
-                             "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
+                pictures += _MORE_PICTURES
+                break
+            ordered = self._ordered_tables(index) if rows and cols else None
+            if ordered is None:
+                return self._to_string_dense(grid_size, limit)
+            pictures.append(f"{index}\n" + _draw_counts(ordered, rows, cols, row_step, col_step))
+        return "\n".join(pictures)
+
+    def _to_string_dense(self, grid_size: int | tuple[int, int], limit: int) -> str:
+        dense = self._tile_classes().cpu()
+        *batch_dims, rows, cols = dense.shape
+        row_step, col_step = _grid_steps(rows, cols, grid_size)
+        pictures = []
+        for count, index in enumerate(_product(batch_dims)):
+            if count == limit:
+                pictures += _MORE_PICTURES
                 break
             pictures.append(f"{index}\n" + _draw(dense[index], row_step, col_step))
         return "\n".join(pictures)
@@ -440,9 +503,12 @@ class BlockMask:
         full = ((take(self.full_kv_num_blocks), take(self.full_kv_indices))
                 if self.full_kv_num_blocks is not None else (None, None))
         # (from_kv_blocks' argument checks hold for slices of a BlockMask's tables)
-        return BlockMask(self.seq_lengths, take(self.kv_num_blocks), take(self.kv_indices), *full,
-                         *(((DERIVED,) * 4) if self._has_q_tables() else ((None,) * 4)), BLOCK_SIZE=self.BLOCK_SIZE,
-                         mask_mod=_sliced_mask_mod_error, dq_kv_order_spt=self.dq_kv_order_spt)
+        sliced = BlockMask(self.seq_lengths, take(self.kv_num_blocks), take(self.kv_indices), *full,
+                           *(((DERIVED,) * 4) if self._has_q_tables() else ((None,) * 4)), BLOCK_SIZE=self.BLOCK_SIZE,
+                           mask_mod=_sliced_mask_mod_error, dq_kv_order_spt=self.dq_kv_order_spt)
+        parent = self._kv()
+        sliced.sliced_from = (parent, table_states(parent), table_states(sliced._kv()))
+        return sliced
 
     def _row_slice(self, row: int) -> "BlockMask | None":
         """``self[:, :, row]`` of a CPU mask with small rows, as lists read once per row and table state.
@@ -514,7 +580,8 @@ def _one_row(index: tuple, rows: int) -> int | None:
     holding ``r`` in ``[0, rows)``, else None (negative or out-of-range values are left to advanced
     indexing, which wraps or raises IndexError)."""
     i = index[2]
-    if (index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.is_cpu
+    # (a GPU's index stays on the device: reading it would be a sync; simulated GPUs take that path too)
+    if (index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.is_cpu and not is_gpu(i.device)
             and i.dim() == 1 and i.numel() == 1 and i.dtype in _ROW_DTYPES):
         row = int(i)
         return row if 0 <= row < rows else None
@@ -544,6 +611,27 @@ def _product(dims: Sequence[int]):
 TEXT_LEGEND = "legend: ██ full (mask_mod skipped)  ░░ partial or mixed (mask_mod runs)  blank: empty (never visited)"
 
 
+_MORE_PICTURES = ["...", "To print out more, set BlockMask.to_string(limit=N)",
+                  "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
+
+
+def _grid_steps(rows: int, cols: int, grid_size: int | tuple[int, int]) -> tuple[int, int]:
+    """Tiles per picture cell down and across, for at most ``grid_size`` cells per side."""
+    if grid_size == -1 or grid_size == (-1, -1):
+        max_rows, max_cols = rows, cols
+    elif isinstance(grid_size, int):
+        max_rows = max_cols = grid_size
+    else:
+        max_rows, max_cols = grid_size
+    return max(1, cdiv(rows, max(1, max_rows))), max(1, cdiv(cols, max(1, max_cols)))
+
+
+def _cells(some: torch.Tensor, all_full: torch.Tensor) -> str:
+    chars = [["█" if full else ("░" if s else " ") for s, full in zip(srow, frow)]
+             for srow, frow in zip(some.tolist(), all_full.tolist())]
+    return "".join("".join(ch * 2 for ch in line) + "\n" for line in chars)
+
+
 def _draw(classes: torch.Tensor, row_step: int, col_step: int) -> str:
     """Rows of 2-character cells; each cell summarises a row_step x col_step group of tile classes
     (0 empty, 1 partial, 2 full)."""
@@ -554,9 +642,107 @@ def _draw(classes: torch.Tensor, row_step: int, col_step: int) -> str:
     grouped = lambda value: torch.nn.functional.pad(classes, pad, value=value).view(r, row_step, c, col_step)
     some = grouped(0).amax(dim=(1, 3))
     all_full = grouped(2).amin(dim=(1, 3)) == 2
-    chars = [["█" if full else ("░" if s else " ") for s, full in zip(srow, frow)]
-             for srow, frow in zip(some.tolist(), all_full.tolist())]
-    return "".join("".join(ch * 2 for ch in line) + "\n" for line in chars)
+    return _cells(some, all_full)
+
+
+def _draw_counts(ordered: list, rows: int, cols: int, row_step: int, col_step: int) -> str:
+    """:func:`_draw` of one picture from its ordered tables (``[(entries, counts)]``, partial then
+    full, ``rows`` rows each): the tiles of each table per cell, counted by searching the cells'
+    column bounds in every row and summing the rows of each group. A cell is all full when the full
+    table holds every one of its tiles."""
+    r, c = cdiv(rows, row_step), cdiv(cols, col_step)
+    device = ordered[0][0].device
+    bounds = (torch.arange(c + 1, device=device) * col_step).clamp(max=cols)
+    per_cell = []
+    for entries, counts in ordered:
+        per_row = _lower_bound(entries, counts, bounds).diff(dim=1)
+        per_row = torch.nn.functional.pad(per_row, (0, 0, 0, r * row_step - rows))
+        per_cell.append(per_row.view(r, row_step, c).sum(1))
+    tiles_down = (rows - torch.arange(r, device=device) * row_step).clamp(max=row_step)
+    tiles_across = (cols - torch.arange(c, device=device) * col_step).clamp(max=col_step)
+    full = per_cell[1] if len(per_cell) == 2 else torch.zeros_like(per_cell[0])
+    return _cells(per_cell[0] + full > 0, full == tiles_down[:, None] * tiles_across[None, :])
+
+
+# rows of an ordered table checked per chunk of about this many entries (the temporaries stay in cache)
+_CHUNK_ENTRIES = 1 << 19
+_INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _ascending_rows(num: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One table pair (``num [..., nQ]``, ``idx [..., nQ, W]``) as ``(entries [rows, n], counts
+    [rows])``: a row per leading index and query block, ``n`` the longest count, counts clamped to
+    ``[0, W]`` as :func:`~flexc.tiles.ordered_to_dense` reads them. ``entries`` is a view of ``idx``
+    where it can be; only the first ``n`` entries of a row are read (a sliding window at a million
+    tokens: a few of 8192).
+
+    None unless every row's valid entries are distinct columns of ``[0, W)`` in ascending order, as
+    create_block_mask, dense_to_ordered and torch write them.
+    """
+    if num.shape != idx.shape[:-1] or num.dtype not in _INDEX_DTYPES or idx.dtype not in _INDEX_DTYPES:
+        return None
+    width, rows = idx.shape[-1], num.numel()
+    counts = num.reshape(rows).to(torch.int64).clamp(0, width)
+    n = int(counts.max()) if rows else 0
+    entries = idx[..., :n].reshape(rows, n)
+    if n == 0:
+        return entries, counts
+    # ascending, so in range when the first entry is not negative and the last below W
+    first, last = entries[:, 0], entries.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
+    if bool(((counts > 0) & ((first < 0) | (last >= width))).any()):
+        return None
+    step = max(1, _CHUNK_ENTRIES // n)
+    for r0 in range(0, rows if n > 1 else 0, step):
+        chunk = entries[r0:r0 + step]
+        descent = chunk[:, 1:] <= chunk[:, :-1]
+        # the first descent in each row must lie past the row's valid entries
+        at = descent.view(torch.uint8).argmax(1)
+        if bool((descent.gather(1, at[:, None])[:, 0] & (at < counts[r0:r0 + step] - 1)).any()):
+            return None
+    return entries, counts
+
+
+def _lower_bound(entries: torch.Tensor, counts: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """int64 ``[rows, m]``: per row, how many of its valid entries (the first ``counts``, ascending)
+    are below each of ``values`` (``[rows, m]`` or ``[m]``); a binary search of all rows at once."""
+    rows, n = entries.shape
+    shape = (rows, values.shape[-1])
+    lo = torch.zeros(shape, dtype=torch.int64, device=entries.device)
+    hi = counts[:, None].expand(shape).clone()
+    for _ in range(n.bit_length()):  # each step at least halves every row's interval
+        mid = (lo + hi) >> 1
+        active = lo < hi
+        below = entries.gather(1, mid.clamp(max=n - 1)) < values
+        lo = torch.where(active & below, mid + 1, lo)
+        hi = torch.where(active & ~below, mid, hi)
+    return lo
+
+
+def _disjoint(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], width: int) -> bool:
+    """Whether no row of two ordered tables (``(entries, counts)``, :func:`_ascending_rows`) holds
+    one column in both."""
+    (a, a_counts), (b, b_counts) = a, b
+    if a.shape[1] == 0 or b.shape[1] == 0:
+        return True
+    if a.shape[1] > b.shape[1]:
+        (a, a_counts), (b, b_counts) = (b, b_counts), (a, a_counts)
+    a_valid = torch.arange(a.shape[1], device=a.device) < a_counts[:, None]
+    if a.shape[1] * b.shape[1].bit_length() * 4 <= width:
+        # few entries against many columns: search the narrower table's entries in the wider one
+        at = _lower_bound(b, b_counts, a)
+        found = (at < b_counts[:, None]) & (b.gather(1, at.clamp(max=b.shape[1] - 1)) == a)
+        return not bool((found & a_valid).any())
+    # both wide: mark one table's columns a chunk of rows at a time and look the other's up
+    b_valid = torch.arange(b.shape[1], device=b.device) < b_counts[:, None]
+    step = max(1, _CHUNK_ENTRIES // (width + 1))
+    for r0 in range(0, a.shape[0], step):
+        rows = slice(r0, r0 + step)
+        marks = torch.zeros(a[rows].shape[0], width + 1, dtype=torch.uint8, device=a.device)
+        marks.scatter_(1, torch.where(a_valid[rows], a[rows].long(), width), 1)
+        marked = marks.gather(1, torch.where(b_valid[rows], b[rows].long(), width)).bool()
+        if bool((marked & b_valid[rows]).any()):
+            return False
+    return True
 
 
 def _mask_mod_to_torch(mod: Callable) -> Callable:
