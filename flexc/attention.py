@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from . import bounds, under_compile, validate
+from . import device as gpu
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .layout import laid_out_like as _laid_out_like
 from .lowering import AUTOGRAD_FUNCTION
@@ -44,14 +45,13 @@ BACKENDS: dict[str, Callable] = {"TORCH": torch_forward}
 #   -> (out, lse natural log, float64 for float64 inputs); the backward is torch_backward's plus
 #   kernel_options. Backends not listed train through the torch row loop (torch_backward).
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
-_CPU = torch.device("cpu")
 
 
 def _choose_backend(options: dict, device: torch.device) -> str:
     name = options["BACKEND"]
     if name == "AUTO":
         # (a CPU device first: reading device.type builds a string, a noticeable cost per decoding call)
-        name = "TRITON" if device != _CPU and device.type == "cuda" and _triton_available() else "TORCH"
+        name = "TRITON" if gpu.is_gpu(device) and _triton_available() else "TORCH"
     if name == "TRITON" and not _triton_available():
         raise ValueError("flex_attention: kernel_options['BACKEND']='TRITON' but no Triton backend is available "
                          "(flexc.backends.triton_backend did not register one). Fix: use 'TORCH' or 'AUTO'.")

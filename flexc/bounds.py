@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from . import ir
+from .device import is_gpu
 from .evaluate import evaluate, index_grid
 from .ranges import domain_bounds
 from .trace import TracedMod
@@ -58,14 +59,22 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
         return
     sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
     key = (traced.root, B, H, Q_LEN, KV_LEN, shapes)
+    device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
     with _proven_lock:
-        if key in _proven:
+        proven_before = key in _proven
+        if proven_before:
             values = _proven[key]
             if values is None or all(ref() is t and write_count(t) == version
                                      for (ref, version), t in zip(values, traced.buffers)):
                 _proven.move_to_end(key)
                 return
-    device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
+    if proven_before and is_gpu(device):
+        # new captured values (a decoding step's position): the checks that read them run on the
+        # device, asserted there, instead of reading the values on the host (a sync per step)
+        for check in checks:
+            if any(n.op == "load" for n in check[2].walk()):
+                _assert_on_device(traced, check, sizes, where)
+        return
     bounds = domain_bounds(traced, sizes, device)
     data_dependent = False
     for check in checks:
@@ -116,18 +125,9 @@ def _exact_check(traced: TracedMod, check: tuple, sizes: dict, where: str) -> No
     first value out of range."""
     node, dim, expr, size = check
     reads = {n.attr for n in expr.walk() if n.op == "input"}
-    extents = {name: (sizes[name] if name in reads else 1) for name in ("b", "h", "q_idx", "kv_idx")}
-    device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
-    per_row = extents["b"] * extents["h"] * extents["kv_idx"]
-    rows = max(1, min(extents["q_idx"], _CHUNK // max(1, per_row)))
     low = high = None
     first = None
-    for q0 in range(0, extents["q_idx"], rows):
-        n = min(rows, extents["q_idx"] - q0)
-        grid = index_grid(extents["b"], extents["h"], n, extents["kv_idx"], device, q_start=q0)
-        values = evaluate(expr, buffers=traced.buffers, **{k: v for k, v in grid.items() if k in reads})
-        values = torch.as_tensor(values, device=device).to(torch.int64)
-        values = values.expand(extents["b"], extents["h"], n, extents["kv_idx"])
+    for q0, values in _values(traced, expr, sizes):
         bad = (values == 0) if size is None else (values < -size) | (values >= size)
         chunk_low, chunk_high = int(values.min()), int(values.max())
         low = chunk_low if low is None else min(low, chunk_low)
@@ -137,6 +137,41 @@ def _exact_check(traced: TracedMod, check: tuple, sizes: dict, where: str) -> No
             first = (int(values[tuple(at)]), at[0], at[1], at[2] + q0, at[3])
     if first is not None:
         raise IndexRangeError(_message(traced, check, sizes, where, low, high, first, reads))
+
+
+def _values(traced: TracedMod, expr: ir.Node, sizes: dict):
+    """``(first query row, int64 values of expr)`` over the domain, in chunks of at most ``_CHUNK``
+    values (only the inputs ``expr`` reads span their extent; the others are 1)."""
+    reads = {n.attr for n in expr.walk() if n.op == "input"}
+    extents = {name: (sizes[name] if name in reads else 1) for name in ("b", "h", "q_idx", "kv_idx")}
+    device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
+    per_row = extents["b"] * extents["h"] * extents["kv_idx"]
+    rows = max(1, min(extents["q_idx"], _CHUNK // max(1, per_row)))
+    for q0 in range(0, extents["q_idx"], rows):
+        n = min(rows, extents["q_idx"] - q0)
+        grid = index_grid(extents["b"], extents["h"], n, extents["kv_idx"], device, q_start=q0)
+        values = evaluate(expr, buffers=traced.buffers, **{k: v for k, v in grid.items() if k in reads})
+        values = torch.as_tensor(values, device=device).to(torch.int64)
+        yield q0, values.expand(extents["b"], extents["h"], n, extents["kv_idx"])
+
+
+def _assert_on_device(traced: TracedMod, check: tuple, sizes: dict, where: str) -> None:
+    """:func:`_exact_check` without a sync: the range test reduced on the device and asserted there
+    (``torch._assert_async``); the message cannot quote the offending value."""
+    node, dim, expr, size = check
+    bad = None
+    for _, values in _values(traced, expr, sizes):
+        out = ((values == 0) if size is None else (values < -size) | (values >= size)).any()
+        bad = out if bad is None else bad | out
+    if bad is None:
+        return
+    site, source = traced.sites.get(node, ("", ""))
+    what = (f"divides by zero (divisor `{ir.format_expr(expr, traced.buffer_names)}`)" if size is None else
+            f"indexed `{traced.buffer_names[node.args[0].attr[0]]}` out of range in dimension {dim} "
+            f"(valid: {-size}..{size - 1}) at `{ir.format_expr(expr, traced.buffer_names)}`")
+    torch._assert_async(~bad, f"{where}: {traced.kind} {traced.name}{site} {what} for B={sizes['b']}, "
+                                    f"H={sizes['h']}, Q_LEN={sizes['q_idx']}, KV_LEN={sizes['kv_idx']} (checked on "
+                                    f"the device). {source}")
 
 
 def _message(traced: TracedMod, check: tuple, sizes: dict, where: str, low: int, high: int, first: tuple,

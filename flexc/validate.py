@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .device import is_gpu
 from .errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError
 from .table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
 from .versions import table_states
@@ -183,8 +184,12 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         return
     tables = [block_mask.kv_num_blocks, block_mask.kv_indices,
               getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask, "full_kv_indices", None)]
-    if isinstance(tables[1], torch.Tensor) and tables[1].numel() <= _SMALL_TABLE:
-        contents = table_lists(tables)
+    provenance = getattr(block_mask, "sliced_from", None)
+    if provenance is not None and _slice_of_valid_tables(tables, provenance):
+        _check_structure(block_mask, tables, L)  # rows of valid tables: their entries are valid
+        return
+    if isinstance(tables[1], torch.Tensor) and tables[1].numel() <= _SMALL_TABLE and not is_gpu(tables[1].device):
+        contents = table_lists(tables)  # (on a GPU, reading them would be a sync)
     if contents is not None:
         if contents in _valid_contents:
             _check_rows_cover(block_mask, contents.num_shape[-1], L)
@@ -194,6 +199,51 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         seen = _valid_tables.get(id(tables[1]))
         if seen is not None and seen[0]() is tables[1] and seen[1] == state:
             return
+    _check_structure(block_mask, tables, L)
+    n_kv = tables[1].shape[-1]
+    if contents is not None:  # Python on a few lists beats a dozen kernels
+        _check_entries_in_python(contents)
+        if len(_valid_contents) >= _MAX_REMEMBERED:
+            _valid_contents.clear()
+        _valid_contents.add(contents)
+        return
+    _check_entries(tables, n_kv)
+    _remember_valid(tables, state)
+
+
+def _remember_valid(tables: list, state: tuple) -> None:
+    if len(_valid_tables) >= _MAX_REMEMBERED:
+        _valid_tables.clear()
+    _valid_tables[id(tables[1])] = (weakref.ref(tables[1]), state)
+
+
+def _slice_of_valid_tables(tables: list, provenance: tuple) -> bool:
+    """Whether ``tables`` are unedited rows of tables that are valid as they are now (validated here
+    once, when first met: a decoding loop slices the same parent every step). No contents are
+    read after that, so a decoding step on a GPU needs no sync."""
+    parent, parent_state, own_state = provenance
+    if table_states(tables) != own_state or table_states(parent) != parent_state:
+        return False  # edited since slicing
+    seen = _valid_tables.get(id(parent[1]))
+    state = (parent_state, None, None)
+    if seen is not None and seen[0]() is parent[1] and seen[1] == state:
+        return True
+    if not all(t is None or isinstance(t, torch.Tensor) for t in parent) or parent[1].dim() != 4:
+        return False  # not tables flexc can vouch for: the slice is checked itself
+    parent = list(parent)
+    _check_types_and_shapes(parent)
+    _check_entries(parent, parent[1].shape[-1])
+    _remember_valid(parent, state)
+    return True
+
+
+def _check_structure(block_mask: Any, tables: list, L: int) -> None:
+    """Dtypes and shapes of the kv tables, and a row for every query block of ``L``: metadata only."""
+    _check_types_and_shapes(tables)
+    _check_rows_cover(block_mask, tables[0].shape[-1], L)
+
+
+def _check_types_and_shapes(tables: list) -> None:
     names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
     for name, t in zip(names, tables):
         if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex()
@@ -213,18 +263,6 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         raise ValueError(f"flex_attention: `block_mask.full_kv_num_blocks`/`full_kv_indices` must have the shapes of "
                          f"kv_num_blocks/kv_indices {tuple(num.shape)}/{tuple(idx.shape)}; got "
                          f"{tuple(tables[2].shape)}/{tuple(tables[3].shape)}. {_REBUILD}")
-    _check_rows_cover(block_mask, num.shape[-1], L)
-    n_kv = idx.shape[-1]
-    if contents is not None:  # Python on a few lists beats a dozen kernels
-        _check_entries_in_python(contents)
-        if len(_valid_contents) >= _MAX_REMEMBERED:
-            _valid_contents.clear()
-        _valid_contents.add(contents)
-        return
-    _check_entries(tables, n_kv)
-    if len(_valid_tables) >= _MAX_REMEMBERED:
-        _valid_tables.clear()
-    _valid_tables[id(tables[1])] = (weakref.ref(tables[1]), state)
 
 
 def _check_rows_cover(block_mask: Any, n_q: int, L: int) -> None:
@@ -261,6 +299,9 @@ def _listed_twice(at: tuple, col: int) -> ValueError:
 def _check_entries(tables: list, n_kv: int) -> None:
     """Counts in range, listed entries in range, no block listed twice in a row: reductions over the tables."""
     num, idx = tables[0], tables[1]
+    if is_gpu(idx.device):
+        _assert_entries_on_device(tables, n_kv)
+        return
     used = torch.zeros(*idx.shape[:3], n_kv + 1, dtype=torch.int32, device=idx.device)
     columns = torch.arange(n_kv, dtype=num.dtype, device=idx.device)
     for prefix, count, index in (("kv", num, idx), ("full_kv", tables[2], tables[3])):
@@ -284,6 +325,27 @@ def _check_entries(tables: list, n_kv: int) -> None:
     if bool(twice.any()):
         b, h, row, col = twice.nonzero()[0].tolist()
         raise _listed_twice((b, h, row), col)
+
+
+def _assert_entries_on_device(tables: list, n_kv: int) -> None:
+    """:func:`_check_entries` without a sync: the same conditions reduced on the device and asserted
+    there (``torch._assert_async``), so a bad table stops the stream with this message instead of
+    raising at the call (reading the verdict on the host would stall the launch queue every time)."""
+    num, idx = tables[0], tables[1]
+    bad = torch.zeros((), dtype=torch.bool, device=idx.device)
+    used = torch.zeros(*idx.shape[:3], n_kv + 1, dtype=torch.int32, device=idx.device)
+    columns = torch.arange(n_kv, dtype=num.dtype, device=idx.device)
+    for count, index in ((num, idx), (tables[2], tables[3])):
+        if count is None or count.numel() == 0:
+            continue
+        bad = bad | ((count < 0) | (count > n_kv)).any()
+        valid = columns < count.unsqueeze(-1)
+        bad = bad | (valid & ((index < 0) | (index >= n_kv))).any()
+        listed = torch.where(valid, index, n_kv).clamp(0, n_kv)
+        used.scatter_add_(-1, listed.long(), valid.to(torch.int32))
+    bad = bad | (used[..., :n_kv] > 1).any()
+    torch._assert_async(~bad, "flex_attention: `block_mask` has a count outside [0, nKV], an index outside "
+                        f"[0, nKV) or a key block listed twice in a row. {_REBUILD}")
 
 
 def _check_entries_in_python(contents: TableContents) -> None:

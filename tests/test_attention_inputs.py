@@ -354,3 +354,5 @@ def test_triton_compiles_the_masked_value_guard_only_for_cpu_calls_with_non_fini
     assert not triton_backend._guards_nonfinite_values(spec, finite)
     assert not triton_backend._guards_nonfinite_values(unmasked, padded)
     assert not triton_backend._guards_nonfinite_values(spec, padded.to("meta"))
+    with flexc.device.simulate("sm_90"):  # as on a GPU: never decided per call (that would be a sync)
+        assert not triton_backend._guards_nonfinite_values(spec, padded)

@@ -116,7 +116,7 @@ def test_out_of_shared_memory_retries_with_smaller_tiles_and_remembers(monkeypat
     launched = []
 
     class FakeKernel:
-        def __init__(self, spec):
+        def __init__(self, spec, device=None):
             self.generated = flexc.codegen.generate_forward(spec)
             self.spec = spec
             self.fn = self
@@ -129,15 +129,15 @@ def test_out_of_shared_memory_retries_with_smaller_tiles_and_remembers(monkeypat
             return run
 
     monkeypatch.setattr(triton_backend, "get_kernel", FakeKernel)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
     spec = triton_backend.make_spec(None, None, torch.bfloat16, 64, 64, None, None, "cuda", False)
     assert (spec.block_m, spec.block_n, spec.num_stages) == (128, 128, 3)
     q = k = v = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="retrying with"):
+    with flexc.device.simulate("sm_90"):  # the GPU's launch code, on CPU tensors
+        with pytest.warns(RuntimeWarning, match="retrying with"):
+            triton_backend.launch(spec, q, k, v, None, None, None, 0.125)
+        assert launched == [(128, 128, 3), (128, 128, 2), (128, 128, 1), (128, 64, 2), (128, 64, 1), (128, 32, 2),
+                            (128, 32, 1)]
+        launched.clear()
         triton_backend.launch(spec, q, k, v, None, None, None, 0.125)
-    assert launched == [(128, 128, 3), (128, 128, 2), (128, 128, 1), (128, 64, 2), (128, 64, 1), (128, 32, 2),
-                        (128, 32, 1)]
-    launched.clear()
-    triton_backend.launch(spec, q, k, v, None, None, None, 0.125)
     assert launched == [(128, 32, 1)]  # straight to the configuration that fits
     assert "BLOCK_M=128, BLOCK_N=32; num_warps=8, num_stages=1" in triton_backend.source_for(spec)

@@ -11,7 +11,6 @@ kernel arguments, never part of the source. :func:`cache_info` counts hits and m
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -30,9 +29,11 @@ from ..codegen.decode import DecodeSpec, generate_decode
 from ..codegen.forward import (KERNEL_NAME, NO_BLOCK_MASK, ForwardSpec, GeneratedForward, generate_forward,
                                next_power_of_2, padded_head_dim)
 from ..codegen.index_width import index_dtype as _index_dtype
+from ..codegen.merge import MergeSpec, generate_merge
 from ..codegen.scalars import lift_for_call
 from ..layout import empty_like_reference
 from ..tiles import cdiv
+from .. import device as gpu
 from .nonfinite import all_finite
 from ..trace import TracedMod
 
@@ -64,29 +65,6 @@ _limit = {"kernels": int(os.environ.get("FLEXC_KERNEL_CACHE_SIZE", "64"))}
 _fallbacks: dict[tuple, ForwardSpec] = {}
 _stats = {"hits": 0, "misses": 0}
 _cache_lock = threading.Lock()
-# Triton's interpreter patches triton.language globally while a kernel runs: one at a time.
-_interpreter_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def interpreting():
-    """Hold the interpreter, with its integer-overflow checks off while a kernel runs.
-
-    The interpreter checks every 32-bit ``+ - *`` for overflow in int64 (a debugging aid the
-    compiled kernel does not have); that was 45% of a backward launch at L = 72.
-    """
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    with _interpreter_lock:
-        options = builder.options
-        builder.options = dataclasses.replace(options, sanitize_overflow=False)
-        try:
-            yield
-        finally:
-            builder.options = options
-
-
 def cache_info() -> CacheInfo:
     """``CacheInfo(hits, misses, size)`` of the generated-kernel cache (a miss generates and compiles)."""
     with _cache_lock:
@@ -240,16 +218,11 @@ def _largest_pow2_divisor(n: int, at_most: int) -> int:
 
 
 def _target(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "interpreter"
-    if device.type == "cuda":
-        return "cuda"
-    raise ValueError(f"flexc: the Triton backend runs on CUDA tensors (compiled) or CPU tensors (interpreted), "
-                     f"got tensors on {device}. Fix: move them with .cuda() or .cpu(), or use BACKEND='TORCH'.")
+    return gpu.target(device)
 
 
 def _fp32_precision(target: str) -> str:
-    if target == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    if target == "cuda" and gpu.allows_tf32():
         return "tf32"
     return "ieee"
 
@@ -383,24 +356,29 @@ def _exec_module(name: str, path: str, target: str) -> Any:
     return module
 
 
-def _generate(spec: ForwardSpec | BackwardSpec | DecodeSpec) -> Any:
+def _generate(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> Any:
     if isinstance(spec, BackwardSpec):
         return generate_backward(spec)
+    if isinstance(spec, MergeSpec):
+        return generate_merge(spec)
     return generate_decode(spec) if isinstance(spec, DecodeSpec) else generate_forward(spec)
 
 
-def get_kernel(spec: ForwardSpec | BackwardSpec | DecodeSpec) -> _Kernel:
-    """The compiled kernel for ``spec`` (forward, backward or decode): from the cache, or generated,
-    written and imported. One LRU cache holds all three kinds."""
-    key = spec.key()
+def get_kernel(spec: ForwardSpec | BackwardSpec | DecodeSpec, device: torch.device | None = None) -> _Kernel:
+    """The compiled kernel for ``spec`` (forward, backward or decode) launched for tensors on
+    ``device``: from the cache, or generated, written and imported. One LRU cache holds all three
+    kinds. CPU tensors standing in for a GPU (:mod:`flexc.backends.device`) run the interpreter
+    variant of a ``"cuda"`` spec, cached apart from the compiled one."""
+    runs = gpu.runnable(spec, device) if device is not None else spec
+    key = spec.key() if runs is spec else (spec.key(), "interpreted")
     with _cache_lock:
         kernel = _cache.get(key)
         if kernel is not None:
             _cache.move_to_end(key)
             _stats["hits"] += 1
             return kernel
-        generated = _generate(spec)
-        module, path = import_source(generated.source, spec.target)
+        generated = _generate(runs)
+        module, path = import_source(generated.source, runs.target)
         kernel = _Kernel(generated, getattr(module, generated.kernel_name), path)
         _cache[key] = kernel
         _stats["misses"] += 1
@@ -489,7 +467,7 @@ def _guards_nonfinite_values(spec: ForwardSpec, value: torch.Tensor) -> bool:
     off, as in torch's own kernels (a NaN in a masked key's value row gives a NaN row there too):
     deciding would cost a device sync on every call, and compiling it in always costs spills.
     """
-    return spec.mask_mod is not None and value.device.type == "cpu" and not all_finite(value)
+    return spec.mask_mod is not None and gpu.is_plain_cpu(value.device) and not all_finite(value)
 
 
 def _constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: bool = False) -> dict[str, int]:
@@ -563,19 +541,15 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
                          f"{cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
     guard_values = _guards_nonfinite_values(spec, value)
     while True:
-        kernel = get_kernel(spec)
+        kernel = get_kernel(spec, device)
         args = _kernel_args(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod, scale)
         constants = _constexprs(spec, L, S, args, guard_values)
         grid = (cdiv(L, spec.block_m), Hq, B)
-        if spec.target == "interpreter":
-            with interpreting():
-                kernel.fn[grid](*args, **constants)
-            return out, lse
         from triton.runtime.errors import OutOfResources
 
         try:
-            with torch.cuda.device(device):
-                kernel.fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
+            with gpu.launching(device):
+                kernel.fn[grid](*args, **constants, **gpu.launch_options(spec, device))
             return out, lse
         except OutOfResources as e:
             # e.g. a score_mod that loads whole [BLOCK_M, BLOCK_N] tiles of a captured tensor:

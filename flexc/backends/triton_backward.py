@@ -17,6 +17,7 @@ from ..codegen.backward import BackwardSpec, generate_backward
 from ..codegen.scalars import lift_for_call
 from ..tiles import cdiv, transpose_ordered
 from ..trace import TracedMod
+from .. import device as gpu
 from . import triton_backend as fwd
 from .nonfinite import all_finite
 
@@ -178,7 +179,7 @@ def _backward_args(spec: BackwardSpec, generated, query, key, value, grad_out, l
     if guard_inputs is None:
         # zeroing masked NaN/inf q and k entries: compiled in only where it can matter
         # (CPU calls with such entries; on CUDA as torch's kernels, see _guards_nonfinite_values)
-        guard_inputs = spec.mask_mod is not None and device.type == "cpu" and not all_finite(query, key)
+        guard_inputs = spec.mask_mod is not None and gpu.is_plain_cpu(device) and not all_finite(query, key)
     constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
                      Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
                      # lengths that are multiples of the blocks (so of every tile: blocks are multiples
@@ -225,16 +226,12 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, g
     if nQ < cdiv(L, spec.q_block_size):
         raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
                          f"{cdiv(L, spec.q_block_size)} of size {spec.q_block_size}. Fix: build it for Q_LEN={L}.")
-    kernel = fwd.get_kernel(spec)
+    kernel = fwd.get_kernel(spec, device)
     args, constants = _backward_args(spec, kernel.generated, query, key, value, grad_out, lse2, delta, dq, dk, dv,
                                      tables, grads, score_mod, mask_mod, scale)
     grid = (cdiv(S, spec.block_n1) + (Hq // Hkv) * cdiv(L, spec.block_m2), Hkv, B)
-    if spec.target == "interpreter":
-        with fwd.interpreting():
-            kernel.fn[grid](*args, **constants)
-    else:
-        with torch.cuda.device(device):
-            kernel.fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
+    with gpu.launching(device):
+        kernel.fn[grid](*args, **constants, **gpu.launch_options(spec, device))
     if summed:
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)

@@ -13,8 +13,11 @@ import torch
 
 from ..codegen.decode import DecodeSpec, GeneratedDecode, generate_decode
 from ..codegen.forward import next_power_of_2
+from ..codegen.merge import MergeSpec
+from ..layout import empty_like_reference
 from ..tiles import cdiv
 from ..trace import TracedMod
+from .. import device as gpu
 from . import triton_backend as tb
 
 MAX_ROWS = 16  # query rows per head (as the CPU decode path)
@@ -62,9 +65,9 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
                       index_dtype)
 
 
-def _kernel(spec: DecodeSpec):
+def _kernel(spec: DecodeSpec, device: torch.device):
     """``(generated, kernel)`` from the Triton backend's kernel cache (LRU-bounded, cleared by cache_clear)."""
-    kernel = tb.get_kernel(spec)
+    kernel = tb.get_kernel(spec, device)
     return kernel.generated, kernel.fn
 
 
@@ -78,25 +81,31 @@ def default_splits(query: torch.Tensor, key: torch.Tensor, n_blocks: int) -> int
     """Splits per (batch, key head): enough programs to fill the GPU twice over, never more than
     the blocks a row can list. The interpreter uses two (any count is correct; two exercises the merge)."""
     B, Hkv = query.shape[0], key.shape[1]
-    if query.device.type != "cuda":
+    if not gpu.is_gpu(query.device):
         return max(1, min(2, n_blocks))
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    sms = gpu.facts(query.device).sm_count
     return max(1, min(n_blocks, cdiv(2 * sms, B * Hkv), 64))
 
 
-def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, Hq: int, L: int, dtype: torch.dtype):
-    """Merge ``[B, Hkv, splits, M, Ev]`` partial outputs and their logsumexps into ``[B, Hq, L, Ev]``
-    and ``[B, Hq, L]``: each split weighs ``exp(lse_split - lse)``. A row dead in every split
-    (all ``-inf``) gets output 0 and lse ``-inf``."""
-    B, Hkv, _, _, Ev = out_split.shape
+def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.Tensor, Hq: int, L: int):
+    """Merge ``[B, Hkv, splits, M, Ev]`` partial outputs and their logsumexps into ``out [B, Hq, L, Ev]``
+    (query's dtype, laid out like the query) and ``lse [B, Hq, L]``, in one launch of the merge kernel
+    (:mod:`flexc.codegen.merge`): each split weighs ``exp(lse_split - lse)``; a row dead in every
+    split gets output 0 and lse ``-inf``."""
+    B, Hkv, splits, M, Ev = out_split.shape
+    out = empty_like_reference((B, Hq, L, Ev), query)
+    lse = torch.empty((B, Hq, L), dtype=lse_split.dtype, device=query.device)
     rows = Hq // Hkv * L
-    out_split, lse_split = out_split[:, :, :, :rows], lse_split[:, :, :, :rows]
-    m = lse_split.amax(2, keepdim=True)
-    weights = torch.exp(lse_split - m.nan_to_num(neginf=0.0))  # dead splits weigh 0
-    total = weights.sum(2, keepdim=True).clamp_min_(1.0)  # a live row's best split weighs 1
-    out = (weights.unsqueeze(-1) * out_split).sum(2) / total.squeeze(2).unsqueeze(-1)
-    lse = (m + torch.log(total)).squeeze(2)
-    return out.reshape(B, Hq, L, Ev).to(dtype), lse.reshape(B, Hq, L)
+    spec = MergeSpec(str(lse_split.dtype).removeprefix("torch."), tb.padded_head_dim(Ev), min(M, 16),
+                     tb._target(query.device))
+    kernel = tb.get_kernel(spec, query.device)
+    grid = (cdiv(rows, spec.block_rows), Hkv, B)
+    with gpu.launching(query.device):
+        kernel.fn[grid](out_split, lse_split, out, lse, splits, rows, L, Hq // Hkv, Ev, *out_split.stride()[:4],
+                        *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1),
+                        BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad,
+                        **gpu.launch_options(spec, query.device))
+    return out, lse
 
 
 def _arguments(spec: DecodeSpec, generated: GeneratedDecode, query: torch.Tensor, key: torch.Tensor,
@@ -156,17 +165,13 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     (float64 for float64 inputs)."""
     B, Hq, L, _ = query.shape
     Hkv = value.shape[1]
-    generated, fn = _kernel(spec)
+    generated, fn = _kernel(spec, query.device)
     args, constants, (out_split, lse_split) = _arguments(spec, generated, query, key, value, score_mod, mask_mod,
                                                          block_mask, scale, num_splits)
     grid = (out_split.shape[2], Hkv, B)
-    if spec.target == "interpreter":
-        with tb._interpreter_lock:
-            fn[grid](*args, **constants)
-    else:
-        with torch.cuda.device(query.device):
-            fn[grid](*args, **constants, num_warps=spec.num_warps, num_stages=spec.num_stages)
-    return merge_splits(out_split, lse_split, Hq, L, query.dtype)  # lse float64 for float64 inputs
+    with gpu.launching(query.device):
+        fn[grid](*args, **constants, **gpu.launch_options(spec, query.device))
+    return merge_splits(out_split, lse_split, query, Hq, L)  # lse float64 for float64 inputs
 
 
 def requested_splits(kernel_options: dict | None) -> int | None:

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from .. import ir
+from ..device import is_gpu
 from ..promotion import node_dtype
 from ..trace import TracedMod, captured_numbers
 
@@ -54,7 +55,7 @@ def floats_travel_exactly(query: torch.Tensor) -> bool:
     """Whether a captured float can be a kernel argument for this call without rounding: a compiled
     kernel receives a Python float as fp32, which a float64 call on a GPU would feel (torch
     computes its mod in float64); Triton's interpreter keeps float64."""
-    return query.dtype != torch.float64 or query.device.type != "cuda"
+    return query.dtype != torch.float64 or not is_gpu(query.device)
 
 
 def _liftable(const: ir.Node, other: ir.Node, names: dict, floats: bool) -> bool:

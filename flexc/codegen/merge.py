@@ -1,0 +1,95 @@
+"""Generate the kernel that merges the split-KV decode kernel's partial results.
+
+The decode kernel (:mod:`flexc.codegen.decode`) writes, per split of the key range, a normalised
+output and its logsumexp for each packed row. This kernel combines them in one launch (a decoding
+step is then two launches with fixed grids and allocations, so it can be captured in a CUDA graph):
+
+    m = max_s lse_s                       (taken as 0 where every split is -inf)
+    w_s = exp(lse_s - m),  total = max(sum_s w_s, 1)
+    out = sum_s w_s * out_s / total,  lse = m + log(total)
+
+A row that is dead in every split (all ``-inf``) gets output 0 and logsumexp ``-inf``; for a live
+row the best split weighs 1, so the clamp of ``total`` changes nothing. Two passes over the splits
+with elementwise operations only (no reductions across the split axis), so the same source runs
+compiled and in Triton's interpreter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNEL_NAME = "flex_decode_merge"
+
+
+@dataclass(frozen=True)
+class MergeSpec:
+    """What one merge kernel is specialised for (its :meth:`key` is the cache key)."""
+
+    work_dtype: str  # "float32" or "float64": the partial results' dtype
+    v_head_dim_pad: int
+    block_rows: int
+    target: str = "cuda"
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def key(self) -> tuple:
+        return ("merge", self.work_dtype, self.v_head_dim_pad, self.block_rows, self.target, self.num_warps)
+
+
+@dataclass(frozen=True)
+class GeneratedMerge:
+    source: str
+    kernel_name: str
+
+
+_SOURCE = '''\
+# flexc: merge of the split-KV decode kernel's partial results (flexc.codegen.merge)
+# partials in {work}; BLOCK_ROWS={block_rows}, V_HEAD_DIM_PAD={v_pad}; target: {target}
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def {name}(
+    out_split, lse_split, out, lse,
+    num_splits, rows, L, Hq_per_kv, V_HEAD_DIM,
+    stride_sb, stride_sh, stride_ss, stride_sm,  # out_split [B, Hkv, splits, M, Ev] (Ev contiguous)
+    stride_lb, stride_lh, stride_ls,  # lse_split [B, Hkv, splits, M] (M contiguous)
+    stride_ob, stride_oh, stride_ol, stride_od,  # out [B, Hq, L, Ev]
+    stride_xb, stride_xh,  # lse [B, Hq, L] (L contiguous)
+    BLOCK_ROWS: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_ROWS
+    hkv = tl.program_id(1)
+    b = tl.program_id(2)
+    r = row0 + tl.arange(0, BLOCK_ROWS)  # packed rows: query head hkv * G + r // L, query row r % L
+    d = tl.arange(0, V_HEAD_DIM_PAD)
+    live_row = r < rows
+    lse_base = lse_split + b * stride_lb + hkv * stride_lh + r
+    out_base = out_split + b * stride_sb + hkv * stride_sh + r[:, None] * stride_sm + d[None, :]
+    tile = live_row[:, None] & (d[None, :] < V_HEAD_DIM)
+    # pass 1: the largest split logsumexp per row
+    m = tl.full((BLOCK_ROWS,), float("-inf"), {acc})
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(lse_base + s * stride_ls, mask=live_row, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    # pass 2: weights, their total and the weighted outputs
+    total = tl.full((BLOCK_ROWS,), 0.0, {acc})
+    acc = tl.full((BLOCK_ROWS, V_HEAD_DIM_PAD), 0.0, {acc})
+    for s in range(0, num_splits):
+        w = tl.exp(tl.load(lse_base + s * stride_ls, mask=live_row, other=float("-inf")) - m_safe)
+        total += w
+        acc += w[:, None] * tl.load(out_base + s * stride_ss, mask=tile, other=0.0)
+    total = tl.maximum(total, 1.0)
+    head = hkv * Hq_per_kv + r // L
+    q = r % L
+    o = out + b * stride_ob + head[:, None] * stride_oh + q[:, None] * stride_ol + d[None, :] * stride_od
+    tl.store(o, (acc / total[:, None]).to(out.dtype.element_ty), mask=tile)
+    tl.store(lse + b * stride_xb + head * stride_xh + q, m + tl.log(total), mask=live_row)
+'''
+
+
+def generate_merge(spec: MergeSpec) -> GeneratedMerge:
+    """The Triton source of the merge kernel described by ``spec``."""
+    source = _SOURCE.format(name=KERNEL_NAME, work=spec.work_dtype, block_rows=spec.block_rows,
+                            v_pad=spec.v_head_dim_pad, target=spec.target, acc=f"tl.{spec.work_dtype}")
+    return GeneratedMerge(source, KERNEL_NAME)

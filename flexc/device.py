@@ -1,0 +1,189 @@
+"""The device seam: every host decision and call that differs between a GPU and the CPU.
+
+No other flexc module calls ``torch.cuda``. The rest of flexc asks this module whether a device
+takes the GPU's decisions (:func:`is_gpu`), what it is (:func:`facts`: compute capability, SM
+count, shared memory per block), which target kernels are generated for (:func:`target`), and how
+a kernel is launched (:func:`launching`: the device's context for a compiled kernel, the
+interpreter's lock for an interpreted one).
+
+``FLEXC_SIMULATE_DEVICE=sm_90`` (also ``sm_80``, ``sm_100``; read at import) or the
+:func:`simulate` context manager makes CPU tensors take every host decision exactly as on that GPU:
+AUTO picks the Triton backend, tiles, variants and guards are the GPU's, decoding dispatches as on
+the GPU, and the launch code runs up to the kernel call; only the kernel itself runs in Triton's
+interpreter (the source it runs is the interpreter variant of the one a GPU compiles). So every
+CUDA-only branch executes in CI, on machines without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from typing import Iterator, NamedTuple
+
+import torch
+
+SIMULATE_ENV = "FLEXC_SIMULATE_DEVICE"
+
+
+class DeviceFacts(NamedTuple):
+    """What host decisions need to know about a GPU."""
+
+    name: str  # "sm_90"
+    capability: int  # 90
+    sm_count: int
+    shared_memory: int  # bytes per block (the opt-in maximum)
+
+
+# the GPUs simulation stands for: A100, H100, B200
+SIMULATED = {
+    "sm_80": DeviceFacts("sm_80", 80, 108, 166912),
+    "sm_90": DeviceFacts("sm_90", 90, 132, 232448),
+    "sm_100": DeviceFacts("sm_100", 100, 148, 232448),
+}
+_CPU = torch.device("cpu")
+
+
+def _parse(name: str | None, where: str) -> DeviceFacts | None:
+    if name is None or name == "":
+        return None
+    facts = SIMULATED.get(name.strip().lower())
+    if facts is None:
+        raise ValueError(f"flexc: {where} must be one of {', '.join(SIMULATED)}, got {name!r}. "
+                         f"Fix: e.g. {SIMULATE_ENV}=sm_90, or leave it unset to run on the real device.")
+    return facts
+
+
+_state = {"simulated": _parse(os.environ.get(SIMULATE_ENV), SIMULATE_ENV)}
+
+
+def simulated() -> DeviceFacts | None:
+    """The GPU that CPU tensors stand for now, or None."""
+    return _state["simulated"]
+
+
+@contextlib.contextmanager
+def simulate(name: str | None) -> Iterator[DeviceFacts | None]:
+    """Within the block, CPU tensors take the host decisions of GPU ``name`` (``"sm_90"``...);
+    ``None`` turns simulation off."""
+    facts = _parse(name, "simulate(name)")
+    previous = _state["simulated"]
+    _state["simulated"] = facts
+    try:
+        yield facts
+    finally:
+        _state["simulated"] = previous
+
+
+def is_gpu(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take a GPU's host decisions (a CUDA device, or the CPU under
+    simulation)."""
+    if device == _CPU:  # (compared first: reading device.type builds a string)
+        return _state["simulated"] is not None
+    return device.type == "cuda"
+
+
+def is_plain_cpu(device: torch.device) -> bool:
+    """Whether ``device`` is the CPU taking the CPU's own decisions (not standing in for a GPU)."""
+    return _state["simulated"] is None and device.type == "cpu"
+
+
+def is_simulated(device: torch.device) -> bool:
+    """Whether ``device`` is the CPU standing in for a GPU."""
+    return _state["simulated"] is not None and device.type == "cpu"
+
+
+def facts(device: torch.device) -> DeviceFacts:
+    """Capability, SM count and shared memory of the GPU ``device`` is (or stands for)."""
+    if is_simulated(device):
+        return _state["simulated"]
+    if device.type != "cuda":
+        raise ValueError(f"flexc: device facts are asked of {device}, which is not a GPU. "
+                         f"Fix: pass a CUDA device, or set {SIMULATE_ENV}=sm_90 to simulate one.")
+    return _cuda_facts(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_facts_cache: dict[int, DeviceFacts] = {}
+
+
+def _cuda_facts(index: int) -> DeviceFacts:
+    found = _facts_cache.get(index)
+    if found is None:
+        props = torch.cuda.get_device_properties(index)
+        capability = props.major * 10 + props.minor
+        shared = getattr(props, "shared_memory_per_block_optin", 0) or 49152
+        found = _facts_cache[index] = DeviceFacts(f"sm_{capability}", capability, props.multi_processor_count, shared)
+    return found
+
+
+def target(device: torch.device) -> str:
+    """The target kernels are generated and configured for: ``"cuda"`` for a GPU (real or simulated),
+    ``"interpreter"`` for the CPU."""
+    if is_gpu(device):
+        return "cuda"
+    if device.type == "cpu":
+        return "interpreter"
+    raise ValueError(f"flexc: the Triton backend runs on CUDA tensors (compiled) or CPU tensors (interpreted), "
+                     f"got tensors on {device}. Fix: move them with .cuda() or .cpu(), or use BACKEND='TORCH'.")
+
+
+def runs_interpreted(device: torch.device) -> bool:
+    """Whether a kernel launched for ``device`` runs in Triton's interpreter (the CPU, simulated or not)."""
+    return device.type == "cpu"
+
+
+def runnable(spec, device: torch.device):
+    """The spec whose source runs for tensors on ``device``: for CPU tensors standing in for a GPU,
+    the ``"cuda"`` spec's interpreter variant (same tiles and switches, operations the interpreter
+    has), else ``spec`` itself."""
+    if spec.target == "cuda" and runs_interpreted(device):
+        return dataclasses.replace(spec, target="interpreter")
+    return spec
+
+
+def allows_tf32() -> bool:
+    """Whether fp32 matmuls may use TF32 on the GPU (torch's global switch)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+# Triton's interpreter patches triton.language globally while a kernel runs: one at a time.
+interpreter_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def interpreting() -> Iterator[None]:
+    """Hold the interpreter, with its integer-overflow checks off while a kernel runs.
+
+    The interpreter checks every 32-bit ``+ - *`` for overflow in int64 (a debugging aid the
+    compiled kernel does not have); that was 45% of a backward launch at L = 72.
+    """
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    with interpreter_lock:
+        options = builder.options
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+        try:
+            yield
+        finally:
+            builder.options = options
+
+
+@contextlib.contextmanager
+def launching(device: torch.device) -> Iterator[None]:
+    """Around a kernel launch: the interpreter for CPU tensors (simulated GPU or not), the device's
+    CUDA context for CUDA tensors (kernels launch on its current stream)."""
+    if runs_interpreted(device):
+        with interpreting():
+            yield
+    else:
+        with torch.cuda.device(device):
+            yield
+
+
+def launch_options(spec, device: torch.device) -> dict:
+    """The compiled launch's ``num_warps``/``num_stages`` (a simulated launch passes them too: the
+    interpreter ignores them, and the call is the GPU's)."""
+    if runs_interpreted(device) and spec.target != "cuda":
+        return {}
+    return {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
