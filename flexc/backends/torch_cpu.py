@@ -392,13 +392,18 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     dk = torch.zeros(key.shape, dtype=work, device=query.device)
     dv = torch.zeros(value.shape, dtype=work, device=query.device)
     buffers = list(score_mod.buffers) if score_mod is not None else []
-    leaves = []
+    leaves, dtypes = [], []
     for slot in grad_slots:
-        buffers[slot] = buffers[slot].detach().requires_grad_()
+        # a 16-bit captured tensor's gradient sums many small terms: the leaf is an exact fp32 copy,
+        # so autograd accumulates in fp32 and the sum is rounded once at the end (the mod's values
+        # are unchanged: the scores it meets are fp32 already)
+        dtypes.append(buffers[slot].dtype)
+        wide = torch.float32 if buffers[slot].dtype in (torch.float16, torch.bfloat16) else buffers[slot].dtype
+        buffers[slot] = buffers[slot].detach().to(wide).requires_grad_()
         leaves.append(buffers[slot])
     buf_grads = [torch.zeros_like(t) for t in leaves]
     if B * Hq * L == 0:
-        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), buf_grads
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), [g.to(d) for g, d in zip(buf_grads, dtypes)]
     # the softmax Jacobian's correction delta = rowsum(dO * P * dP) - dLSE. With a score_mod,
     # _backward_row sums its dO part from its own probabilities (see there); without one, the
     # flash identity rowsum(dO * out) is as accurate (fp32 rmse within 1.2x of SDPA's) and saves
@@ -427,7 +432,8 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         dv += dv_w
         for total, part in zip(buf_grads, buf_w):
             total += part
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), buf_grads
+    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+            [g.to(d) for g, d in zip(buf_grads, dtypes)])
 
 
 def _add_rows(acc_rows: torch.Tensor, chunk: Chunk, update: torch.Tensor) -> None:
