@@ -16,6 +16,7 @@ from . import device as gpu
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .layout import laid_out_like as _laid_out_like
 from .lowering import AUTOGRAD_FUNCTION
+from .sinks import check_sinks, with_sinks
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
 
 
@@ -171,7 +172,7 @@ class _FlexAttentionFunction(torch.autograd.Function):
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: Any = None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, kernel_options: dict | None = None,
-                   *, return_aux: AuxRequest | None = None
+                   *, return_aux: AuxRequest | None = None, sinks: torch.Tensor | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, AuxOutput]:
     """Attention with a programmable score and a block-sparse mask, with torch 2.13's semantics.
 
@@ -189,6 +190,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kernel_options: torch's keys are accepted; ``BACKEND`` picks ``"TORCH"`` (CPU block-sparse,
             the default on CPU), ``"TRITON"`` (default on CUDA) or ``"AUTO"``.
         return_aux: ``AuxRequest(lse=True, max_scores=True)`` to get an :class:`AuxOutput`.
+        sinks: flexc's own (torch has none): learned attention-sink logits, ``[Hq]`` or broadcastable
+            to ``[B, Hq]``, any float dtype, may require grad; each joins its rows' softmax
+            denominator with no value row, and the returned lse includes it (:mod:`flexc.sinks`).
 
     Returns:
         ``out [B, Hq, L, Ev]`` in the query's dtype; with ``return_lse`` also ``lse``, with
@@ -202,6 +206,16 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         >>> causal = flexc.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
         >>> out = flexc.flex_attention(q, k, v, block_mask=causal)
     """
+    if sinks is not None:  # attention without the sinks, then their logsumexp merge (flexc.sinks)
+        validate.check_flags(enable_gqa, return_lse, return_aux)
+        rows = check_sinks(sinks, query)
+        inner = AuxRequest(lse=True, max_scores=bool(return_aux is not None and return_aux.max_scores))
+        out, aux = flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                  kernel_options=kernel_options, return_aux=inner)
+        out, lse = with_sinks(out, aux.lse, rows)
+        if return_aux is not None:
+            return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=aux.max_scores)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
                               return_lse, return_aux)

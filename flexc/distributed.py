@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from . import attention as _attention
 from . import derived
 from .mask_mods import noop_mask
+from .sinks import check_sinks, with_sinks
 from .tiles import FULL, PARTIAL, dense_to_ordered
 from .trace import SCORE_MOD, trace
 
@@ -446,7 +447,8 @@ def _merge(out_a, lse_a, out_b, lse_b):
 def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: Any = None, *, group: Any = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
-                   kernel_options: dict | None = None, plan: ContextParallelPlan | None = None):
+                   kernel_options: dict | None = None, plan: ContextParallelPlan | None = None,
+                   sinks: torch.Tensor | None = None):
     """:func:`flexc.flex_attention` over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -459,6 +461,8 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
         scale, enable_gqa, kernel_options: as in :func:`flexc.flex_attention`.
         return_lse: also return this rank's logsumexp ``[B, Hq, n_local]``.
         plan: a :func:`plan_context_parallel` result for this mask and group size, to skip re-planning.
+        sinks: attention-sink logits as in :func:`flexc.flex_attention` (the same on every rank; their
+            gradient is summed over the ranks), merged once into the ranks' merged rows.
 
     Returns:
         ``out_local [B, Hq, n_local, Ev]`` (and ``lse_local``), the rows of this rank's queries.
@@ -528,4 +532,9 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
         out = out + remote.sum().to(out.dtype)
     out = out[:, :, :n_local]
     lse = lse[:, :, :n_local]
+    if sinks is not None:  # once, after the partial attentions are merged (flexc.sinks)
+        rows = check_sinks(sinks, q_local, where)
+        if rows.requires_grad and torch.is_grad_enabled():
+            rows = _SumGradAcrossRanks.apply(rows, group)
+        out, lse = with_sinks(out, lse, rows)
     return (out, lse) if return_lse else out

@@ -52,6 +52,8 @@ def _case(name: str, L: int, block: int):
         def tempered(score, b, h, q, kv):
             return score * torch.exp(log_temp) - logits.softmax(0)[h] * (q - kv).abs()
         return _causal, tempered, [log_temp, logits]
+    if name == "causal_sinks":  # learned attention sinks, merged once after the ranks' merge
+        return _causal, None, [torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)]
     if name == "prefix_lm":
         return (lambda b, h, q, kv: (kv < 40) | (q >= kv)), None, []
     if name == "dead_rows":  # rows q % 5 == 3 allow nothing: output 0, lse -inf, zero gradients
@@ -65,16 +67,18 @@ def _case(name: str, L: int, block: int):
 
 def _check_case(name: str, L: int, block: int, Hq: int, Hkv: int, counted: bool) -> None:
     mask_mod, score_mod, captured = _case(name, L, block)
-    _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted)
+    sinks = captured[0] if name.endswith("_sinks") else None
+    _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted, sinks)
     if captured:  # an optimizer-like step in place: the next call must read the new values
         with torch.no_grad():
             for t in captured:
                 t.add_(0.5)
                 t.grad = None
-        _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted)
+        _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted, sinks)
 
 
-def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv: int, counted: bool) -> None:
+def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv: int, counted: bool,
+                sinks=None) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     bm = flexc.create_block_mask(mask_mod, None, None, L, L, BLOCK_SIZE=block)
     q, k, v = random_qkv(2, Hq, Hkv, L, L, 16, seed=L + Hq)
@@ -84,7 +88,8 @@ def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv:
 
     # single process
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flexc.flex_attention(*leaves, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    out, lse = flexc.flex_attention(*leaves, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True,
+                                    sinks=sinks)
     finite = torch.isfinite(lse)
     ((out * g_out).sum() + (torch.where(finite, lse, 0.0) * g_lse).sum()).backward()
     ref_grads = [t.grad for t in leaves]
@@ -105,7 +110,7 @@ def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv:
     dist.irecv = counting_irecv
     try:
         out_l, lse_l = cp.flex_attention(*shards, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                                         return_lse=True, plan=plan)
+                                         return_lse=True, plan=plan, sinks=sinks)
         forward_sources = sorted(received)
         received.clear()
         gl_out, gl_lse = (cp.shard_sequence(g, bm, plan=plan) for g in (g_out, g_lse))
@@ -186,7 +191,8 @@ def test_two_ranks_match_single_process():
     # (name, L, block, Hq, Hkv, counted): ragged lengths (200, 232), GQA, captured-tensor gradients
     _spawn(2, [("causal", 200, 32, 4, 2, False), ("sliding", 256, 32, 2, 2, False),
                ("document_alibi", 232, 32, 4, 2, False), ("prefix_lm", 224, 32, 2, 1, False),
-               ("dead_rows", 200, 32, 2, 2, False), ("temperature_softmax_slopes", 160, 32, 4, 2, False)])
+               ("dead_rows", 200, 32, 2, 2, False), ("temperature_softmax_slopes", 160, 32, 4, 2, False),
+               ("causal_sinks", 128, 32, 4, 2, False)])
 
 
 def test_four_ranks_skip_pairs_they_do_not_need():

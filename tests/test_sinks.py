@@ -1,0 +1,131 @@
+"""Learned attention sinks (flexc's ``sinks=``): forward, logsumexp and gradients (q, k, v, the sinks,
+captured tensors) equal a float64 dense softmax over the scores with the sink logit appended (its
+column dropped), on both backends, with GQA, dead rows, decoding and torch.compile; and equal Hugging
+Face transformers' rescaling of a sink-free call by its logsumexp."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flexc
+from reference import index_tensors, random_qkv
+
+B, HQ, HKV, L, S, E = 2, 4, 2, 72, 88, 16
+
+
+def dense_with_sinks(q, k, v, sinks, score_mod=None, mask_mod=None):
+    """``(out, lse)`` in float64: softmax over [scores..., sink] per row, the sink's column dropped."""
+    Bq, Hq, Lq, D = q.shape
+    G = Hq // k.shape[1]
+    kk = k.double().repeat_interleave(G, 1).expand(Bq, Hq, -1, -1)
+    vv = v.double().repeat_interleave(G, 1).expand(Bq, Hq, -1, -1)
+    s = q.double() @ kk.transpose(-1, -2) / math.sqrt(D)
+    b, h, qi, kv = index_tensors(Bq, Hq, Lq, k.shape[2])
+    if score_mod is not None:
+        s = torch.broadcast_to(score_mod(s, b, h, qi, kv), s.shape).double()
+    if mask_mod is not None:
+        s = torch.where(torch.broadcast_to(mask_mod(b, h, qi, kv), s.shape), s, -math.inf)
+    sink = torch.broadcast_to(sinks.double().view(-1, Hq, 1, 1) if sinks.dim() == 2 else
+                              sinks.double().view(1, Hq, 1, 1), (Bq, Hq, Lq, 1))
+    full = torch.cat([s, sink], dim=-1)
+    lse = torch.logsumexp(full, dim=-1)
+    p = torch.exp(full - lse.unsqueeze(-1))[..., :-1]
+    return p @ vv, lse
+
+
+def _mask(b, h, q_idx, kv_idx):  # causal from the end, with rows q % 9 == 4 fully masked (dead rows)
+    return (q_idx + (S - L) >= kv_idx) & (kv_idx < 80) & (q_idx % 9 != 4)
+
+
+def _problem(seed: int, rows: int = L):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = random_qkv(B, HQ, HKV, rows, S, E, seed=seed)
+    sinks = torch.randn(HQ, generator=g).requires_grad_()
+    slopes = torch.rand(HQ, generator=g).requires_grad_()
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - 0.1 * slopes[h] * (q_idx - kv_idx).abs()
+    return q, k, v, sinks, slopes, alibi
+
+
+def _check(got_out, got_lse, ref_out, ref_lse, what):
+    torch.testing.assert_close(got_out.double(), ref_out, atol=3e-5, rtol=0, msg=lambda m: f"{what} out: {m}")
+    torch.testing.assert_close(got_lse.double(), ref_lse, atol=3e-5, rtol=0, msg=lambda m: f"{what} lse: {m}")
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_sinks_forward_lse_and_gradients_equal_dense(backend):
+    q, k, v, sinks, slopes, alibi = _problem(1)
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [sinks, slopes]
+    block_mask = flexc.create_block_mask(_mask, None, None, L, S, BLOCK_SIZE=(32, 32))
+    out, lse = flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, enable_gqa=True,
+                                    return_lse=True, sinks=sinks, kernel_options={"BACKEND": backend})
+    ref_out, ref_lse = dense_with_sinks(q, k, v, sinks, alibi, _mask)
+    _check(out, lse, ref_out, ref_lse, backend)
+    dead = torch.tensor([qi % 9 == 4 for qi in range(L)])
+    assert (out[:, :, dead] == 0).all()  # nothing allowed: output 0, lse the sink's logit
+    torch.testing.assert_close(lse[:, :, dead], sinks.detach().view(1, HQ, 1).expand(B, HQ, int(dead.sum())))
+    g = torch.Generator().manual_seed(2)
+    d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
+    want = torch.autograd.grad((ref_out * d_out.double()).sum() + (ref_lse * d_lse.double()).sum(), leaves)
+    for name, a, b in zip(["q", "k", "v", "sinks", "slopes"], got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=2e-4, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_sinks_when_decoding_per_batch_sinks_equal_dense(rows):
+    q, k, v, _, _, _ = _problem(3, rows)
+    sinks = torch.randn(B, HQ, generator=torch.Generator().manual_seed(4), dtype=torch.float64).float()
+    offset = S - rows
+
+    def shifted(b, h, q_idx, kv_idx):
+        return (q_idx + offset >= kv_idx) & (q_idx + offset - kv_idx < 40)
+    for backend in ("TORCH", "TRITON"):
+        out, lse = flexc.flex_attention(q, k, v, block_mask=flexc.create_block_mask(shifted, None, None, rows, S),
+                                        enable_gqa=True, return_lse=True, sinks=sinks,
+                                        kernel_options={"BACKEND": backend})
+        _check(out, lse, *dense_with_sinks(q, k, v, sinks, mask_mod=shifted), f"{backend} rows={rows}")
+
+
+def test_sinks_equal_transformers_rescaling_of_a_sink_free_call():
+    """transformers' flex integration (gpt-oss): a call with return_lse, then
+    out * exp(lse - logsumexp([lse, sink])); flexc's sinks= gives the same output in one call."""
+    q, k, v, sinks, _, _ = _problem(5)
+    out, lse = flexc.flex_attention(q, k, v, enable_gqa=True, return_lse=True)
+    lse_e = lse.unsqueeze(-1)
+    combined = torch.logsumexp(torch.cat([lse_e, sinks.detach().view(1, -1, 1, 1).expand(B, HQ, L, 1)], -1), -1,
+                               keepdim=True)
+    rescaled = out * torch.exp(lse_e - combined)
+    ours, ours_lse = flexc.flex_attention(q, k, v, enable_gqa=True, return_lse=True, sinks=sinks.detach())
+    torch.testing.assert_close(ours, rescaled, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours_lse, combined.squeeze(-1), atol=1e-6, rtol=0)
+
+
+def test_sinks_under_compile_equal_eager():
+    q, k, v, sinks, slopes, alibi = _problem(6)
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [sinks, slopes]
+    block_mask = flexc.create_block_mask(_mask, None, None, L, S, BLOCK_SIZE=(32, 32))
+
+    def call(q, k, v, sinks):
+        return flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, enable_gqa=True, sinks=sinks)
+    torch._dynamo.reset()
+    eager = call(*leaves[:4])
+    compiled = torch.compile(call, fullgraph=True)(*leaves[:4])
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+    want = torch.autograd.grad(eager.sum(), leaves)
+    got = torch.autograd.grad(compiled.sum(), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_sinks_name_the_argument_and_the_fix():
+    q = torch.randn(1, 4, 8, 16)
+    with pytest.raises(ValueError, match=r"sinks must have shape \[Hq\] = \[4\].*got \[3\].*Fix"):
+        flexc.flex_attention(q, q, q, sinks=torch.zeros(3))
+    with pytest.raises(TypeError, match=r"sinks must be a floating-point tensor.*Fix"):
+        flexc.flex_attention(q, q, q, sinks=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"sinks must be a tensor"):
+        flexc.flex_attention(q, q, q, sinks=[0.0] * 4)
