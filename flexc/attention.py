@@ -14,6 +14,7 @@ import torch
 from . import bounds, under_compile, validate
 from . import device as gpu
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
+from .codegen.printer import precise_math_for
 from .layout import laid_out_like as _laid_out_like
 from .lowering import AUTOGRAD_FUNCTION
 from .sinks import check_sinks, with_sinks
@@ -108,6 +109,8 @@ def prepare_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
     validate.check_captured(traced_score, query.device)
     validate.check_captured(traced_mask, query.device)
+    # FAST_MATH=False: tanh and sigmoid keep libdevice's lowering in every kernel of the call
+    traced_score, traced_mask = precise_math_for(options, traced_score, traced_mask)
     return scale, options, traced_score, traced_mask
 
 

@@ -20,6 +20,7 @@ import torch
 from . import bounds, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .block_mask import DERIVED, BlockMask, create_block_mask
+from .codegen.printer import precise_math_for
 from .layout import empty_like_reference, laid_out_like
 from .mod_key import traced_from_key
 
@@ -122,6 +123,7 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
     for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
         bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
     options = _options(kernel_options)
+    score, mask = precise_math_for(options, score, mask)  # FAST_MATH=False, as in eager calls
     row_max = None
     if options["BACKEND"] == "TRITON":  # the forward that also serves the generated backward
         out, lse = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options)
@@ -163,6 +165,7 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
     options = _options(kernel_options)
+    score, mask = precise_math_for(options, score, mask)
     # flex_attention's own rule for when the generated backward applies (imported at run time:
     # flexc.attention imports this module)
     from .attention import _generated_backward_applies

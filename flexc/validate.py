@@ -44,6 +44,10 @@ TORCH_KERNEL_OPTIONS = frozenset({
     "QK_HEAD_DIM_ROUNDED", "V_HEAD_DIM", "V_HEAD_DIM_ROUNDED", "FLOAT32_PRECISION", "num_consumer_groups",
     "num_buffers_warp_spec", "PARTITION_SIZE", "SKIP_MASK_SCORE",
 })
+# flexc's own keys. FAST_MATH (default True): on CUDA, fp32 tanh and sigmoid lower to one exp2 and one
+# reciprocal (flexc.codegen.math_helpers); False keeps libdevice's tanh and tl.sigmoid. It applies to
+# every kernel of a call (forward, backward, decode), so it takes no fwd_/bwd_ prefix.
+FLEXC_OPTIONS = frozenset({"FAST_MATH"})
 
 
 def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
@@ -425,13 +429,21 @@ def check_kernel_options(kernel_options: Any) -> dict:
         if name in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):  # torch sets these itself from return_lse/return_aux
             raise AssertedValueError(f"flex_attention: {name} must not be in kernel_options. Fix: ask for the "
                                      f"output with return_aux=AuxRequest(lse=True) or AuxRequest(max_scores=True).")
-        if name != "BACKEND" and base not in KNOWN_OPTIONS and base not in TORCH_KERNEL_OPTIONS:
-            by_lower = {known.lower(): known for known in KNOWN_OPTIONS | TORCH_KERNEL_OPTIONS}
+        if base in FLEXC_OPTIONS and base != name:
+            raise ValueError(f"flex_attention: kernel_options key {name!r}: {base} applies to every kernel of a "
+                             f"call (forward, backward and decode) and takes no fwd_/bwd_ prefix. Fix: pass "
+                             f"{base!r}.")
+        if name in FLEXC_OPTIONS and not (isinstance(options[name], (bool, int)) and options[name] in (0, 1)):
+            raise TypeError(f"flex_attention: kernel_options[{name!r}] must be a bool, got "
+                            f"{type(options[name]).__name__} {options[name]!r}. Fix: pass {name}=True or False.")
+        if name != "BACKEND" and base not in KNOWN_OPTIONS | TORCH_KERNEL_OPTIONS | FLEXC_OPTIONS:
+            by_lower = {known.lower(): known for known in KNOWN_OPTIONS | TORCH_KERNEL_OPTIONS | FLEXC_OPTIONS}
             close = difflib.get_close_matches(str(base).lower(), sorted(by_lower), n=1)
             hint = f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
-            raise ValueError(f"flex_attention: unknown kernel_options key {name!r}{hint}; expected BACKEND or one "
-                             f"of {sorted(KNOWN_OPTIONS)}, torch's kernel keys {sorted(TORCH_KERNEL_OPTIONS)} "
-                             f"(optionally prefixed fwd_/bwd_). Fix: remove or correct the key.")
+            raise ValueError(f"flex_attention: unknown kernel_options key {name!r}{hint}; expected BACKEND, "
+                             f"{', '.join(sorted(FLEXC_OPTIONS))} or one of {sorted(KNOWN_OPTIONS)}, torch's kernel "
+                             f"keys {sorted(TORCH_KERNEL_OPTIONS)} (optionally prefixed fwd_/bwd_). Fix: remove or "
+                             f"correct the key.")
     if "BACKEND" in options and options.get("FORCE_USE_FLEX_ATTENTION", False):
         raise InvalidValueError("flex_attention: BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION. "
                                 "Fix: drop FORCE_USE_FLEX_ATTENTION and only specify the desired BACKEND.")

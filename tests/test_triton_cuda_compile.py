@@ -94,6 +94,8 @@ def test_int64_offset_variant_compiles(monkeypatch):
 
 
 def test_math_functions_use_libdevice_on_cuda():
+    from flexc.codegen.printer import keep_precise_math
+
     def every_math_function(score, b, h, q_idx, kv_idx):
         s = score * 0.1
         return (torch.tanh(s) + torch.tan(s) + torch.atan(s) + torch.asin(s * 0.1) + torch.acos(s * 0.1)
@@ -101,12 +103,23 @@ def test_math_functions_use_libdevice_on_cuda():
                 + torch.expm1(s) + torch.log1p(s * s) + torch.erfc(s) + torch.log10(s * s + 1.0) + torch.trunc(s)
                 + torch.round(s) + torch.atan2(s, s + 2.0) + torch.fmod(s, 0.3) + torch.sigmoid(s))
 
-    spec = triton_backend.make_spec(flexc.trace(every_math_function), None, torch.bfloat16, 64, 64, None,
-                                    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}, "cuda", True)
+    small_tiles = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}
+    traced = flexc.trace(every_math_function)
+    spec = triton_backend.make_spec(traced, None, torch.bfloat16, 64, 64, None, small_tiles, "cuda", True)
     source = triton_backend.source_for(spec)
-    assert "libdevice.tanh(" in source and "libdevice.rint(" in source and "def tanh(" not in source
-    compile_for_hopper(every_math_function, None, torch.bfloat16, 64, 64,
-                       options={"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2})
+    assert "libdevice.rint(" in source and "def tanh(" not in source and "def sigmoid(" not in source
+    # fp32 tanh and sigmoid: one exp2 and one rcp.approx each (FAST_MATH, the default) ...
+    assert "libdevice.tanh(" not in source and "tl.sigmoid(" not in source
+    assert source.count("approx_rcp(tl.exp2(") == 1 and source.count("approx_rcp(1.0 + tl.exp2(") == 1
+    compiled = triton_backend.compile_offline(spec, capability=90)
+    assert "rcp.approx.ftz.f32" in compiled.asm["ptx"]
+    # ... and libdevice's tanh with FAST_MATH=False: another kernel (the mark is in the cache key)
+    precise = triton_backend.make_spec(keep_precise_math(traced), None, torch.bfloat16, 64, 64, None, small_tiles,
+                                       "cuda", True)
+    source = triton_backend.source_for(precise)
+    assert "libdevice.tanh(" in source and "tl.sigmoid(" in source and "approx_rcp" not in source
+    assert precise.key() != spec.key()
+    assert "cubin" in triton_backend.compile_offline(precise, capability=90).asm
 
 
 def test_decode_kernel_compiles_without_its_value_guard_by_default():
@@ -120,7 +133,7 @@ def test_decode_kernel_compiles_without_its_value_guard_by_default():
     soft_cap = lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0)
     bm = flexc.create_block_mask(mask_mod, 2, 1, 1, 4096, device="cpu")
     spec = triton_decode.make_spec(flexc.trace(soft_cap), flexc.trace(mask_mod), q, k, k, bm, target="cuda")
-    assert "libdevice.tanh(" in triton_backend.source_for(spec)  # as the forward kernel on CUDA
+    assert "approx_rcp(tl.exp2(" in triton_backend.source_for(spec)  # fast tanh, as the forward kernel on CUDA
     off = triton_decode.compile_decode_offline(spec, q, k, k, bm)
     on = triton_decode.compile_decode_offline(spec, q, k, k, bm, guard_values=True)
     assert "cubin" in off.asm and off.metadata.shared <= HOPPER_SHARED_MEMORY

@@ -7,6 +7,40 @@ near 0), infinities passed through, and a range-reduced odd polynomial for ``ata
 single-precision coefficients, accurate to fp32 rounding). :data:`MATH_HELPERS` maps an IR op to
 its helper's name; :data:`HELPER_SOURCES` holds the sources and :data:`HELPER_NEEDS` the helpers
 each one calls.
+
+**Fast math.** On CUDA, fp32 ``tanh`` and ``sigmoid`` (and so ``gelu(approximate="tanh")``, mish and
+tanhshrink, which the tracer writes with ``tanh``) lower to one ``exp2`` and one reciprocal instead
+of libdevice's ``tanhf`` (an odd polynomial, two compares and selects beside the same ``exp2`` and
+reciprocal) and Triton's ``tl.sigmoid`` (a full-range division)::
+
+    tanh(x)    = 1 - 2 * rcp(exp2(x * 2 log2(e)) + 1)
+    sigmoid(x) = rcp(1 + exp2(x * -log2(e)))
+
+Both saturate instead of dividing infinities: for large ``|x|`` the power is ``inf`` (reciprocal 0)
+or 0, so ``tanh`` is exactly ``+-1`` and ``sigmoid`` exactly 1 or 0; NaN stays NaN. On the GPU the
+power is ``ex2.approx.ftz.f32`` (relative error below 2**-22) and the reciprocal
+``rcp.approx.ftz.f32`` (:data:`FAST_RECIPROCAL`, within 1 ulp; results below 2**-126 flush to 0).
+Error bounds against the exact function, for every fp32 ``x`` (:data:`FAST_TANH_ERROR`,
+:data:`FAST_SIGMOID_ERROR`):
+
+* ``tanh``: absolute error at most 6e-7 (measured 1.8e-7 with correctly rounded ``exp2`` and
+  reciprocal; the hardware approximations add at most 0.5 * 2**-22 + 2 * 2**-23). It is absolute,
+  not relative: near 0 the ``1 - ...`` cancels, so ``tanh(1e-3)`` has a relative error around 1e-4
+  and below ~3e-8 the result is 0. Soft-capping's ``cap * tanh(s / cap)`` moves a score by at most
+  ``6e-7 * cap``, far below bf16/fp16 resolution of the scores it caps.
+* ``sigmoid``: relative error at most ``6e-7 + |x| * 2**-24`` while the result is a normal fp32
+  number (measured 1.4e-7 for ``|x| <= 1``). There is no cancellation (``1 + e`` only grows); the
+  ``|x|`` term is the rounding of ``x * log2(e)``, which every exp2-based ``exp`` has (``tl.exp`` and
+  ``tl.sigmoid`` included). For ``x < -87.3`` the result is subnormal in fp32 and the GPU returns 0
+  (an absolute error below 1.2e-38).
+
+The printer folds a multiplication or division by a literal into the power's constant
+(``tanh(s / 20)`` is ``exp2(s * 0.1443)``: one multiply fewer, at most 2.7e-8 more absolute error).
+``kernel_options={"FAST_MATH": False}`` keeps libdevice's ``tanh`` and ``tl.sigmoid``
+(:func:`flexc.codegen.printer.keep_precise_math`); fp64 never takes the fast forms. Under Triton's
+interpreter the default stays the accurate helpers below; ``render_mod(..., fast_math=True)``
+prints the fast forms there too (with :data:`PORTABLE_RECIPROCAL`, a correctly rounded ``1 / x``),
+which is how the tests run the same expression on CPU.
 """
 from __future__ import annotations
 
@@ -18,12 +52,34 @@ MATH_HELPERS = {
     "atan2": "atan2", "fmod": "float_fmod",
 }
 
+# fast-math ops (see the module docstring) and the reciprocal each target's fast forms call
+FAST_MATH_OPS = ("tanh", "sigmoid")
+FAST_RECIPROCAL = "approx_rcp"  # CUDA: one rcp.approx.ftz.f32 (inline PTX)
+PORTABLE_RECIPROCAL = "rcp"  # elsewhere (the interpreter has no inline PTX)
+FAST_TANH_ERROR = 6e-7  # absolute, every fp32 input
+FAST_SIGMOID_ERROR = 6e-7  # relative, plus |x| * 2**-24, while the result is a normal fp32 number
+TWO_LOG2E = 2.8853900817779268  # 2 / ln(2): e^(2x) = 2^(x * TWO_LOG2E)
+LOG2E = 1.4426950408889634
+
 HELPER_NEEDS = {
     "asin": ("atan",), "acos": ("atan",), "atan2": ("atan",), "sinh": ("expm1",), "asinh": ("log1p",),
     "atanh": ("log1p",), "float_fmod": ("trunc",),
 }
 
 HELPER_SOURCES = {
+    "approx_rcp": '''\
+@triton.jit
+def approx_rcp(x):
+    # 1 / x as one rcp.approx.ftz.f32 (within 1 ulp; 0 for |x| >= 2**126 and for inf; CUDA only)
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+''',
+    "rcp": '''\
+@triton.jit
+def rcp(x):
+    # 1 / x, correctly rounded: approx_rcp's stand-in where there is no PTX (Triton's interpreter)
+    return 1.0 / x
+''',
     "tan": '''\
 @triton.jit
 def tan(x):

@@ -11,6 +11,7 @@ literals, and a node used twice is computed once into a temporary ``t<k>``.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 
 
@@ -18,7 +19,8 @@ from .. import ir
 from ..evaluate import evaluate
 from ..lowering import scalar_form
 from ..trace import TracedMod
-from .math_helpers import HELPER_SOURCES, MATH_HELPERS, with_needs
+from .math_helpers import (FAST_MATH_OPS, FAST_RECIPROCAL, HELPER_SOURCES, LOG2E, MATH_HELPERS,
+                           PORTABLE_RECIPROCAL, TWO_LOG2E, with_needs)
 
 # Python operator precedence (higher binds tighter); what decides where parentheses go.
 _ATOM, _POW, _UNARY, _MUL, _ADD, _BAND, _BXOR, _BOR, _CMP = 12, 11, 10, 9, 8, 6, 5, 4, 3
@@ -39,6 +41,8 @@ _WIDE_FLOATS = ("float32", "float64")
 # math helpers whose libdevice function has another name (CUDA target)
 _LIBDEVICE = {"round_half_even": "rint", "float_fmod": "fmod"}
 _INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx")  # never negative inside the kernel
+# attr of a tanh/sigmoid node that keeps its accurate lowering under fast math (FAST_MATH=False)
+PRECISE = "precise"
 
 # Device helpers the printed mods may call; each is emitted once, only when used.
 HELPERS = {
@@ -157,13 +161,16 @@ def _safe_name(name: str, slot: int) -> str:
 
 class _Printer:
     def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str], fn_name: str = "mod",
-                 target: str | None = None, scalar_prefix: str | None = None):
+                 target: str | None = None, scalar_prefix: str | None = None, fast_math: bool | None = None):
         self.traced = traced
         self.fn_name = fn_name
         self.scalar_prefix = scalar_prefix or fn_name
         # "cuda": transcendental functions from libdevice (the interpreter has no libdevice); None or
         # "interpreter": portable helpers written with tl.exp
         self.target = target
+        # fp32 tanh/sigmoid from exp2 and a reciprocal (flexc.codegen.math_helpers); CUDA's default
+        self.fast_math = target == "cuda" if fast_math is None else fast_math
+        self.uses: dict[int, int] = {}  # id(node) -> how many times its users read it
         self.uses_libdevice = False
         self.prefix = buffer_prefix  # slot -> parameter stem, e.g. "slopes" for slopes_ptr
         self.params: dict[tuple, BufferParam] = {}
@@ -296,7 +303,9 @@ class _Printer:
             return self.text[id(args[0])]  # floor/ceil of an integer is the integer itself
         if op in _MATH:
             return f"{_MATH[op]}({self.as_float(args[0], 0)})", _ATOM
-        if op in ("sigmoid", "tanh"):
+        if op in FAST_MATH_OPS:
+            if self.fast_math and n.attr != PRECISE and self.dtype.get(id(args[0])) != "float64":
+                return self.render_fast(n)
             if self.target == "cuda":  # the hardware-tuned versions
                 if op == "sigmoid":
                     return f"tl.sigmoid({self.as_float(args[0], 0)})", _ATOM
@@ -325,6 +334,37 @@ class _Printer:
             self.helpers |= with_needs({name})
             return f"{name}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
         raise NotImplementedError(f"flexc codegen: no Triton printing for IR op {op!r} in {self.traced!r}")
+
+    def render_fast(self, n: ir.Node) -> tuple[str, int]:
+        """fp32 ``tanh``/``sigmoid`` as one exp2 and one reciprocal (flexc.codegen.math_helpers):
+        ``1 - 2 rcp(2^(2x log2 e) + 1)`` and ``rcp(1 + 2^(-x log2 e))``, which saturate (never inf/inf)."""
+        x = n.args[0]
+        scale = TWO_LOG2E if n.op == "tanh" else -LOG2E
+        inner, factor = self.literal_factor(x)
+        if factor is not None and math.isfinite(factor * scale) and abs(factor * scale) >= 2.0 ** -126:
+            x, scale = inner, factor * scale  # x * c (or x / c) folded into the constant: one multiply fewer
+        rcp = FAST_RECIPROCAL if self.target == "cuda" else PORTABLE_RECIPROCAL
+        self.helpers.add(rcp)
+        power = f"tl.exp2({self.as_float(x, _MUL)} * {python_literal(scale)})"
+        if n.op == "tanh":
+            return f"1.0 - 2.0 * {rcp}({power} + 1.0)", _ADD
+        return f"{rcp}(1.0 + {power})", _ATOM
+
+    def literal_factor(self, n: ir.Node) -> tuple[ir.Node | None, float | None]:
+        """``(x, c)`` when ``n`` is ``x * c``, ``c * x`` or ``x / c`` for a float ``x`` and a finite
+        literal ``c`` (its reciprocal for ``/``), and nothing else reads ``n``; else ``(None, None)``."""
+        if n.kind != ir.FLOAT or self.uses.get(id(n), 0) != 1 or n.op not in ("mul", "truediv"):
+            return None, None
+        a, b = n.args
+        for x, c, divides in ((a, b, n.op == "truediv"), (b, a, False)):
+            value = self.literal.get(id(c))
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                    and value != 0 and x.kind == ir.FLOAT and id(x) not in self.literal \
+                    and self.dtype.get(id(x)) != "float64":
+                return x, 1.0 / value if divides else float(value)
+            if n.op == "truediv":
+                break
+        return None, None
 
     def render_load(self, n: ir.Node) -> str:
         dtype = n.args[0].attr[1]
@@ -415,7 +455,7 @@ def _pow_repeats(n: ir.Node, literal: dict) -> int:
 
 def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None,
                address: bool = False, *, target: str | None = None, index_dtype: str = "int32",
-               scalar_prefix: str | None = None) -> RenderedMod:
+               scalar_prefix: str | None = None, fast_math: bool | None = None) -> RenderedMod:
     """Print ``traced`` as the Triton device function ``fn_name``.
 
     ``buffer_stems`` names each captured tensor's parameters (slot -> stem); by default the mod's
@@ -423,8 +463,12 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     or ``b, h, q_idx, kv_idx``) then the captured-tensor parameters in ``RenderedMod.params``.
     With ``address=True`` the root must be a ``load`` and the function returns the pointer it
     would read (the backward adds captured-tensor gradients there).
-    ``target="cuda"`` uses libdevice/``tl.sigmoid`` for tanh, sigmoid and the other math helpers
-    (the default prints portable helpers that Triton's interpreter runs too). ``index_dtype="int64"``
+    ``target="cuda"`` uses libdevice for the math helpers and the fast forms of fp32 tanh and sigmoid
+    (one exp2 and one reciprocal, :mod:`flexc.codegen.math_helpers`; nodes marked by
+    :func:`keep_precise_math` print libdevice's tanh and ``tl.sigmoid``); the default prints portable
+    helpers that Triton's interpreter runs too. ``fast_math`` overrides the target's choice of the
+    fast forms (``True`` under the interpreter prints them with a correctly rounded reciprocal; the
+    tests run them so). ``index_dtype="int64"``
     widens the index arguments first, so integer arithmetic on them cannot wrap (torch computes it
     in int64). Captured numbers (``scalar`` nodes) become parameters ``<scalar_prefix>_<name>``,
     ``fn_name`` by default; functions derived from one mod (its derivatives) pass that mod's
@@ -439,7 +483,7 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         traced = replace(traced, root=scalar_form(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
-    p = _Printer(traced, buffer_stems, fn_name, target, scalar_prefix)
+    p = _Printer(traced, buffer_stems, fn_name, target, scalar_prefix, fast_math)
     nodes = list(traced.root.walk())
     p.fold_constants(nodes)
     p.infer_dtypes(nodes)
@@ -454,6 +498,7 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
             continue
         for a in n.args:
             uses[id(a)] = uses.get(id(a), 0) + (_pow_repeats(n, p.literal) if n.op == "pow" and a is n.args[0] else 1)
+    p.uses = uses
     body: list[str] = []
     if index_dtype == "int64":
         body += [f"    {name} = {name}.to(tl.int64)  # index arithmetic in int64, as torch does"
@@ -489,6 +534,44 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
                        p.uses_libdevice)
 
 
+_precise: "weakref.WeakKeyDictionary[TracedMod, TracedMod]" = weakref.WeakKeyDictionary()
+
+
+def keep_precise_math(traced: TracedMod | None) -> TracedMod | None:
+    """``traced`` with its ``tanh`` and ``sigmoid`` nodes marked :data:`PRECISE`: printed as libdevice's
+    tanh and ``tl.sigmoid`` on CUDA instead of the fast exp2-and-reciprocal forms
+    (``kernel_options={"FAST_MATH": False}``). The mark is part of the graph, so the kernel cache
+    keeps the two variants apart; every other reader of the IR sees the same operations. ``traced``
+    itself when it has neither function."""
+    if traced is None:
+        return None
+    marked = _precise.get(traced)
+    if marked is not None:
+        return marked
+    rebuilt: dict[int, ir.Node] = {}
+    for n in traced.root.walk():
+        args = tuple(rebuilt[id(a)] for a in n.args)
+        attr = PRECISE if n.op in FAST_MATH_OPS else n.attr
+        same = attr == n.attr and all(a is b for a, b in zip(args, n.args))
+        rebuilt[id(n)] = n if same else ir.make(n.op, args, attr, n.kind)
+    root = rebuilt[id(traced.root)]
+    if root is traced.root:
+        marked = traced
+    else:  # where each lookup and division was written, for the rebuilt nodes too
+        sites = {rebuilt.get(id(node), node): site for node, site in traced.sites.items()}
+        marked = replace(traced, root=root, sites=sites)
+    _precise[traced] = marked
+    return marked
+
+
+def precise_math_for(options: dict | None, *mods: TracedMod | None) -> tuple:
+    """The mods as the call's ``kernel_options`` want them printed: :func:`keep_precise_math` of each
+    when ``FAST_MATH`` is false, else the mods themselves."""
+    if options is None or options.get("FAST_MATH", True):
+        return mods
+    return tuple(keep_precise_math(mod) for mod in mods)
+
+
 def _does_integer_arithmetic(root: ir.Node, name: str) -> bool:
     """Whether the index input ``name`` feeds integer arithmetic (not only compares and lookups)."""
     for n in root.walk():
@@ -520,4 +603,5 @@ def _wrap_comment(line: str, width: int = 110) -> list[str]:
     return out
 
 
-__all__ = ["HELPERS", "BufferParam", "RenderedMod", "python_literal", "render_mod"]
+__all__ = ["HELPERS", "PRECISE", "BufferParam", "RenderedMod", "keep_precise_math", "precise_math_for", "python_literal",
+           "render_mod"]
