@@ -18,6 +18,7 @@ import flexc
 from flexc.backends.triton_backend import import_source
 from flexc.codegen.math_helpers import FAST_SIGMOID_ERROR, FAST_TANH_ERROR, LOG2E, TWO_LOG2E
 from flexc.codegen.printer import HELPERS, PRECISE, keep_precise_math, render_mod
+from flexc.codegen.scalars import lift_scalars
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -27,12 +28,12 @@ EDGES = [0.0, -0.0, 1e-30, -1e-30, 1e-8, -1e-8, 1e-3, -1e-3, 0.5, -0.5, 0.55, -0
 
 _KERNEL = '''
 @triton.jit
-def apply(out_ptr, x_ptr, N, BLOCK: tl.constexpr):
+def apply(out_ptr, x_ptr, {params}N, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < N
     score = tl.load(x_ptr + offsets, mask=inside, other=0.0)
     zero = offsets * 0
-    tl.store(out_ptr + offsets, score_mod(score, zero, zero, zero, zero).to(tl.float32), mask=inside)
+    tl.store(out_ptr + offsets, score_mod(score, zero, zero, zero, zero, {params}).to(tl.float32), mask=inside)
 '''
 
 
@@ -43,16 +44,22 @@ def inputs() -> torch.Tensor:
     return torch.cat([torch.tensor(EDGES), dense, wide]).float()
 
 
-def run_fast(score_mod, x: torch.Tensor, fast_math: bool = True) -> torch.Tensor:
-    """``score_mod`` printed as CUDA prints it (fast forms) and run by the interpreter on ``x``."""
-    rendered = render_mod(flexc.trace(score_mod), "score_mod", target="interpreter", fast_math=fast_math)
-    assert not rendered.params
+def run_fast(score_mod, x: torch.Tensor, fast_math: bool = True, lift: bool = False) -> torch.Tensor:
+    """``score_mod`` printed as CUDA prints it (fast forms) and run by the interpreter on ``x``
+    (``lift``: its captured numbers are kernel arguments, as in a real call)."""
+    traced = flexc.trace(score_mod)
+    if lift:
+        traced = lift_scalars(traced)
+    rendered = render_mod(traced, "score_mod", target="interpreter", fast_math=fast_math)
+    assert all(p.what == "scalar" for p in rendered.params)
+    scalars = [traced.scalars[p.slot] for p in rendered.params]
     source = "\n".join(["import triton", "import triton.language as tl", ""]
-                       + [HELPERS[h] for h in sorted(rendered.helpers)] + [rendered.source, _KERNEL])
+                       + [HELPERS[h] for h in sorted(rendered.helpers)] + [rendered.source, _KERNEL.format(
+                           params="".join(f"{p.name}, " for p in rendered.params))])
     module, _ = import_source(source, "interpreter")
     out = torch.empty_like(x)
     block = 1024
-    module.apply[(triton_cdiv(x.numel(), block),)](out, x, x.numel(), BLOCK=block)
+    module.apply[(triton_cdiv(x.numel(), block),)](out, x, *scalars, x.numel(), BLOCK=block)
     return out, rendered.source
 
 
@@ -108,11 +115,16 @@ def test_gelu_tanh_and_soft_cap_fold_their_constants_and_match_torch():
     cap = 20.0
     soft_cap = lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)
     fast, source = run_fast(soft_cap, x)
-    assert f"tl.exp2(score * {(1.0 / cap) * TWO_LOG2E!r})" in source  # s / 20 folded into the power: one multiply
+    assert f"tl.exp2(score * {TWO_LOG2E / cap!r})" in source  # s / 20 folded into the power: one multiply
     reference = cap * torch.tanh(x.double() / cap)
     finite = ~x.isnan()
     assert (fast.double() - reference)[finite].abs().max().item() <= cap * FAST_TANH_ERROR
     assert torch.equal(fast[x.abs() >= 200], cap * torch.sign(x[x.abs() >= 200]))
+    # a real call passes the captured cap as a kernel argument: folded the same way, once per program
+    lifted, source = run_fast(soft_cap, x, lift=True)
+    assert f"tl.exp2(score * ({TWO_LOG2E!r} / score_mod_cap))" in source
+    assert (lifted.double() - reference)[finite].abs().max().item() <= cap * FAST_TANH_ERROR
+    assert torch.equal(lifted[x.abs() >= 200], cap * torch.sign(x[x.abs() >= 200]))
 
 
 def test_fast_forms_are_odd_and_monotone_enough_on_a_fine_grid():

@@ -35,7 +35,9 @@ Error bounds against the exact function, for every fp32 ``x`` (:data:`FAST_TANH_
   (an absolute error below 1.2e-38).
 
 The printer folds a multiplication or division by a literal into the power's constant
-(``tanh(s / 20)`` is ``exp2(s * 0.1443)``: one multiply fewer, at most 2.7e-8 more absolute error).
+(``tanh(s / 20)`` is ``exp2(s * 0.1443)``: one multiply fewer, at most 2.7e-8 more absolute error),
+and one by a captured number (a kernel argument) too: ``tanh(s / cap)`` is
+``exp2(s * (2.885 / cap))``, the quotient computed once per program instead of a division per score.
 ``kernel_options={"FAST_MATH": False}`` keeps libdevice's ``tanh`` and ``tl.sigmoid``
 (:func:`flexc.codegen.printer.keep_precise_math`); fp64 never takes the fast forms. Under Triton's
 interpreter the default stays the accurate helpers below; ``render_mod(..., fast_math=True)``

@@ -340,31 +340,39 @@ class _Printer:
         ``1 - 2 rcp(2^(2x log2 e) + 1)`` and ``rcp(1 + 2^(-x log2 e))``, which saturate (never inf/inf)."""
         x = n.args[0]
         scale = TWO_LOG2E if n.op == "tanh" else -LOG2E
-        inner, factor = self.literal_factor(x)
-        if factor is not None and math.isfinite(factor * scale) and abs(factor * scale) >= 2.0 ** -126:
-            x, scale = inner, factor * scale  # x * c (or x / c) folded into the constant: one multiply fewer
+        factor = python_literal(scale)
+        inner, c, divides = self.constant_factor(x)
+        if isinstance(c, float):  # x * c or x / c, c a literal: folded into the constant, one multiply fewer
+            folded = scale / c if divides else c * scale
+            if math.isfinite(folded) and abs(folded) >= 2.0 ** -126:
+                x, factor = inner, python_literal(folded)
+        elif c is not None:  # c a captured number (a kernel argument): the same, computed once per program
+            x, factor = inner, f"({factor} / {c})" if divides else f"({c} * {factor})"
         rcp = FAST_RECIPROCAL if self.target == "cuda" else PORTABLE_RECIPROCAL
         self.helpers.add(rcp)
-        power = f"tl.exp2({self.as_float(x, _MUL)} * {python_literal(scale)})"
+        power = f"tl.exp2({self.as_float(x, _MUL)} * {factor})"
         if n.op == "tanh":
             return f"1.0 - 2.0 * {rcp}({power} + 1.0)", _ADD
         return f"{rcp}(1.0 + {power})", _ATOM
 
-    def literal_factor(self, n: ir.Node) -> tuple[ir.Node | None, float | None]:
-        """``(x, c)`` when ``n`` is ``x * c``, ``c * x`` or ``x / c`` for a float ``x`` and a finite
-        literal ``c`` (its reciprocal for ``/``), and nothing else reads ``n``; else ``(None, None)``."""
+    def constant_factor(self, n: ir.Node) -> tuple[ir.Node | None, float | str | None, bool]:
+        """``(x, c, divides)`` when ``n`` is ``x * c``, ``c * x`` or ``x / c`` (``divides``) for a float
+        ``x`` and a finite non-zero literal ``c`` (a float) or a captured float number (its parameter
+        name), and nothing else reads ``n``; else ``(None, None, False)``."""
         if n.kind != ir.FLOAT or self.uses.get(id(n), 0) != 1 or n.op not in ("mul", "truediv"):
-            return None, None
+            return None, None, False
         a, b = n.args
         for x, c, divides in ((a, b, n.op == "truediv"), (b, a, False)):
+            if x.kind != ir.FLOAT or id(x) in self.literal or self.dtype.get(id(x)) == "float64":
+                continue
             value = self.literal.get(id(c))
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                    and value != 0 and x.kind == ir.FLOAT and id(x) not in self.literal \
-                    and self.dtype.get(id(x)) != "float64":
-                return x, 1.0 / value if divides else float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value != 0:
+                return x, float(value), divides
+            if c.op == "scalar" and c.kind == ir.FLOAT and value is None:
+                return x, self.scalar_param(c), divides
             if n.op == "truediv":
                 break
-        return None, None
+        return None, None, False
 
     def render_load(self, n: ir.Node) -> str:
         dtype = n.args[0].attr[1]
