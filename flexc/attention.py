@@ -136,6 +136,58 @@ def _generated_backward_applies(score_mod: TracedMod | None) -> bool:
     return _differentiable_root(score_mod.root)
 
 
+def sink_free_request(query: torch.Tensor, sinks: Any, enable_gqa: bool, return_lse: bool,
+                      return_aux: Any) -> tuple[torch.Tensor, AuxRequest]:
+    """A call with ``sinks`` runs the call without them, asking for its logsumexp (and max_scores if
+    asked), then merges the sinks in torch (:func:`flexc.sinks.with_sinks`). Returns the checked
+    sinks' rows and that inner call's ``return_aux``; shared with :func:`flexc.kernel_source`."""
+    validate.check_flags(enable_gqa, return_lse, return_aux)
+    rows = check_sinks(sinks, query)
+    return rows, AuxRequest(lse=True, max_scores=bool(return_aux is not None and return_aux.max_scores))
+
+
+class CallPlan(NamedTuple):
+    """What one eager :func:`flex_attention` call runs, decided by :func:`plan_call` for the call
+    itself and for :func:`flexc.kernel_source` (one rule, so the source shown is the one launched)."""
+
+    backend: str  # the forward backend's name in BACKENDS ("TORCH", "TRITON")
+    training: bool  # autograd records the call: an input or a captured float tensor requires grad
+    generated: tuple[Callable, Callable] | None  # TRAINING[backend] when training runs it, else None
+    want_lse: bool
+    want_max: bool
+    slots: tuple[int, ...]  # the score_mod's captured tensors that receive gradients
+
+
+def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+              mask_mod: TracedMod | None, options: dict, return_lse: bool, return_aux: Any,
+              training: bool | None = None) -> CallPlan:
+    """The backend and paths a call with these (prepared) arguments takes; raises what the call raises.
+
+    Training is decided as autograd would record the call (``torch.is_grad_enabled()`` and an input
+    or a captured float tensor that requires grad); ``training`` overrides that (``kernel_source``'s
+    ``backward=True`` asks about the call as trained). A training call runs the backend's generated
+    forward and backward (:data:`TRAINING`) when :func:`_generated_backward_applies`, otherwise the
+    backend's forward with the logsumexp and the torch backward.
+    """
+    backend = _choose_backend(options, query.device)
+    # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
+    B, Hq, L, _ = query.shape
+    S = key.shape[-2]
+    bounds.check_mod(score_mod, B, Hq, L, S, "flex_attention")
+    bounds.check_mod(mask_mod, B, Hq, L, S, "flex_attention")
+    want_lse = bool(return_lse) or bool(return_aux is not None and return_aux.lse)
+    want_max = bool(return_aux is not None and return_aux.max_scores)
+    if want_max and backend != "TORCH":
+        raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
+                         f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
+    slots = _grad_slots(score_mod)
+    if training is None:
+        training = torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad or bool(slots))
+    generated = TRAINING.get(backend) if training and _generated_backward_applies(score_mod) else None
+    return CallPlan(backend, training, generated, want_lse, want_max, slots)
+
+
 class _FlexAttentionFunction(torch.autograd.Function):
     """Forward on the chosen backend; backward recomputes scores per query row on the torch path."""
 
@@ -210,9 +262,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         >>> out = flexc.flex_attention(q, k, v, block_mask=causal)
     """
     if sinks is not None:  # attention without the sinks, then their logsumexp merge (flexc.sinks)
-        validate.check_flags(enable_gqa, return_lse, return_aux)
-        rows = check_sinks(sinks, query)
-        inner = AuxRequest(lse=True, max_scores=bool(return_aux is not None and return_aux.max_scores))
+        rows, inner = sink_free_request(query, sinks, enable_gqa, return_lse, return_aux)
         out, aux = flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                   kernel_options=kernel_options, return_aux=inner)
         out, lse = with_sinks(out, aux.lse, rows)
@@ -226,27 +276,13 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
     key, value = _in_dtype_of(query, key), _in_dtype_of(query, value)
-    backend = _choose_backend(options, query.device)
-    # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
-    B, Hq, L, _ = query.shape
-    S = key.shape[-2]
-    bounds.check_mod(traced_score, B, Hq, L, S, "flex_attention")
-    bounds.check_mod(traced_mask, B, Hq, L, S, "flex_attention")
-    want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
-    want_max = bool(return_aux is not None and return_aux.max_scores)
-
-    slots = _grad_slots(traced_score)
-    needs_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad or bool(slots))
+    plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux)
+    backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
     max_scores = None
-    if want_max and backend != "TORCH":
-        raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
-                         f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
-    if needs_grad:
+    if plan.training:
         forward = BACKENDS[backend]
         grad_buffers = [traced_score.buffers[i] for i in slots]
-        training = TRAINING.get(backend) if _generated_backward_applies(traced_score) else None
-        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, training, traced_score,
+        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, plan.generated, traced_score,
                                                 traced_mask, block_mask, scale, options, slots, *grad_buffers)
         if want_max:
             with torch.no_grad():

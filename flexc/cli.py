@@ -1,7 +1,8 @@
 """The ``flexc`` command.
 
 ``flexc trace FILE.py[:NAME]`` prints the traced expression of the mods in a file.
-``flexc show FILE.py[:NAME[,NAME]]`` prints the Triton kernel flexc generates for them.
+``flexc show FILE.py[:NAME[,NAME]]`` prints the Triton kernels a flex_attention call with them launches
+(:func:`flexc.kernel_source` of the call its flags describe).
 ``flexc draw FILE.py[:NAME[,NAME]] --png OUT.png`` draws a mask_mod's BlockMask, or a score_mod's
 values (masked by a mask_mod), with :func:`flexc.plot`.
 
@@ -246,10 +247,19 @@ def _option(text: str) -> tuple[str, int]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .backends.triton_backend import make_spec, source_for
+    """Print what :func:`flexc.kernel_source` returns for the flex_attention call the flags describe.
+
+    The call's tensors are uninitialised CPU stand-ins of its shapes (only shapes and dtypes reach the
+    source), with BACKEND TRITON; ``--device cuda`` runs kernel_source under
+    :func:`flexc.device.simulate` (``sm_90``), so it shows the CUDA source a GPU launches.
+    """
+    from . import device as gpu
+    from .backends.triton_backend import kernel_source
+    from .bounds import IndexRangeError
 
     path, names = _split_target(args.target)
-    traced = _trace_all(_find_mods(path, names))
+    mods = _find_mods(path, names)
+    traced = _trace_all(mods)
     by_kind: dict[str, list[str]] = {}
     for label, t in traced:
         by_kind.setdefault(t.kind, []).append(label)
@@ -257,30 +267,46 @@ def cmd_show(args: argparse.Namespace) -> int:
         if len(labels) > 1:
             raise CliError(f"{path} has several {kind}s ({', '.join(labels)}); a kernel takes one of each. "
                            f"Fix: choose with FILE.py:NAME or FILE.py:SCORE_MOD,MASK_MOD.")
-    score = next((t for _, t in traced if t.kind == SCORE_MOD), None)
-    mask = next((t for _, t in traced if t.kind == MASK_MOD), None)
+    score = next((fn for (_, fn), (_, t) in zip(mods, traced) if t.kind == SCORE_MOD), None)
+    mask = next((fn for (_, fn), (_, t) in zip(mods, traced) if t.kind == MASK_MOD), None)
+    dtype = _DTYPES[args.dtype]
     head_dim = args.head_dim
     v_head_dim = args.v_head_dim or head_dim
-    options = _check_call(args, _DTYPES[args.dtype], head_dim, v_head_dim)
+    options = _check_call(args, dtype, head_dim, v_head_dim)
     if args.block_size is not None and mask is None:
         raise CliError("--block-size sets the BlockMask's block size, but no mask_mod was given. "
                        "Fix: drop --block-size, or name a mask_mod too (FILE.py:SCORE_MOD,MASK_MOD).")
-    block_size = (args.block_size or (128, 128)) if mask is not None else None
-    target = "interpreter" if args.device == "cpu" else "cuda"
+    q_len, heads = args.q_len, args.heads
+    kv_len, kv_heads = args.kv_len or q_len, args.kv_heads or heads
+    trains = args.training or args.backward
+    q = torch.empty(1, heads, q_len, head_dim, dtype=dtype, requires_grad=trains)
+    k = torch.empty(1, kv_heads, kv_len, head_dim, dtype=dtype, requires_grad=trains)
+    v = torch.empty(1, kv_heads, kv_len, v_head_dim, dtype=dtype, requires_grad=trains)
     try:
-        if args.backward:  # captured tensors that require grad receive gradients, as in training
-            from .attention import _grad_slots
-            from .backends.triton_backward import make_backward_spec
-
-            spec = make_backward_spec(score, mask, _DTYPES[args.dtype], head_dim, v_head_dim, block_size, options,
-                                      target, _grad_slots(score))
-        else:
-            spec = make_spec(score, mask, _DTYPES[args.dtype], head_dim, v_head_dim, block_size, options, target,
-                             args.lse)
+        block_mask = _stand_in_block_mask(mask, args.block_size or (128, 128), q_len, kv_len) if mask else None
+        with gpu.simulate("sm_90" if args.device == "cuda" else None), torch.enable_grad():
+            source = kernel_source(q, k, v, score_mod=score, block_mask=block_mask, enable_gqa=heads != kv_heads,
+                                   return_lse=args.lse, kernel_options={**options, "BACKEND": "TRITON"},
+                                   backward=args.backward)
+    except IndexRangeError as e:  # the call's lengths are the flags': say which
+        raise CliError(f"{str(e).removeprefix('flex_attention: ')}\n(flexc show describes a call of --heads {heads}, --q-len {q_len}, --kv-len {kv_len}: "
+                       f"pass the lengths the mods are written for.)") from None
     except (TypeError, ValueError) as e:
-        raise CliError(str(e).removeprefix("flexc: ")) from None
-    sys.stdout.write(source_for(spec))
+        raise CliError(str(e).removeprefix("flexc: ").removeprefix("flex_attention: ")) from None
+    sys.stdout.write(source)
     return 0
+
+
+def _stand_in_block_mask(mask_mod: Callable, block_size: tuple[int, int], q_len: int, kv_len: int) -> Any:
+    """A BlockMask of ``mask_mod`` with partial and full block tables of the call's shape (all empty:
+    the kernels' source depends on the tables' presence and block sizes, never on their contents)."""
+    from .block_mask import BlockMask
+
+    n_q, n_kv = -(-q_len // block_size[0]), -(-kv_len // block_size[1])
+    counts = torch.zeros(1, 1, n_q, dtype=torch.int32)
+    indices = torch.zeros(1, 1, n_q, n_kv, dtype=torch.int32)
+    return BlockMask.from_kv_blocks(counts, indices, counts.clone(), indices.clone(), BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
 
 def _check_call(args: argparse.Namespace, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> dict:
@@ -298,7 +324,7 @@ def _check_call(args: argparse.Namespace, dtype: torch.dtype, head_dim: int, v_h
         options = check_kernel_options(dict(args.option))
     except (TypeError, ValueError) as e:
         raise CliError(f"-o/--option: {str(e).removeprefix('flex_attention: ')}") from None
-    options.pop("BACKEND")  # the kernel is shown whatever backend would run it
+    options.pop("BACKEND")  # the generated kernels are shown whatever backend a real call would pick
     return options
 
 
@@ -386,18 +412,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="print the traced expression of the mods in FILE.py[:NAME]")
     p.add_argument("target", metavar="FILE.py[:NAME]")
     p.set_defaults(run=cmd_trace)
-    p = sub.add_parser("show", help="print the Triton kernel generated for FILE.py[:NAME[,NAME]]")
+    p = sub.add_parser("show", help="print the Triton kernels a flex_attention call with FILE.py[:NAME[,NAME]] "
+                                    "launches (flexc.kernel_source)")
     p.add_argument("target", metavar="FILE.py[:NAME[,NAME]]")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="query/key/value dtype (bfloat16)")
     p.add_argument("--head-dim", type=_positive("--head-dim"), default=64, help="query/key head dim (64)")
     p.add_argument("--v-head-dim", type=_positive("--v-head-dim"), default=None, help="value head dim (the head dim)")
+    p.add_argument("--q-len", type=_positive("--q-len"), default=4096,
+                   help="query rows L (4096); at most 16 shows decoding's split-KV and merge kernels")
+    p.add_argument("--kv-len", type=_positive("--kv-len"), default=None, help="keys S (L)")
+    p.add_argument("--heads", type=_positive("--heads"), default=1, help="query heads (1)")
+    p.add_argument("--kv-heads", type=_positive("--kv-heads"), default=None,
+                   help="key/value heads (the query heads; fewer is GQA, enable_gqa=True)")
     p.add_argument("--block-size", type=_block_size, default=None,
                    help="BlockMask block size N or Q,KV (128); needs a mask_mod")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda: the compiled kernel; cpu: the variant run by Triton's interpreter")
-    p.add_argument("--lse", action="store_true", help="the variant that also writes the logsumexp")
+                   help="cuda: the compiled kernels a GPU launches; cpu: the variant run by Triton's interpreter")
+    p.add_argument("--lse", action="store_true", help="the call returns the logsumexp too (return_lse=True)")
+    p.add_argument("--training", action="store_true",
+                   help="the inputs require grad: the forward training launches (it writes the logsumexp)")
     p.add_argument("--backward", action="store_true",
-                   help="the backward kernel (dQ, dK, dV and gradients of captured tensors that require grad)")
+                   help="the backward kernel training launches (dQ, dK, dV and gradients of captured tensors "
+                        "that require grad)")
     p.add_argument("--option", "-o", type=_option, action="append", default=[], metavar="NAME=VALUE",
                    help="a kernel option, e.g. -o BLOCK_M=64 -o num_warps=8")
     p.set_defaults(run=cmd_show)

@@ -50,15 +50,41 @@ def test_trace_evaluates_an_expression_in_the_file(mods_file, capsys):
 
 def test_show_prints_the_source_kernel_source_returns(mods_file, capsys):
     assert main(["show", f"{mods_file}:alibi,causal", "--device", "cpu", "--dtype", "float32",
-                 "--head-dim", "16", "--block-size", "32", "-o", "BLOCK_M=32", "-o", "BLOCK_N=32"]) == 0
+                 "--head-dim", "16", "--block-size", "32", "-o", "BLOCK_M=32", "-o", "BLOCK_N=32",
+                 "--q-len", "64", "--heads", "4"]) == 0
     shown = capsys.readouterr().out
     namespace = {}
     exec(MODS, namespace)
     q = k = v = torch.randn(1, 4, 64, 16)
     block_mask = flexc.create_block_mask(namespace["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
     expected = flexc.kernel_source(q, k, v, score_mod=namespace["alibi"], block_mask=block_mask,
-                                   kernel_options={"BLOCK_M": 32, "BLOCK_N": 32})
+                                   kernel_options={"BACKEND": "TRITON", "BLOCK_M": 32, "BLOCK_N": 32})
     assert shown == expected
+
+
+@pytest.mark.parametrize("flags", [["--q-len", "1", "--lse"], ["--q-len", "16", "--training"],
+                                   ["--q-len", "16", "--backward"], ["--q-len", "40", "--lse"]])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_show_prints_the_kernels_the_call_it_describes_launches(mods_file, capsys, flags, device):
+    """Decoding's two kernels, training's forward and backward: what kernel_source returns for that
+    call (its CUDA source under a simulated GPU for --device cuda)."""
+    assert main(["show", f"{mods_file}:alibi,causal", "--device", device, "--dtype", "float32", "--head-dim", "16",
+                 "--kv-len", "64", "--heads", "4", "--kv-heads", "2", "--block-size", "32", *flags]) == 0
+    shown = capsys.readouterr().out
+    namespace = {}
+    exec(MODS, namespace)
+    L = int(flags[1])
+    training = "--training" in flags or "--backward" in flags
+    q = torch.randn(1, 4, L, 16, requires_grad=training)
+    k = v = torch.randn(1, 2, 64, 16, requires_grad=training)
+    block_mask = flexc.create_block_mask(namespace["causal"], None, None, L, 64, device="cpu", BLOCK_SIZE=32)
+    with flexc.device.simulate("sm_90" if device == "cuda" else None):
+        expected = flexc.kernel_source(q, k, v, score_mod=namespace["alibi"], block_mask=block_mask, enable_gqa=True,
+                                       return_lse="--lse" in flags, kernel_options={"BACKEND": "TRITON"},
+                                       backward="--backward" in flags)
+    assert shown == expected
+    assert ("flex_decode_merge" in shown) == (L == 1)  # decoding launches two kernels; training does not
+    assert ("target: cuda" in shown) == (device == "cuda")
 
 
 def test_show_defaults_to_the_cuda_kernel_of_the_files_mods(mods_file, capsys):

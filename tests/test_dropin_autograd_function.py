@@ -93,5 +93,5 @@ def test_gradients_use_the_functions_backward(mod, backend):
 
 def test_kernel_prints_the_traced_forward():
     q, k, v = random_qkv(B, H, H, L, L, E)
-    source = flexc.kernel_source(q, k, v, score_mod=clamp_mod)
+    source = flexc.kernel_source(q, k, v, score_mod=clamp_mod, kernel_options={"BACKEND": "TRITON"})
     assert "tl.minimum(tl.maximum(score, -0.5), 0.5)" in source

@@ -130,7 +130,7 @@ def test_everything_but_running_triton_kernels_works_without_triton(tmp_path):
         "out = flexc.flex_attention(q, k, v, block_mask=bm)\n"
         "ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
         "assert torch.allclose(out, ref), 'CPU path'\n"
-        "assert '@triton.jit' in flexc.kernel_source(q, k, v, block_mask=bm)\n"
+        "assert '@triton.jit' in flexc.kernel_source(q, k, v, block_mask=bm, kernel_options={'BACKEND': 'TRITON'})\n"
         "try:\n"
         "    flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={'BACKEND': 'TRITON'})\n"
         "except ImportError as e:\n"

@@ -257,7 +257,7 @@ def test_lengths_that_divide_the_tiles_run_without_bounds_checks():
     slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)
     _check(q, k, v, alibi, mask_catalogue(B, H, 128, 64)["causal"], extra=(slopes,), block=(64, 64))
-    source = flexc.kernel_source(q, k, v, score_mod=alibi, backward=True)
+    source = flexc.kernel_source(q, k, v, score_mod=alibi, backward=True, kernel_options=TRITON)
     assert source.count("if DIVISIBLE:") == 4
 
 
@@ -308,7 +308,7 @@ def test_kernel_source_backward_prints_the_derivative_and_gradient_buffers():
 
     q, k, v = random_qkv(B, H, H, 64, 64, E)
     bm = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
-    source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True)
+    source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True, kernel_options=TRITON)
     assert source.startswith("# flexc backward attention kernel")
     assert "#   d score_mod / d score = 1.0" in source
     assert "#     d / d slopes[h] = kv_idx - q_idx" in source
@@ -318,7 +318,7 @@ def test_kernel_source_backward_prints_the_derivative_and_gradient_buffers():
     blocks = source[source.index("def dkdv_blocks("):source.index("return dk, dv")]
     assert blocks.index("mask_mod(") > blocks.index("if not IS_FULL_BLOCKS:")
     slopes.requires_grad_(False)
-    frozen = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True)
+    frozen = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True, kernel_options=TRITON)
     assert "atomic_add" not in frozen and "d / d slopes" not in frozen
 
 
@@ -332,7 +332,9 @@ def test_cli_show_backward(tmp_path, capsys):
                     "    return torch.tanh(score) + table[kv_idx]\n"
                     "def causal(b, h, q_idx, kv_idx):\n"
                     "    return q_idx >= kv_idx\n")
-    assert main(["show", f"{path}:learned,causal", "--backward", "--head-dim", "128"]) == 0
+    assert main(["show", f"{path}:learned,causal", "--backward", "--head-dim", "128"]) == 2  # table: 256 keys
+    assert "--q-len 4096, --kv-len 4096" in capsys.readouterr().err
+    assert main(["show", f"{path}:learned,causal", "--backward", "--head-dim", "128", "--q-len", "256"]) == 0
     out = capsys.readouterr().out
     assert "# flexc backward attention kernel" in out
     assert "d score_mod / d score = 1.0 - tanh(score) * tanh(score)" in out

@@ -88,7 +88,7 @@ def test_kernel_source_is_the_cached_file_that_runs():
     q = k = v = torch.randn(1, 2, 64, 16)
     block_mask = flexc.create_block_mask(same_document, 1, None, 64, 64, device="cpu", BLOCK_SIZE=32)
     flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, kernel_options=TRITON)
-    source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=block_mask)
+    source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=block_mask, kernel_options=TRITON)
     assert flexc.cache_info().misses == 1  # kernel_source compiled nothing new
     spec = triton_backend.make_spec(flexc.trace(alibi), flexc.trace(same_document), torch.float32, 16, 16,
                                     (32, 32), None, "interpreter", False)

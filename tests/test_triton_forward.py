@@ -207,7 +207,8 @@ def test_empty_blocks_are_never_read():
 def test_generated_source_applies_mask_mod_only_in_the_partial_block_loop():
     q, k, v = qkv(L=64, S=64)
     block_mask = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
-    source = flexc.kernel_source(q, k, v, score_mod=SCORES["alibi_captured_slopes"], block_mask=block_mask)
+    source = flexc.kernel_source(q, k, v, score_mod=SCORES["alibi_captured_slopes"], block_mask=block_mask,
+                                 kernel_options=TRITON)
     loop = source[source.index("def attend_tile("):source.index("def attend_blocks(")]
     guard = loop.index("if not IS_FULL_BLOCKS:")
     assert loop.count("mask_mod(") == 1 and loop.index("mask_mod(") > guard
@@ -223,7 +224,8 @@ def test_kernel_options_choose_the_tiles():
     q, k, v = qkv(L=64, S=64)
     block_mask = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=64)
     source = flexc.kernel_source(q, k, v, block_mask=block_mask,
-                                 kernel_options={"BLOCK_M": 32, "fwd_BLOCK_N": 16, "num_warps": 8, "num_stages": 2})
+                                 kernel_options={**TRITON, "BLOCK_M": 32, "fwd_BLOCK_N": 16, "num_warps": 8,
+                                                 "num_stages": 2})
     assert "BLOCK_M=32, BLOCK_N=16; num_warps=8, num_stages=2" in source
     assert "each BlockMask key block spans 4 tiles" in source
     out, lse = triton_attention(q, k, v, block_mask=block_mask, BLOCK_M=32, BLOCK_N=16)

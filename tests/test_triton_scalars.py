@@ -39,7 +39,7 @@ def test_new_captured_numbers_reuse_one_kernel():
         torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=0)
     info = flexc.cache_info()
     assert (info.misses, info.hits, info.size) == (1, 2, 1)
-    source = flexc.kernel_source(q, k, v, score_mod=temperature_mod(9.0, 2))
+    source = flexc.kernel_source(q, k, v, score_mod=temperature_mod(9.0, 2), kernel_options=TRITON)
     assert "def score_mod(score, b, h, q_idx, kv_idx, score_mod_window, score_mod_temperature):" in source
     assert "score * 0.5" in source and "9.0" not in source  # literals stay, captured values do not
 
@@ -101,7 +101,7 @@ def test_new_captured_numbers_train_with_one_backward_kernel():
     kinds = sorted(type(kernel.generated).__name__ for kernel in triton_backend._cache.values())
     assert kinds == ["GeneratedBackward", "GeneratedForward"]  # one of each for all three calls
     assert flexc.cache_info().misses == 2
-    source = flexc.kernel_source(q, k, v, score_mod=softcap_mod(0.8, 2.5), backward=True)
+    source = flexc.kernel_source(q, k, v, score_mod=softcap_mod(0.8, 2.5), backward=True, kernel_options=TRITON)
     assert "score_grad(score, b, h, q_idx, kv_idx, score_mod_cap, score_mod_temperature)" in source
     for literal in ("0.8", "2.5", "0.4"):  # the values, and 1 / 2.5 folded
         assert literal not in source

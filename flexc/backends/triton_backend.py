@@ -403,12 +403,20 @@ def resolve_fallback(spec: ForwardSpec) -> ForwardSpec:
         return _fallbacks.get(spec.key(), spec)
 
 
-def source_for(spec: ForwardSpec) -> str:
-    """The source that runs for ``spec`` (the cached one if compiled already); compiles nothing."""
+def generated_for(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> Any:
+    """The generated kernel (``.source``, ``.kernel_name``) that runs for ``spec``: the cached one if
+    compiled already (so a kernel shared by mods of one structure shows its first mods' names), else
+    generated now; compiles nothing. A forward spec replaced after running out of GPU memory gives
+    its replacement."""
     spec = resolve_fallback(spec)
     with _cache_lock:
         kernel = _cache.get(spec.key())
-    return kernel.generated.source if kernel is not None else _generate(spec).source
+    return kernel.generated if kernel is not None else _generate(spec)
+
+
+def source_for(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> str:
+    """The source that runs for ``spec`` (the cached one if compiled already); compiles nothing."""
+    return generated_for(spec).source
 
 
 # ---- launching ----------------------------------------------------------------------------
@@ -513,6 +521,14 @@ def _kernel_args(generated: GeneratedForward, query: torch.Tensor, key: torch.Te
     return [query, key, value, out] + ([lse] if lse is not None else []) + tables + buffers + shapes
 
 
+def launches_nothing(query: torch.Tensor, value: torch.Tensor, need_lse: bool) -> bool:
+    """Whether the forward kernel's launcher fills the outputs itself and launches no kernel: no
+    query rows, no keys, or nothing to write (an empty value head dim without the logsumexp)."""
+    B, Hq, L, _ = query.shape
+    S, Ev = value.shape[-2], value.shape[-1]
+    return B * Hq * L == 0 or S == 0 or (Ev == 0 and not need_lse)
+
+
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
            lse_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -525,7 +541,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     device = query.device
     out = _empty_like_query(query, Ev)
     lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
-    if B * Hq * L == 0 or S == 0 or (Ev == 0 and lse is None):  # no rows, or no keys: rows fully masked
+    if launches_nothing(query, value, spec.output_lse):  # no rows, or no keys: rows fully masked
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
@@ -582,54 +598,163 @@ def _spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMo
                      kernel_options, _target(query.device), need_lse, has_full, index_dtype)
 
 
+class ForwardPlan(NamedTuple):
+    """The kernels a Triton forward launches for one call, in launch order, and the mods they take."""
+
+    score_mod: TracedMod | None  # the call's mods, captured numbers lifted to kernel arguments
+    mask_mod: TracedMod | None
+    kernels: tuple  # (ForwardSpec,), (DecodeSpec, MergeSpec), or () when nothing is launched
+
+
+def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                 mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None, need_lse: bool,
+                 training: bool = False) -> ForwardPlan:
+    """The kernels the ``"TRITON"`` forward launches for these (validated) arguments.
+
+    The one rule :func:`triton_forward`, the training forward
+    (:func:`flexc.backends.triton_backward.forward_for_training`, ``training=True``) and
+    :func:`kernel_source` share: short queries (:func:`flexc.backends.triton_decode.applies`) run the
+    split-KV decode kernel then its merge, except in training, whose generated backward takes the
+    forward kernel's logsumexp; anything else runs the forward kernel (its logsumexp variant when
+    ``need_lse`` or ``training``), or nothing when :func:`launches_nothing`.
+    """
+    from . import triton_decode  # imports this module
+
+    score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
+    if not training and triton_decode.applies(query, key, block_mask):  # short queries: split-KV decoding
+        spec = triton_decode.make_spec(score_mod, mask_mod, query, key, value, block_mask)
+        return ForwardPlan(score_mod, mask_mod, (spec, triton_decode.merge_spec(spec)))
+    need_lse = need_lse or training
+    if launches_nothing(query, value, need_lse):
+        return ForwardPlan(score_mod, mask_mod, ())
+    spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
+    return ForwardPlan(score_mod, mask_mod, (spec,))
+
+
+def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+                scale: float, kernel_options: dict | None, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the kernels of ``plan``: ``(out, lse)``, lse float64 for float64 inputs, None unless
+    ``need_lse`` or the plan's forward writes it (the training forward)."""
+    if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
+        from . import triton_decode
+
+        decode, merge = plan.kernels
+        out, lse = triton_decode.launch(decode, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
+                                        num_splits=triton_decode.requested_splits(kernel_options), merge=merge)
+        return out, (lse if need_lse else None)
+    if plan.kernels:
+        (spec,) = plan.kernels
+    else:  # the launcher returns the empty or fully masked outputs without a kernel
+        spec = _spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options, need_lse)
+    # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return launch(spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype=lse_dtype)
+
+
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                    mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
                    need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``"TRITON"`` forward backend: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``.
 
     Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
-    (block sizes against tiles, devices of captured tensors).
+    (block sizes against tiles, devices of captured tensors). The kernels are :func:`plan_forward`'s.
     """
-    from . import triton_decode  # imports this module
+    plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
+    return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse)
 
-    if triton_decode.applies(query, key, block_mask):  # short queries: the split-KV decode kernel
-        return triton_decode.triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                           kernel_options, need_lse)
-    score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
-    spec = _spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
-    # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
-    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    return launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, lse_dtype=lse_dtype)
+
+# between the sources of a call's kernels in kernel_source's text
+KERNEL_SEPARATOR = "# ======== kernel {index}/{count}: {name} ========"
 
 
 def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
                   block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
-                  kernel_options: dict | None = None, *, return_lse: bool = False, backward: bool = False) -> str:
-    """The exact Triton source :func:`flexc.flex_attention` runs for these arguments.
+                  return_lse: bool = False, kernel_options: dict | None = None, *, return_aux: Any = None,
+                  sinks: torch.Tensor | None = None, backward: bool = False) -> str:
+    """The exact Triton source of the kernels :func:`flexc.flex_attention` launches for these arguments.
 
-    Takes ``flex_attention``'s arguments; ``return_lse=True`` (or training, which needs the
-    logsumexp) selects the variant that also writes it. ``backward=True`` returns the backward
-    kernel a training call runs instead (captured tensors that require grad receive gradients).
-    Nothing is compiled.
+    Takes ``flex_attention``'s arguments, and decides as it does: the backend from
+    ``kernel_options`` and the device (under :func:`flexc.device.simulate` the GPU's choices and
+    its CUDA source), the logsumexp from ``return_lse``/``return_aux``, training from the inputs'
+    ``requires_grad`` (and captured tensors that require grad) under ``torch.is_grad_enabled()``.
+
+    * inference: the forward kernel (the variant that writes the logsumexp when it is returned);
+    * training: the forward kernel that writes the logsumexp, which the backward reads;
+    * at most 16 query rows (decoding): two kernels, the split-KV decode kernel and the merge of its
+      splits (not in training with the generated backward, which runs the forward kernel). Their
+      sources are concatenated in launch order, after a comment naming both, each opening with a
+      ``# ======== kernel i/n: NAME ========`` line; the text still parses as Python;
+    * ``backward=True``: the backward kernel a training call launches (whether or not the inputs
+      require grad now; captured tensors that require grad receive gradients).
+
+    With ``sinks`` the call runs the kernels of the call without them that returns the logsumexp
+    (the sinks are merged in torch, :mod:`flexc.sinks`): those are returned.
+
+    When the call runs no generated kernel (the TORCH backend, the default on CPU tensors; a backward
+    of a score_mod the generated backward cannot differentiate, which trains through the torch
+    backward; no rows or no keys), the text is a comment saying what runs instead. Nothing is
+    compiled.
 
     >>> print(flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=causal))  # doctest: +SKIP
     """
-    from ..attention import prepare_call
+    from ..attention import plan_call, prepare_call, sink_free_request
 
+    if sinks is not None:  # the kernels of the sink-free call flex_attention makes
+        _, return_aux = sink_free_request(query, sinks, enable_gqa, return_lse, return_aux)
+        return_lse = False
     _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
-                                                         enable_gqa, kernel_options)
+                                                         enable_gqa, kernel_options, outputs=(return_lse, return_aux))
+    plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
+                     training=True if backward else None)
+    if plan.backend != "TRITON":
+        return _runs_instead(plan.backend, query.device, backward)
     if backward:
+        if plan.generated is None:
+            from ..attention import TRAINING
+
+            why = ("the generated backward cannot differentiate its\n# score_mod "
+                   "(flexc.attention._generated_backward_applies)" if "TRITON" in TRAINING
+                   else "no generated backward is registered\n# for the TRITON backend")
+            return (f"# flexc: this call's backward runs no generated kernel: {why}, so training runs the torch "
+                    f"backward\n# (flexc.backends.torch_cpu.torch_backward, per query row on {query.device}) "
+                    f"after the generated forward.\n")
         from .triton_backward import backward_source
 
         return backward_source(query, value, traced_score, traced_mask, block_mask, options)
-    from . import triton_decode
+    forward = plan_forward(query, key, value, traced_score, traced_mask, block_mask, options,
+                           plan.want_lse or plan.training, training=plan.generated is not None)
+    return sources_text(forward.kernels)
 
-    if triton_decode.applies(query, key, block_mask):  # short queries run the split-KV decode kernel
-        return triton_decode.source_for(triton_decode.make_spec(*lift_for_call(query, traced_score, traced_mask),
-                                                                query, key, value, block_mask))
-    spec = _spec_for_call(query, value, *lift_for_call(query, traced_score, traced_mask), block_mask, options,
-                          return_lse)
-    return source_for(spec)
+
+def sources_text(kernels: tuple) -> str:
+    """The sources of ``kernels`` (specs in launch order) as :func:`kernel_source` presents them."""
+    if not kernels:
+        return ("# flexc: this call launches no kernel: it has no query rows or no keys (or nothing to write), so "
+                "the launcher\n# fills the output with zeros and the logsumexp with -inf itself.\n")
+    generated = [generated_for(spec) for spec in kernels]
+    if len(generated) == 1:
+        return generated[0].source
+    names = ", then ".join(g.kernel_name for g in generated)
+    parts = [f"# flexc: this call launches {len(generated)} kernels, in this order: {names}.\n"
+             f"# Their sources follow, each after a '# ======== kernel i/{len(generated)}: NAME ========' line.\n"]
+    for index, g in enumerate(generated, 1):
+        parts.append("\n" + KERNEL_SEPARATOR.format(index=index, count=len(generated), name=g.kernel_name)
+                     + "\n" + g.source)
+    return "".join(parts)
+
+
+def _runs_instead(backend: str, device: torch.device, backward: bool) -> str:
+    """kernel_source's text for a call whose backend generates no kernel."""
+    what = "backward" if backward else "call"
+    if backend == "TORCH":
+        runs = "flexc's block-sparse PyTorch path (flexc.backends.torch_cpu), forward and backward"
+    else:
+        runs = f"the {backend!r} backend"
+    return (f"# flexc: this {what} runs no generated kernel: kernel_options['BACKEND'] resolves to {backend!r} for "
+            f"tensors on {device},\n# so it runs {runs}.\n"
+            f"# Fix: pass kernel_options={{'BACKEND': 'TRITON'}} to run (and show) the generated Triton kernels "
+            f"(on CPU tensors\n# through Triton's interpreter), or wrap the call in flexc.device.simulate('sm_90') "
+            f"to see the CUDA source a GPU runs.\n")
 
 
 def compile_like_launcher(fn: Any, args: list, constants: dict, num_warps: int, num_stages: int,
@@ -712,4 +837,5 @@ def _register() -> None:
 _register()
 
 __all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "cache_limit", "compile_like_launcher", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
-           "launch", "make_spec", "offline_inputs", "require_triton", "resolve_config", "resolve_fallback", "source_for", "triton_forward"]
+           "generated_for", "launch", "launch_plan", "launches_nothing", "make_spec", "plan_forward", "offline_inputs", "require_triton", "resolve_config", "resolve_fallback", "source_for", "sources_text", "triton_forward",
+           "ForwardPlan", "KERNEL_SEPARATOR"]

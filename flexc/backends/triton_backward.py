@@ -9,7 +9,7 @@ program ever adds into another's dk/dv; captured-tensor gradients go through fp3
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -262,16 +262,45 @@ def compile_backward_offline(spec: BackwardSpec, inputs: tuple, capability: int 
                                      spec.num_stages, capability, warp_size)
 
 
+class BackwardPlan(NamedTuple):
+    """The backward kernel a training call launches, and the mods it takes."""
+
+    score_mod: TracedMod | None  # the call's mods, captured numbers lifted to kernel arguments
+    mask_mod: TracedMod | None
+    kernels: tuple  # (BackwardSpec,), or () when nothing is launched (no query rows or no keys)
+
+
+def launches_nothing(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`launch_backward` returns zero gradients without a kernel (no query rows or no keys)."""
+    return query.numel() == 0 or value.shape[-2] == 0
+
+
+def plan_backward(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
+                  block_mask: Any, kernel_options: dict | None, grad_slots: Sequence[int] = ()) -> BackwardPlan:
+    """The backward kernel for these (validated) arguments: the one rule :func:`triton_backward` and
+    :func:`flexc.kernel_source` share."""
+    score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
+    if launches_nothing(query, value):
+        return BackwardPlan(score_mod, mask_mod, ())
+    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
+    return BackwardPlan(score_mod, mask_mod, (spec,))
+
+
 def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: TracedMod | None,
                     mask_mod: TracedMod | None, block_mask: Any, scale: float, grad_slots: Sequence[int] = (),
                     kernel_options: dict | None = None):
     """The ``"TRITON"`` backward: ``(dq, dk, dv, buffer_grads)`` like :func:`torch_cpu.torch_backward`.
 
     ``lse`` is the forward's natural-log logsumexp (``-inf`` on rows with nothing allowed);
-    ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``.
+    ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``. The kernel is
+    :func:`plan_backward`'s.
     """
-    score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
-    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
+    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, grad_slots)
+    score_mod, mask_mod = plan.score_mod, plan.mask_mod
+    if plan.kernels:
+        (spec,) = plan.kernels
+    else:  # launch_backward returns the zero gradients without a kernel
+        spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
     return launch_backward(spec, query, key, value, out, lse, grad_out, grad_lse, score_mod, mask_mod,
                            block_mask, scale)
 
@@ -279,22 +308,25 @@ def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: 
 def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None,
                          block_mask: Any, scale: float, kernel_options: dict | None):
     """The Triton forward that autograd saves for :func:`triton_backward`: ``(out, lse)``, the
-    logsumexp in float64 for float64 inputs (the backward's probabilities come from it)."""
-    score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)
-    spec = fwd._spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, True)
-    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    return fwd.launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, lse_dtype=lse_dtype)
+    logsumexp in float64 for float64 inputs (the backward's probabilities come from it). Its kernel
+    is :func:`flexc.backends.triton_backend.plan_forward`'s with ``training=True``: the forward
+    kernel that writes the logsumexp, for short queries too."""
+    plan = fwd.plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, True, training=True)
+    return fwd.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, True)
 
 
 def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                     mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None) -> str:
     """The backward source a training call with these arguments runs (captured tensors that
-    require grad receive gradients); compiles nothing."""
+    require grad receive gradients); compiles nothing. :func:`flexc.kernel_source` with
+    ``backward=True`` also says when no generated backward runs."""
     from ..attention import _grad_slots
 
-    spec = spec_for_call(query, value, *lift_for_call(query, score_mod, mask_mod), block_mask, kernel_options,
-                         _grad_slots(score_mod))
-    return fwd.source_for(spec)
+    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, _grad_slots(score_mod))
+    if not plan.kernels:
+        return ("# flexc: this call's backward launches no kernel: it has no query rows or no keys, so the\n"
+                "# gradients are zeros.\n")
+    return fwd.source_for(plan.kernels[0])
 
 
 def _register() -> None:
@@ -305,5 +337,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["backward_source", "compile_backward_offline", "forward_for_training", "default_backward_config", "launch_backward", "make_backward_spec",
+__all__ = ["BackwardPlan", "backward_source", "plan_backward", "compile_backward_offline", "forward_for_training", "default_backward_config", "launch_backward", "make_backward_spec",
            "resolve_backward_config", "spec_for_call", "triton_backward"]

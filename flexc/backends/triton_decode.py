@@ -72,9 +72,15 @@ def _kernel(spec: DecodeSpec, device: torch.device):
 
 
 def source_for(spec: DecodeSpec) -> str:
-    with tb._cache_lock:
-        kernel = tb._cache.get(spec.key())
-    return kernel.generated.source if kernel is not None else generate_decode(spec).source
+    """The decode source that runs for ``spec`` (the cached one if compiled already); compiles nothing."""
+    return tb.source_for(spec)
+
+
+def merge_spec(spec: DecodeSpec) -> MergeSpec:
+    """The merge kernel that follows the decode kernel of ``spec``: its partial results are fp32
+    (fp64 for fp64 inputs), ``spec.block_m`` packed rows of the value head dim per split."""
+    work = "float64" if spec.dtype == torch.float64 else "float32"
+    return MergeSpec(work, tb.padded_head_dim(spec.v_head_dim), min(spec.block_m, 16), spec.target)
 
 
 def default_splits(query: torch.Tensor, key: torch.Tensor, n_blocks: int) -> int:
@@ -87,17 +93,16 @@ def default_splits(query: torch.Tensor, key: torch.Tensor, n_blocks: int) -> int
     return max(1, min(n_blocks, cdiv(2 * sms, B * Hkv), 64))
 
 
-def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.Tensor, Hq: int, L: int):
+def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.Tensor, Hq: int, L: int,
+                 spec: MergeSpec):
     """Merge ``[B, Hkv, splits, M, Ev]`` partial outputs and their logsumexps into ``out [B, Hq, L, Ev]``
     (query's dtype, laid out like the query) and ``lse [B, Hq, L]``, in one launch of the merge kernel
-    (:mod:`flexc.codegen.merge`): each split weighs ``exp(lse_split - lse)``; a row dead in every
-    split gets output 0 and lse ``-inf``."""
+    ``spec`` (:func:`merge_spec` of the decode kernel's; :mod:`flexc.codegen.merge`): each split weighs
+    ``exp(lse_split - lse)``; a row dead in every split gets output 0 and lse ``-inf``."""
     B, Hkv, splits, M, Ev = out_split.shape
     out = empty_like_reference((B, Hq, L, Ev), query)
     lse = torch.empty((B, Hq, L), dtype=lse_split.dtype, device=query.device)
     rows = Hq // Hkv * L
-    spec = MergeSpec(str(lse_split.dtype).removeprefix("torch."), tb.padded_head_dim(Ev), min(M, 16),
-                     tb._target(query.device))
     kernel = tb.get_kernel(spec, query.device)
     grid = (cdiv(rows, spec.block_rows), Hkv, B)
     with gpu.launching(query.device):
@@ -160,9 +165,9 @@ def compile_decode_offline(spec: DecodeSpec, query: torch.Tensor, key: torch.Ten
 
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-           num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the decode kernel and merge its splits: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
-    (float64 for float64 inputs)."""
+           num_splits: int | None = None, merge: MergeSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the decode kernel and merge its splits (the merge kernel ``merge``, by default
+    :func:`merge_spec`'s): ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32 (float64 for float64 inputs)."""
     B, Hq, L, _ = query.shape
     Hkv = value.shape[1]
     generated, fn = _kernel(spec, query.device)
@@ -171,7 +176,8 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     grid = (out_split.shape[2], Hkv, B)
     with gpu.launching(query.device):
         fn[grid](*args, **constants, **gpu.launch_options(spec, query.device))
-    return merge_splits(out_split, lse_split, query, Hq, L)  # lse float64 for float64 inputs
+    # lse float64 for float64 inputs
+    return merge_splits(out_split, lse_split, query, Hq, L, merge if merge is not None else merge_spec(spec))
 
 
 def requested_splits(kernel_options: dict | None) -> int | None:
@@ -185,9 +191,10 @@ def requested_splits(kernel_options: dict | None) -> int | None:
 
 
 def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):
-    """The TRITON backend's forward for short queries (same contract as ``triton_forward``)."""
-    splits = requested_splits(kernel_options)
-    score_mod, mask_mod = tb.lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
-    spec = make_spec(score_mod, mask_mod, query, key, value, block_mask)
-    out, lse = launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits=splits)
-    return out, (lse if need_lse else None)
+    """The TRITON backend's forward for short queries (same contract as ``triton_forward``): the decode
+    kernel and its merge, as :func:`flexc.backends.triton_backend.plan_forward` plans them."""
+    plan = tb.plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
+    if not (plan.kernels and isinstance(plan.kernels[0], DecodeSpec)):
+        raise ValueError("flexc: triton_decode serves calls that applies() accepts (at most 16 query rows whose "
+                         "packed heads share one BlockMask row). Fix: call triton_forward, which picks the kernel.")
+    return tb.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse)
