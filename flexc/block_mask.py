@@ -415,28 +415,18 @@ class BlockMask:
         if self.full_kv_indices is not None and self.full_kv_indices.shape != self.kv_indices.shape:
             return self._to_string_dense(grid_size, limit)
         row_step, col_step = _grid_steps(rows, cols, grid_size)
-        pictures = []
-        for count, index in enumerate(_product(batch_dims)):
-            if count == limit:
-                pictures += _MORE_PICTURES
-                break
+
+        def draw(index):
             ordered = self._ordered_tables(index) if rows and cols else None
-            if ordered is None:
-                return self._to_string_dense(grid_size, limit)
-            pictures.append(f"{index}\n" + _draw_counts(ordered, rows, cols, row_step, col_step))
-        return "\n".join(pictures)
+            return None if ordered is None else _draw_counts(ordered, rows, cols, row_step, col_step)
+        pictures = _pictures(batch_dims, limit, draw)
+        return self._to_string_dense(grid_size, limit) if pictures is None else pictures
 
     def _to_string_dense(self, grid_size: int | tuple[int, int], limit: int) -> str:
         dense = self._tile_classes().cpu()
         *batch_dims, rows, cols = dense.shape
         row_step, col_step = _grid_steps(rows, cols, grid_size)
-        pictures = []
-        for count, index in enumerate(_product(batch_dims)):
-            if count == limit:
-                pictures += _MORE_PICTURES
-                break
-            pictures.append(f"{index}\n" + _draw(dense[index], row_step, col_step))
-        return "\n".join(pictures)
+        return _pictures(batch_dims, limit, lambda index: _draw(dense[index], row_step, col_step))
 
     def __str__(self) -> str:
         # torch's layout line for line, plus the key to the glyphs (TEXT_LEGEND) under the pictures
@@ -596,6 +586,21 @@ def _keep_dim(i: Any, n: int) -> Any:
         raise IndexError(f"BlockMask index {i} is out of range for a dimension of size {n}.")
     i = i + n if i < 0 else i
     return slice(i, i + 1)
+
+
+def _pictures(batch_dims: Sequence[int], limit: int, draw: Callable) -> str | None:
+    """The pictures ``draw(index)`` of the first ``limit`` batch/head indices, each under its index;
+    None as soon as ``draw`` gives None (the caller draws another way)."""
+    pictures = []
+    for count, index in enumerate(_product(batch_dims)):
+        if count == limit:
+            pictures += _MORE_PICTURES
+            break
+        picture = draw(index)
+        if picture is None:
+            return None
+        pictures.append(f"{index}\n" + picture)
+    return "\n".join(pictures)
 
 
 def _product(dims: Sequence[int]):

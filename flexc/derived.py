@@ -122,7 +122,9 @@ class Recorder:
             if id(step.result) not in wanted:
                 continue
             steps.append(step)
-            for t in _tensors((step.args, step.kwargs)):
+            for t in leaves((step.args, step.kwargs)):
+                if not isinstance(t, torch.Tensor):
+                    continue
                 if id(t) in self._derived:
                     wanted.add(id(t))
                 elif id(t) in self._sources:
@@ -131,15 +133,16 @@ class Recorder:
         return Derivations(tuple(steps), slots, tuple(sources.values()))
 
 
-def _tensors(x: Any):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
+def leaves(x: Any):
+    """The non-container values in nested lists, tuples and dicts (an operation's arguments)."""
+    if isinstance(x, (list, tuple)):
         for y in x:
-            yield from _tensors(y)
+            yield from leaves(y)
     elif isinstance(x, dict):
         for y in x.values():
-            yield from _tensors(y)
+            yield from leaves(y)
+    else:
+        yield x
 
 
 def current(traced: Any, substitute: dict | None = None) -> Any:

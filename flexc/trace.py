@@ -26,6 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import derived, elementwise, ir, lowering, reductions, trace_cache
+from .derived import leaves
 from .promotion import weak_pair
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
@@ -375,7 +376,7 @@ _active = threading.local()
 
 def _traced_apply(cls, *args, **kwargs):
     tracer = getattr(_active, "tracer", None)
-    if tracer is None or not any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
+    if tracer is None or not any(isinstance(a, (Proxy, _PartialLoad)) for a in leaves((args, kwargs))):
         return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
     return tracer.function_apply(cls, args, kwargs)
 
@@ -438,7 +439,7 @@ class _PartialLoad:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        tracer = next(a.tracer for a in _flatten((args, kwargs)) if isinstance(a, (Proxy, _PartialLoad)))
+        tracer = next(a.tracer for a in leaves((args, kwargs)) if isinstance(a, (Proxy, _PartialLoad)))
         return _dispatch(tracer, func, args, kwargs or {})
 
     def vector(self) -> "Proxy":
@@ -511,7 +512,7 @@ class Proxy:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        tracer = next(a.tracer for a in _flatten((args, kwargs)) if isinstance(a, (Proxy, _PartialLoad)))
+        tracer = next(a.tracer for a in leaves((args, kwargs)) if isinstance(a, (Proxy, _PartialLoad)))
         return _dispatch(tracer, func, args, kwargs or {})
 
     __add__, __radd__ = _binop("add"), _binop("add", True)
@@ -655,17 +656,6 @@ class Proxy:
 
     def dim(self) -> int:
         return 0
-
-
-def _flatten(x: Any):
-    if isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _flatten(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _flatten(y)
-    else:
-        yield x
 
 
 # ---- torch functions and tensor methods ---------------------------------------------------
@@ -1095,7 +1085,7 @@ class _TraceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(isinstance(a, (Proxy, _PartialLoad)) for a in _flatten((args, kwargs))):
+        if any(isinstance(a, (Proxy, _PartialLoad)) for a in leaves((args, kwargs))):
             return _dispatch(self.tracer, func, args, kwargs)
         name = getattr(func, "__name__", "")
         _reject_random(self.tracer, name)
@@ -1106,7 +1096,7 @@ class _TraceMode(TorchFunctionMode):
                              "mods must be pure: compute new values instead of writing into captured tensors")
         result = func(*args, **kwargs)
         # an operation on captured tensors is replayed when they change (flexc.derived)
-        tensors = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
+        tensors = [a for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         self.tracer.recorder.note(func, args, kwargs, tensors, result)
         return result
 
