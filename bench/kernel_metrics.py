@@ -4,6 +4,7 @@
     python bench/kernel_metrics.py --cases causal --head-dims 128 --show-torch-source
     python bench/kernel_metrics.py --backward         # the backward kernels beside torch's backward template
     python bench/kernel_metrics.py --decode           # the decode kernel, its NaN/inf value guard off and on
+    python bench/kernel_metrics.py --decode --warps 2 4   # the decode kernel at each num_warps (guard off)
 
 Each kernel is compiled for ``GPUTarget("cuda", 90, 32)`` on the CPU (Triton's front end, LLVM and
 the ptxas bundled with Triton) with its arguments specialised as Triton's launcher specialises a
@@ -381,9 +382,12 @@ def main_backward(args) -> int:
 DECODE_HEADS, DECODE_KV_HEADS = 32, 8  # GQA 4: four packed query heads per tile
 
 
-def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_values: bool):
+def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_values: bool, num_warps=None):
     """The split-KV decode kernel for one query row per head against an L-key cache, as a CUDA
-    launch compiles it (``guard_values``: the CPU-only NaN/inf value guard compiled in)."""
+    launch compiles it (``guard_values``: the CPU-only NaN/inf value guard compiled in;
+    ``num_warps``: the launcher's choice unless given)."""
+    import dataclasses
+
     from flexc.backends import triton_decode
     from flexc.codegen.scalars import lift_scalars
 
@@ -393,6 +397,8 @@ def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_val
     spec = triton_decode.make_spec(lift_scalars(flexc.trace(score_mod)) if score_mod else None,
                                    lift_scalars(flexc.trace(mask_mod)) if mask_mod else None,
                                    q, k, k, block_mask, target="cuda")
+    if num_warps is not None:
+        spec = dataclasses.replace(spec, num_warps=num_warps)
     return spec, triton_decode.compile_decode_offline(spec, q, k, k, block_mask, CAPABILITY,
                                                       guard_values=guard_values)
 
@@ -402,6 +408,8 @@ def main_decode(args) -> int:
     dtype, L = torch.bfloat16, args.length
     cases = make_cases(L, DECODE_HEADS)
     names = args.cases or list(cases)
+    if args.warps:
+        return main_decode_warps(args, cases, names)
     print(f"decode, sm_{CAPABILITY}, bf16, B={BATCH}, Hq={DECODE_HEADS}, Hkv={DECODE_KV_HEADS}, 1 query row, "
           f"S={L}; per kernel: registers, spill stores/loads (B), shared memory, SASS instructions per loop "
           f"iteration (partial loop, full loop)")
@@ -414,6 +422,31 @@ def main_decode(args) -> int:
             spilling += bool(reports[0]["spill_stores"] or reports[0]["spill_loads"])
             print(f"{name:<20} {head_dim:>3} {_row(reports[0]):<40} {_row(reports[1]):<40}", flush=True)
     print(f"decode kernel metrics: spilling kernels with the guard off {spilling}")
+    return 0
+
+
+def main_decode_warps(args, cases: dict, names: list) -> int:
+    """The decode kernel (guard off, as CUDA launches it) at each of ``args.warps``: registers,
+    spills, shared memory, SASS instructions per key tile per warp and, times the warps, issued per
+    tile (the tile is the same BLOCK_M x BLOCK_N at every warp count, so these compare directly)."""
+    L = args.length
+    print(f"decode, sm_{CAPABILITY}, bf16, B={BATCH}, Hq={DECODE_HEADS}, Hkv={DECODE_KV_HEADS}, 1 query row, S={L}; "
+          f"per num_warps: registers, spill stores/loads (B), shared memory, SASS instructions per key tile per "
+          f"warp (partial loop, full loop) and issued per tile (x warps)")
+    print(f"{'case':<20} {'D':>3} {'tile':<6} " + " ".join(f"{f'{w} warps':<48}" for w in args.warps)
+          + " issued vs first")
+    for head_dim in args.head_dims:
+        for name in names:
+            case = cases[name]
+            cells, issued = [], []
+            for warps in args.warps:
+                spec, compiled = compile_flexc_decode(case[0], case[1], torch.bfloat16, head_dim, L, False, warps)
+                report = measure(compiled)
+                issued.append([n * warps for n in report["loops"]])
+                cells.append(f"{_row(report)} x{warps} {'(' + ', '.join(map(str, issued[-1])) + ')':<12}")
+            ratios = " ".join("/".join(f"{a / b:.2f}" for a, b in zip(other, issued[0])) for other in issued[1:])
+            print(f"{name:<20} {head_dim:>3} {f'{spec.block_m}x{spec.block_n}':<6} "
+                  + " ".join(f"{c:<48}" for c in cells) + f" {ratios}", flush=True)
     return 0
 
 
@@ -438,6 +471,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true", help="the backward kernels (default cases: "
                         + ", ".join(BACKWARD_CASES) + ")")
     parser.add_argument("--decode", action="store_true", help="the split-KV decode kernel, value guard off and on")
+    parser.add_argument("--warps", nargs="*", type=int, default=None,
+                        help="with --decode: compile the decode kernel at each of these num_warps instead")
     args = parser.parse_args(argv)
     if args.backward:
         return main_backward(args)

@@ -127,6 +127,22 @@ def test_kernel_source_shows_the_decode_kernel():
     assert "BLOCK_M=16 packed query rows" in src
 
 
+def test_the_16_row_tile_takes_2_warps_on_cuda():
+    # bench/kernel_metrics.py --decode --warps 2 4: fewer SASS instructions per key tile, no spills
+    bm = flexc.create_block_mask(shifted(MASKS["causal"]), None, None, 16, S, BLOCK_SIZE=BLOCK)
+    for Hq, rows, target, warps in [(8, 1, "cuda", 2), (2, 16, "cuda", 2), (8, 8, "cuda", 4),
+                                    (8, 1, "interpreter", 4)]:
+        q, k, v = random_qkv(1, Hq, 2, rows, S, E, seed=9)
+        spec = triton_decode.make_spec(None, None, q, k, v, bm, target=target)
+        assert (spec.block_m, spec.num_warps) == (max(16, Hq // 2 * rows), warps), (Hq, rows, target)
+    with flexc.device.simulate("sm_90"):  # the launch a GPU makes: 2 warps, the same results
+        q, k, v = random_qkv(1, 8, 2, 1, S, E, seed=9)
+        src = flexc.kernel_source(q, k, v, enable_gqa=True, kernel_options=TRITON)
+        assert "BLOCK_M=16 packed query rows" in src and "num_warps=2" in src
+        out, lse = run(q, k, v)
+    check(out, lse, *dense_attention(q, k, v)[:2])
+
+
 def test_a_new_python_offset_reuses_the_kernel():
     """Decoding with a Python-int position: each step's number is a kernel argument, not new source."""
     q, k, v = random_qkv(1, 4, 2, 1, S, E, seed=7)
