@@ -6,7 +6,7 @@ from .evaluate import evaluate, evaluate_grid
 from .mask_mods import and_masks, noop_mask, not_mask, or_masks
 from .block_mask import BlockMask, create_block_mask, create_mask
 from . import block_mask_pytree  # noqa: F401  (registers BlockMask as a pytree node)
-from .attention import AuxOutput, AuxRequest, flex_attention
+from .attention import AuxOutput, AuxRequest, FallbackWarning, flex_attention
 from .backends.triton_backend import cache_clear, cache_info, kernel_source
 # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`
 # becomes `from flexc import ...` unchanged
@@ -19,6 +19,6 @@ from .plot import plot  # matplotlib is imported only when plot() runs
 
 __all__ = ["Node", "TraceError", "TracedMod", "trace", "evaluate", "evaluate_grid",
            "BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "not_mask", "noop_mask",
-           "flex_attention", "AuxRequest", "AuxOutput",
+           "flex_attention", "AuxRequest", "AuxOutput", "FallbackWarning",
            "kernel_source", "cache_info", "cache_clear", "FlexKernelOptions", "create_nested_block_mask",
            "plot", "__version__"]

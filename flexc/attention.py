@@ -6,7 +6,8 @@ block-sparse path (:func:`flexc.backends.torch_cpu.torch_backward`), so every ba
 """
 from __future__ import annotations
 
-import functools
+import warnings
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -16,7 +17,6 @@ from . import device as gpu
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .codegen.printer import precise_math_for
 from .layout import laid_out_like as _laid_out_like
-from .lowering import AUTOGRAD_FUNCTION
 from .sinks import check_sinks, with_sinks
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
 
@@ -114,26 +114,67 @@ def prepare_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     return scale, options, traced_score, traced_mask
 
 
-@functools.lru_cache(maxsize=256)
-def _differentiable_root(root) -> bool:
+class FallbackWarning(UserWarning):
+    """A backend's generated kernel cannot run part of a call, and another path runs it instead; the
+    message says which and why. ``BACKEND: "TRITON"`` training a score_mod whose backward
+    :mod:`flexc.derivative` cannot build (a ``torch.autograd.Function`` whose ``backward`` cannot
+    be traced) trains through the torch backward. Warned once per score_mod."""
+
+
+# why a backend's generated backward cannot train a score_mod graph (None: it can), by graph
+_fallback_reasons: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyDictionary()
+_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def generated_backward_fallback(score_mod: TracedMod | None) -> str | None:
+    """Why a backend's generated backward cannot train ``score_mod`` (training then runs the torch
+    backward), or None when it can. Every op the tracer accepts has a derivative rule
+    (:mod:`flexc.derivative`, reductions and autograd Functions included); what remains is a
+    ``torch.autograd.Function`` whose ``backward`` cannot be traced (an unsupported op, a tensor the
+    score_mod does not capture, a vector input)."""
+    if score_mod is None:
+        return None
+    root = score_mod.root
+    try:
+        return _fallback_reasons[root]
+    except KeyError:
+        pass
     from .derivative import differentiate
 
     try:
-        differentiate(TracedMod(SCORE_MOD, root, (), (), "score_mod", None))
-    except NotImplementedError:
-        return False
-    return True
+        differentiate(score_mod)
+        reason = None
+    except NotImplementedError as e:
+        reason = str(e) or type(e).__name__
+    _fallback_reasons[root] = reason
+    return reason
 
 
 def _generated_backward_applies(score_mod: TracedMod | None) -> bool:
-    """Whether a backend's generated backward can train this score_mod: its derivative exists in
-    flexc.derivative's rules, and it calls no torch.autograd.Function (whose own backward only the
-    torch path runs, through evaluation). Otherwise training uses the torch backward."""
-    if score_mod is None:
-        return True
-    if any(n.op == AUTOGRAD_FUNCTION for n in score_mod.root.walk()):
-        return False
-    return _differentiable_root(score_mod.root)
+    """Whether a backend's generated backward can train this score_mod (see
+    :func:`generated_backward_fallback`). Otherwise training uses the torch backward."""
+    return generated_backward_fallback(score_mod) is None
+
+
+def warn_fallback(score_mod: TracedMod | None, backend: str) -> None:
+    """A :class:`FallbackWarning` (once per score_mod) when ``backend``'s generated backward cannot
+    train ``score_mod`` and the torch backward runs instead."""
+    reason = generated_backward_fallback(score_mod)
+    if reason is None or score_mod.root in _warned:
+        return
+    _warned.add(score_mod.root)
+    warnings.warn(f"flex_attention: BACKEND={backend!r} trains score_mod {score_mod.name} through the torch backward "
+                  f"(flexc.backends.torch_cpu.torch_backward, per query row), not the generated backward kernel: "
+                  f"{reason}. Fix: write the Function's backward with operations flexc traces (as a mod), or "
+                  f"ignore this warning: the gradients are the same, only slower.", FallbackWarning, stacklevel=3)
+
+
+def _falls_back(forward: Callable, training: Any) -> str | None:
+    """The name of the backend whose forward is ``forward`` when it generates its backward but this
+    call trains without it (``training`` None), else None."""
+    if training is not None:
+        return None
+    return next((name for name in TRAINING if BACKENDS.get(name) is forward), None)
 
 
 def sink_free_request(query: torch.Tensor, sinks: Any, enable_gqa: bool, return_lse: bool,
@@ -195,6 +236,9 @@ class _FlexAttentionFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, forward, training, score_mod, mask_mod, block_mask, scale, options, slots,
                 *grad_buffers):
         ctx.backward_fn = training[1] if training is not None else None
+        fallback = _falls_back(forward, training)
+        if fallback is not None:
+            warn_fallback(score_mod, fallback)
         ctx.options = options
         if training is not None:
             out, lse = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options)

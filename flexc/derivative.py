@@ -15,6 +15,18 @@ Local rules follow torch's autograd formulas, including its choices at kinks: ``
 ``sign(x)`` (0 at 0); ``clamp`` (a min/max with a Python constant bound) passes the gradient where
 the value is inside the closed range; ``torch.minimum``/``maximum`` of two tensors split it in
 half on ties; ``where`` routes it to the branch taken; ``floor``/``ceil``/``sign``/``//`` give 0.
+
+Reductions over a captured vector (``torch.dot``, ``.sum(-1)``, ``.mean(-1)``, ``.norm()``,
+``.prod(-1)``, ``.amax(-1)``...) are differentiated written out term by term
+(:func:`flexc.reductions.unroll`), each fold as one n-ary operation: a sum passes the gradient to
+every term, a product to each term times the product of the others (exact at zeros, as torch's
+``prod`` backward), a max or min to the terms equal to the result, shared evenly among ties (as
+torch's ``amax``/``amin``, which evaluation and so the torch backward use); ``any``/``all`` and
+integer sums carry none. A ``torch.autograd.Function`` is differentiated with its own ``backward``,
+traced like a mod: its ``ctx`` holds what the forward (or ``setup_context``) saved, as traced values,
+and the incoming gradient is the Function node's adjoint; what the backward returns for each input
+is that input's contribution. A backward that cannot be traced, or that reads a captured tensor the
+score_mod does not, raises ``NotImplementedError`` (the caller trains through the torch backward).
 """
 from __future__ import annotations
 
@@ -23,8 +35,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from . import ir
-from .trace import SCORE_MOD, TracedMod
+import torch
+
+from . import ir, reductions
+from .lowering import AUTOGRAD_FUNCTION
+from .trace import SCORE_MOD, Proxy, TracedMod, _hook_function_apply, _Tracer, _TraceMode
 
 LN2 = math.log(2.0)
 
@@ -323,15 +338,169 @@ def _local(n: ir.Node, A: ir.Node) -> list[tuple[ir.Node, ir.Node]]:
     raise NotImplementedError(f"flexc derivative: no rule for IR op {op!r}")
 
 
+# ---- reductions: unrolled, each fold differentiated as one n-ary operation ---------------------
+
+_FOLD_OPS = ("sum", "prod", "max", "min")
+
+
+def _expand(root: ir.Node) -> tuple[ir.Node, dict[int, tuple[str, tuple[ir.Node, ...]]]]:
+    """``root`` with every reduction unrolled (as :func:`flexc.reductions.unroll` writes it), and
+    ``id(fold) -> (op, terms)`` for each unrolled float reduction of two or more terms."""
+    folds: dict[int, tuple[str, tuple[ir.Node, ...]]] = {}
+    if not reductions.has_reductions(root):
+        return root, folds
+    # (node, result) by the node's id: the node stays alive, so its id is not reused while memoised
+    memo: dict[int, tuple[ir.Node, ir.Node]] = {}
+    keep: list[ir.Node] = []  # the folds' nodes stay alive while their ids key `folds`
+
+    def go(x: ir.Node) -> ir.Node:
+        found = memo.get(id(x))
+        if found is not None:
+            return found[1]
+        if x.op == reductions.REDUCE:
+            op, count = x.attr
+            terms = [reductions._term(op, go(reductions.substitute(x.args[0], count, ir.const(i))))
+                     for i in range(count)]
+            out = terms[0]
+            for t in terms[1:]:
+                fold = reductions._FOLD[op]
+                if op in ("max", "min") and t.kind == ir.BOOL:
+                    fold = "or" if op == "max" else "and"
+                out = ir.binary(fold, out, t)
+            if out.kind == ir.FLOAT and op in _FOLD_OPS and count > 1:
+                folds[id(out)] = (op, tuple(terms))
+                keep.append(out)
+        elif not x.args:
+            out = x
+        else:
+            args = tuple(go(a) for a in x.args)
+            out = x if all(a is b for a, b in zip(args, x.args)) else ir.make(x.op, args, x.attr, x.kind)
+        memo[id(x)] = (x, out)
+        return out
+
+    return go(root), folds
+
+
+def _fold_rule(op: str, terms: tuple[ir.Node, ...], n: ir.Node, A: ir.Node) -> list[tuple[ir.Node, ir.Node]]:
+    """The contributions of a reduction ``n`` of ``terms`` (unrolled) whose adjoint is ``A``."""
+    if op == "sum":
+        return [(t, A) for t in terms]
+    if op == "prod":
+        # each term times the product of the others (prefix and suffix products: no division, exact at 0)
+        prefix, suffix = [_c(1.0)], [_c(1.0)]
+        for t in terms[:-1]:
+            prefix.append(mul(prefix[-1], t))
+        for t in reversed(terms[1:]):
+            suffix.append(mul(suffix[-1], t))
+        suffix.reverse()
+        return [(t, mul(A, mul(p, q))) for t, p, q in zip(terms, prefix, suffix)]
+    # max / min: the terms equal to the result share the gradient evenly (torch's amax/amin)
+    hits = [ir.binary("eq", t, n) for t in terms]
+    count = None
+    for hit in hits:
+        one = where(hit, _c(1.0), _c(0.0))
+        count = one if count is None else add(count, one)
+    share = div(A, count)
+    return [(t, where(hit, share, _c(0.0))) for t, hit in zip(terms, hits)]
+
+
+# ---- torch.autograd.Function: its own backward, traced ------------------------------------------
+
+# the captured tensors of the score_mod being differentiated (a Function's backward may read them)
+_buffers: contextvars.ContextVar = contextvars.ContextVar("flexc_derivative_buffers", default=())
+
+
+class _BackwardCtx:
+    """The ``ctx`` a Function's forward (or ``setup_context``) and backward see while traced: what
+    is saved is kept (traced values), attributes set on it stay."""
+
+    def __init__(self, needs_input_grad: tuple):
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple = ()
+        self.materialize_grads = True
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def save_for_forward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value: bool):
+        self.materialize_grads = value
+
+    def mark_dirty(self, *tensors):
+        raise NotImplementedError("marks an input dirty")
+
+
+def _function_rule(n: ir.Node, A: ir.Node) -> list[tuple[ir.Node, ir.Node]]:
+    """Contributions to the inputs of ``Function.apply(*inputs)`` (node ``n``, adjoint ``A``): the
+    Function's ``backward`` traced on the incoming gradient and the values its forward saved."""
+    fn_class, forward, inputs = n.attr, n.args[0], n.args[1:]
+    name = f"{fn_class.__name__}.backward"
+    buffers = _buffers.get()
+    tracer = _Tracer(fn_class.backward, SCORE_MOD)
+    for t in buffers:  # the score_mod's captured tensors keep their slots
+        tracer.buffer_node(t)
+    for x in inputs:
+        if reductions.free_axes(x):
+            raise NotImplementedError(f"{fn_class.__name__}.apply takes a vector; its backward would return one")
+    args = [x.attr if x.op == "const" else Proxy(x, tracer) for x in inputs]
+    ctx = _BackwardCtx(tuple(x.kind == ir.FLOAT and x.op != "const" for x in inputs))
+    try:
+        with _TraceMode(tracer), _hook_function_apply(tracer):
+            if torch.autograd.function._is_setup_context_defined(fn_class.setup_context):
+                fn_class.setup_context(ctx, tuple(args), Proxy(forward, tracer))
+            else:
+                fn_class.forward(ctx, *args)  # again, for what it saves on ctx
+            grads = fn_class.backward(ctx, Proxy(A, tracer))
+        if not isinstance(grads, (tuple, list)):
+            grads = (grads,)
+        out = []
+        for x, g in zip(inputs, grads):
+            if g is None or x.kind != ir.FLOAT or x.op == "const":
+                continue
+            node = tracer.to_node(g, what=f"a gradient {name} returns")
+            if node.kind != ir.FLOAT:
+                node = ir.cast(node, "float32", ir.FLOAT)
+            out.append((x, node))
+    except NotImplementedError:
+        raise
+    except Exception as e:  # a TraceError, or the backward failing on traced values
+        raise NotImplementedError(f"cannot trace {name}: {str(e).splitlines()[0]}") from e
+    if len(tracer.buffers) > len(buffers):
+        raise NotImplementedError(f"{name} reads a tensor the score_mod does not capture")
+    if any(reductions.free_axes(g) for _, g in out):
+        raise NotImplementedError(f"{name} returns a vector")
+    return out
+
+
 def adjoints(root: ir.Node) -> dict[int, ir.Node]:
-    """``id(node) -> d root / d node`` for every float node that ``root`` depends on."""
+    """``id(node) -> d root / d node`` for every float node that ``root`` depends on.
+
+    A ``root`` with reductions is differentiated unrolled (see the module docstring): the ids are
+    those of :func:`flexc.reductions.unroll` ``(root)``'s nodes."""
+    expanded, folds = _expand(root)
+    return _adjoints(expanded, folds)
+
+
+def _adjoints(root: ir.Node, folds: dict) -> dict[int, ir.Node]:
     order = list(root.walk())
     adj: dict[int, ir.Node] = {id(root): _c(1.0)}
     for n in reversed(order):
         A = adj.get(id(n))
         if A is None or n.kind != ir.FLOAT or _is_const(A, 0):
             continue
-        for operand, contribution in _local(n, A):
+        fold = folds.get(id(n))
+        if fold is not None:
+            local = _fold_rule(fold[0], fold[1], n, A)
+        elif n.op == AUTOGRAD_FUNCTION:
+            local = _function_rule(n, A)
+        else:
+            local = _local(n, A)
+        for operand, contribution in local:
             if operand.kind != ir.FLOAT:
                 continue  # ints and bools carry no gradient
             previous = adj.get(id(operand))
@@ -357,11 +526,13 @@ def differentiate(score_mod: TracedMod, slots: tuple[int, ...] | None = None,
     root = score_mod.root
     if root.kind != ir.FLOAT:  # the tracer casts int roots to float32; be safe for hand-built IR
         root = ir.cast(root, "float32", ir.FLOAT)
-    token = _widen_ints.set(widen_ints)
+    root, folds = _expand(root)
+    token, buffers_token = _widen_ints.set(widen_ints), _buffers.set(tuple(score_mod.buffers))
     try:
-        adj = adjoints(root)
+        adj = _adjoints(root, folds)
     finally:
         _widen_ints.reset(token)
+        _buffers.reset(buffers_token)
     nodes = list(root.walk())
     score = next((n for n in nodes if n.op == "input" and n.attr == "score"), None)
     d_score = adj.get(id(score), _c(0.0)) if score is not None else _c(0.0)
