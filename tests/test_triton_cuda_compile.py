@@ -109,17 +109,28 @@ def test_math_functions_use_libdevice_on_cuda():
     source = triton_backend.source_for(spec)
     assert "libdevice.rint(" in source and "def tanh(" not in source and "def sigmoid(" not in source
     # fp32 tanh and sigmoid: one exp2 and one rcp.approx each (FAST_MATH, the default) ...
-    assert "libdevice.tanh(" not in source and "tl.sigmoid(" not in source
-    assert source.count("approx_rcp(tl.exp2(") == 1 and source.count("approx_rcp(1.0 + tl.exp2(") == 1
+    body = source[source.index("def score_mod("):]
+    assert "libdevice.tanh(" not in body and "tl.sigmoid(" not in body
+    assert body.count("fast_tanh(") == 1 and body.count("fast_sigmoid(") == 1
     compiled = triton_backend.compile_offline(spec, capability=90)
     assert "rcp.approx.ftz.f32" in compiled.asm["ptx"]
     # ... and libdevice's tanh with FAST_MATH=False: another kernel (the mark is in the cache key)
     precise = triton_backend.make_spec(keep_precise_math(traced), None, torch.bfloat16, 64, 64, None, small_tiles,
                                        "cuda", True)
     source = triton_backend.source_for(precise)
-    assert "libdevice.tanh(" in source and "tl.sigmoid(" in source and "approx_rcp" not in source
+    assert "libdevice.tanh(" in source and "tl.sigmoid(" in source and "fast_tanh" not in source
     assert precise.key() != spec.key()
     assert "cubin" in triton_backend.compile_offline(precise, capability=90).asm
+
+
+def test_float64_kernels_keep_accurate_tanh_and_sigmoid():
+    # the fast helpers take libdevice's tanh and tl.sigmoid for float64 scores, decided when Triton compiles
+    soft_cap = lambda score, b, h, q_idx, kv_idx: 20.0 * torch.tanh(score / 20.0) + torch.sigmoid(score)
+    spec = triton_backend.make_spec(flexc.trace(soft_cap), None, torch.float64, 64, 64, None,
+                                    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}, "cuda", True)
+    assert "fast_tanh(" in triton_backend.source_for(spec)
+    ptx = triton_backend.compile_offline(spec, capability=90).asm["ptx"]
+    assert "rcp.approx.ftz.f32" not in ptx and "rcp.approx.ftz.f64" in ptx  # libdevice's tanh (fp64)
 
 
 def test_decode_kernel_compiles_without_its_value_guard_by_default():
@@ -133,7 +144,7 @@ def test_decode_kernel_compiles_without_its_value_guard_by_default():
     soft_cap = lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0)
     bm = flexc.create_block_mask(mask_mod, 2, 1, 1, 4096, device="cpu")
     spec = triton_decode.make_spec(flexc.trace(soft_cap), flexc.trace(mask_mod), q, k, k, bm, target="cuda")
-    assert "approx_rcp(tl.exp2(" in triton_backend.source_for(spec)  # fast tanh, as the forward kernel on CUDA
+    assert "fast_tanh(score * 0.03333333333333333, score * " in triton_backend.source_for(spec)  # as the forward
     off = triton_decode.compile_decode_offline(spec, q, k, k, bm)
     on = triton_decode.compile_decode_offline(spec, q, k, k, bm, guard_values=True)
     assert "cubin" in off.asm and off.metadata.shared <= HOPPER_SHARED_MEMORY

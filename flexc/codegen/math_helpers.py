@@ -39,10 +39,12 @@ The printer folds a multiplication or division by a literal into the power's con
 and one by a captured number (a kernel argument) too: ``tanh(s / cap)`` is
 ``exp2(s * (2.885 / cap))``, the quotient computed once per program instead of a division per score.
 ``kernel_options={"FAST_MATH": False}`` keeps libdevice's ``tanh`` and ``tl.sigmoid``
-(:func:`flexc.codegen.printer.keep_precise_math`); fp64 never takes the fast forms. Under Triton's
+(:func:`flexc.codegen.printer.keep_precise_math`). fp64 never takes the fast forms: the helpers
+(:data:`FAST_HELPERS`) choose the accurate function for a float64 argument when Triton compiles
+them, since the printer does not know whether a kernel's scores are float64. Under Triton's
 interpreter the default stays the accurate helpers below; ``render_mod(..., fast_math=True)``
-prints the fast forms there too (with :data:`PORTABLE_RECIPROCAL`, a correctly rounded ``1 / x``),
-which is how the tests run the same expression on CPU.
+prints the fast forms there too (``portable_fast_tanh``: a correctly rounded ``1 / x`` for
+``rcp.approx``), which is how the tests run the same expression on CPU.
 """
 from __future__ import annotations
 
@@ -54,16 +56,19 @@ MATH_HELPERS = {
     "atan2": "atan2", "fmod": "float_fmod",
 }
 
-# fast-math ops (see the module docstring) and the reciprocal each target's fast forms call
+# fast-math ops (see the module docstring) and their helpers: CUDA's (rcp.approx as inline PTX, libdevice
+# for float64 scores) and the interpreter's (a correctly rounded reciprocal, the accurate helpers for float64)
 FAST_MATH_OPS = ("tanh", "sigmoid")
-FAST_RECIPROCAL = "approx_rcp"  # CUDA: one rcp.approx.ftz.f32 (inline PTX)
-PORTABLE_RECIPROCAL = "rcp"  # elsewhere (the interpreter has no inline PTX)
+FAST_HELPERS = {"cuda": {"tanh": "fast_tanh", "sigmoid": "fast_sigmoid"},
+                "portable": {"tanh": "portable_fast_tanh", "sigmoid": "portable_fast_sigmoid"}}
 FAST_TANH_ERROR = 6e-7  # absolute, every fp32 input
 FAST_SIGMOID_ERROR = 6e-7  # relative, plus |x| * 2**-24, while the result is a normal fp32 number
 TWO_LOG2E = 2.8853900817779268  # 2 / ln(2): e^(2x) = 2^(x * TWO_LOG2E)
 LOG2E = 1.4426950408889634
 
 HELPER_NEEDS = {
+    "fast_tanh": ("approx_rcp",), "fast_sigmoid": ("approx_rcp",),
+    "portable_fast_tanh": ("rcp", "tanh"), "portable_fast_sigmoid": ("rcp", "sigmoid"),
     "asin": ("atan",), "acos": ("atan",), "atan2": ("atan",), "sinh": ("expm1",), "asinh": ("log1p",),
     "atanh": ("log1p",), "float_fmod": ("trunc",),
 }
@@ -81,6 +86,52 @@ def approx_rcp(x):
 def rcp(x):
     # 1 / x, correctly rounded: approx_rcp's stand-in where there is no PTX (Triton's interpreter)
     return 1.0 / x
+''',
+    # The fast forms take the argument x and the power of two the caller computed from it (2 log2(e) x
+    # for tanh, -log2(e) x for sigmoid, a constant factor of x folded in): a float64 x (float64
+    # kernels) takes the accurate function instead, decided when Triton compiles; the unused
+    # argument is dead code there.
+    "fast_tanh": '''\
+@triton.jit
+def fast_tanh(x, power):
+    # tanh(x) with power = 2 log2(e) x: 1 - 2 / (2^power + 1), one ex2 and one rcp.approx, exactly +-1 for
+    # large |x| (never inf / inf), absolute error below 6e-7 (flexc.codegen.math_helpers); fp64: libdevice's
+    if x.dtype == tl.float64:
+        t = libdevice.tanh(x)
+    else:
+        t = 1.0 - 2.0 * approx_rcp(tl.exp2(power) + 1.0)
+    return t
+''',
+    "fast_sigmoid": '''\
+@triton.jit
+def fast_sigmoid(x, power):
+    # sigmoid(x) with power = -log2(e) x: 1 / (1 + 2^power), one ex2 and one rcp.approx, exactly 0 or 1 for
+    # large |x|, relative error below 6e-7 + |x| 2^-24 (flexc.codegen.math_helpers); fp64: tl.sigmoid
+    if x.dtype == tl.float64:
+        s = tl.sigmoid(x)
+    else:
+        s = approx_rcp(1.0 + tl.exp2(power))
+    return s
+''',
+    "portable_fast_tanh": '''\
+@triton.jit
+def portable_fast_tanh(x, power):
+    # fast_tanh with a correctly rounded reciprocal (Triton's interpreter runs it); fp64: the accurate tanh
+    if x.dtype == tl.float64:
+        t = tanh(x)
+    else:
+        t = 1.0 - 2.0 * rcp(tl.exp2(power) + 1.0)
+    return t
+''',
+    "portable_fast_sigmoid": '''\
+@triton.jit
+def portable_fast_sigmoid(x, power):
+    # fast_sigmoid with a correctly rounded reciprocal (Triton's interpreter runs it); fp64: the accurate sigmoid
+    if x.dtype == tl.float64:
+        s = sigmoid(x)
+    else:
+        s = rcp(1.0 + tl.exp2(power))
+    return s
 ''',
     "tan": '''\
 @triton.jit

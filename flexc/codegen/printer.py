@@ -19,8 +19,7 @@ from .. import ir
 from ..evaluate import evaluate
 from ..lowering import scalar_form
 from ..trace import TracedMod
-from .math_helpers import (FAST_MATH_OPS, FAST_RECIPROCAL, HELPER_SOURCES, LOG2E, MATH_HELPERS,
-                           PORTABLE_RECIPROCAL, TWO_LOG2E, with_needs)
+from .math_helpers import FAST_HELPERS, FAST_MATH_OPS, HELPER_SOURCES, LOG2E, MATH_HELPERS, TWO_LOG2E, with_needs
 
 # Python operator precedence (higher binds tighter); what decides where parentheses go.
 _ATOM, _POW, _UNARY, _MUL, _ADD, _BAND, _BXOR, _BOR, _CMP = 12, 11, 10, 9, 8, 6, 5, 4, 3
@@ -287,6 +286,10 @@ class _Printer:
                 # by a constant: multiply by its reciprocal (a division is a long instruction
                 # sequence on GPUs; Inductor does the same, within an ulp of the quotient)
                 return f"{a} * {python_literal(1.0 / divisor)}", _MUL
+            if args[1].op == "scalar" and args[1].kind == ir.FLOAT:
+                # by a captured number (a kernel argument): the same, its reciprocal computed once per
+                # program (the loop-invariant division is hoisted) instead of a division per score
+                return f"{a} * (1.0 / {self.operand(args[1], _ATOM)})", _MUL
             b = self.operand(args[1], _MUL + 1) if args[1].kind == ir.FLOAT else self.as_float(args[1], _MUL + 1)
             return f"{a} / {b}", _MUL
         if op in ("floordiv", "mod"):
@@ -337,23 +340,24 @@ class _Printer:
 
     def render_fast(self, n: ir.Node) -> tuple[str, int]:
         """fp32 ``tanh``/``sigmoid`` as one exp2 and one reciprocal (flexc.codegen.math_helpers):
-        ``1 - 2 rcp(2^(2x log2 e) + 1)`` and ``rcp(1 + 2^(-x log2 e))``, which saturate (never inf/inf)."""
+        ``fast_tanh(x, 2 log2(e) x)`` is ``1 - 2 rcp(2^(2x log2 e) + 1)``, ``fast_sigmoid(x, -log2(e) x)``
+        ``rcp(1 + 2^(-x log2 e))``; they saturate (never inf/inf) and take the accurate function for
+        float64 ``x``. A constant factor of ``x`` is folded into the power's."""
         x = n.args[0]
         scale = TWO_LOG2E if n.op == "tanh" else -LOG2E
-        factor = python_literal(scale)
+        power = f"{self.as_float(x, _MUL)} * {python_literal(scale)}"
         inner, c, divides = self.constant_factor(x)
-        if isinstance(c, float):  # x * c or x / c, c a literal: folded into the constant, one multiply fewer
+        if isinstance(c, float):  # x = y * c or y / c, c a literal: y * (c * scale), one multiply fewer
             folded = scale / c if divides else c * scale
             if math.isfinite(folded) and abs(folded) >= 2.0 ** -126:
-                x, factor = inner, python_literal(folded)
+                power = f"{self.as_float(inner, _MUL)} * {python_literal(folded)}"
         elif c is not None:  # c a captured number (a kernel argument): the same, computed once per program
-            x, factor = inner, f"({factor} / {c})" if divides else f"({c} * {factor})"
-        rcp = FAST_RECIPROCAL if self.target == "cuda" else PORTABLE_RECIPROCAL
-        self.helpers.add(rcp)
-        power = f"tl.exp2({self.as_float(x, _MUL)} * {factor})"
-        if n.op == "tanh":
-            return f"1.0 - 2.0 * {rcp}({power} + 1.0)", _ADD
-        return f"{rcp}(1.0 + {power})", _ATOM
+            scaled = f"tl.math.div_rn({python_literal(scale)}, {c})" if divides else f"({c} * {python_literal(scale)})"
+            power = f"{self.as_float(inner, _MUL)} * {scaled}"
+        name = FAST_HELPERS["cuda" if self.target == "cuda" else "portable"][n.op]
+        self.helpers |= with_needs({name})
+        self.uses_libdevice |= self.target == "cuda"  # fast_tanh's float64 branch
+        return f"{name}({self.as_float(x, 0)}, {power})", _ATOM
 
     def constant_factor(self, n: ir.Node) -> tuple[ir.Node | None, float | str | None, bool]:
         """``(x, c, divides)`` when ``n`` is ``x * c``, ``c * x`` or ``x / c`` (``divides``) for a float
