@@ -6,13 +6,20 @@ gradients, and a new value recompiles. flexc's tracer cannot run under dynamo (i
 objects and a TorchFunctionMode), and a custom op cannot take a function. The bridge is torch's
 ``dynamo_bypassing_wrapper`` higher-order op:
 
-1. dynamo *speculates* an inner function that calls the mods on one-element index tensors, so it
-   records their arithmetic as a subgraph and lifts every tensor they capture (closures of
-   functions created inside the compiled region included) to an explicit input of that subgraph;
+1. dynamo *speculates* an inner function that calls the mods on 0-d tensors, so it records their
+   arithmetic as a subgraph and lifts every tensor they capture (closures of functions created
+   inside the compiled region included) to an explicit input of that subgraph. While it does,
+   lookups by 0-d index tensors run as ``aten.index`` on the fake tensors (:class:`_LookupsAsIndex`,
+   as torch's own mods are speculated), so a lookup has the shape an eager call sees (a row
+   ``q_rope[b, h, q_idx]`` is a vector ``torch.dot`` takes) without reading an index's value; the
+   score requires grad, so a ``torch.autograd.Function`` the mod calls is recorded with its
+   backward (``autograd_function_apply``) instead of inlined;
 2. the op then calls ``wrapper(subgraph)(*inputs)`` outside dynamo, both when AOT autograd traces
    the graph (fake tensors) and when a graph runs without AOT (real tensors). :func:`_wrapper`
    replays the subgraph's mod nodes on flexc's proxies (:func:`flexc.trace`), so the captured
-   tensors become the traced mods' buffers, and calls ``flexc::flex_attention`` with them.
+   tensors become the traced mods' buffers, and calls ``flexc::flex_attention`` with them. A
+   recorded Function is replayed as a Function whose forward and backward run its recorded
+   graphs (:func:`_graph_function`), so eager and compiled calls train through the same backward.
 
 The compiled graph therefore holds one custom-op node per call (and its backward op), whatever the
 mods; dynamo never enters the tracer, the analysis or a backend. See docs/torch_compile.md.
@@ -23,10 +30,13 @@ import functools
 import operator
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.fx
+from torch.overrides import TorchFunctionMode
+from torch._dynamo.comptime import comptime
+from torch._functorch.autograd_function import autograd_function_apply
 from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 
 from . import block_mask, custom_ops
@@ -73,29 +83,104 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                     _name(mask_mod, "mask_mod") if mask_mod is not None else None,
                     tuple(t is not None for t in tables), block_size, float(scale),
                     tuple(sorted(options.items())), need_max, need_lse)
-    # the mods' arguments: one-element tensors, so dynamo records the mods' arithmetic elementwise
-    # (indexing a captured tensor by a 0-d tensor would be data-dependent for dynamo)
-    index = lambda: torch.zeros(1, dtype=torch.int32, device=query.device)
-    score0 = torch.zeros(1, dtype=score_dtype, device=query.device)
-    b0, h0, q0, kv0 = index(), index(), index(), index()
+    # the mods' arguments: 0-d tensors, as the mods see in eager calls (see the module docstring)
+    score0 = torch.zeros((), dtype=score_dtype, device=query.device)
+    b0, h0, q0, kv0 = [torch.zeros((), dtype=torch.int32, device=query.device) for _ in range(4)]
 
     def inner(score, b, h, q_idx, kv_idx, query, key, value, *tables):
         # one node that reads the five mod arguments in order, so the wrapper can find them
-        torch.cat([score, b, h, q_idx, kv_idx])
+        torch.stack([score, b, h, q_idx, kv_idx])
         # one node per tensor argument, in order, for the same reason
         for t in (query, key, value, *tables):
             t.detach()
-        score_out = score_mod(score, b, h, q_idx, kv_idx) if score_mod is not None else score
+        score_out = score
+        if score_mod is not None:
+            # requiring grad, the score makes dynamo record a Function the mod calls with its backward
+            tracked = score.detach().requires_grad_()
+            score_out = score_mod(tracked, b, h, q_idx, kv_idx)
+            if score_out is tracked:  # (dynamo cannot return a tensor made to require grad inside)
+                score_out = score
         mask_out = mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else q_idx >= 0
         return (*_output_meta(query, value, need_max, need_lse), score_out, mask_out)
 
+    comptime(_enter_lookups_as_index)
     out, lse, row_max, _, _ = dynamo_bypassing_wrapper(functools.partial(_wrapper, spec), inner,
                                                        score0, b0, h0, q0, kv0, query, key, value, *present)
+    comptime(_leave_lookups_as_index)
     return out, lse, row_max
 
 
 def _name(fn: Any, default: str) -> str:
     return getattr(fn, "__name__", None) or default
+
+
+class _LookupsAsIndex(TorchFunctionMode):
+    """``tensor[key]`` with 0-d integer index tensors in ``key`` as ``aten.index``, while dynamo
+    speculates the mods (torch's ``TransformGetItemToIndex`` does this for its own mods).
+
+    Python indexing reads a 0-d index tensor's value (``item()``), which a fake tensor does not have:
+    data-dependent, dynamo cannot speculate it. ``aten.index`` gives the same shape without the
+    value: the rest of the dimensions, so ``q_rope[b, h, q_idx]`` is the row an eager call reads.
+    Full slices stay free, other slices are taken first, integers become 0-d indices. The mode acts
+    on the fake tensors dynamo runs each recorded operation on, not on what it records: the subgraph
+    keeps the lookups as written, which the replay traces."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and not kwargs:
+            out = _lookup_as_index(*args)
+            if out is not None:
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+def _lookup_as_index(x: torch.Tensor, key: Any) -> torch.Tensor | None:
+    keys = list(key) if isinstance(key, tuple) else [key]
+    index_tensor = lambda k: isinstance(k, torch.Tensor) and not k.is_floating_point() and k.dtype != torch.bool
+    if not any(index_tensor(k) and k.dim() == 0 for k in keys):
+        return None  # no 0-d index: Python indexing reads no value
+    if not all(index_tensor(k) or k is Ellipsis or isinstance(k, slice) or
+               (isinstance(k, int) and not isinstance(k, bool)) for k in keys):
+        return None  # None (a new axis), bool or float keys: as written
+    ellipses = [i for i, k in enumerate(keys) if k is Ellipsis]
+    if len(ellipses) > 1:
+        return None
+    if ellipses:
+        keys[ellipses[0]:ellipses[0] + 1] = [slice(None)] * (x.dim() - (len(keys) - 1))
+    if len(keys) > x.dim():
+        return None
+    indices: list = []
+    for dim, k in enumerate(keys):
+        if isinstance(k, slice):
+            if k != slice(None):
+                x = x[(slice(None),) * dim + (k,)]
+            indices.append(None)
+        elif isinstance(k, int):
+            indices.append(torch.tensor(k, dtype=torch.int64, device=x.device))
+        else:
+            indices.append(k)
+    while indices[-1] is None:
+        indices.pop()
+    return torch.ops.aten.index(x, indices)
+
+
+# the mode while dynamo speculates a call's mods (pushed and popped at compile time, by comptime)
+_lookup_modes: list = []
+
+
+def _enter_lookups_as_index(ctx) -> None:
+    mode = _LookupsAsIndex()
+    mode.__enter__()
+    _lookup_modes.append(mode)
+    # popped after the speculation, and in any case when dynamo finishes this frame (a failed one too)
+    ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.add_cleanup_hook(_leave_lookups_as_index)
+
+
+def _leave_lookups_as_index(ctx=None) -> None:
+    while _lookup_modes:
+        mode = _lookup_modes.pop()
+        stack = torch.overrides._get_current_function_mode_stack()
+        if stack and stack[-1] is mode:
+            mode.__exit__(None, None, None)
 
 
 def _output_meta(query: torch.Tensor, value: torch.Tensor, need_max: bool, need_lse: bool):
@@ -117,6 +202,7 @@ class _Plan(NamedTuple):
     mod_outs: dict  # kind -> the subgraph node of that mod's value
     traced: dict  # kind -> (mod_key, input positions of its buffers) once traced
     numbers: dict  # "nodes" -> the subgraph's number nodes (see _with_numbers), found on the first call
+    functions: dict  # autograd_function_apply node -> its Function class (see _graph_function)
 
 
 _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakKeyDictionary()
@@ -226,18 +312,18 @@ def _read_plan(gm: torch.fx.GraphModule, n_mod_args: int, n_tensors: int) -> _Pl
     placeholders = [n for n in nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
-    cat = body[0] if body else None
-    if cat is None or cat.target is not torch.cat or len(cat.args[0]) != n_mod_args:
-        raise RuntimeError(f"flexc: unexpected subgraph from torch.compile (first node {cat}); expected the "
-                           f"torch.cat over the mod arguments that flexc.under_compile emits:\n{gm.code}")
+    stack = body[0] if body else None
+    if stack is None or stack.target is not torch.stack or len(stack.args[0]) != n_mod_args:
+        raise RuntimeError(f"flexc: unexpected subgraph from torch.compile (first node {stack}); expected the "
+                           f"torch.stack over the mod arguments that flexc.under_compile emits:\n{gm.code}")
     detaches = body[1:1 + n_tensors]
     if any(n.op != "call_method" or n.target != "detach" for n in detaches):
         raise RuntimeError(f"flexc: unexpected subgraph from torch.compile; expected {n_tensors} detach nodes "
-                           f"after the torch.cat:\n{gm.code}")
+                           f"after the torch.stack:\n{gm.code}")
     output = nodes[-1].args[0]  # (op outputs..., score_mod value (a call only), mask_mod value)
     outs = {MASK_MOD: output[-1], SCORE_MOD: output[-2] if n_mod_args == 5 else None}
-    return _Plan(tuple(position[a] for a in cat.args[0]), tuple(position[n.args[0]] for n in detaches), outs, {},
-                 {})
+    return _Plan(tuple(position[a] for a in stack.args[0]), tuple(position[n.args[0]] for n in detaches), outs,
+                 {}, {}, {})
 
 
 def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, inputs: tuple, kind: str, name: str):
@@ -259,7 +345,7 @@ def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, in
         env.update(numbers)
         for node in gm.graph.nodes:
             if node in needed and node not in skip and node.op != "placeholder":
-                env[node] = _run_node(gm, node, env)
+                env[node] = _run_node(gm, node, env, plan.functions)
         return env[root]
 
     traced = trace(_ScoreReplay(mod) if kind == SCORE_MOD else _MaskReplay(mod), kind)
@@ -305,9 +391,17 @@ def _ancestors(root: torch.fx.Node) -> set:
     return seen
 
 
-def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict) -> Any:
+def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict, functions: dict | None = None) -> Any:
     args = torch.fx.node.map_arg(node.args, lambda n: env[n])
     kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+    if node.target is autograd_function_apply:
+        # a Function the mod calls: replayed as one Function node (its outputs as a tuple, as recorded)
+        fn_class = functions.get(node) if functions is not None else None
+        if fn_class is None:
+            fn_class = _graph_function(args[0], args[1], node.name)
+            if functions is not None:
+                functions[node] = fn_class
+        return (fn_class.apply(*args[2:]),)
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
@@ -315,6 +409,46 @@ def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict) -> Any:
     if node.op == "get_attr":
         return operator.attrgetter(node.target)(gm)
     raise RuntimeError(f"flexc: cannot replay subgraph node {node.format_node()}")
+
+
+def _run_graph(gm: torch.fx.GraphModule, args: Sequence) -> Any:
+    """The output of ``gm`` (a Function's recorded forward or backward) on ``args``; the grad-mode
+    switches dynamo records around its body are left out (autograd sets the mode for a Function)."""
+    env: dict = {}
+    inputs = iter(args)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(inputs)
+        elif node.op == "output":
+            return torch.fx.node.map_arg(node.args[0], lambda n: env[n])
+        elif node.target in _GRAD_MODE_SWITCHES:
+            env[node] = None
+        else:
+            env[node] = _run_node(gm, node, env, {})
+    raise RuntimeError(f"flexc: a recorded autograd.Function graph has no output:\n{gm.code}")
+
+
+_GRAD_MODE_SWITCHES = (torch._C._set_grad_enabled,)
+
+
+def _graph_function(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, name: str) -> type:
+    """A ``torch.autograd.Function`` that runs the forward and backward graphs dynamo recorded for
+    one the mod calls: flexc's tracer traces its forward into the mod, evaluation (the torch
+    backward) calls ``apply``, and :mod:`flexc.derivative` traces its backward (the generated one)."""
+
+    def forward_fn(ctx, *args):
+        outputs, saved = _run_graph(forward, args)
+        ctx.saved_values = tuple(saved)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def backward_fn(ctx, *grads):
+        return tuple(_run_graph(backward, (*grads, *ctx.saved_values)))
+
+    # defined here (its qualified name says so): flexc.mod_key names it in this process only
+    cls = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_fn),
+                                                  "backward": staticmethod(backward_fn)})
+    cls.__qualname__ = f"_graph_function.<locals>.{name}"
+    return cls
 
 
 # ---- create_block_mask inside a compiled region ----------------------------------------------
@@ -325,16 +459,17 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     block = tuple(BLOCK_SIZE) if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
     device = torch.device(device) if device is not None else torch.device("cpu")
     sizes = (B or 1, H or 1, Q_LEN, KV_LEN, int(block[0]), int(block[1]))
-    index = lambda: torch.zeros(1, dtype=torch.int32, device=device)
-    b0, h0, q0, kv0 = index(), index(), index(), index()
+    b0, h0, q0, kv0 = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
 
     def inner(b, h, q_idx, kv_idx):
-        torch.cat([b, h, q_idx, kv_idx])  # finds the mod arguments for the wrapper, as above
+        torch.stack([b, h, q_idx, kv_idx])  # finds the mod arguments for the wrapper, as above
         return (*_tables_meta(sizes, device), mask_mod(b, h, q_idx, kv_idx))
 
     spec = (_name(mask_mod, "mask_mod"), sizes, device)
+    comptime(_enter_lookups_as_index)
     num, indices, full_num, full_indices, _ = dynamo_bypassing_wrapper(
         functools.partial(_mask_wrapper, spec), inner, b0, h0, q0, kv0)
+    comptime(_leave_lookups_as_index)
     full = (full_num, full_indices) if separate_full_blocks else (None, None)
     return BlockMask((Q_LEN, KV_LEN), num, indices, *full, DERIVED, DERIVED, DERIVED, DERIVED,
                      BLOCK_SIZE=(sizes[4], sizes[5]), mask_mod=mask_mod)
