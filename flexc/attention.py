@@ -6,13 +6,14 @@ block-sparse path (:func:`flexc.backends.torch_cpu.torch_backward`), so every ba
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import bounds, under_compile, validate
+from . import bounds, dropout, under_compile, validate
 from . import device as gpu
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .codegen.printer import precise_math_for
@@ -118,7 +119,8 @@ class FallbackWarning(UserWarning):
     """A backend's generated kernel cannot run part of a call, and another path runs it instead; the
     message says which and why. ``BACKEND: "TRITON"`` training a score_mod whose backward
     :mod:`flexc.derivative` cannot build (a ``torch.autograd.Function`` whose ``backward`` cannot
-    be traced) trains through the torch backward. Warned once per score_mod."""
+    be traced) trains through the torch backward. Warned once per score_mod; ``dropout_p > 0`` on a
+    backend whose kernels do not drop runs on the TORCH backend, warned once per backend."""
 
 
 # why a backend's generated backward cannot train a score_mod graph (None: it can), by graph
@@ -201,16 +203,20 @@ class CallPlan(NamedTuple):
 
 def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
               mask_mod: TracedMod | None, options: dict, return_lse: bool, return_aux: Any,
-              training: bool | None = None) -> CallPlan:
+              training: bool | None = None, dropout_p: float = 0.0) -> CallPlan:
     """The backend and paths a call with these (prepared) arguments takes; raises what the call raises.
 
     Training is decided as autograd would record the call (``torch.is_grad_enabled()`` and an input
     or a captured float tensor that requires grad); ``training`` overrides that (``kernel_source``'s
     ``backward=True`` asks about the call as trained). A training call runs the backend's generated
     forward and backward (:data:`TRAINING`) when :func:`_generated_backward_applies`, otherwise the
-    backend's forward with the logsumexp and the torch backward.
+    backend's forward with the logsumexp and the torch backward. ``dropout_p > 0`` runs on the TORCH
+    backend (the generated kernels do not drop yet; warned once).
     """
     backend = _choose_backend(options, query.device)
+    if dropout_p and backend != "TORCH":
+        _warn_dropout_runs_on_torch(backend)
+        backend = "TORCH"
     # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
@@ -229,23 +235,30 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     return CallPlan(backend, training, generated, want_lse, want_max, slots)
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_dropout_runs_on_torch(backend: str) -> None:
+    warnings.warn(f"flexc: dropout_p > 0 runs on the TORCH backend (its row loop draws the dropout mask); the "
+                  f"{backend} kernels do not drop yet. This call and later ones with dropout use TORCH.",
+                  FallbackWarning, stacklevel=4)
+
+
 class _FlexAttentionFunction(torch.autograd.Function):
     """Forward on the chosen backend; backward recomputes scores per query row on the torch path."""
 
     @staticmethod
     def forward(ctx, query, key, value, forward, training, score_mod, mask_mod, block_mask, scale, options, slots,
-                *grad_buffers):
+                drop, *grad_buffers):
         ctx.backward_fn = training[1] if training is not None else None
         fallback = _falls_back(forward, training)
         if fallback is not None:
             warn_fallback(score_mod, fallback)
-        ctx.options = options
+        ctx.options, ctx.dropout = options, drop
         if training is not None:
             out, lse = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options)
-        elif forward is torch_forward and query.dtype == torch.float64:
+        elif forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
             # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                           need_max=False, lse_dtype=torch.float64)
+                                           need_max=False, lse_dtype=_lse_dtype(query.dtype), dropout=drop)
         else:
             out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True)
         ctx.save_for_backward(query, key, value, out, lse)
@@ -263,15 +276,16 @@ class _FlexAttentionFunction(torch.autograd.Function):
                                                     mask_mod, block_mask, scale, slots, ctx.options)
         else:
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod,
-                                                   mask_mod, block_mask, scale, slots)
+                                                   mask_mod, block_mask, scale, slots, dropout=ctx.dropout)
         dq, dk, dv = (_laid_out_like(g, t) for g, t in ((dq, query), (dk, key), (dv, value)))
-        return (dq, dk, dv, None, None, None, None, None, None, None, None, *buf_grads)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None, None, *buf_grads)
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: Any = None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, kernel_options: dict | None = None,
-                   *, return_aux: AuxRequest | None = None, sinks: torch.Tensor | None = None
+                   *, return_aux: AuxRequest | None = None, sinks: torch.Tensor | None = None,
+                   dropout_p: float = 0.0, generator: torch.Generator | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, AuxOutput]:
     """Attention with a programmable score and a block-sparse mask, with torch 2.13's semantics.
 
@@ -292,6 +306,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         sinks: flexc's own (torch has none): learned attention-sink logits, ``[Hq]`` or broadcastable
             to ``[B, Hq]``, any float dtype, may require grad; each joins its rows' softmax
             denominator with no value row, and the returned lse includes it (:mod:`flexc.sinks`).
+        dropout_p, generator: flexc's own: attention dropout (as SDPA's: kept probabilities scaled
+            by ``1 / (1 - p)``), its mask drawn per (b, h, q_idx, kv_idx) from a seed taken from
+            ``generator`` (:mod:`flexc.dropout`); 0 is exactly the call without it.
 
     Returns:
         ``out [B, Hq, L, Ev]`` in the query's dtype; with ``return_lse`` also ``lse``, with
@@ -308,35 +325,45 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if sinks is not None:  # attention without the sinks, then their logsumexp merge (flexc.sinks)
         rows, inner = sink_free_request(query, sinks, enable_gqa, return_lse, return_aux)
         out, aux = flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                  kernel_options=kernel_options, return_aux=inner)
+                                  kernel_options=kernel_options, return_aux=inner, dropout_p=dropout_p,
+                                  generator=generator)
         out, lse = with_sinks(out, aux.lse, rows)
         if return_aux is not None:
             return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=aux.max_scores)
         return (out, lse) if return_lse else out
+    dropout_p = dropout.check(dropout_p, generator)
     if torch.compiler.is_compiling():
+        if dropout_p:
+            raise NotImplementedError("flex_attention: dropout_p > 0 under torch.compile is not supported yet. "
+                                      "Fix: call flexc.flex_attention eagerly for the dropout step, or pass "
+                                      "dropout_p=0.0 inside the compiled region.")
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
                               return_lse, return_aux)
     scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
     key, value = _in_dtype_of(query, key), _in_dtype_of(query, value)
-    plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux)
+    plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
+                     dropout_p=dropout_p)
+    drop = dropout.draw(dropout_p, generator) if dropout_p else None
     backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
     max_scores = None
     if plan.training:
         forward = BACKENDS[backend]
         grad_buffers = [traced_score.buffers[i] for i in slots]
         out, lse = _FlexAttentionFunction.apply(query, key, value, forward, plan.generated, traced_score,
-                                                traced_mask, block_mask, scale, options, slots, *grad_buffers)
+                                                traced_mask, block_mask, scale, options, slots, drop, *grad_buffers)
         if want_max:
             with torch.no_grad():
-                max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale)[2]
+                max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
+                                              dropout=drop)[2]
     elif want_max:
         out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                                lse_dtype=_lse_dtype(query.dtype))
-    elif want_lse and backend == "TORCH" and query.dtype == torch.float64:  # a float64 lse, as torch's
+                                                lse_dtype=_lse_dtype(query.dtype), dropout=drop)
+    elif drop is not None or (want_lse and backend == "TORCH" and query.dtype == torch.float64):
+        # (a float64 lse for float64 inputs, as torch's)
         out, lse, _ = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                       need_max=False, lse_dtype=torch.float64)
+                                       need_max=False, lse_dtype=_lse_dtype(query.dtype), dropout=drop)
     else:
         out, lse = BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options, want_lse)
     out = _laid_out_like(out, query)

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..dropout import Dropout, keep_scale
 from ..evaluate import evaluate
 from ..trace import TracedMod
 from . import decode_cpu, fused_cpu, workers
@@ -79,14 +80,15 @@ def _groups(B: int, Bkv: int, Hq: int, Hkv: int, Bm: int, Hm: int) -> list[_Grou
     return out
 
 
-def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, score_mod, mask_mod):
+def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, score_mod, mask_mod,
+           dropout: Dropout | None = None):
     """Every (group, mods, row) to compute, their estimated costs, how many workers to use, and the groups."""
     B, Hq, L, _ = query.shape
     Bkv, _, S, Ev = value.shape
     tasks, costs, groups = [], [], []
     for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev):
         groups.append(g)
-        mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device)
+        mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device, dropout)
         heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
         for row in rows:
             tasks.append((g, mods, row))
@@ -144,8 +146,9 @@ class _Mods:
     """Evaluates the traced mods for one group on index tensors of exactly the visited positions."""
 
     def __init__(self, score_mod: TracedMod | None, mask_mod: TracedMod | None, g: _Group,
-                 B: int, Hq: int, L: int, S: int, device: torch.device):
+                 B: int, Hq: int, L: int, S: int, device: torch.device, dropout: Dropout | None = None):
         self.score_mod = score_mod
+        self.dropout, self.Hq = dropout, Hq
         self.mask_mod = None if _is_true(mask_mod) else mask_mod
         self.score_reads = _inputs_read(score_mod) if score_mod is not None else frozenset()
         self.bias_node, self.bias_sign = _score_bias(score_mod)
@@ -171,6 +174,11 @@ class _Mods:
     def bias(self, q0: int, q1: int, kv: torch.Tensor) -> torch.Tensor:
         """``X`` of a ``score +/- X`` score_mod at these positions (broadcastable to the scores)."""
         return evaluate(self.bias_node, buffers=self.score_mod.buffers, **self._index(self.bias_reads, q0, q1, kv))
+
+    def kept(self, q0: int, q1: int, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dropout's ``1 / (1 - p)`` or 0 per pair of these rows and keys (:mod:`flexc.dropout`)."""
+        return keep_scale(self.dropout, self.Hq, self.b, self.h, self.q_pos[q0:q1].view(1, 1, -1, 1),
+                          kv.view(1, 1, 1, -1), dtype)
 
     def blocked(self, chunk: Chunk, q0: int, q1: int, kv: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
         """``(offset, length, not_allowed)`` for the chunk's partial columns; empty when none need masking."""
@@ -210,24 +218,25 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
                   scale: float, kernel_options: dict | None = None, need_lse: bool = True,
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention forward: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``."""
     out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False,
-                                   need_lse=need_lse)
+                                   need_lse=need_lse, dropout=dropout)
     return out, (lse if need_lse else None)
 
 
 def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True,
-                     lse_dtype=torch.float32, need_lse=True):
+                     lse_dtype=torch.float32, need_lse=True, dropout: Dropout | None = None):
     """:func:`torch_forward` that also returns the row maxima of the masked, modded scores (or None).
 
     ``lse_dtype`` lets the backward keep a float64 logsumexp for float64 inputs; ``need_lse=False``
-    (the caller discards it) lets the decode path skip the logsumexp's fix-ups.
+    (the caller discards it) lets the decode path skip the logsumexp's fix-ups. With ``dropout``
+    every call takes the row loop (the fused and decode paths cannot drop single pairs).
     """
-    if decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
+    if dropout is None and decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
         return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype,
                                   need_lse)
-    if (block_mask is None and score_mod is None and query.numel() and key.shape[2]
+    if (dropout is None and block_mask is None and score_mod is None and query.numel() and key.shape[2]
             and fused_cpu.supported(query, value, None, need_max)):  # plain attention: torch's fused kernel
         out, lse = decode_cpu.flash(query, key, value, [], scale)
         return out, lse.to(lse_dtype), None
@@ -239,13 +248,13 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
     if B * Hq * L == 0:
         return out, lse, row_max
-    tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+    tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     _zero_rows_without_blocks(out, groups, tasks, L)
     # Masked pairs must contribute exactly 0 whatever q/k/v hold; the fast paths (an additive -inf
     # mask, torch's fused kernel) turn NaN or inf there into NaN, so they need finite inputs.
     masked = bool(tasks) and tasks[0][1].mask_mod is not None
     finite = not masked or all_finite(query, key, value)
-    fused = bool(tasks) and finite and fused_cpu.supported(query, value, tasks[0][1], need_max)
+    fused = bool(tasks) and finite and dropout is None and fused_cpu.supported(query, value, tasks[0][1], need_max)
     if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
         query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
         n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
@@ -351,6 +360,8 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
         s4.sub_(m_safe).exp2_()
         p_sum = s4.sum(-1, keepdim=True)
+        if mods.dropout is not None:  # the denominator keeps every pair; the values see the kept ones
+            s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
         if m is None:
             l = p_sum
         else:
@@ -379,7 +390,7 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
 
 def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: TracedMod | None,
                    mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                   grad_slots: Sequence[int] = ()):
+                   grad_slots: Sequence[int] = (), dropout: Dropout | None = None):
     """Gradients ``(dq, dk, dv, buffer_grads)`` of block-sparse attention, recomputed per query row.
 
     ``grad_slots`` are the score_mod buffer slots that need gradients; ``buffer_grads`` follows
@@ -414,7 +425,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     if not own_delta:
         delta = delta + (grad_out.to(work) * out.to(work)).sum(-1, keepdim=True)
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
-    tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod)
+    tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
     sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
@@ -475,7 +486,11 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
     dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
     if not finite:
         _fill(dp, blocked, 0.0)
-    return kc, s4, post, p, dp, blocked
+    kept = None
+    if mods.dropout is not None:  # d out / d p through the kept pairs only (the forward's mask, regenerated)
+        kept = mods.kept(q0, q1, kv, dp.dtype)
+        dp.mul_(kept)
+    return kc, s4, post, p, dp, blocked, kept
 
 
 def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
@@ -505,9 +520,9 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
         kept[i] = piece if keep else None
         budget -= Bg * Hqg * r * chunk.n_cols if keep else 0
     for chunk, piece in zip(row.chunks, kept):
-        kc, s4, post, p, dp, blocked = piece or _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=True,
-                                                             finite=finite)
-        p_g = p.view(Bg, Hkvg, Gr, -1)
+        kc, s4, post, p, dp, blocked, kept = piece or _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=True,
+                                                                   finite=finite)
+        p_g = (p if kept is None else p * kept).view(Bg, Hkvg, Gr, -1)
         dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
         ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
         if post is not None:

@@ -670,7 +670,8 @@ KERNEL_SEPARATOR = "# ======== kernel {index}/{count}: {name} ========"
 def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
                   block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
                   return_lse: bool = False, kernel_options: dict | None = None, *, return_aux: Any = None,
-                  sinks: torch.Tensor | None = None, backward: bool = False) -> str:
+                  sinks: torch.Tensor | None = None, dropout_p: float = 0.0, generator: Any = None,
+                  backward: bool = False) -> str:
     """The exact Triton source of the kernels :func:`flexc.flex_attention` launches for these arguments.
 
     Takes ``flex_attention``'s arguments, and decides as it does: the backend from
@@ -688,7 +689,8 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
       require grad now; captured tensors that require grad receive gradients).
 
     With ``sinks`` the call runs the kernels of the call without them that returns the logsumexp
-    (the sinks are merged in torch, :mod:`flexc.sinks`): those are returned.
+    (the sinks are merged in torch, :mod:`flexc.sinks`): those are returned. With ``dropout_p > 0``
+    the call runs the TORCH backend (the kernels do not drop yet), which the text says.
 
     When the call runs no generated kernel (the TORCH backend, the default on CPU tensors; a backward
     of a score_mod the generated backward cannot differentiate, which trains through the torch
@@ -704,8 +706,10 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         return_lse = False
     _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                          enable_gqa, kernel_options, outputs=(return_lse, return_aux))
+    from .. import dropout
+
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
-                     training=True if backward else None)
+                     training=True if backward else None, dropout_p=dropout.check(dropout_p, generator))
     if plan.backend != "TRITON":
         return _runs_instead(plan.backend, query.device, backward)
     if backward:
