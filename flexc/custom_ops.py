@@ -168,11 +168,13 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     score, mask = precise_math_for(options, score, mask)
     # flex_attention's own rule for when the generated backward applies (imported at run time:
     # flexc.attention imports this module)
-    from .attention import _generated_backward_applies
+    from .attention import _generated_backward_applies, warn_fallback
     if options["BACKEND"] == "TRITON" and _generated_backward_applies(score):  # the generated kernels
         dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, lse, grad_out, grad_lse, score,
                                                           mask, block_mask, scale, tuple(grad_slots), options)
     else:
+        if options["BACKEND"] == "TRITON":  # says so, once per score_mod, as eager calls do
+            warn_fallback(score, "TRITON")
         with _autograd_enabled():  # carries dS through the score_mod
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
                                                    block_mask, scale, tuple(grad_slots))

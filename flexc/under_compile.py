@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 import weakref
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple, Sequence
@@ -398,7 +399,7 @@ def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict, function
         # a Function the mod calls: replayed as one Function node (its outputs as a tuple, as recorded)
         fn_class = functions.get(node) if functions is not None else None
         if fn_class is None:
-            fn_class = _graph_function(args[0], args[1], node.name)
+            fn_class = _graph_function(args[0], args[1], _function_name(node))
             if functions is not None:
                 functions[node] = fn_class
         return (fn_class.apply(*args[2:]),)
@@ -429,6 +430,16 @@ def _run_graph(gm: torch.fx.GraphModule, args: Sequence) -> Any:
 
 
 _GRAD_MODE_SWITCHES = (torch._C._set_grad_enabled,)
+
+
+def _function_name(node: torch.fx.Node) -> str:
+    """The recorded Function's class name as the mod's source line calls it (``Clamp.apply(...)``),
+    for messages and kernel headers; the node's name when the line does not say."""
+    # the trace's last source line (a line of carets may follow it)
+    lines = [line for line in node.meta.get("stack_trace", "").splitlines() if line.strip().strip("^~")]
+    source = lines[-1] if lines and not lines[-1].lstrip().startswith("File ") else ""
+    names = set(re.findall(r"([A-Za-z_]\w*)\.apply\(", source))
+    return names.pop() if len(names) == 1 else node.name
 
 
 def _graph_function(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, name: str) -> type:

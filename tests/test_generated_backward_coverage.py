@@ -295,3 +295,20 @@ def test_the_torch_backend_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", flexc.FallbackWarning)
         flexc.flex_attention(q, k, v, score_mod=mod, kernel_options={"BACKEND": "TORCH"}).sum().backward()
+
+
+def test_a_compiled_call_that_falls_back_warns_too():
+    def mod(s, b, h, q, kv):
+        return UntracedBackward.apply(s) - s * 0.5
+
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, H, H, 32, 32, 16, seed=13))
+    call = torch.compile(lambda q, k, v: flexc.flex_attention(q, k, v, score_mod=mod,
+                                                              kernel_options={"BACKEND": "TRITON"}),
+                         backend="aot_eager", fullgraph=True)
+    with pytest.warns(flexc.FallbackWarning, match="UntracedBackward"):
+        grads = torch.autograd.grad(call(q, k, v).sum(), (q, k, v))
+    torch._dynamo.reset()
+    eager = flexc.flex_attention(q, k, v, score_mod=mod, kernel_options={"BACKEND": "TRITON"})
+    for g, e in zip(grads, torch.autograd.grad(eager.sum(), (q, k, v))):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
