@@ -36,7 +36,6 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
-from torch._dynamo.comptime import comptime
 from torch._functorch.autograd_function import autograd_function_apply
 from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 
@@ -103,6 +102,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                 score_out = score
         mask_out = mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else q_idx >= 0
         return (*_output_meta(query, value, need_max, need_lse), score_out, mask_out)
+
+    from torch._dynamo.comptime import comptime  # (here, not at import: dynamo imports sympy)
 
     comptime(_enter_lookups_as_index)
     out, lse, row_max, _, _ = dynamo_bypassing_wrapper(functools.partial(_wrapper, spec), inner,
@@ -477,6 +478,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
         return (*_tables_meta(sizes, device), mask_mod(b, h, q_idx, kv_idx))
 
     spec = (_name(mask_mod, "mask_mod"), sizes, device)
+    from torch._dynamo.comptime import comptime  # (here, not at import: dynamo imports sympy)
+
     comptime(_enter_lookups_as_index)
     num, indices, full_num, full_indices, _ = dynamo_bypassing_wrapper(
         functools.partial(_mask_wrapper, spec), inner, b0, h0, q0, kv0)
