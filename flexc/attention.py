@@ -17,6 +17,7 @@ from . import bounds, dropout, under_compile, validate
 from . import device as gpu
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .codegen.printer import precise_math_for
+from .empty_entries import without_empty_entries
 from .layout import laid_out_like as _laid_out_like
 from .sinks import check_sinks, with_sinks
 from .trace import SCORE_MOD, MASK_MOD, TracedMod, trace
@@ -342,6 +343,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
+    block_mask = without_empty_entries(block_mask)  # negative entries in the counts: blocks never visited
     key, value = _in_dtype_of(query, key), _in_dtype_of(query, value)
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
                      dropout_p=dropout_p)

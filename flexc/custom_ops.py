@@ -21,6 +21,7 @@ from . import bounds, validate
 from .backends.torch_cpu import forward_with_max, torch_backward, torch_forward
 from .block_mask import DERIVED, BlockMask, create_block_mask
 from .codegen.printer import precise_math_for
+from .empty_entries import without_empty_entries
 from .layout import empty_like_reference, laid_out_like
 from .mod_key import traced_from_key
 
@@ -120,6 +121,7 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
     if block_mask is not None:  # the value checks eager flex_attention makes (dynamo cannot read values)
         validate.check_block_tables(block_mask, query.shape[2], key.shape[2])
+        block_mask = without_empty_entries(block_mask)  # (negative entries in the counts: empty blocks)
     for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
         bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
     options = _options(kernel_options)
@@ -163,7 +165,7 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
                                grad_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
-    block_mask = _block_mask(tables, block_size, seq_lengths, mask)
+    block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask))
     options = _options(kernel_options)
     score, mask = precise_math_for(options, score, mask)
     # flex_attention's own rule for when the generated backward applies (imported at run time:

@@ -175,8 +175,9 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
 
     Checked: table shapes agree (``num_blocks [B, H, nQ]`` against ``indices [B, H, nQ, nKV]``, the
     full tables like the partial ones), integer dtypes, a row for every query block of ``L``, counts in
-    ``[0, nKV]``, valid entries in ``[0, nKV)``, and no key block listed twice in a row (partial and
-    full tables together). A few reductions over the tables (one entry per block); tables unchanged
+    ``[0, nKV]``, entries inside the counts below ``nKV`` (a negative one is an empty block, never
+    visited, as torch's PagedAttention writes for unreserved pages: :mod:`flexc.empty_entries`), and
+    no key block listed twice in a row (partial and full tables together). A few reductions over the tables (one entry per block); tables unchanged
     since they were last found valid are not checked again, nor are small tables (a decoding
     step's sliced mask) with the contents of tables found valid before.
     """
@@ -292,7 +293,7 @@ def _bad_count(prefix: str, at: tuple, value: int, n_kv: int) -> ValueError:
 
 def _bad_index(prefix: str, at: tuple, value: int, n_kv: int) -> ValueError:
     return ValueError(f"flex_attention: `block_mask.{prefix}_indices`{list(at)} is {value}; expected a key-block "
-                      f"index in [0, {n_kv}). {_REBUILD}")
+                      f"index in [0, {n_kv}) (or a negative one: an empty block). {_REBUILD}")
 
 
 def _listed_twice(at: tuple, col: int) -> ValueError:
@@ -301,7 +302,8 @@ def _listed_twice(at: tuple, col: int) -> ValueError:
 
 
 def _check_entries(tables: list, n_kv: int) -> None:
-    """Counts in range, listed entries in range, no block listed twice in a row: reductions over the tables."""
+    """Counts in range, listed entries below nKV (negative ones are empty blocks), no block listed twice
+    in a row: reductions over the tables."""
     num, idx = tables[0], tables[1]
     if is_gpu(idx.device):
         _assert_entries_on_device(tables, n_kv)
@@ -317,11 +319,11 @@ def _check_entries(tables: list, n_kv: int) -> None:
             raise _bad_count(prefix, at, int(count[at]), n_kv)
         if n_kv == 0:
             continue
-        valid = columns < count.unsqueeze(-1)  # entries past the count are unused (torch leaves them undefined)
+        # entries past the count are unused (torch leaves them undefined); negative ones inside it are empty
+        valid = (columns < count.unsqueeze(-1)) & (index >= 0)
         listed = torch.where(valid, index, 0)
-        low, high = torch.aminmax(listed)
-        if int(low) < 0 or int(high) >= n_kv:
-            at = tuple((valid & ((index < 0) | (index >= n_kv))).nonzero()[0].tolist())
+        if int(listed.max()) >= n_kv:
+            at = tuple((valid & (index >= n_kv)).nonzero()[0].tolist())
             raise _bad_index(prefix, at, int(index[at]), n_kv)
         # count each listed block once per row; unused entries land in the spare last column
         used.scatter_add_(-1, listed.masked_fill_(~valid, n_kv).long(), valid.to(torch.int32))
@@ -343,13 +345,13 @@ def _assert_entries_on_device(tables: list, n_kv: int) -> None:
         if count is None or count.numel() == 0:
             continue
         bad = bad | ((count < 0) | (count > n_kv)).any()
-        valid = columns < count.unsqueeze(-1)
-        bad = bad | (valid & ((index < 0) | (index >= n_kv))).any()
+        valid = (columns < count.unsqueeze(-1)) & (index >= 0)  # (negative entries: empty blocks)
+        bad = bad | (valid & (index >= n_kv)).any()
         listed = torch.where(valid, index, n_kv).clamp(0, n_kv)
         used.scatter_add_(-1, listed.long(), valid.to(torch.int32))
     bad = bad | (used[..., :n_kv] > 1).any()
     torch._assert_async(~bad, "flex_attention: `block_mask` has a count outside [0, nKV], an index outside "
-                        f"[0, nKV) or a key block listed twice in a row. {_REBUILD}")
+                        f"[0, nKV) (or negative) or a key block listed twice in a row. {_REBUILD}")
 
 
 def _check_entries_in_python(contents: TableContents) -> None:
@@ -366,9 +368,9 @@ def _check_entries_in_python(contents: TableContents) -> None:
                 raise _bad_count(prefix, at, c, n_kv)
             row = entries[r * n_kv: r * n_kv + c]
             for col, block in enumerate(row):
-                if not 0 <= block < n_kv:
+                if block >= n_kv:
                     raise _bad_index(prefix, (*at, col), block, n_kv)
-            listed_by_row[r] += row
+            listed_by_row[r] += [block for block in row if block >= 0] if min(row, default=0) < 0 else row
     for r, listed in enumerate(listed_by_row):
         if len(set(listed)) != len(listed):
             twice = min(b for b in listed if listed.count(b) > 1)

@@ -234,7 +234,7 @@ def causal_block_mask(L=128, S=128):
 
 
 TAMPERED = {
-    "negative index": (lambda bm: bm.kv_indices.__setitem__((0, 0, 1, 0), -1), r"kv_indices`\[0, 0, 1, 0\] is -1"),
+    # (a negative index inside the count is an empty block, accepted: tests/test_block_mask_paged.py)
     "index past the columns": (lambda bm: bm.kv_indices.__setitem__((0, 0, 1, 0), 4), r"is 4; expected a key-block"),
     "count wider than the table": (lambda bm: bm.full_kv_num_blocks.__setitem__((0, 0, 3), 9),
                                    r"full_kv_num_blocks`\[0, 0, 3\] is 9; expected a count in \[0, 4\]"),
