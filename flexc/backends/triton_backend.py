@@ -714,11 +714,11 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         return _runs_instead(plan.backend, query.device, backward)
     if backward:
         if plan.generated is None:
-            from ..attention import TRAINING
+            from ..attention import TRAINING, generated_backward_fallback
 
-            why = ("the generated backward cannot differentiate its\n# score_mod "
-                   "(flexc.attention._generated_backward_applies)" if "TRITON" in TRAINING
-                   else "no generated backward is registered\n# for the TRITON backend")
+            reason = (generated_backward_fallback(traced_score) or "").replace("\n", " ")
+            why = (f"the generated backward cannot differentiate its\n# score_mod ({reason})"
+                   if "TRITON" in TRAINING else "no generated backward is registered\n# for the TRITON backend")
             return (f"# flexc: this call's backward runs no generated kernel: {why}, so training runs the torch "
                     f"backward\n# (flexc.backends.torch_cpu.torch_backward, per query row on {query.device}) "
                     f"after the generated forward.\n")
