@@ -22,6 +22,9 @@ from .versions import table_states
 # id(kv_indices) -> (a weak reference to it, the tables' states, the compacted mask (None: the mask itself))
 _compacted: dict[int, tuple] = {}
 _MAX_REMEMBERED = 64
+# id(kv_indices) -> (a weak reference to it, the tables' states, whether they hold no empty entry):
+# the tables masks are sliced from (see _free_of_empty)
+_clean_parents: dict[int, tuple] = {}
 # the lists of the one-row slice found free of negative entries last (a decoding loop's next step
 # slices the same row while it stays in one query-block row)
 _last_rows: list = [None]
@@ -30,7 +33,8 @@ _last_rows: list = [None]
 def without_empty_entries(block_mask: Any) -> Any:
     """``block_mask``, or a flexc BlockMask with the same mask_mod, block size and lengths whose kv
     tables hold no negative entry inside a row's count (each such entry dropped, the count reduced).
-    On a GPU the tables are always compacted (whether any entry is negative is not read back)."""
+    On a GPU new tables are compacted without reading whether any entry is negative, except a slice
+    of tables found free of them (read once per parent)."""
     if block_mask is None:
         return None
     rows = getattr(block_mask, "lazy_rows", None)
@@ -43,6 +47,9 @@ def without_empty_entries(block_mask: Any) -> Any:
     if not all(t is None or isinstance(t, torch.Tensor) for t in tables) or tables[1].dim() < 1:
         return block_mask
     state = table_states(tables)
+    provenance = getattr(block_mask, "sliced_from", None)
+    if provenance is not None and provenance[2] == state and _free_of_empty(*provenance[:2]):
+        return block_mask  # unedited rows of tables with no empty entry (a decoding step's slice)
     seen = _compacted.get(id(tables[1]))
     if seen is not None and seen[0]() is tables[1] and seen[1] == state:
         rebuilt = seen[2]
@@ -61,11 +68,27 @@ def without_empty_entries(block_mask: Any) -> Any:
     return block_mask if rebuilt is None else rebuilt
 
 
-def compact_tables(tables: tuple) -> tuple | None:
+def _free_of_empty(parent: tuple, parent_state: tuple) -> bool:
+    """Whether the tables a slice was taken from hold no negative entry inside a count, read once per
+    tables' state (a decoding loop slices one parent every step; on a GPU this one read is the sync
+    that spares every step's slice the compaction ops)."""
+    if not all(t is None or isinstance(t, torch.Tensor) for t in parent) or table_states(parent) != parent_state:
+        return False
+    seen = _clean_parents.get(id(parent[1]))
+    if seen is None or seen[0]() is not parent[1] or seen[1] != parent_state:
+        seen = (weakref.ref(parent[1]), parent_state, compact_tables(parent, read=True) is None)
+        if len(_clean_parents) >= _MAX_REMEMBERED:
+            _clean_parents.clear()
+        _clean_parents[id(parent[1])] = seen
+    return seen[2]
+
+
+def compact_tables(tables: tuple, read: bool | None = None) -> tuple | None:
     """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` with negative entries
     inside the counts dropped (a row's other entries keep their order, entries past the new count
-    are 0), or None on the CPU when there are none. Device ops only on a GPU."""
-    gpu = is_gpu(tables[1].device)
+    are 0), or None when ``read`` (default: on the CPU) finds none. Without ``read`` (a GPU) the
+    tables are compacted with device ops only."""
+    gpu = not read if read is not None else is_gpu(tables[1].device)
     out = list(tables)
     changed = False
     for slot in (0, 2):

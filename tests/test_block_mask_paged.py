@@ -206,3 +206,23 @@ def test_paged_decode_output_follows_the_query_layout(backend):
     assert out.shape == q.shape and out.stride() == q.stride()
     want = torch.nn.attention.flex_attention.flex_attention(q, k_cache, v_cache, block_mask=step)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_decoding_slice_of_clean_tables_is_not_compacted_on_a_gpu():
+    """The slice of tables found free of empty entries (read once per parent) goes to the backends as
+    it is: no compaction ops per decoding step; a slice of tables with one is still compacted."""
+    from flexc import empty_entries
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    with flexc.device.simulate("sm_90"):
+        parent = flexc.create_block_mask(causal, None, None, 256, 256, BLOCK_SIZE=32)
+        for row in (4, 5):
+            sliced = parent[:, :, torch.tensor([row])]
+            assert empty_entries.without_empty_entries(sliced) is sliced
+        indices = parent.kv_indices.clone()
+        indices[0, 0, 5, 0] = -1
+        holed = flexc.BlockMask.from_kv_blocks(parent.kv_num_blocks, indices, parent.full_kv_num_blocks,
+                                               parent.full_kv_indices, BLOCK_SIZE=32, mask_mod=causal)
+        sliced = holed[:, :, torch.tensor([5])]
+        assert empty_entries.without_empty_entries(sliced) is not sliced
