@@ -181,6 +181,13 @@ def launching(device: torch.device) -> Iterator[None]:
             yield
 
 
+def launch(fn, grid: tuple, spec, device: torch.device, args: list, constants: dict) -> None:
+    """Launch the ``@triton.jit`` kernel ``fn`` of ``spec`` on ``grid`` for tensors on ``device``:
+    compiled in the device's CUDA context, or in Triton's interpreter for CPU tensors."""
+    with launching(device):
+        fn[grid](*args, **constants, **launch_options(spec, device))
+
+
 def launch_options(spec, device: torch.device) -> dict:
     """The compiled launch's ``num_warps``/``num_stages`` (a simulated launch passes them too: the
     interpreter ignores them, and the call is the GPU's)."""

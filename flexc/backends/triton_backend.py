@@ -564,8 +564,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
         from triton.runtime.errors import OutOfResources
 
         try:
-            with gpu.launching(device):
-                kernel.fn[grid](*args, **constants, **gpu.launch_options(spec, device))
+            gpu.launch(kernel.fn, grid, spec, device, args, constants)
             return out, lse
         except OutOfResources as e:
             # e.g. a score_mod that loads whole [BLOCK_M, BLOCK_N] tiles of a captured tensor:

@@ -230,8 +230,7 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, g
     args, constants = _backward_args(spec, kernel.generated, query, key, value, grad_out, lse2, delta, dq, dk, dv,
                                      tables, grads, score_mod, mask_mod, scale)
     grid = (cdiv(S, spec.block_n1) + (Hq // Hkv) * cdiv(L, spec.block_m2), Hkv, B)
-    with gpu.launching(device):
-        kernel.fn[grid](*args, **constants, **gpu.launch_options(spec, device))
+    gpu.launch(kernel.fn, grid, spec, device, args, constants)
     if summed:
         dk = dk.sum(0, keepdim=True).to(key.dtype)
         dv = dv.sum(0, keepdim=True).to(value.dtype)

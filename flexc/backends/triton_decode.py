@@ -115,11 +115,10 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.
     rows = Hq // Hkv * L
     kernel = tb.get_kernel(spec, query.device)
     grid = (cdiv(rows, spec.block_rows), Hkv, B)
-    with gpu.launching(query.device):
-        kernel.fn[grid](out_split, lse_split, out, lse, splits, rows, L, Hq // Hkv, Ev, *out_split.stride()[:4],
-                        *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1),
-                        BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad,
-                        **gpu.launch_options(spec, query.device))
+    gpu.launch(kernel.fn, grid, spec, query.device,
+               [out_split, lse_split, out, lse, splits, rows, L, Hq // Hkv, Ev, *out_split.stride()[:4],
+                *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1)],
+               dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad))
     return out, lse
 
 
@@ -184,8 +183,7 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     args, constants, (out_split, lse_split) = _arguments(spec, generated, query, key, value, score_mod, mask_mod,
                                                          block_mask, scale, num_splits)
     grid = (out_split.shape[2], Hkv, B)
-    with gpu.launching(query.device):
-        fn[grid](*args, **constants, **gpu.launch_options(spec, query.device))
+    gpu.launch(fn, grid, spec, query.device, args, constants)
     # lse float64 for float64 inputs
     return merge_splits(out_split, lse_split, query, Hq, L, merge if merge is not None else merge_spec(spec))
 
