@@ -86,7 +86,7 @@ def child(impl: str, name: str, length: int) -> dict:
         result["steady_seconds"] = time.perf_counter() - start
     result["peak_mib"] = (_kib("VmHWM") - before) / 1024
     if impl == "flexc":
-        from flexc.ranges import UNDECIDED, classify_tiles
+        from flexc.analysis.ranges import UNDECIDED, classify_tiles
 
         classes = classify_tiles(flexc.trace(mod), 1, 1, length, length, BLOCK, BLOCK)
         result["decided"] = float((classes != UNDECIDED).float().mean())

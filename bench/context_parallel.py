@@ -22,7 +22,7 @@ import time
 import torch
 
 import flexc
-from flexc import distributed as cp
+from flexc.call import distributed as cp
 
 
 def masks(n: int, window: int, seed: int = 0) -> dict:

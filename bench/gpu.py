@@ -745,7 +745,7 @@ def graph_ms(fn, device: str, row: dict, who: str) -> float:
 def run_decode_cell(flexc, torch_flex, name: str, S: int, D: int, device: str, deadline: float) -> dict:
     """One token at position S-1 of an S-key cache: flexc's step and torch's compiled step, each
     captured in a CUDA graph; flexc's also with 4 warps (the 16-row tile takes 2 by default)."""
-    from flexc.backends import triton_decode
+    from flexc.backends.triton import decode as triton_decode
 
     B, Hq, Hkv = DECODE_BATCH, DECODE_HQ, DECODE_HKV
     g = torch.Generator().manual_seed(3)
@@ -1046,7 +1046,7 @@ def main(argv=None) -> int:
     compiled_flex = torch.compile(torch_flex.flex_attention)
     device = "cuda"
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"flexc kernels cached in {flexc.backends.triton_backend.cache_dir()}")
+          f"flexc kernels cached in {flexc.backends.triton.forward.cache_dir()}")
 
     ok = False
     rows: list = []

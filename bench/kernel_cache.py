@@ -33,8 +33,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["FLEXC_CACHE_DIR"] = tempfile.mkdtemp(prefix="flexc-cache-bench-")
     import flexc
-    from flexc.backends import triton_backend as tb
-    from flexc.backends import triton_backward as tbw
+    from flexc.backends.triton import forward as tb
+    from flexc.backends.triton import backward as tbw
     from flexc.codegen.scalars import lift_scalars
 
     def build(mod):

@@ -10,7 +10,7 @@
 
 Each kernel is compiled for ``GPUTarget("cuda", 90, 32)`` on the CPU (Triton's front end, LLVM and
 the ptxas bundled with Triton) with its arguments specialised as Triton's launcher specialises a
-real launch (:func:`flexc.backends.triton_backend.compile_like_launcher`), and flexc's mods with
+real launch (:func:`flexc.backends.triton.forward.compile_like_launcher`), and flexc's mods with
 their captured numbers lifted into kernel arguments as a real call lifts them
 (:func:`flexc.codegen.scalars.lift_for_call`): that is what makes the numbers mean something.
 
@@ -70,7 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import flexc  # noqa: E402
-from flexc.backends import triton_backend  # noqa: E402
+from flexc.backends.triton import forward as triton_backend  # noqa: E402
 from flexc.codegen.scalars import lift_for_call  # noqa: E402
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default (and Inductor's), stated
@@ -398,7 +398,7 @@ def compile_flexc(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=
 
 
 def compile_flexc_backward(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=None):
-    from flexc.backends import triton_backward
+    from flexc.backends.triton import backward as triton_backward
 
     score, mask = _lifted(dtype, score_mod, mask_mod)
     block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
@@ -414,7 +414,7 @@ def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_val
     """The split-KV decode kernel for one query row per head against an L-key cache, as a CUDA
     launch compiles it (``guard_values``: the CPU-only NaN/inf value guard compiled in;
     ``num_warps``: the launcher's choice unless given)."""
-    from flexc.backends import triton_decode
+    from flexc.backends.triton import decode as triton_decode
 
     q = torch.empty((BATCH, DECODE_HEADS, 1, head_dim), dtype=dtype)
     k = torch.empty((BATCH, DECODE_KV_HEADS, L, head_dim), dtype=dtype)

@@ -11,7 +11,7 @@ import math
 import torch
 
 import flexc
-from flexc import dropout
+from flexc.backends import dropout
 
 B, H, L, D, P = 2, 4, 96, 32, 0.1
 lengths = torch.tensor([96, 61])  # the second sequence is padded after 61 tokens

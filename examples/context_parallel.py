@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flexc
-from flexc import distributed as cp
+from flexc.call import distributed as cp
 
 
 def problem(n: int):

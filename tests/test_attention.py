@@ -191,7 +191,7 @@ def test_random_shapes_and_windows_match_float64_reference(b, hkv, group, q_len,
 
 def test_long_causal_row_is_split_into_chunks_and_still_exact(monkeypatch):
     """Force tiny chunks so rows need the online-softmax merge across many chunks."""
-    import flexc.backends.torch_cpu as backend
+    import flexc.backends.cpu.torch_cpu as backend
 
     monkeypatch.setattr(backend, "CHUNK_ELEMENTS", 64)
     q, k, v = _qkv(seed=10)

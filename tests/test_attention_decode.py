@@ -6,7 +6,7 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
-from flexc.backends import decode_cpu
+from flexc.backends.cpu import decode_cpu
 from catalogue import mask_catalogue, score_catalogue
 from reference import dense_attention, random_qkv
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends import fused_cpu
+from flexc.backends.cpu import fused_cpu
 from reference import dense_attention
 
 B, H, L, S, E = 2, 4, 300, 260, 16  # ragged: neither length a multiple of the blocks

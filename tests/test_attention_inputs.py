@@ -251,7 +251,7 @@ TAMPERED = {
 def test_tampered_block_masks_are_rejected_before_any_launch(backend, name, checked_as, monkeypatch):
     # small tables are checked as Python lists, large ones by tensor reductions: the same verdicts
     if checked_as == "tensor reductions":
-        monkeypatch.setattr(flexc.validate, "_SMALL_TABLE", 0)
+        monkeypatch.setattr(flexc.call.validate, "_SMALL_TABLE", 0)
     q, k, v = random_qkv(1, 1, 1, 128, 128, 16)
     block_mask = causal_block_mask()
     # valid first; then the edit is caught although the unchanged mask was already checked once
@@ -341,7 +341,7 @@ def test_captured_tensor_on_another_device_is_named():
 
 def test_triton_compiles_the_masked_value_guard_only_for_cpu_calls_with_non_finite_values():
     # The guard costs spills on sm_90, so it is a compile-time switch decided per call.
-    from flexc.backends import triton_backend
+    from flexc.backends.triton import forward as triton_backend
 
     spec = triton_backend.make_spec(None, flexc.trace(lambda b, h, q, kv: q >= kv, kind="mask_mod"),
                                     torch.float32, 16, 16, (64, 64), None, "interpreter", need_lse=False)

@@ -180,8 +180,8 @@ def test_validation_happens_before_tracing_or_work():
 
 
 def test_backend_dispatch_uses_the_registered_forward_and_trains_through_the_torch_backward(monkeypatch):
-    from flexc import attention
-    from flexc.backends.torch_cpu import torch_forward
+    from flexc.call import attention
+    from flexc.backends.cpu.torch_cpu import torch_forward
 
     calls = []
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexc
-from flexc import tiles
+from flexc.analysis import tiles
 from reference import dense_attention
 
 

@@ -53,10 +53,10 @@ def test_combinators_trace_to_the_combined_expression():
     causal, document, window = mods["causal"], mods["document"], mods["bidirectional_window_9"]
     root = lambda mod: flexc.trace(mod).root
     # hash-consed nodes: the combination is the very node built from the parts' graphs
-    assert root(flexc.and_masks(causal, window)) is flexc.ir.binary("and", root(causal), root(window))
-    assert root(flexc.or_masks(causal, document, window)) is flexc.ir.binary(
-        "or", flexc.ir.binary("or", root(causal), root(document)), root(window))
-    assert root(flexc.not_mask(document)) is flexc.ir.unary("not", root(document))
+    assert root(flexc.and_masks(causal, window)) is flexc.mods.ir.binary("and", root(causal), root(window))
+    assert root(flexc.or_masks(causal, document, window)) is flexc.mods.ir.binary(
+        "or", flexc.mods.ir.binary("or", root(causal), root(document)), root(window))
+    assert root(flexc.not_mask(document)) is flexc.mods.ir.unary("not", root(document))
     nested = flexc.and_masks(flexc.or_masks(causal, document), flexc.not_mask(window))
     assert flexc.trace(nested).buffers == flexc.trace(document).buffers  # captured tensors are seen through
 

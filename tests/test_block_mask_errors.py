@@ -77,7 +77,7 @@ def test_create_mask_rejects_bad_input():
 
 
 def test_block_mask_constructors_reject_inconsistent_tables():
-    num, idx = flexc.tiles.dense_to_ordered(torch.ones(1, 1, 2, 3))
+    num, idx = flexc.analysis.tiles.dense_to_ordered(torch.ones(1, 1, 2, 3))
     with pytest.raises(ValueError, match="full_kv_num_blocks and full_kv_indices must be given together"):
         flexc.BlockMask.from_kv_blocks(num, idx, full_kv_num_blocks=num)
     with pytest.raises(ValueError, match=r"kv_num_blocks has shape \[1, 1, 3\] but kv_indices \[1, 1, 2, 3\]"):

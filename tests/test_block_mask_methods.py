@@ -147,8 +147,8 @@ def test_from_kv_blocks_derives_the_same_q_tables_as_torch():
     g = torch.Generator().manual_seed(0)
     occupancy = torch.rand(2, 3, 5, 7, generator=g) < 0.4
     full = (torch.rand(2, 3, 5, 7, generator=g) < 0.3) & ~occupancy
-    num, idx = flexc.tiles.dense_to_ordered(occupancy)
-    fnum, fidx = flexc.tiles.dense_to_ordered(full)
+    num, idx = flexc.analysis.tiles.dense_to_ordered(occupancy)
+    fnum, fidx = flexc.analysis.tiles.dense_to_ordered(full)
     for kwargs in ({}, {"BLOCK_SIZE": (32, 16), "seq_lengths": (150, 100)}):
         ours = flexc.BlockMask.from_kv_blocks(num, idx, fnum, fidx, **kwargs)
         ref = tfa.BlockMask.from_kv_blocks(num, idx, fnum, fidx, **kwargs)
@@ -189,7 +189,7 @@ def test_from_torch_and_to_torch_round_trip_bit_exactly():
         for x, y in zip(back.as_tuple(), ref.as_tuple()):
             assert torch.equal(x, y) if isinstance(y, torch.Tensor) else x == y
         assert back.mask_mod is mods[name]
-    assert flexc.BlockMask.from_torch(tfa.BlockMask.from_kv_blocks(*flexc.tiles.dense_to_ordered(
+    assert flexc.BlockMask.from_torch(tfa.BlockMask.from_kv_blocks(*flexc.analysis.tiles.dense_to_ordered(
         torch.ones(1, 1, 2, 2)))).mask_mod is flexc.noop_mask
     sliced = flexc.create_block_mask(causal, 2, 1, 256, 256, device="cpu")[0]
     assert sliced.to_torch().mask_mod is tfa._sliced_mask_mod_error
@@ -206,7 +206,7 @@ def test_torch_flex_attention_gives_the_same_output_with_a_converted_mask():
 
 
 def test_default_device_follows_the_captured_tensors_else_cpu_here():
-    from flexc.block_mask import _resolve_device
+    from flexc.masks.block_mask import _resolve_device
 
     on_meta = torch.zeros(8, device="meta")
     traced = flexc.trace(lambda b, h, q_idx, kv_idx: on_meta[q_idx] > 0)

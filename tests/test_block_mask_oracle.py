@@ -81,8 +81,8 @@ def test_tile_classes_are_sound_against_element_evaluation(shape_name):
         bm = flexc.create_block_mask(mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=block)
         dense = _reference_dense(mod, _size(B), _size(H), Q_LEN, KV_LEN)
         allowed, inside = _tile_counts(dense, q_block, kv_block)
-        full = flexc.tiles.ordered_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, bm.full_kv_indices.shape[-1])
-        partial = flexc.tiles.ordered_to_dense(bm.kv_num_blocks, bm.kv_indices, bm.kv_indices.shape[-1])
+        full = flexc.analysis.tiles.ordered_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, bm.full_kv_indices.shape[-1])
+        partial = flexc.analysis.tiles.ordered_to_dense(bm.kv_num_blocks, bm.kv_indices, bm.kv_indices.shape[-1])
         assert not (full & partial).any(), name
         whole_tile = q_block * kv_block
         # FULL: every element allowed, tile wholly in range. EMPTY: nothing allowed. Else PARTIAL.
@@ -129,8 +129,8 @@ def test_create_mask_equals_torch_for_mask_mods_and_score_mods():
 def test_create_mask_in_small_chunks_equals_one_chunk():
     mods = mask_catalogue(2, 2, 50, 61)
     traced = flexc.trace(mods["document_logical_causal"])
-    whole = flexc.tiles.dense_mask(traced, 2, 2, 50, 61, "cpu")
-    chunked = flexc.tiles.dense_mask(traced, 2, 2, 50, 61, "cpu", max_elements=100)
+    whole = flexc.analysis.tiles.dense_mask(traced, 2, 2, 50, 61, "cpu")
+    chunked = flexc.analysis.tiles.dense_mask(traced, 2, 2, 50, 61, "cpu", max_elements=100)
     assert torch.equal(whole, chunked)
     assert torch.equal(whole, _reference_dense(mods["document_logical_causal"], 2, 2, 50, 61))
 
@@ -140,10 +140,10 @@ def test_tile_batches_of_any_size_give_the_same_classes():
     mod = mods["per_head_window"]
     traced = flexc.trace(mod)
     coords = torch.ones(1, 2, 5, 4, dtype=torch.bool).nonzero()
-    one_batch = flexc.tiles.evaluate_tiles(traced, coords, 300, 200, 64, 64)
-    tiny_batches = flexc.tiles.evaluate_tiles(traced, coords, 300, 200, 64, 64, max_elements=64 * 64)
+    one_batch = flexc.analysis.tiles.evaluate_tiles(traced, coords, 300, 200, 64, 64)
+    tiny_batches = flexc.analysis.tiles.evaluate_tiles(traced, coords, 300, 200, 64, 64, max_elements=64 * 64)
     assert torch.equal(one_batch, tiny_batches)
     ref = tfa.create_block_mask(mod, 1, 2, 300, 200, device="cpu", BLOCK_SIZE=64)
-    full = flexc.tiles.ordered_to_dense(ref.full_kv_num_blocks, ref.full_kv_indices, 4)
+    full = flexc.analysis.tiles.ordered_to_dense(ref.full_kv_num_blocks, ref.full_kv_indices, 4)
     expected = ref.to_dense() + full  # 0 empty, 1 partial, 2 full
     assert torch.equal(one_batch.view(1, 2, 5, 4).to(torch.int32), expected)

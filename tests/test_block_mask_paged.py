@@ -119,7 +119,7 @@ def test_hand_tables_decode_row(backend):
 @pytest.mark.parametrize("checked_as", ["python lists", "tensor reductions"])
 def test_validation_keeps_its_other_checks(checked_as, monkeypatch):
     if checked_as == "tensor reductions":  # (small tables are checked as Python lists)
-        monkeypatch.setattr(flexc.validate, "_SMALL_TABLE", 0)
+        monkeypatch.setattr(flexc.call.validate, "_SMALL_TABLE", 0)
     num, idx, fnum, fidx = _tables()
     q, k, v = _qkv()
     flexc.flex_attention(q, k, v, block_mask=flexc.BlockMask.from_kv_blocks(
@@ -211,7 +211,7 @@ def test_paged_decode_output_follows_the_query_layout(backend):
 def test_a_decoding_slice_of_clean_tables_is_not_compacted_on_a_gpu():
     """The slice of tables found free of empty entries (read once per parent) goes to the backends as
     it is: no compaction ops per decoding step; a slice of tables with one is still compacted."""
-    from flexc import empty_entries
+    from flexc.masks import empty_entries
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx

@@ -100,7 +100,7 @@ def test_other_indices_keep_the_tensor_path(index):
 def test_table_lists_read_every_layout_in_row_major_order(shape):
     """The content key of small tables (one decoding row read as lists, larger tables through
     numpy) holds their entries in torch's row-major order, whatever the shape."""
-    from flexc.table_lists import table_lists
+    from flexc.masks.table_lists import table_lists
 
     g = torch.Generator().manual_seed(len(shape))
     idx = torch.randint(0, 50, shape, dtype=torch.int32, generator=g)

@@ -9,8 +9,8 @@ from torch.nn.attention import flex_attention as tfa
 
 import flexc
 from catalogue import mask_catalogue
-from flexc import block_mask as bm_module
-from flexc.tiles import cdiv, dense_to_ordered, ordered_to_dense
+from flexc.masks import block_mask as bm_module
+from flexc.analysis.tiles import cdiv, dense_to_ordered, ordered_to_dense
 
 GRIDS = ((20, 20), 3, (4, 7), -1, (1, 50), (50, 1), 0)
 LIMITS = (4, 1, 0, -1, 100)

@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
-from flexc import bounds
-from flexc.bounds import IndexRangeError
+from flexc.analysis import bounds
+from flexc.analysis.bounds import IndexRangeError
 from reference import dense_attention, random_qkv
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.cli import main
+from flexc.tools.cli import main
 
 MODS = textwrap.dedent('''
     import torch
@@ -311,11 +311,11 @@ def test_draw_that_cannot_write_its_file_is_an_error(mods_file, tmp_path, capsys
 
 
 def test_a_flexc_bug_is_one_line_and_exit_1_and_the_traceback_is_on_request(mods_file, capsys, monkeypatch):
-    import flexc.cli
+    import flexc.tools.cli
 
     def broken(*args, **kwargs):
         raise KeyError("internal")
-    monkeypatch.setattr(flexc.cli, "_find_mods", broken)
+    monkeypatch.setattr(flexc.tools.cli, "_find_mods", broken)
     monkeypatch.delenv("FLEXC_TRACEBACK", raising=False)
     assert main(["trace", mods_file]) == 1
     err = capsys.readouterr().err

@@ -14,12 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flexc import ir, trace
-from flexc.backends.triton_backend import import_source
+from flexc.mods import ir, trace
+from flexc.backends.triton.forward import import_source
 from flexc.codegen import render_mod
 from flexc.codegen.printer import HELPERS
-from flexc.evaluate import evaluate, index_grid
-from flexc.trace import SCORE_MOD, TracedMod
+from flexc.mods.evaluate import evaluate, index_grid
+from flexc.mods.trace import SCORE_MOD, TracedMod
 
 # log2(0) and friends are part of what is compared (torch gives the same inf/NaN)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -10,8 +10,8 @@ import torch.utils._pytree as pytree
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 
 import flexc
-from flexc import custom_ops
-from flexc.mod_key import mod_key, traced_from_key
+from flexc.torch_compile import custom_ops
+from flexc.mods.mod_key import mod_key, traced_from_key
 from catalogue import mask_catalogue, score_catalogue
 from models import Block
 from reference import dense_attention

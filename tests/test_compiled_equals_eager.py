@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import flexc
-import flexc.attention as attention_module
-import flexc.custom_ops as custom_ops_module
+import flexc.call.attention as attention_module
+import flexc.torch_compile.custom_ops as custom_ops_module
 from catalogue import score_catalogue
 from reference import random_qkv
 from test_dropin_autograd_function import ScaledGrad, StraightThroughClamp

@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
-from flexc.backends import decode_cpu, triton_backend, triton_decode
+from flexc.backends.cpu import decode_cpu
+from flexc.backends.triton import forward as triton_backend, decode as triton_decode
 from catalogue import mask_catalogue, score_catalogue
 from reference import dense_attention
 

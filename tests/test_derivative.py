@@ -1,4 +1,4 @@
-"""flexc.derivative: the IR of d score_mod / d score and d / d gathered element, evaluated on index
+"""flexc.mods.derivative: the IR of d score_mod / d score and d / d gathered element, evaluated on index
 grids in float64, against torch.autograd through a direct (untraced) call of the same score_mod:
 every catalogue score_mod, hand-picked rules at their kinks, and hypothesis over random expressions."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 import flexc
 from catalogue import score_catalogue
-from flexc import ir
-from flexc.derivative import differentiate
-from flexc.evaluate import evaluate
+from flexc.mods import ir
+from flexc.mods.derivative import differentiate
+from flexc.mods.evaluate import evaluate
 from reference import index_tensors
 
 B, H, L, S = 2, 4, 33, 29

@@ -1,4 +1,4 @@
-"""Context parallelism (flexc.distributed) against single-process flexc.flex_attention.
+"""Context parallelism (flexc.call.distributed) against single-process flexc.flex_attention.
 
 Spawned gloo processes each compute the single-process result on the full sequence and the
 distributed one on their shards, and compare outputs, lse and gradients (q, k, v, captured
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flexc
-from flexc import distributed as cp
+from flexc.call import distributed as cp
 from reference import random_qkv
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -45,7 +45,7 @@ def _case(name: str, L: int, block: int):
         def alibi(score, b, h, q, kv):
             return score - slopes[h] * (q - kv)
         return mask, alibi, [slopes]
-    if name == "temperature_softmax_slopes":  # captured tensors the mod transforms whole (flexc.derived)
+    if name == "temperature_softmax_slopes":  # captured tensors the mod transforms whole (flexc.mods.derived)
         log_temp = torch.tensor(0.2, requires_grad=True)
         logits = torch.tensor([0.5, -0.25, 1.0, 0.0], requires_grad=True)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.attention.flex_attention as tfa
 
 import flexc
-from flexc.backends import triton_decode
+from flexc.backends.triton import decode as triton_decode
 from reference import dense_attention, random_qkv
 
 INTERPRET = {"BACKEND": "TRITON"}  # CPU tensors: generated kernels under Triton's interpreter

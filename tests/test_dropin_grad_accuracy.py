@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import flexc
-from flexc.backends import torch_cpu
+from flexc.backends.cpu import torch_cpu
 from reference import random_qkv
 
 B, H, L, D = 2, 2, 256, 64

@@ -117,7 +117,7 @@ GRAD_MODS = {
 }
 
 
-# one TRITON case: its generated backward differentiates these ops through flexc.derivative
+# one TRITON case: its generated backward differentiates these ops through flexc.mods.derivative
 @pytest.mark.parametrize("name,backend", [(name, "TORCH") for name in sorted(GRAD_MODS)] + [("trig", "TRITON")])
 def test_elementwise_score_mod_gradients_match_float64(name, backend):
     mod = GRAD_MODS[name]

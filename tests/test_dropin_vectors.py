@@ -9,8 +9,8 @@ import torch
 import torch.nn.attention.flex_attention as torch_flex
 
 import flexc
-from flexc.ranges import classify_tiles
-from flexc.tiles import UNDECIDED
+from flexc.analysis.ranges import classify_tiles
+from flexc.analysis.tiles import UNDECIDED
 from reference import dense_attention, random_qkv
 
 B, H, L, E, R = 2, 2, 64, 16, 4

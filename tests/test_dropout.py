@@ -1,5 +1,5 @@
 """Attention dropout (flexc's ``dropout_p=``): p = 0 is the call without it; a seed fixes the mask, the
-mask is the counter-based one of flexc.dropout (Philox 4x32-10, checked bit for bit against an
+mask is the counter-based one of flexc.backends.dropout (Philox 4x32-10, checked bit for bit against an
 independent integer implementation), outputs and gradients equal a float64 dense reference that
 uses the same mask, the mean over seeds approaches the undropped output, masked rows stay 0."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flexc
-from flexc import dropout
+from flexc.backends import dropout
 from reference import index_tensors, random_qkv
 
 B, HQ, HKV, L, S, E = 2, 4, 2, 40, 56, 16
@@ -43,7 +43,7 @@ def _mask(b, h, q_idx, kv_idx):  # causal from the end, with dead rows (q % 7 ==
 
 
 def _dense(q, k, v, drop: dropout.Dropout, score_mod=None):
-    """Dropout attention in float64 with flexc.dropout's mask on the whole [B, Hq, L, S] grid."""
+    """Dropout attention in float64 with flexc.backends.dropout's mask on the whole [B, Hq, L, S] grid."""
     G = HQ // HKV
     kk, vv = (t.double().repeat_interleave(G, 1) for t in (k, v))
     s = q.double() @ kk.transpose(-1, -2) / math.sqrt(E)

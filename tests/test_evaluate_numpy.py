@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from catalogue import mask_catalogue
-from flexc.evaluate import evaluate
-from flexc.evaluate_numpy import evaluate_small
-from flexc.trace import MASK_MOD, trace
+from flexc.mods.evaluate import evaluate
+from flexc.mods.evaluate_numpy import evaluate_small
+from flexc.mods.trace import MASK_MOD, trace
 
 
 def _grids(B, H, L, kv_positions):

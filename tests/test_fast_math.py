@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.triton_backend import import_source
+from flexc.backends.triton.forward import import_source
 from flexc.codegen.math_helpers import FAST_SIGMOID_ERROR, FAST_TANH_ERROR, LOG2E, TWO_LOG2E
 from flexc.codegen.printer import HELPERS, PRECISE, keep_precise_math, render_mod
 from flexc.codegen.scalars import lift_scalars
@@ -202,7 +202,7 @@ def test_keep_precise_math_marks_tanh_and_sigmoid_only():
 
 
 def test_fast_math_kernel_option():
-    from flexc.attention import prepare_call
+    from flexc.call.attention import prepare_call
 
     q = torch.randn(1, 2, 64, 16)
     soft_cap = lambda score, b, h, q_idx, kv_idx: 20.0 * torch.tanh(score / 20.0)

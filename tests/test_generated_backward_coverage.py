@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import flexc
-import flexc.attention as attention_module
-from flexc import ir
-from flexc.attention import generated_backward_fallback
-from flexc.derivative import differentiate
-from flexc.lowering import autograd_function
-from flexc.reductions import REDUCE_OPS, axis, reduce
-from flexc.trace import SCORE_MOD, TracedMod
+import flexc.call.attention as attention_module
+from flexc.mods import ir
+from flexc.call.attention import generated_backward_fallback
+from flexc.mods.derivative import differentiate
+from flexc.mods.lowering import autograd_function
+from flexc.mods.reductions import REDUCE_OPS, axis, reduce
+from flexc.mods.trace import SCORE_MOD, TracedMod
 from reference import dense_attention, random_qkv
 from test_derivative import B, H, L, S, _check
 

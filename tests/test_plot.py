@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 
 import flexc  # noqa: E402
 from catalogue import mask_catalogue, score_catalogue  # noqa: E402
-from flexc.plot import COLORS, EMPTY, FULL, LABELS, PARTIAL_ALLOWED, PARTIAL_MASKED, raster  # noqa: E402
+from flexc.tools.plot import COLORS, EMPTY, FULL, LABELS, PARTIAL_ALLOWED, PARTIAL_MASKED, raster  # noqa: E402
 from reference import index_tensors  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,10 +166,10 @@ def test_block_mask_text_view_is_torchs_with_partial_tiles_marked_and_a_legend_u
     ours = str(flexc.create_block_mask(causal, None, None, 512, 384, device="cpu")).splitlines()
     theirs = str(tfa.create_block_mask(causal, None, None, 512, 384, device="cpu")).splitlines()
     # torch's layout line for line, partial tiles drawn ░░ (not ██), and the legend as the line before ")"
-    assert ours[-2] == flexc.block_mask.TEXT_LEGEND and ours[-1] == theirs[-1] == ")"
+    assert ours[-2] == flexc.masks.block_mask.TEXT_LEGEND and ours[-1] == theirs[-1] == ")"
     assert any("░░" in line for line in ours[:-2])
     assert [line.replace("░", "█") for line in ours[:-2]] == theirs[:-1]
-    legend = flexc.block_mask.TEXT_LEGEND
+    legend = flexc.masks.block_mask.TEXT_LEGEND
     assert "\n" not in legend
     for glyph, meaning in (("██", "full (mask_mod skipped)"), ("░░", "partial or mixed (mask_mod runs)"),
                            ("blank", "empty (never visited)")):

@@ -1,4 +1,4 @@
-"""Interval rules of flexc.ranges, one operator at a time: a known box in, the exact bounds out.
+"""Interval rules of flexc.analysis.ranges, one operator at a time: a known box in, the exact bounds out.
 
 The expected bounds are found by brute force: the expression is evaluated at every point of the box
 with flexc.evaluate and the min/max taken. Rules documented as exact must match it; rules that are
@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from flexc import ir
-from flexc.evaluate import evaluate
-from flexc.ranges import classify_tiles, range_over_box
+from flexc.mods import ir
+from flexc.mods.evaluate import evaluate
+from flexc.analysis.ranges import classify_tiles, range_over_box
 import flexc
 
 q, k, b, h = ir.input_("q_idx"), ir.input_("kv_idx"), ir.input_("b"), ir.input_("h")

@@ -1,9 +1,9 @@
-"""flexc.block_tables builds torch's ordered block tables without sorting; the reference here is
+"""flexc.analysis.block_tables builds torch's ordered block tables without sorting; the reference here is
 the stable descending argsort that defines the layout."""
 import torch
 from hypothesis import given, settings, strategies as st
 
-from flexc.block_tables import ordered_tables
+from flexc.analysis.block_tables import ordered_tables
 
 
 def by_sorting(occupancy):

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import flexc
-from flexc.ranges import EMPTY, FULL, MIXED, UNDECIDED, classify_tiles, mark_mixed_tiles
+from flexc.analysis.ranges import EMPTY, FULL, MIXED, UNDECIDED, classify_tiles, mark_mixed_tiles
 
 INPUTS = ("b", "h", "q_idx", "kv_idx")
 

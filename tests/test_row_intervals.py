@@ -11,9 +11,9 @@ from hypothesis import given, settings, strategies as st
 
 import flexc
 from catalogue import mask_catalogue
-from flexc.evaluate import evaluate
-from flexc.row_intervals import allowed_intervals
-from flexc.trace import MASK_MOD, trace
+from flexc.mods.evaluate import evaluate
+from flexc.analysis.row_intervals import allowed_intervals
+from flexc.mods.trace import MASK_MOD, trace
 from reference import dense_attention
 
 

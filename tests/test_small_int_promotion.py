@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.promotion import wrap_to_dtype
+from flexc.mods.promotion import wrap_to_dtype
 from reference import dense_attention, index_tensors, random_qkv
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]

@@ -1,7 +1,7 @@
-"""flexc.spans' algebra on sorted disjoint half-open spans equals set algebra on the integers they cover."""
+"""flexc.analysis.spans' algebra on sorted disjoint half-open spans equals set algebra on the integers they cover."""
 from hypothesis import given, settings, strategies as st
 
-from flexc.spans import INF, complement, intersect, union
+from flexc.analysis.spans import INF, complement, intersect, union
 
 LO, HI = -40, 40  # the reference counts integers here; spans may also reach -inf/inf
 

@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 import flexc
-from flexc.evaluate import index_grid
+from flexc.mods.evaluate import index_grid
 from catalogue import mask_catalogue, score_catalogue, generate_sliding_window
 
 SIZES = [(1, 2, 37, 53), (2, 3, 64, 64), (1, 1, 130, 7)]
@@ -469,13 +469,13 @@ def test_negative_constant_base_keeps_its_parentheses():
 
 def test_node_table_does_not_grow_with_discarded_traces():
     import gc
-    from flexc import ir
+    from flexc.mods import ir
 
     gc.collect()
     before = len(ir._table)
     for window in range(300):
         flexc.trace(generate_sliding_window(10_000 + window))
-    flexc.trace_cache.clear()  # the trace cache keeps the latest traces of each mod on purpose
+    flexc.mods.trace_cache.clear()  # the trace cache keeps the latest traces of each mod on purpose
     gc.collect()
     assert len(ir._table) <= before + 10
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.trace import MASK_MOD, SCORE_MOD, TraceError, _Tracer, mod_kind, trace
+from flexc.mods.trace import MASK_MOD, SCORE_MOD, TraceError, _Tracer, mod_kind, trace
 from reference import dense_attention, random_qkv
 
 

@@ -234,7 +234,7 @@ OTHER_CASES = [
     (mask_returns_none, ["returned None", "return"]),
     (score_returns_bool, ["must return a number", "torch.where(cond, score"]),
     (too_many_indices, ["more indices than its 1 dimension", "exactly 1 index"]),
-    # one dimension left is a vector (flexc.reductions); returning it unreduced is the error
+    # one dimension left is a vector (flexc.mods.reductions); returning it unreduced is the error
     (too_few_indices, ["returns a vector of", "index every dimension"]),
     (too_few_indices_in_mask, ["returns a vector of", "index every dimension"]),
     (whole_tensor_in_arithmetic, ["returns a vector of 10 values", "index every dimension"]),

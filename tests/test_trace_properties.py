@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import flexc
-from flexc.evaluate import index_grid
+from flexc.mods.evaluate import index_grid
 
 B, H, L, S = 2, 3, 11, 13
 TABLE = 16  # length of the 1-D captured tables; lookups index them with `expr % TABLE`

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import flexc
-import flexc.attention
+import flexc.call.attention
 from catalogue import mask_catalogue, score_catalogue
 from reference import dense_attention, random_qkv
 
@@ -277,12 +277,12 @@ def test_tiles_that_do_not_divide_the_blocks_are_rejected():
 # ---- it is the generated kernel that runs -------------------------------------------------------
 
 def test_training_runs_the_generated_backward_not_the_torch_row_loop(monkeypatch):
-    from flexc.backends import triton_backend
+    from flexc.backends.triton import forward as triton_backend
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the torch row-loop backward ran")
 
-    monkeypatch.setattr(flexc.attention, "torch_backward", forbidden)
+    monkeypatch.setattr(flexc.call.attention, "torch_backward", forbidden)
     triton_backend.cache_clear()
     slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)
@@ -323,7 +323,7 @@ def test_kernel_source_backward_prints_the_derivative_and_gradient_buffers():
 
 
 def test_cli_show_backward(tmp_path, capsys):
-    from flexc.cli import main
+    from flexc.tools.cli import main
 
     path = tmp_path / "mods.py"
     path.write_text("import torch\n"
@@ -346,7 +346,7 @@ def test_cli_show_backward(tmp_path, capsys):
 
 def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend is not installed")
-    from flexc.backends import triton_backend, triton_backward
+    from flexc.backends.triton import forward as triton_backend, backward as triton_backward
 
     slopes = torch.rand(4, requires_grad=True)
     table = torch.zeros(2000, requires_grad=True)
@@ -371,7 +371,7 @@ def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
 def test_offline_backward_compile_specialises_like_a_cuda_launch(monkeypatch):
     # the stand-in tensors are uninitialised (here: NaN); a CUDA launch never compiles the CPU-only
     # NaN/inf input guard in, so neither may the offline compile, whatever the stand-ins hold
-    from flexc.backends import triton_backend, triton_backward
+    from flexc.backends.triton import forward as triton_backend, backward as triton_backward
 
     seen = {}
     monkeypatch.setattr(triton_backend, "compile_like_launcher",
@@ -389,7 +389,7 @@ def test_offline_backward_compile_specialises_like_a_cuda_launch(monkeypatch):
 def test_int64_index_arithmetic_variant_trains_like_the_reference(monkeypatch):
     # lengths past 46340 make q_idx * kv_idx wrap int32, so the backward (as the forward) widens the
     # mods' index arithmetic to int64 there; here the variant is forced at small lengths and checked
-    from flexc.backends import triton_backend, triton_backward
+    from flexc.backends.triton import forward as triton_backend, backward as triton_backward
 
     big = torch.empty(1, 1, 50000, E)
     assert "q_idx = q_idx.to(tl.int64)" in triton_backward.backward_source(

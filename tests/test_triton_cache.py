@@ -9,7 +9,7 @@ import torch
 
 import flexc
 import flexc.codegen
-from flexc.backends import triton_backend
+from flexc.backends.triton import forward as triton_backend
 from reference import dense_attention
 
 TRITON = {"BACKEND": "TRITON"}

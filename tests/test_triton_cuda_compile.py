@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends import triton_backend
+from flexc.backends.triton import forward as triton_backend
 from test_codegen_printer import MASK_MODS, SCORE_MODS
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend is not installed")
@@ -136,7 +136,7 @@ def test_float64_kernels_keep_accurate_tanh_and_sigmoid():
 def test_decode_kernel_compiles_without_its_value_guard_by_default():
     # the NaN/inf value guard (GUARD_NONFINITE_VALUES) is compiled in only for CPU calls; on sm_90
     # it must be compiled out entirely (compiled in, it doubles shared memory and spills heavily)
-    from flexc.backends import triton_decode
+    from flexc.backends.triton import decode as triton_decode
 
     q = torch.empty(2, 32, 1, 64, dtype=torch.bfloat16)
     k = torch.empty(2, 8, 4096, 64, dtype=torch.bfloat16)

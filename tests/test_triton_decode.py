@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
-from flexc.backends import triton_decode
+from flexc.backends.triton import decode as triton_decode
 from catalogue import mask_catalogue, score_catalogue
 from reference import dense_attention, random_qkv
 

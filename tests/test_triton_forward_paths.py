@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import flexc
-from flexc import ir
-from flexc.backends import triton_backend
+from flexc.mods import ir
+from flexc.backends.triton import forward as triton_backend
 from flexc.codegen.index_width import index_dtype, may_overflow_int32
 from reference import dense_attention, random_qkv
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends import triton_backend
+from flexc.backends.triton import forward as triton_backend
 from flexc.codegen.scalars import lift_scalars
 from reference import dense_attention, random_qkv
 
@@ -50,7 +50,7 @@ def test_float64_calls_on_gpus_keep_captured_floats_as_literals():
     from types import SimpleNamespace
 
     from flexc.codegen.scalars import floats_travel_exactly, lift_for_call
-    from flexc.trace import trace
+    from flexc.mods.trace import trace
 
     gpu64 = SimpleNamespace(dtype=torch.float64, device=torch.device("cuda", 0))
     assert not floats_travel_exactly(gpu64)

@@ -8,7 +8,7 @@ Modelled on torch's FlexAttention backward template: one launch, two kinds of pr
   the score_mod (everywhere) and the mask_mod (partial blocks only), and accumulates
   ``dv += pᵀ·dO``, ``dsᵀ = pᵀ·(dpᵀ − delta) · dscore_mod/dscore`` and ``dk += dsᵀ·q``. It also adds
   the gradients of captured tensors (``d score_mod / d gathered element`` from
-  :mod:`flexc.derivative`) at the gathered indices with atomic adds, summed inside the tile first
+  :mod:`flexc.mods.derivative`) at the gathered indices with atomic adds, summed inside the tile first
   along every axis the index does not depend on.
 * A **dQ program** owns one tile of ``BLOCK_M2`` queries of one query head: it walks the key
   tables like the forward and accumulates ``dq += ds·k``.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ir
-from ..derivative import ScoreModDerivative, differentiate
-from ..trace import TracedMod
+from ..mods import ir
+from ..mods.derivative import ScoreModDerivative, differentiate
+from ..mods.trace import TracedMod
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
 from .forward import (KV_BASES, RCP_LN2, _TL, _describe, _dot, _padded, _render, _row_sum, _stems, _widens,
                       padded_head_dim)

@@ -10,7 +10,7 @@ flex_decode, instead
 - splits each row of the BlockMask (its partial blocks, then its full blocks) into ``NUM_SPLITS``
   contiguous ranges, one program each: the grid is ``(NUM_SPLITS, Hkv, B)``;
 - writes per split the normalised output and logsumexp; the launcher merges the splits by
-  logsumexp (:func:`flexc.backends.triton_decode.merge_splits`). A row that allows no key in a
+  logsumexp (:func:`flexc.backends.triton.decode.merge_splits`). A row that allows no key in a
   split writes 0 and ``-inf`` there, so a fully masked row ends as output 0, logsumexp ``-inf``.
 
 The packed rows share one row of the BlockMask's tables, so the kernel applies when the mask
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..trace import TracedMod
+from ..mods.trace import TracedMod
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble
 from .forward import (KV_BASES, LN2, RCP_LN2, _NONFINITE_VALUES, _TL, _buffer_args, _describe, _dot, _mask_lines, _padded,
                       _render, _row_max, _row_sum, _score_lines, _softmax_state, _value_guard_lines, _widens,

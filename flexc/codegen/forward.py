@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..trace import TracedMod
+from ..mods.trace import TracedMod
 from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
 

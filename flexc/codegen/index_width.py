@@ -14,8 +14,8 @@ import threading
 
 import torch
 
-from .. import ir
-from ..trace import TracedMod
+from ..mods import ir
+from ..mods.trace import TracedMod
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 _UNKNOWN = (-(2 ** 63), 2 ** 63 - 1)

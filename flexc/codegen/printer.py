@@ -15,10 +15,10 @@ import weakref
 from dataclasses import dataclass, replace
 
 
-from .. import ir
-from ..evaluate import evaluate
-from ..lowering import scalar_form
-from ..trace import TracedMod
+from ..mods import ir
+from ..mods.evaluate import evaluate
+from ..mods.lowering import scalar_form
+from ..mods.trace import TracedMod
 from .math_helpers import FAST_HELPERS, FAST_MATH_OPS, HELPER_SOURCES, LOG2E, MATH_HELPERS, TWO_LOG2E, with_needs
 
 # Python operator precedence (higher binds tighter); what decides where parentheses go.

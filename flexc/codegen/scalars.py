@@ -23,10 +23,10 @@ import weakref
 
 import torch
 
-from .. import ir
+from ..mods import ir
 from ..device import is_gpu
-from ..promotion import node_dtype
-from ..trace import TracedMod, captured_numbers
+from ..mods.promotion import node_dtype
+from ..mods.trace import TracedMod, captured_numbers
 
 _LIFT_OPS = {"add", "sub", "mul", "truediv", "min", "max"} | ir.COMPARE_OPS
 _memo: "weakref.WeakKeyDictionary[TracedMod, dict]" = weakref.WeakKeyDictionary()  # -> {lift floats: lifted}

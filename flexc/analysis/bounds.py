@@ -1,0 +1,207 @@
+"""Bounds checks of a mod's lookups and integer divisions, before anything evaluates it.
+
+Every backend evaluates a mod over the whole index domain ``b < B, h < H, q_idx < Q_LEN,
+kv_idx < KV_LEN`` (torch's eager FlexAttention does too), so a lookup ``table[i]`` must have
+``-n <= i < n`` there (a negative index counts from the end, as in torch) and an integer divisor
+must never be 0. :func:`check_mod` proves this from the IR with the interval analysis of
+:mod:`flexc.analysis.ranges` (affine indices, lookups of lookups, ``//``, ``%``, clamps: no per-element
+work), and evaluates only the index expressions it cannot prove, exactly, over the domain. A
+violation raises :class:`IndexRangeError` naming the mod, the line, the tensor and the index
+range, on every backend alike; the generated kernels therefore never read out of bounds.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..mods import ir
+from ..device import is_gpu
+from ..mods.evaluate import evaluate, index_grid
+from .ranges import domain_bounds
+from ..mods.trace import TracedMod
+from ..versions import write_count
+
+# Passed checks: (root, sizes, buffer shapes) -> None when the proof holds for any captured values,
+# else the captured tensors it read, as (weak reference, version) pairs that must still match.
+_proven: "OrderedDict[tuple, tuple | None]" = OrderedDict()
+_proven_lock = threading.Lock()
+_MAX_PROVEN = 512
+# (graph, captured tensors' shapes) -> its checks: the same for every TracedMod around that graph
+# (eager calls reuse traces through flexc.mods.trace_cache; a compiled call rebuilds its TracedMod
+# around the same graph every call, see flexc.mods.mod_key)
+_checks_memo: "OrderedDict[tuple, list]" = OrderedDict()
+_MAX_CHECKS = 512
+# Exact checks evaluate at most this many index values at a time.
+_CHUNK = 1 << 22
+
+
+class IndexRangeError(IndexError, ValueError):
+    """A mod indexes a captured tensor out of range, or divides an integer by zero."""
+
+
+def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, where: str) -> None:
+    """Raise :class:`IndexRangeError` if ``traced`` reads a captured tensor out of range or divides
+    by zero anywhere in ``[B, H, Q_LEN, KV_LEN]``; ``where`` names the caller in the message."""
+    if traced is None:
+        return
+    shapes = tuple(tuple(t.shape) for t in traced.buffers)
+    checks = _checks_memo.get((traced.root, shapes))
+    if checks is None:
+        checks = _checks_memo[(traced.root, shapes)] = _checks(traced)
+        while len(_checks_memo) > _MAX_CHECKS:
+            _checks_memo.popitem(last=False)
+    if not checks:
+        return
+    sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
+    key = (traced.root, B, H, Q_LEN, KV_LEN, shapes)
+    device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
+    with _proven_lock:
+        proven_before = key in _proven
+        if proven_before:
+            values = _proven[key]
+            if values is None or all(ref() is t and write_count(t) == version
+                                     for (ref, version), t in zip(values, traced.buffers)):
+                _proven.move_to_end(key)
+                return
+    if proven_before and is_gpu(device):
+        # new captured values (a decoding step's position): the checks that read them run on the
+        # device, asserted there, instead of reading the values on the host (a sync per step)
+        for check in checks:
+            if any(n.op == "load" for n in check[2].walk()):
+                _assert_on_device(traced, check, sizes, where)
+        return
+    bounds = domain_bounds(traced, sizes, device)
+    data_dependent = False
+    for check in checks:
+        expr = check[2]
+        data_dependent |= any(n.op == "load" for n in expr.walk())
+        if not _proven_by(bounds.get(id(expr)), check):
+            _exact_check(traced, check, sizes, where)
+    # a proof that read captured values holds while those very tensors are unchanged
+    values = tuple((weakref.ref(t), write_count(t)) for t in traced.buffers) if data_dependent else None
+    with _proven_lock:
+        _proven[key] = values
+        while len(_proven) > _MAX_PROVEN:
+            _proven.popitem(last=False)
+
+
+def _checks(traced: TracedMod) -> list[tuple]:
+    """``(node, dim, expr, size)`` per computed index (size of that dimension) and per divisor
+    (dim and size None), operands before users so an inner lookup is checked first."""
+    checks = []
+    for node in traced.root.walk():
+        if node.op == "load":
+            tensor = traced.buffers[node.args[0].attr[0]]
+            for dim, index in enumerate(node.args[1:]):
+                # constant indices were checked by the tracer; a reduction's axis runs over the dimension itself
+                if index.op not in ("const", "axis"):
+                    checks.append((node, dim, index, tensor.shape[dim]))
+        elif node.op in ("floordiv", "mod") and node.kind != ir.FLOAT and node.args[1].op != "const":
+            checks.append((node, None, node.args[1], None))
+    return checks
+
+
+def _proven_by(bound: Any, check: tuple) -> bool:
+    lo, hi = getattr(bound, "lo", None), getattr(bound, "hi", None)
+    if lo is None:  # a bool divisor has a BoolRange: 0 unless it is surely True
+        must = getattr(bound, "must", False)
+        return check[1] is None and bool(must)
+    lo, hi = float(lo), float(hi)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return False
+    size = check[3]
+    if size is None:
+        return lo > 0 or hi < 0
+    return lo >= -size and hi <= size - 1
+
+
+def _exact_check(traced: TracedMod, check: tuple, sizes: dict, where: str) -> None:
+    """Evaluate ``check``'s expression over the domain (only the inputs it reads) and raise on the
+    first value out of range."""
+    node, dim, expr, size = check
+    reads = {n.attr for n in expr.walk() if n.op == "input"}
+    low = high = None
+    first = None
+    for q0, values in _values(traced, expr, sizes):
+        bad = (values == 0) if size is None else (values < -size) | (values >= size)
+        chunk_low, chunk_high = int(values.min()), int(values.max())
+        low = chunk_low if low is None else min(low, chunk_low)
+        high = chunk_high if high is None else max(high, chunk_high)
+        if first is None and bool(bad.any()):
+            at = bad.nonzero()[0].tolist()
+            first = (int(values[tuple(at)]), at[0], at[1], at[2] + q0, at[3])
+    if first is not None:
+        raise IndexRangeError(_message(traced, check, sizes, where, low, high, first, reads))
+
+
+def _values(traced: TracedMod, expr: ir.Node, sizes: dict):
+    """``(first query row, int64 values of expr)`` over the domain, in chunks of at most ``_CHUNK``
+    values (only the inputs ``expr`` reads span their extent; the others are 1)."""
+    reads = {n.attr for n in expr.walk() if n.op == "input"}
+    extents = {name: (sizes[name] if name in reads else 1) for name in ("b", "h", "q_idx", "kv_idx")}
+    device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
+    per_row = extents["b"] * extents["h"] * extents["kv_idx"]
+    rows = max(1, min(extents["q_idx"], _CHUNK // max(1, per_row)))
+    for q0 in range(0, extents["q_idx"], rows):
+        n = min(rows, extents["q_idx"] - q0)
+        grid = index_grid(extents["b"], extents["h"], n, extents["kv_idx"], device, q_start=q0)
+        values = evaluate(expr, buffers=traced.buffers, **{k: v for k, v in grid.items() if k in reads})
+        values = torch.as_tensor(values, device=device).to(torch.int64)
+        yield q0, values.expand(extents["b"], extents["h"], n, extents["kv_idx"])
+
+
+def _assert_on_device(traced: TracedMod, check: tuple, sizes: dict, where: str) -> None:
+    """:func:`_exact_check` without a sync: the range test reduced on the device and asserted there
+    (``torch._assert_async``); the message cannot quote the offending value."""
+    node, dim, expr, size = check
+    bad = None
+    for _, values in _values(traced, expr, sizes):
+        out = ((values == 0) if size is None else (values < -size) | (values >= size)).any()
+        bad = out if bad is None else bad | out
+    if bad is None:
+        return
+    site, source = traced.sites.get(node, ("", ""))
+    what = (f"divides by zero (divisor `{ir.format_expr(expr, traced.buffer_names)}`)" if size is None else
+            f"indexed `{traced.buffer_names[node.args[0].attr[0]]}` out of range in dimension {dim} "
+            f"(valid: {-size}..{size - 1}) at `{ir.format_expr(expr, traced.buffer_names)}`")
+    torch._assert_async(~bad, f"{where}: {traced.kind} {traced.name}{site} {what} for B={sizes['b']}, "
+                                    f"H={sizes['h']}, Q_LEN={sizes['q_idx']}, KV_LEN={sizes['kv_idx']} (checked on "
+                                    f"the device). {source}")
+
+
+def _message(traced: TracedMod, check: tuple, sizes: dict, where: str, low: int, high: int, first: tuple,
+             reads: set) -> str:
+    node, dim, expr, size = check
+    site, source = traced.sites.get(node, ("", ""))
+    domain = f"B={sizes['b']}, H={sizes['h']}, Q_LEN={sizes['q_idx']}, KV_LEN={sizes['kv_idx']}"
+    value, *position = first
+    at = ", ".join(f"{name}={p}" for name, p in zip(("b", "h", "q_idx", "kv_idx"), position) if name in reads)
+    text_of = lambda n: ir.format_expr(n, traced.buffer_names)
+    head = f"{where}: {traced.kind} {traced.name}{site}"
+    if size is None:
+        text = (f"{head} divides by zero for {domain}: the divisor `{text_of(expr)}` of `{text_of(node)}` "
+                f"is 0 at {at or 'every position'} (torch raises ZeroDivisionError there)")
+        fix = "keep the divisor non-zero, e.g. `torch.where(d == 0, 1, d)`, or divide floats with `/`"
+    else:
+        slot = node.args[0].attr[0]
+        tensor = traced.buffers[slot]
+        text = (f"{head} indexed a captured tensor out of range for {domain}: `{text_of(node)}` reads "
+                f"`{traced.buffer_names[slot]}` (shape {list(tensor.shape)}) in dimension {dim} at "
+                f"`{text_of(expr)}`, which takes values in [{low}, {high}] (e.g. {value} at "
+                f"{at or 'every position'}); valid indices are {-size}..{size - 1}, negative ones counting "
+                f"from the end as in torch")
+        fix = (f"keep the index in range (e.g. `.clamp(0, {size - 1})` or `% {size}`), or capture a tensor "
+               f"sized for these lengths")
+    if source:
+        text += f".\n    {source}"
+    else:
+        text += "."
+    return f"{text}\nFix: {fix}."
+
+
+__all__ = ["IndexRangeError", "check_mod"]

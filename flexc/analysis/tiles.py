@@ -1,0 +1,138 @@
+"""Tile-level work behind block masks: exact tile classification and block-table layout.
+
+A block mask cuts the ``[Q_LEN, KV_LEN]`` grid of every ``(b, h)`` into tiles of
+``Q_BLOCK x KV_BLOCK`` elements. This module evaluates a traced mask_mod on chosen tiles in bounded
+memory (never the dense ``[B, H, Q_LEN, KV_LEN]`` grid) and converts per-tile occupancy into torch's
+ordered block tables (``num_blocks`` + ``indices`` with the valid entries first).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..mods.evaluate import evaluate
+from ..mods.trace import SCORE_MOD, TracedMod
+
+# Tile classes shared with flexc.analysis.ranges: what analysis proved, or what exact evaluation found.
+EMPTY, UNDECIDED, FULL = 0, 1, 2
+PARTIAL = 1  # after exact evaluation no tile is undecided; 1 then means "mixed"
+
+# Elements evaluated per batch of tiles. The largest intermediates are int64 index differences,
+# about 8 MiB per batch at this size: small against the 1 GiB goal at L=16384, and small enough
+# that the allocator reuses its memory between batches (larger batches were slower here, paying
+# for fresh pages each time) while Python overhead per batch stays negligible.
+DEFAULT_MAX_ELEMENTS = 1 << 20
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def reads_input(traced: TracedMod, name: str) -> bool:
+    """Whether the traced mod reads the input ``name`` ("b", "h", "q_idx", "kv_idx", "score")."""
+    return any(n.op == "input" and n.attr == name for n in traced.root.walk())
+
+
+def ragged_tiles(Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int, device: Any = None) -> torch.Tensor:
+    """Bool ``[nQ, nKV]``: tiles that stick out past the sequence end in q or kv.
+
+    torch pads the mask with False to whole tiles before counting, so such a tile is never FULL.
+    """
+    nq, nkv = cdiv(Q_LEN, Q_BLOCK), cdiv(KV_LEN, KV_BLOCK)
+    rows = torch.arange(1, nq + 1, device=device) * Q_BLOCK > Q_LEN
+    cols = torch.arange(1, nkv + 1, device=device) * KV_BLOCK > KV_LEN
+    return rows[:, None] | cols[None, :]
+
+
+def evaluate_tiles(traced: TracedMod, coords: torch.Tensor, Q_LEN: int, KV_LEN: int, Q_BLOCK: int,
+                   KV_BLOCK: int, max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+    """Classify the tiles at ``coords`` (int64 ``[N, 4]`` rows of ``b, h, q_block, kv_block``) exactly.
+
+    Returns int8 ``[N]``: EMPTY (no allowed element), FULL (every element allowed and the tile lies
+    wholly inside both lengths) or PARTIAL. Tiles are evaluated in batches of about
+    ``max_elements`` elements, each as a ``[n, Q_BLOCK, KV_BLOCK]`` grid.
+    """
+    device = coords.device
+    out = torch.empty(coords.shape[0], dtype=torch.int8, device=device)
+    # A tile holds at most min(BLOCK, LEN) real positions along each axis, so a grid that wide sees
+    # them all (the clamp below repeats the last one): a block far longer than the sequence (torch's
+    # 1 << 30) costs no more than the sequence itself. Raggedness still uses the whole block.
+    q_extent, kv_extent = min(Q_BLOCK, Q_LEN), min(KV_BLOCK, KV_LEN)
+    per_batch = max(1, max_elements // (q_extent * kv_extent))
+    q_offsets = torch.arange(q_extent, device=device)
+    kv_offsets = torch.arange(kv_extent, device=device)
+    for start in range(0, coords.shape[0], per_batch):
+        c = coords[start:start + per_batch]
+        n = c.shape[0]
+        q_first = c[:, 2] * Q_BLOCK
+        kv_first = c[:, 3] * KV_BLOCK
+        # Positions past the end of a ragged tile are clamped onto the last real index: they repeat
+        # an in-range value, so any()/all() over the clamped grid equal any()/all() over the real
+        # elements, and captured tensors are never indexed out of range.
+        q = (q_first[:, None] + q_offsets).clamp_(max=Q_LEN - 1).view(n, q_extent, 1)
+        kv = (kv_first[:, None] + kv_offsets).clamp_(max=KV_LEN - 1).view(n, 1, kv_extent)
+        allowed = evaluate(traced, b=c[:, 0].view(n, 1, 1), h=c[:, 1].view(n, 1, 1), q_idx=q, kv_idx=kv)
+        allowed = allowed.to(torch.bool).reshape(n, -1)
+        any_allowed = allowed.any(dim=1)
+        all_allowed = allowed.all(dim=1)
+        ragged = (q_first + Q_BLOCK > Q_LEN) | (kv_first + KV_BLOCK > KV_LEN)
+        cls = torch.where(all_allowed & ~ragged, FULL, PARTIAL)
+        out[start:start + n] = torch.where(any_allowed, cls, EMPTY).to(torch.int8)
+    return out
+
+
+def dense_mask(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: Any,
+               max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+    """The dense bool ``[B, H, Q_LEN, KV_LEN]`` mask of a mask_mod, or of a score_mod where the
+    score_mod of a zero score is not -inf (torch's create_mask rule). Computed in query chunks so
+    only the output is dense."""
+    out = torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
+    # Evaluate over batch or head only where the mod reads it; broadcasting fills the rest.
+    eb = B if reads_input(traced, "b") else 1
+    eh = H if reads_input(traced, "h") else 1
+    rows = max(1, min(Q_LEN, max_elements // max(1, eb * eh * KV_LEN)))
+    b = torch.arange(eb, device=device).view(eb, 1, 1, 1)
+    h = torch.arange(eh, device=device).view(1, eh, 1, 1)
+    kv = torch.arange(KV_LEN, device=device).view(1, 1, 1, KV_LEN)
+    score = torch.zeros((), dtype=torch.float32, device=device) if traced.kind == SCORE_MOD else None
+    for q0 in range(0, Q_LEN, rows):
+        q = torch.arange(q0, min(Q_LEN, q0 + rows), device=device).view(1, 1, -1, 1)
+        value = evaluate(traced, score=score, b=b, h=h, q_idx=q, kv_idx=kv)
+        out[:, :, q0:q0 + q.shape[2]] = ~torch.isneginf(value) if score is not None else value.to(torch.bool)
+    return out
+
+
+# ---- block tables ---------------------------------------------------------------------------
+
+def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Occupancy ``[..., rows, cols]`` (0/1) to ``(num_blocks [..., rows], indices [..., rows, cols])``.
+
+    Matches torch's layout exactly: a stable descending argsort, so each row lists its occupied
+    columns in ascending order, then the unoccupied ones in ascending order. Both int32, contiguous.
+    """
+    # Built in linear time by flexc.analysis.block_tables (a sort dominated the time at long lengths).
+    from .block_tables import ordered_tables
+
+    num, indices = ordered_tables(dense)
+    return num.contiguous(), indices.contiguous()
+
+
+def ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """Inverse of :func:`dense_to_ordered`: int32 occupancy ``[..., rows, num_cols]``.
+
+    Entries past ``num_blocks`` in a row are ignored, as torch documents them as undefined.
+    """
+    width = indices.shape[-1]
+    valid = torch.arange(width, device=indices.device) < num_blocks.unsqueeze(-1)
+    # Invalid entries write into one spare column that is cut off afterwards.
+    target = torch.where(valid, indices.long(), num_cols)
+    dense = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=torch.int32, device=indices.device)
+    dense.scatter_(-1, target, 1)
+    return dense[..., :num_cols].contiguous()
+
+
+def transpose_ordered(num_blocks: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column-major (q-block) tables of a row-major (kv-block) table pair, as torch builds them."""
+    dense = ordered_to_dense(num_blocks, indices, indices.shape[-1])
+    return dense_to_ordered(dense.transpose(-2, -1))

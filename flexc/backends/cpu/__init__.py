@@ -1,0 +1,1 @@
+"""The CPU backend: block-sparse row loops, fused chunks, decoding, and their worker threads."""

@@ -1,0 +1,271 @@
+"""Forward query rows on torch's fused CPU flash-attention kernel.
+
+``aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=, scale=)`` scores, softmaxes
+and multiplies by ``V`` in cache-sized tiles in one C++ pass, as ``torch.compile`` does; the
+plain-torch path (:func:`flexc.backends.cpu.torch_cpu._forward_row`) makes five or more passes over
+each score tile. Each query row range becomes a few kernel calls whose outputs are merged with
+their logsumexps:
+
+* without a score_mod, one call over all *full* key blocks with no mask, and calls over the
+  *partial* blocks with an additive float mask (0 allowed, -inf blocked) from the mask_mod;
+* with a score_mod ``score +/- X`` (ALiBi, relative and learned biases), calls over all listed
+  blocks with ``+/-X`` (and -inf on blocked pairs) as the additive mask, a bounded number of
+  columns at a time. The kernel adds the mask after scaling, exactly where a score_mod applies.
+
+Two refinements: consecutive rows that share full key blocks (a causal prefix) attend to them in
+one tall call (the kernel is faster on tall queries), over a binary tree of the rows; and a bias
+or mask proven on the IR to read positions only through ``kv - q`` is evaluated once per
+difference and passed as a strided (Toeplitz) view instead of an ``r x c`` tile.
+
+Fully masked rows come back from the kernel with logsumexp 0; they are set to -inf. Other
+score_mods, differing value head dims, half precision (the kernel would round each part's
+output) and ``max_scores`` stay on the plain-torch path.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...mods.evaluate import evaluate
+from .block_plan import Chunk, chunk_kv_index, chunk_rows, fused_pieces, shared_full_columns, tree_calls
+
+# guarded: older or trimmed torch builds may lack the op. Its Python binding (an unboxed call), else
+# the overload itself, not its packet: the packet's Python dispatch cost ~20 us a call, which
+# decoding pays every token, and the overload's boxed call still a few
+_FLASH = (getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
+          or getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None))
+_NEG_INF = float("-inf")
+# An additive mask holds at most this many elements (2 MiB in fp32) per call
+MASK_ELEMENTS = 1 << 19
+# Scores per row worker below which one thread (with the kernel's own threads) is faster; at
+# L=1024, H=8 causal (~5M scores) two workers were already 5-10% faster on 2 cores
+MIN_COST_PER_WORKER = 2e6
+
+
+def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) -> bool:
+    """Whether the fused kernel computes this forward exactly as the plain-torch path would
+    (``mods`` None: attention without mods)."""
+    return (_FLASH is not None and not need_max and query.is_cpu
+            and query.dtype in (torch.float32, torch.float64)
+            and query.shape[-1] == value.shape[-1]
+            and (mods is None or mods.score_mod is None or mods.bias_node is not None))
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with stride 1 along its last dimension (a copy only when needed): the fused kernel
+    misreads any other last-dim stride (channels_last, ``v[..., ::2]``, permuted views)."""
+    return t if t.stride()[-1] == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+@functools.lru_cache(maxsize=4096)
+def _pieces(segments: tuple, max_masked_cols: int, mode: str) -> tuple[Chunk, ...]:
+    return fused_pieces(segments, max_masked_cols, mode)
+
+
+_DIFFERENCE_OPS = {"sub", "eq", "ne", "lt", "le", "gt", "ge"}
+
+
+@functools.lru_cache(maxsize=256)
+def _relative_only(node) -> bool:
+    """Whether ``q_idx`` and ``kv_idx`` reach ``node`` only as ``kv_idx - q_idx``, ``q_idx - kv_idx``
+    or a comparison of the two,
+    so its value over a tile depends on each position only through ``kv - q`` (and b, h)."""
+    if node.op in _DIFFERENCE_OPS and all(a.op == "input" for a in node.args) and \
+            sorted(a.attr for a in node.args) == ["kv_idx", "q_idx"]:
+        return True  # q - kv, kv - q, and comparisons of q with kv (the sign of q - kv)
+    if node.op == "input":
+        return node.attr not in ("q_idx", "kv_idx")
+    return all(_relative_only(a) for a in node.args)
+
+
+def _mode(g, mods) -> str:
+    """How bias and mask reach the kernel: "mask" (no score_mod), "relative" or "bias" (see fused_pieces)."""
+    if mods.bias_node is None:
+        return "mask"
+    return "relative" if g.G == 1 and _relative_only(mods.bias_node) else "bias"
+
+
+def group_tasks(tasks: list, n_workers: int) -> tuple[list, list]:
+    """Row tasks ``(g, mods, row)`` regrouped as ``(g, mods, rows)`` runs of consecutive rows, and
+    their costs. Runs have up to a power of two rows (at most 8) that leaves four tasks per worker.
+    A row joins a run only if at least half its keys are full for the run's first row too (else
+    there is no tall call to share: sliding windows). GQA or a general bias keep one row a task."""
+    size = 1
+    # at most 8 rows: each task holds its rows' output twice or so (tall parts and their sum)
+    while len(tasks) // (2 * size) >= 4 * n_workers and size < 8:
+        size *= 2
+    out: list = []
+    for g, mods, row in tasks:
+        last = out[-1] if out else None
+        if (size > 1 and last is not None and last[0] is g and len(last[2]) < size
+                and last[2][-1].q1 == row.q0 and g.G == 1 and _mode(g, mods) != "bias"
+                and 2 * shared_full_columns(last[2][0], row) >= sum(b - a for a, b, _ in row.segments)):
+            last[2].append(row)
+        else:
+            out.append((g, mods, [row]))
+    grouped = [(g, mods, tuple(rows)) for g, mods, rows in out]
+    costs = [float(sum((r.q1 - r.q0) * sum(b - a for a, b, _ in r.segments) for r in rows)
+                   * len(range(g.b.stop)[g.b]) * len(range(g.qh.stop)[g.qh])) for g, _, rows in grouped]
+    return grouped, costs
+
+
+def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float) -> None:
+    """Consecutive rows of group ``g``: fused kernel calls merged by logsumexp into out/lse."""
+    q0, q1 = rows[0].q0, rows[-1].q1
+    Bg, Hqg, E = len(range(out.shape[0])[g.b]), len(range(out.shape[1])[g.qh]), query.shape[-1]
+    Hkvg = Hqg // g.G
+    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    if k_g.shape[0] != Bg:  # one key batch for all query batches: the kernel takes the stride-0 view
+        k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
+    mode = _mode(g, mods)
+    # masks of kv - q alone are built from one value per difference (see _relative_call)
+    relative_mask = (g.G == 1 and mode != "bias"
+                     and (mods.mask_mod is None or _relative_only(mods.mask_mod.root)))
+    # masks are [r, c] unless the mods read b or h; keep each call's mask within MASK_ELEMENTS
+    per_col = (rows[0].q1 - rows[0].q0) * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
+    max_cols = max(MASK_ELEMENTS // per_col, 128)
+    if len(rows) == 1:
+        calls = [(q0, q1, piece) for piece in _pieces(rows[0].segments, max_cols, mode)]
+    else:  # G == 1 here, so rows of the group are rows of the stacked layout
+        calls = tree_calls(rows, max_cols, mode)
+    acc = acc_lse = None
+    if len(rows) > 1:
+        acc = torch.zeros(Bg, Hkvg, g.G * (q1 - q0), E, dtype=query.dtype, device=query.device)
+        acc_lse = torch.full(acc.shape[:-1], _NEG_INF, dtype=query.dtype, device=query.device)
+    for a, b, piece in calls:
+        q = query[g.b, g.qh, a:b].reshape(Bg, Hkvg, g.G * (b - a), E)  # GQA: a key head's query heads as rows
+        kc, vc = chunk_rows(k_g, piece), chunk_rows(v_g, piece)
+        if relative_mask and len(piece.spans) == 1 and (piece.partial or mode == "relative"):
+            o, l = _relative_call(q, kc, vc, mods, a, b, piece, scale, mode == "relative")
+        else:
+            kv = chunk_kv_index(piece, mods.kv_pos)
+            mask = _mask(piece, mods, a, b, kv, mode != "mask", q.dtype, g.G)
+            o, l = _FLASH(q, kc, vc, attn_mask=mask, scale=scale)
+            if mask is not None:
+                _fix_dead_rows(l, mask)
+        if acc is None:
+            acc, acc_lse = o, l
+        elif len(rows) == 1:  # every call covers all the rows (stacked G*r of them with GQA)
+            _merge(acc, acc_lse, o, l)
+        else:
+            _merge(acc[..., a - q0:b - q0, :], acc_lse[..., a - q0:b - q0], o, l)
+    out[g.b, g.qh, q0:q1] = acc.reshape(Bg, Hqg, q1 - q0, E)  # the kernel returns [b, r, h, E] strides
+    # a +inf score (a +inf bias) gives the kernel's logsumexp +inf; the output is NaN, and so is
+    # the lse on every other path (exp(inf - inf)), as in torch's kernels
+    acc_lse = acc_lse.reshape(Bg, Hqg, q1 - q0)
+    lse[g.b, g.qh, q0:q1] = acc_lse.masked_fill(acc_lse.isposinf(), float("nan"))
+
+
+def _relative_call(q, k, v, mods, q0: int, q1: int, piece: Chunk, scale: float, bias: bool):
+    """One kernel call over the contiguous key span of ``piece`` when its additive mask (the bias,
+    and the mask_mod on its partial columns) depends on positions only through ``kv - q``.
+
+    The mask is evaluated once per difference (``r + c - 1`` values, not ``r * c``), and the
+    ``[r, c]`` tile is a strided view of that vector: with the query rows reversed, entry
+    ``(i, j)`` is ``vector[i + j]``. The kernel runs on the reversed rows; its output is flipped back.
+    Only a piece that mixes full and partial blocks needs the tile copied, to unmask its full columns.
+    """
+    start, end = piece.spans[0]
+    r, c = q1 - q0, end - start
+    diffs = torch.arange(start - (q1 - 1), end - q0, device=q.device)  # kv - q from the last row up
+    values = {"b": mods.b, "h": mods.h, "q_idx": torch.zeros((1, 1, 1, 1), dtype=diffs.dtype, device=q.device),
+              "kv_idx": diffs.view(1, 1, 1, -1)}
+    at = lambda reads: {name: values[name] for name in reads if name in values}
+    vec = torch.zeros((), dtype=q.dtype, device=q.device)
+    if bias:
+        vec = evaluate(mods.bias_node, buffers=mods.score_mod.buffers, **at(mods.bias_reads)).to(q.dtype)
+        if mods.bias_sign < 0:
+            vec = vec.neg()
+    if piece.partial and mods.mask_mod is not None:
+        allowed = evaluate(mods.mask_mod, **at(mods.mask_reads))
+        vec = torch.where(allowed, vec, _NEG_INF)
+    vec = vec.reshape((1,) * (4 - vec.dim()) + tuple(vec.shape))
+    n = r + c - 1
+    vec = vec.expand(vec.shape[0], vec.shape[1], 1, n).contiguous()
+    tile = vec.as_strided((vec.shape[0], vec.shape[1], r, c), (vec.shape[1] * n, n, 1, 1))
+    if piece.partial and mods.mask_mod is not None and not bias:  # (relative pieces never mix)
+        full = _full_columns(piece)
+        if full:
+            tile = tile.contiguous()
+            for off, length in full:  # full blocks are allowed whatever the mask_mod says
+                tile[..., off:off + length] = 0.0
+    o, l = _FLASH(q.flip(-2), k, v, attn_mask=tile, scale=scale)
+    _fix_dead_rows(l, tile)
+    return o.flip(-2), l.flip(-1)
+
+
+def _full_columns(piece: Chunk) -> list[tuple[int, int]]:
+    """``(offset, length)`` column ranges of the piece that are not partial."""
+    out, pos = [], 0
+    for off, length in piece.partial:
+        if off > pos:
+            out.append((pos, off - pos))
+        pos = off + length
+    if pos < piece.n_cols:
+        out.append((pos, piece.n_cols - pos))
+    return out
+
+
+def _mask(piece: Chunk, mods, q0: int, q1: int, kv: torch.Tensor, bias: bool, dtype: torch.dtype, G: int):
+    """The additive mask of one call, shaped ``[b, h, G*r, c]`` for the row-stacked query, or None."""
+    blocked = mods.blocked(piece, q0, q1, kv)
+    if not bias and not blocked:
+        return None
+    r = q1 - q0
+    if bias and not blocked:  # the evaluated bias itself (read-only here), broadcast
+        x = mods.bias(q0, q1, kv).to(dtype)
+        if mods.bias_sign < 0:
+            x = x.neg()
+        x = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+        return _stack_heads(x.expand(x.shape[0], x.shape[1], r, piece.n_cols), G)
+    parts = [nb for _, _, nb in blocked]
+    if bias:
+        x = mods.bias(q0, q1, kv)
+        parts.append(x)
+    # batch and head extent of the mask: those of any part that has them (parts are broadcastable)
+    b = max((t.shape[0] for t in parts if t.dim() == 4), default=1)
+    h = max((t.shape[1] for t in parts if t.dim() == 4), default=1)
+    if bias:
+        mask = torch.empty(b, h, r, piece.n_cols, dtype=dtype, device=kv.device)
+        mask.copy_(x if mods.bias_sign > 0 else -x)  # broadcasts and casts
+    elif len(blocked) == 1 and blocked[0][1] == piece.n_cols:  # the common case: one tile, all partial
+        return _stack_heads(torch.zeros(b, h, r, piece.n_cols, dtype=dtype, device=kv.device)
+                            .masked_fill_(blocked[0][2], _NEG_INF), G)
+    else:
+        mask = torch.zeros(b, h, r, piece.n_cols, dtype=dtype, device=kv.device)
+    for off, n, not_allowed in blocked:
+        mask[..., off:off + n].masked_fill_(not_allowed, _NEG_INF)
+    return _stack_heads(mask, G)
+
+
+def _stack_heads(mask: torch.Tensor, G: int) -> torch.Tensor:
+    """``[b, h, r, c]`` as ``[b, h/G or 1, G*r, c]``: rows of a key head's G query heads follow one another."""
+    if G == 1:
+        return mask
+    b, h, r, c = mask.shape
+    if h == 1:
+        mask = mask.expand(b, G, r, c)
+    return mask.reshape(b, -1, G * r, c)
+
+
+def _fix_dead_rows(l: torch.Tensor, mask: torch.Tensor) -> None:
+    """The kernel reports logsumexp 0 (and output 0) for rows its mask blocks entirely: make it -inf.
+
+    A real logsumexp of exactly 0 is rare, so the mask is only inspected when one occurs.
+    """
+    candidates = l == 0
+    if bool(candidates.any()):
+        dead = torch.isneginf(mask).all(-1).expand(l.shape)
+        l.masked_fill_(candidates & dead, _NEG_INF)
+
+
+def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+    """Fold a part ``(o, l)`` into the running ``(acc, acc_lse)`` in place (softmax-weighted mean)."""
+    m = torch.maximum(acc_lse, l)
+    m.masked_fill_(m == _NEG_INF, 0.0)  # both parts empty: weights exp(-inf) = 0, lse stays -inf
+    w_acc = (acc_lse - m).exp_()
+    w_new = (l - m).exp_()
+    total = w_acc + w_new
+    acc.lerp_(o, (w_new / total.masked_fill(total == 0, 1.0)).unsqueeze(-1))
+    torch.add(m, total.log_(), out=acc_lse)

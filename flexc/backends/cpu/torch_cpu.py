@@ -1,0 +1,545 @@
+"""The block-sparse torch backend: forward and backward of flex attention with plain torch ops.
+
+For each query block row it visits only the key blocks the BlockMask lists, scores them with one
+batched matmul over every head that shares the row's block list, applies the score_mod
+everywhere and the mask_mod only on partial blocks (both evaluated from the traced IR on index
+tensors for exactly those positions), and merges chunks of keys with an online softmax. Working
+memory is a few chunks of scores, never ``L x S``.
+
+GQA runs without copying keys: the ``G`` query heads that share a key head are stacked as rows,
+so ``q [B, Hkv, G*r, E] @ k^T [B, Hkv, E, c]`` scores all of them at once, and the same memory
+read as ``[B, Hq, r, c]`` is what the mods see.
+
+Forwards without a score_mod or with a bias-form one (``score +/- X``), in fp32/fp64 with equal
+query and value head dims, run on torch's fused CPU flash kernel instead
+(:mod:`flexc.backends.cpu.fused_cpu`); this module's row loop serves the rest and ``max_scores``.
+
+The backward recomputes each row's scores, forms ``dS`` from the saved logsumexp, and lets
+autograd carry ``dS`` through the score_mod to the raw scores and the captured tensors. Large
+jobs spread their rows over single-threaded workers (:mod:`flexc.backends.cpu.workers`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..dropout import Dropout, keep_scale
+from ...mods.evaluate import evaluate
+from ...mods.trace import TracedMod
+from . import decode_cpu, fused_cpu, workers
+from ..nonfinite import all_finite, matmul_skipping_zeros
+from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
+
+# Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
+# cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
+# use chunks of a quarter of the output's size (but not under a quarter of this), so the working
+# memory stays a fraction of the output's.
+CHUNK_ELEMENTS = 1 << 19
+MAX_ROWS = 128
+# Above this many partial spans in one chunk the mask is evaluated once over the whole chunk.
+_MAX_PARTIAL_SPANS = 4
+_NEG_INF = float("-inf")
+# Softmax runs in base 2: torch's exp2 on CPU is several times faster than exp, and exp is ~30x
+# slower still on inputs below -88 (masked and far-away scores), which exp2 handles at full speed.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ---- groups of heads that share one block-mask table -------------------------------------
+
+@dataclass(frozen=True)
+class _Group:
+    """Query batches/heads that read the same BlockMask entry ``(bm, hm)``, and their key batches/heads.
+
+    Within a group, query head ``j`` uses key head ``j // G`` (all slices, so tensors are views).
+    """
+
+    b: slice
+    kb: slice
+    qh: slice
+    kvh: slice
+    G: int
+    bm: int
+    hm: int
+
+
+def _groups(B: int, Bkv: int, Hq: int, Hkv: int, Bm: int, Hm: int) -> list[_Group]:
+    G = Hq // Hkv
+    batches = [(slice(0, B), 0)] if Bm == 1 else [(slice(bm, B, Bm), bm) for bm in range(Bm)]
+    if Hm == 1:
+        heads = [(slice(0, Hq), slice(0, Hkv), G, 0)]
+    else:  # the table differs per head: one query head per group (broadcast by modulo like torch)
+        heads = [(slice(h, h + 1), slice(h // G, h // G + 1), 1, h % Hm) for h in range(Hq)]
+    out = []
+    for b, bm in batches:
+        kb = slice(0, 1) if Bkv == 1 else b
+        for qh, kvh, g, hm in heads:
+            out.append(_Group(b, kb, qh, kvh, g, bm, hm))
+    return out
+
+
+def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, score_mod, mask_mod,
+           dropout: Dropout | None = None):
+    """Every (group, mods, row) to compute, their estimated costs, how many workers to use, and the groups."""
+    B, Hq, L, _ = query.shape
+    Bkv, _, S, Ev = value.shape
+    tasks, costs, groups = [], [], []
+    for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev):
+        groups.append(g)
+        mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device, dropout)
+        heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
+        for row in rows:
+            tasks.append((g, mods, row))
+            costs.append(float(heads * (row.q1 - row.q0) * sum(c.n_cols for c in row.chunks)))
+    return tasks, costs, workers.worker_count(len(tasks), sum(costs)), groups
+
+
+def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
+    tables = read_tables(block_mask, L, S)
+    plans = []
+    cache: dict[tuple, list[Row]] = {}
+    budget = min(CHUNK_ELEMENTS, max(CHUNK_ELEMENTS // 4, B * Hq * L * Ev // 4))
+    budget //= max(1, torch.get_num_threads())  # each worker thread holds its own chunk
+    for g in _groups(B, Bkv, Hq, Hkv, tables.batch, tables.heads):
+        n_heads = len(range(Hq)[g.qh]) * len(range(B)[g.b])
+        rows = min(MAX_ROWS, max(tables.block_size[0], 1))
+        # at least one key block's worth of columns, even for many heads
+        cols = max(budget // (n_heads * rows), min(tables.block_size[1], 128), 16)
+        key = (g.bm, g.hm, rows, cols)
+        if key not in cache:
+            cache[key] = row_plan(tables, g.bm, g.hm, L, S, rows, cols)
+        plans.append((g, cache[key]))
+    return plans
+
+
+# ---- the mods ----------------------------------------------------------------------------
+
+def _inputs_read(mod: TracedMod) -> frozenset:
+    return frozenset(n.attr for n in mod.root.walk() if n.op == "input")
+
+
+def _is_true(mod: TracedMod | None) -> bool:
+    return mod is None or (mod.root.op == "const" and mod.root.attr is True)
+
+
+def _score_bias(mod: TracedMod | None):
+    """``(X, sign)`` when the score_mod is ``score + X`` (sign 1) or ``score - X`` (sign -1) with ``X``
+    not reading ``score`` (ALiBi, relative and learned biases), else ``(None, 0)``.
+
+    Such a mod is applied as one in-place ``add_`` of ``X`` onto the scores.
+    """
+    if mod is None or mod.root.op not in ("add", "sub"):
+        return None, 0
+    reads_score = lambda node: any(n.op == "input" and n.attr == "score" for n in node.walk())
+    left, right = mod.root.args
+    is_score = lambda node: node.op == "input" and node.attr == "score"
+    if is_score(left) and not reads_score(right):
+        return right, (1 if mod.root.op == "add" else -1)
+    if mod.root.op == "add" and is_score(right) and not reads_score(left):
+        return left, 1
+    return None, 0
+
+
+class _Mods:
+    """Evaluates the traced mods for one group on index tensors of exactly the visited positions."""
+
+    def __init__(self, score_mod: TracedMod | None, mask_mod: TracedMod | None, g: _Group,
+                 B: int, Hq: int, L: int, S: int, device: torch.device, dropout: Dropout | None = None):
+        self.score_mod = score_mod
+        self.dropout, self.Hq = dropout, Hq
+        self.mask_mod = None if _is_true(mask_mod) else mask_mod
+        self.score_reads = _inputs_read(score_mod) if score_mod is not None else frozenset()
+        self.bias_node, self.bias_sign = _score_bias(score_mod)
+        self.bias_reads = (frozenset(n.attr for n in self.bias_node.walk() if n.op == "input")
+                           if self.bias_node is not None else frozenset())
+        self.mask_reads = _inputs_read(self.mask_mod) if self.mask_mod is not None else frozenset()
+        self.b = torch.arange(B, device=device)[g.b].view(-1, 1, 1, 1)
+        self.h = torch.arange(Hq, device=device)[g.qh].view(1, -1, 1, 1)
+        self.q_pos = torch.arange(L, device=device)
+        self.kv_pos = torch.arange(S, device=device)
+
+    def _index(self, reads: frozenset, q0: int, q1: int, kv: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = {"b": self.b, "h": self.h, "q_idx": self.q_pos[q0:q1].view(1, 1, -1, 1), "kv_idx": kv.view(1, 1, 1, -1)}
+        return {name: values[name] for name in reads if name in values}
+
+    def score(self, s4: torch.Tensor, q0: int, q1: int, kv: torch.Tensor, buffers: Sequence | None = None) -> torch.Tensor:
+        """The score_mod applied to raw scores ``s4 [b, h, r, c]`` (result may broadcast)."""
+        args = self._index(self.score_reads, q0, q1, kv)
+        if "score" in self.score_reads:
+            args["score"] = s4
+        return evaluate(self.score_mod, buffers=buffers, **args)
+
+    def bias(self, q0: int, q1: int, kv: torch.Tensor) -> torch.Tensor:
+        """``X`` of a ``score +/- X`` score_mod at these positions (broadcastable to the scores)."""
+        return evaluate(self.bias_node, buffers=self.score_mod.buffers, **self._index(self.bias_reads, q0, q1, kv))
+
+    def kept(self, q0: int, q1: int, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dropout's ``1 / (1 - p)`` or 0 per pair of these rows and keys (:mod:`flexc.backends.dropout`)."""
+        return keep_scale(self.dropout, self.Hq, self.b, self.h, self.q_pos[q0:q1].view(1, 1, -1, 1),
+                          kv.view(1, 1, 1, -1), dtype)
+
+    def blocked(self, chunk: Chunk, q0: int, q1: int, kv: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        """``(offset, length, not_allowed)`` for the chunk's partial columns; empty when none need masking."""
+        if self.mask_mod is None or not chunk.partial:
+            return []
+        if len(chunk.partial) <= _MAX_PARTIAL_SPANS:
+            out = []
+            for off, n in chunk.partial:
+                allowed = evaluate(self.mask_mod, **self._index(self.mask_reads, q0, q1, kv[off:off + n]))
+                out.append((off, n, allowed.logical_not()))
+            return out
+        allowed = evaluate(self.mask_mod, **self._index(self.mask_reads, q0, q1, kv))
+        full_cols = torch.ones(chunk.n_cols, dtype=torch.bool, device=kv.device)
+        for off, n in chunk.partial:
+            full_cols[off:off + n] = False
+        return [(0, chunk.n_cols, (allowed | full_cols).logical_not())]
+
+
+def _fill(t: torch.Tensor, blocked: list, value: float) -> None:
+    for off, n, not_allowed in blocked:
+        t[..., off:off + n].masked_fill_(not_allowed, value)
+
+
+def _add_minus_inf(t: torch.Tensor, blocked: list) -> None:
+    """Mask finite scores by adding a 0/-inf bias: several times faster than a broadcast
+    masked_fill_, but only right when no score can be NaN or +inf (so not after a score_mod)."""
+    for off, n, not_allowed in blocked:
+        t[..., off:off + n].add_(torch.where(not_allowed, _NEG_INF, 0.0).to(t.dtype))
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- forward -----------------------------------------------------------------------------
+
+def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
+                  scale: float, kernel_options: dict | None = None, need_lse: bool = True,
+                  dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention forward: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``."""
+    out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False,
+                                   need_lse=need_lse, dropout=dropout)
+    return out, (lse if need_lse else None)
+
+
+def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True,
+                     lse_dtype=torch.float32, need_lse=True, dropout: Dropout | None = None):
+    """:func:`torch_forward` that also returns the row maxima of the masked, modded scores (or None).
+
+    ``lse_dtype`` lets the backward keep a float64 logsumexp for float64 inputs; ``need_lse=False``
+    (the caller discards it) lets the decode path skip the logsumexp's fix-ups. With ``dropout``
+    every call takes the row loop (the fused and decode paths cannot drop single pairs).
+    """
+    if dropout is None and decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
+        return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype,
+                                  need_lse)
+    if (dropout is None and block_mask is None and score_mod is None and query.numel() and key.shape[2]
+            and fused_cpu.supported(query, value, None, need_max)):  # plain attention: torch's fused kernel
+        out, lse = decode_cpu.flash(query, key, value, [], scale)
+        return out, lse.to(lse_dtype), None
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    work = _work_dtype(query.dtype)
+    out = torch.empty(B, Hq, L, Ev, dtype=query.dtype, device=query.device)  # rows are written once
+    lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
+    row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
+    if B * Hq * L == 0:
+        return out, lse, row_max
+    tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
+    _zero_rows_without_blocks(out, groups, tasks, L)
+    # Masked pairs must contribute exactly 0 whatever q/k/v hold; the fast paths (an additive -inf
+    # mask, torch's fused kernel) turn NaN or inf there into NaN, so they need finite inputs.
+    masked = bool(tasks) and tasks[0][1].mask_mod is not None
+    finite = not masked or all_finite(query, key, value)
+    fused = bool(tasks) and finite and dropout is None and fused_cpu.supported(query, value, tasks[0][1], need_max)
+    if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
+        query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
+        n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
+        tasks, costs = fused_cpu.group_tasks(tasks, n_workers)
+
+    def one_row(task, worker):
+        g, mods, row = task
+        if fused:
+            fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale)
+        else:
+            _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite)
+
+    workers.run(tasks, costs, one_row, n_workers, dynamic=True)  # rows write disjoint slices of out/lse
+    return out, lse, row_max
+
+
+def _batched_view(t: torch.Tensor, shape: tuple) -> torch.Tensor | None:
+    """``t`` viewed as ``shape`` without copying, or None when its strides do not allow it."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
+def _batched(kv: torch.Tensor, Bg: int, batch: int) -> torch.Tensor:
+    """Key/value rows ``[Bk, Hkv_g, c, D]`` as ``[batch, c, D]`` for bmm, broadcasting Bk == 1 over Bg."""
+    if kv.shape[0] != Bg:
+        kv = kv.expand(Bg, *kv.shape[1:])
+    return kv.reshape(batch, kv.shape[-2], kv.shape[-1])
+
+
+def _zero_rows_without_blocks(out: torch.Tensor, groups: list, tasks: list, L: int) -> None:
+    """Zero the output rows no task writes (query rows whose block rows list no key block)."""
+    spans: dict[int, list[tuple[int, int]]] = {id(g): [] for g in groups}
+    for g, _, row in tasks:
+        spans[id(g)].append((row.q0, row.q1))
+    for g in groups:
+        start = 0
+        for q0, q1 in sorted(spans[id(g)]) + [(L, L)]:
+            if q0 > start:
+                out[g.b, g.qh, start:q0] = 0
+            start = max(start, q1)
+
+
+def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: float, work: torch.dtype) -> torch.Tensor:
+    """``q * scale`` for rows ``[q0, q1)`` of the group, as ``[Bg, Hkv_g, G*r, E]`` (a fresh tensor)."""
+    q = query[g.b, g.qh, q0:q1]
+    q = q.to(work) * scale
+    Bg, Hg, r, E = q.shape
+    return q.reshape(Bg, Hg // g.G, g.G * r, E)  # a copy only for non-contiguous queries
+
+
+def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work,
+                 finite: bool = True):
+    """One query row range: scores in log2 units (``s * log2(e)``), online softmax over its chunks.
+
+    ``finite=False`` (q/k/v may hold NaN or inf) masks by selection and keeps masked keys' values
+    out of the product, so masked pairs contribute exactly 0.
+    """
+    q0, q1 = row.q0, row.q1
+    # unless a general score_mod needs natural-log scores, fold log2(e) into the query so the
+    # matmul yields base-2 scores directly
+    bias_mod = mods.bias_node is not None
+    general_mod = mods.score_mod is not None and not bias_mod
+    qb = _scaled_query_rows(query, g, q0, q1, scale if general_mod else scale * LOG2E, work)
+    Bg, Hkvg, Gr, _ = qb.shape
+    Hqg, r = Hkvg * g.G, q1 - q0
+    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    Ev = value.shape[-1]
+    # accumulate P @ V with baddbmm_ into [Bg*Hkv_g, G*r, Ev]: straight into the (zeroed) output
+    # rows when their layout allows, else into a scratch tensor; no temporary per chunk
+    acc = out[g.b, g.qh, q0:q1]
+    acc3 = _batched_view(acc, (Bg * Hkvg, Gr, Ev)) if out.dtype == work else None
+    direct = acc3 is not None
+    if not direct:
+        acc = torch.empty(Bg, Hqg, r, Ev, dtype=work, device=out.device)
+        acc3 = acc.view(Bg * Hkvg, Gr, Ev)
+    m = l = None
+    first = True
+    for chunk in row.chunks:
+        kv = chunk_kv_index(chunk, mods.kv_pos)
+        kc = chunk_rows(k_g, chunk).to(work)
+        vc = chunk_rows(v_g, chunk).to(work)
+        s = torch.matmul(qb, kc.transpose(-1, -2))  # [Bg, Hkv_g, G*r, c]
+        s4 = s.view(Bg, Hqg, r, chunk.n_cols)
+        blocked = mods.blocked(chunk, q0, q1, kv)
+        if general_mod:
+            modded = mods.score(s4, q0, q1, kv)
+            if modded is not s4:
+                s4.copy_(modded)  # broadcasts and casts into the buffer we own
+            s4.mul_(LOG2E)
+            _fill(s4, blocked, _NEG_INF)
+        elif bias_mod:
+            s4.add_(mods.bias(q0, q1, kv), alpha=mods.bias_sign * LOG2E)
+            _fill(s4, blocked, _NEG_INF)
+        elif finite:
+            _add_minus_inf(s4, blocked)
+        else:
+            _fill(s4, blocked, _NEG_INF)
+        m_new = s4.amax(-1, keepdim=True)
+        if m is not None:
+            m_new = torch.maximum(m, m_new)
+        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
+        s4.sub_(m_safe).exp2_()
+        p_sum = s4.sum(-1, keepdim=True)
+        if mods.dropout is not None:  # the denominator keeps every pair; the values see the kept ones
+            s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
+        if m is None:
+            l = p_sum
+        else:
+            alpha = (m - m_safe).exp2_()
+            l.mul_(alpha).add_(p_sum)
+            acc.mul_(alpha)
+        if finite or not blocked:
+            # the first chunk overwrites (beta=0 ignores whatever the rows held)
+            acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)
+        else:
+            part = matmul_skipping_zeros(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg))
+            acc3.copy_(part) if first else acc3.add_(part)
+        first = False
+        m = m_new
+    acc.div_(torch.where(l == 0, 1.0, l))  # fully masked rows: acc is 0, output 0
+    if not direct:
+        out[g.b, g.qh, q0:q1] = acc
+    m_safe = m.masked_fill(m == _NEG_INF, 0.0)
+    # l is 0 only for rows with nothing allowed; NaN (a NaN or +inf score) stays NaN, as in torch
+    lse[g.b, g.qh, q0:q1] = torch.where(l == 0, _NEG_INF, (m_safe + torch.log2(l)) * LN2).squeeze(-1)
+    if row_max is not None:
+        row_max[g.b, g.qh, q0:q1] = (m * LN2).squeeze(-1)
+
+
+# ---- backward ----------------------------------------------------------------------------
+
+def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: TracedMod | None,
+                   mask_mod: TracedMod | None, block_mask: Any, scale: float,
+                   grad_slots: Sequence[int] = (), dropout: Dropout | None = None):
+    """Gradients ``(dq, dk, dv, buffer_grads)`` of block-sparse attention, recomputed per query row.
+
+    ``grad_slots`` are the score_mod buffer slots that need gradients; ``buffer_grads`` follows
+    their order. ``grad_lse`` may be None. Rows with ``lse == -inf`` (fully masked) get zero gradients.
+    """
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, _ = value.shape
+    work = _work_dtype(query.dtype)
+    dq = torch.zeros(query.shape, dtype=work, device=query.device)
+    dk = torch.zeros(key.shape, dtype=work, device=query.device)
+    dv = torch.zeros(value.shape, dtype=work, device=query.device)
+    buffers = list(score_mod.buffers) if score_mod is not None else []
+    leaves, dtypes = [], []
+    for slot in grad_slots:
+        # a 16-bit captured tensor's gradient sums many small terms: the leaf is an exact fp32 copy,
+        # so autograd accumulates in fp32 and the sum is rounded once at the end (the mod's values
+        # are unchanged: the scores it meets are fp32 already)
+        dtypes.append(buffers[slot].dtype)
+        wide = torch.float32 if buffers[slot].dtype in (torch.float16, torch.bfloat16) else buffers[slot].dtype
+        buffers[slot] = buffers[slot].detach().to(wide).requires_grad_()
+        leaves.append(buffers[slot])
+    buf_grads = [torch.zeros_like(t) for t in leaves]
+    if B * Hq * L == 0:
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), [g.to(d) for g, d in zip(buf_grads, dtypes)]
+    # the softmax Jacobian's correction delta = rowsum(dO * P * dP) - dLSE. With a score_mod,
+    # _backward_row sums its dO part from its own probabilities (see there); without one, the
+    # flash identity rowsum(dO * out) is as accurate (fp32 rmse within 1.2x of SDPA's) and saves
+    # that first pass over the row
+    own_delta = score_mod is not None
+    delta = (-grad_lse.to(work).unsqueeze(-1) if grad_lse is not None
+             else torch.zeros(B, Hq, L, 1, dtype=work, device=query.device))
+    if not own_delta:
+        delta = delta + (grad_out.to(work) * out.to(work)).sum(-1, keepdim=True)
+    lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
+    tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
+    finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
+    # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
+    sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
+                                    for _ in range(n_workers - 1)]
+
+    def one_row(task, worker):
+        g, mods, row = task
+        dk_w, dv_w, buf_w = sums[worker]
+        _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
+                      buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite, own_delta)
+
+    workers.run(tasks, costs, one_row, n_workers)
+    for dk_w, dv_w, buf_w in sums[1:]:
+        dk += dk_w
+        dv += dv_w
+        for total, part in zip(buf_grads, buf_w):
+            total += part
+    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+            [g.to(d) for g, d in zip(buf_grads, dtypes)])
+
+
+def _add_rows(acc_rows: torch.Tensor, chunk: Chunk, update: torch.Tensor) -> None:
+    """``acc_rows[..., chunk positions, :] += update`` for a chunk that may span several ranges."""
+    off = 0
+    for start, end in chunk.spans:
+        acc_rows[..., start:end, :] += update[..., off:off + end - start, :]
+        off += end - start
+
+
+# Probabilities and dO @ V^T kept from the first pass of a row for its second pass, up to this
+# many elements per row task (beyond it the second pass recomputes them).
+_KEEP_ELEMENTS = 1 << 22
+
+
+def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods, q0: int, q1: int, Hqg: int,
+                 work, grad: bool, finite: bool = True):
+    """One chunk's ``(kc, s4, post, p, dp, blocked)``: scores, the score_mod's output (with its graph
+    when ``grad``), softmax probabilities from the saved logsumexp, and ``dO @ V^T`` (0 on masked
+    pairs when ``finite`` is False: a masked NaN/inf value must not reach delta, dS or the buffers)."""
+    Bg, r = qb.shape[0], q1 - q0
+    kv = chunk_kv_index(chunk, mods.kv_pos)
+    kc = chunk_rows(k_g, chunk).to(work)
+    vc = chunk_rows(v_g, chunk).to(work)
+    s4 = torch.matmul(qb, kc.transpose(-1, -2)).view(Bg, Hqg, r, chunk.n_cols)
+    blocked = mods.blocked(chunk, q0, q1, kv)
+    post = None
+    if mods.score_mod is not None:
+        if grad and "score" in mods.score_reads:
+            s4.requires_grad_()
+        with torch.set_grad_enabled(grad):
+            post = mods.score(s4, q0, q1, kv, buffers).expand(s4.shape)
+        p = torch.empty_like(s4).copy_(post.detach())
+    else:
+        p = s4
+    _fill(p, blocked, _NEG_INF)
+    # natural exp, as the softmax of the reference: exp2 of (s - lse) * log2(e) adds one rounding
+    p.sub_(lse_r).exp_()
+    dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
+    if not finite:
+        _fill(dp, blocked, 0.0)
+    kept = None
+    if mods.dropout is not None:  # d out / d p through the kept pairs only (the forward's mask, regenerated)
+        kept = mods.kept(q0, q1, kv, dp.dtype)
+        dp.mul_(kept)
+    return kc, s4, post, p, dp, blocked, kept
+
+
+def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
+                  g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool, finite: bool = True,
+                  own_delta: bool = True):
+    q0, q1 = row.q0, row.q1
+    qb = _scaled_query_rows(query, g, q0, q1, scale, work)
+    Bg, Hkvg, Gr, E = qb.shape
+    Hqg, r = Hkvg * g.G, q1 - q0
+    dob = grad_out[g.b, g.qh, q0:q1].to(work)
+    dob_g = dob.reshape(Bg, Hkvg, Gr, -1)
+    lse_r = lse_safe[g.b, g.qh, q0:q1]
+    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    dk_g, dv_g = dk[g.kb, g.kvh], dv[g.kb, g.kvh]
+    dq_r = torch.zeros(Bg, Hkvg, Gr, E, dtype=work, device=query.device)
+    args = (qb, k_g, v_g, dob_g, lse_r, buffers)
+    # Pass 1: delta = rowsum(P * dP) - dLSE from this backward's own probabilities. The flash
+    # identity rowsum(dO * out) equals it only up to the forward's rounding, and that mismatch
+    # doubled dq/dk errors with learnable biases (fp32 rmse vs float64, L=256: dq 1.25x -> 1.12x
+    # of SDPA's, dbias 1.35x -> 1.19x).
+    delta_r = delta[g.b, g.qh, q0:q1].clone()
+    kept, budget = [None] * len(row.chunks), _KEEP_ELEMENTS
+    for i, chunk in enumerate(row.chunks if own_delta else ()):
+        keep = budget >= Bg * Hqg * r * chunk.n_cols
+        piece = _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=keep, finite=finite)
+        delta_r += (piece[3] * piece[4]).sum(-1, keepdim=True)
+        kept[i] = piece if keep else None
+        budget -= Bg * Hqg * r * chunk.n_cols if keep else 0
+    for chunk, piece in zip(row.chunks, kept):
+        kc, s4, post, p, dp, blocked, kept = piece or _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=True,
+                                                                   finite=finite)
+        p_g = (p if kept is None else p * kept).view(Bg, Hkvg, Gr, -1)
+        dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
+        ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
+        if post is not None:
+            wrt = ([s4] if s4.requires_grad else []) + leaves
+            grads = torch.autograd.grad(post, wrt, ds, allow_unused=True) if post.requires_grad and wrt else [None] * len(wrt)
+            for i, gb in enumerate(grads[len(wrt) - len(leaves):]):
+                if gb is not None:
+                    buf_grads[i] += gb
+            ds = grads[0] if s4.requires_grad else None
+        if ds is not None:
+            ds = ds.contiguous()
+            _fill(ds, blocked, 0.0)  # masked entries never reach the output, whatever the mod's slope
+            ds_g = ds.view(Bg, Hkvg, Gr, -1)
+            # a masked pair (dS = 0) must not bring a NaN or inf key into dq, or such a query into dk
+            matmul = torch.matmul if finite or not blocked else matmul_skipping_zeros
+            dq_r.add_(matmul(ds_g, kc), alpha=scale)
+            dk_c = matmul(ds_g.transpose(-1, -2), qb)
+            _add_rows(dk_g, chunk, dk_c.sum(0, keepdim=True) if sum_kv_batch else dk_c)
+        _add_rows(dv_g, chunk, dv_c.sum(0, keepdim=True) if sum_kv_batch else dv_c)
+    dq[g.b, g.qh, q0:q1] = dq_r.view(Bg, Hqg, r, E)

@@ -1,0 +1,1 @@
+"""The Triton backend: generated forward, backward and decode kernels, their cache and launch."""

@@ -1,0 +1,1 @@
+"""The public call: flex_attention, its validation, torch compatibility names, sinks and context parallelism."""

@@ -1,0 +1,1 @@
+"""Tools around the library: the flexc command and pictures of masks and score_mods."""

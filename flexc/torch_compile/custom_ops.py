@@ -1,0 +1,272 @@
+"""flexc's attention as torch custom operators, so ``torch.compile`` sees one opaque node per call.
+
+``flexc::flex_attention`` (forward) and ``flexc::flex_attention_backward`` take only tensors and
+constants: query/key/value, the BlockMask's tables, the tensors each mod captured, and the mods'
+structure as strings (:mod:`flexc.mods.mod_key`). Each has a fake implementation for tracing (shapes,
+dtypes and the real one's strides: outputs and gradients laid out as eager calls return them, see
+:mod:`flexc.backends.layout`), and the forward's autograd formula calls the backward op, so compiled
+training runs flexc's own backward and captured tensors that require grad receive gradients.
+:mod:`flexc.torch_compile.under_compile` is what calls these ops from inside a compiled region.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from typing import Optional
+
+import torch
+
+from ..analysis import bounds
+from ..call import validate
+from ..backends.cpu.torch_cpu import forward_with_max, torch_backward, torch_forward
+from ..masks.block_mask import DERIVED, BlockMask, create_block_mask
+from ..codegen.printer import precise_math_for
+from ..masks.empty_entries import without_empty_entries
+from ..backends.layout import empty_like_reference, laid_out_like
+from ..mods.mod_key import traced_from_key
+
+# The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
+# The forward and the backward walk query rows, so the q-direction tables are never needed.
+TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
+def lse_dtype(query: torch.Tensor) -> torch.dtype:
+    """The logsumexp's dtype, as eager flex_attention's: float64 for float64 inputs, else float32."""
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
+def options_key(options: dict) -> str:
+    """``kernel_options`` (``BACKEND`` resolved) as the ops' string argument."""
+    return json.dumps(options, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_options(kernel_options: str) -> dict:
+    return json.loads(kernel_options)
+
+
+def _options(kernel_options: str) -> dict:
+    """:func:`options_key`'s JSON as a dict (parsed once per distinct string; each call gets its own copy)."""
+    return dict(_parsed_options(kernel_options))
+
+
+def _block_mask(tables: list, block_size: list[int], seq_lengths: list[int], mask_mod) -> BlockMask | None:
+    if not block_size:
+        return None
+    return BlockMask(tuple(seq_lengths), *tables, *(DERIVED,) * 4, BLOCK_SIZE=tuple(block_size),
+                     mask_mod=mask_mod if mask_mod is not None else _noop)
+
+
+def _noop(b, h, q_idx, kv_idx):
+    return q_idx >= 0  # stands in only for the mask of a BlockMask rebuilt without a mask_mod
+
+
+def _mods(score_key: str, score_buffers, mask_key: str, mask_buffers):
+    score = traced_from_key(score_key, score_buffers) if score_key else None
+    mask = traced_from_key(mask_key, mask_buffers) if mask_key else None
+    return score, mask
+
+
+def _triton():
+    # imported on first use: the Triton backend loads triton (and registers itself with flexc.call.attention)
+    from ..backends.triton import backward as triton_backward
+    return triton_backward
+
+
+# A custom op's implementation runs with autograd's dispatch keys excluded; the backward needs them
+# back to differentiate the score_mod (torch.autograd.grad over its recomputed scores).
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther)
+
+
+@contextlib.contextmanager
+def _autograd_enabled():
+    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in _AUTOGRAD_KEYS]
+    try:
+        for k in _AUTOGRAD_KEYS:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for k, excluded in zip(_AUTOGRAD_KEYS, before):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
+
+
+def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
+             mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
+             block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
+             need_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward: ``(out [B,Hq,L,Ev], lse [B,Hq,L], max_scores [B,Hq,L] or empty)``.
+
+    ``score_mod``/``mask_mod`` are :func:`flexc.mods.mod_key.mod_key` strings ("" for none);
+    ``block_size`` is empty when there is no BlockMask; ``kernel_options`` is :func:`options_key`'s JSON.
+    """
+    return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
+                        seq_lengths, scale, kernel_options, need_max, True)
+
+
+def _forward_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
+                       mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
+                       block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
+                       need_max: bool, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_forward` for calls without gradients; the logsumexp is empty unless ``need_lse``."""
+    return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
+                        seq_lengths, scale, kernel_options, need_max, need_lse)
+
+
+def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
+                 seq_lengths, scale, kernel_options, need_max, need_lse):
+    score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
+    block_mask = _block_mask(tables, block_size, seq_lengths, mask)
+    if block_mask is not None:  # the value checks eager flex_attention makes (dynamo cannot read values)
+        validate.check_block_tables(block_mask, query.shape[2], key.shape[2])
+        block_mask = without_empty_entries(block_mask)  # (negative entries in the counts: empty blocks)
+    for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
+        bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
+    options = _options(kernel_options)
+    score, mask = precise_math_for(options, score, mask)  # FAST_MATH=False, as in eager calls
+    row_max = None
+    if options["BACKEND"] == "TRITON":  # the forward that also serves the generated backward
+        out, lse = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options)
+    elif need_max or query.dtype == torch.float64:  # float64: keep the logsumexp in float64
+        out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
+                                             lse_dtype=lse_dtype(query))
+    else:
+        out, lse = torch_forward(query, key, value, score, mask, block_mask, scale, options, need_lse)
+    if row_max is None:
+        row_max = query.new_empty((0,), dtype=torch.float32)
+    # laid out as an eager call returns it (the query's dimension order, flexc.backends.layout) whatever a
+    # backend chose, and the logsumexp contiguous: what the fake implementation promises
+    lse = lse.to(lse_dtype(query)).contiguous() if need_lse else query.new_empty((0,), dtype=lse_dtype(query))
+    return laid_out_like(out, query), lse, row_max
+
+
+flex_attention_op = torch.library.custom_op("flexc::flex_attention", _forward, mutates_args=())
+
+
+@flex_attention_op.register_fake
+def _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
+                    seq_lengths, scale, kernel_options, need_max):
+    B, Hq, L, _ = query.shape
+    Ev = value.shape[-1]
+    out = empty_like_reference((B, Hq, L, Ev), query)  # the real implementation's strides
+    lse = query.new_empty((B, Hq, L), dtype=lse_dtype(query))
+    row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
+    return out, lse, row_max
+
+
+@torch.library.custom_op("flexc::flex_attention_backward", mutates_args=())
+def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                               lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                               tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
+                               mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
+                               block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
+                               grad_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``."""
+    score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
+    block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask))
+    options = _options(kernel_options)
+    score, mask = precise_math_for(options, score, mask)
+    # flex_attention's own rule for when the generated backward applies (imported at run time:
+    # flexc.call.attention imports this module)
+    from ..call.attention import _generated_backward_applies, warn_fallback
+    if options["BACKEND"] == "TRITON" and _generated_backward_applies(score):  # the generated kernels
+        dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, lse, grad_out, grad_lse, score,
+                                                          mask, block_mask, scale, tuple(grad_slots), options)
+    else:
+        if options["BACKEND"] == "TRITON":  # says so, once per score_mod, as eager calls do
+            warn_fallback(score, "TRITON")
+        with _autograd_enabled():  # carries dS through the score_mod
+            dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
+                                                   block_mask, scale, tuple(grad_slots))
+    # each gradient laid out like its input, as an eager call's (flexc.backends.layout), and the captured
+    # tensors' contiguous: what the fake implementation promises
+    return (laid_out_like(dq, query), laid_out_like(dk, key), laid_out_like(dv, value),
+            [g.contiguous() for g in buf_grads])
+
+
+@flex_attention_backward_op.register_fake
+def _(query, key, value, out, lse, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
+      mask_mod, block_size, seq_lengths, scale, kernel_options, grad_slots):
+    return (empty_like_reference(query.shape, query), empty_like_reference(key.shape, key),
+            empty_like_reference(value.shape, value),
+            [score_buffers[i].new_empty(score_buffers[i].shape) for i in grad_slots])
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths,
+     scale, kernel_options, need_max) = inputs
+    out, lse, _ = output
+    # captured float tensors that require grad (learnable biases, ALiBi slopes) get gradients
+    ctx.grad_slots = [i for i, t in enumerate(score_buffers) if t.is_floating_point() and t.requires_grad]
+    ctx.n_tables, ctx.n_score, ctx.n_mask = len(tables), len(score_buffers), len(mask_buffers)
+    ctx.table_present = [t is not None for t in tables]
+    ctx.constants = (score_mod, mask_mod, list(block_size), list(seq_lengths), scale, kernel_options)
+    # the gradients mirror the inputs' pytree: a list of ints is a leaf (grad None), an empty list is not
+    ctx.int_list_grads = [None if len(x) else [] for x in (block_size, seq_lengths)]
+    ctx.save_for_backward(query, key, value, out, lse, *[t for t in tables if t is not None],
+                          *score_buffers, *mask_buffers)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_max):
+    saved = list(ctx.saved_tensors)
+    query, key, value, out, lse = saved[:5]
+    rest = iter(saved[5:])
+    tables = [next(rest) if present else None for present in ctx.table_present]
+    score_buffers = [next(rest) for _ in range(ctx.n_score)]
+    mask_buffers = [next(rest) for _ in range(ctx.n_mask)]
+    score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options = ctx.constants
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, buf_grads = flex_attention_backward_op(
+        query, key, value, out, lse, grad_out.contiguous(), grad_lse, tables, score_buffers, mask_buffers,
+        score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options, ctx.grad_slots)
+    score_grads: list = [None] * ctx.n_score
+    for slot, g in zip(ctx.grad_slots, buf_grads):
+        score_grads[slot] = g
+    return (dq, dk, dv, [None] * ctx.n_tables, score_grads, [None] * ctx.n_mask, None, None,
+            *ctx.int_list_grads, None, None, None)
+
+
+flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+# The same forward for compiled calls that need no gradients (inference, decoding): an operator
+# without an autograd formula, so torch's dispatcher calls the kernel directly. Through the
+# custom_op above, each call also runs torch's Python autograd layer and redispatch (about 40 us a
+# call on a CPU, a fifth of a one-row decoding step's cost in a compiled loop).
+_LIBRARY = torch.library.Library("flexc", "FRAGMENT")
+_LIBRARY.define("flex_attention_inference" + torch.library.infer_schema(_forward_inference, mutates_args=()))
+_LIBRARY.impl("flex_attention_inference", _forward_inference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flexc::flex_attention_inference", lib=_LIBRARY)
+def _(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths, scale,
+      kernel_options, need_max, need_lse):
+    out, lse, row_max = _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod,
+                                        block_size, seq_lengths, scale, kernel_options, need_max)
+    return out, (lse if need_lse else lse.new_empty((0,))), row_max
+
+
+flex_attention_inference_op = torch.ops.flexc.flex_attention_inference.default
+
+
+@torch.library.custom_op("flexc::create_block_mask", mutates_args=())
+def create_block_mask_op(mask_buffers: list[torch.Tensor], mask_mod: str, B: int, H: int, Q_LEN: int, KV_LEN: int,
+                         Q_BLOCK: int, KV_BLOCK: int, device: torch.device
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kv tables ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` of
+    :func:`flexc.create_block_mask` for a mask_mod given as a mod key and its captured tensors."""
+    bm = create_block_mask(traced_from_key(mask_mod, mask_buffers), B, H, Q_LEN, KV_LEN, device=device,
+                           BLOCK_SIZE=(Q_BLOCK, KV_BLOCK))
+    return (bm.kv_num_blocks.contiguous(), bm.kv_indices.contiguous(), bm.full_kv_num_blocks.contiguous(),
+            bm.full_kv_indices.contiguous())
+
+
+@create_block_mask_op.register_fake
+def _(mask_buffers, mask_mod, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device):
+    nq, nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    num = torch.empty((B, H, nq), dtype=torch.int32, device=device)
+    indices = torch.empty((B, H, nq, nkv), dtype=torch.int32, device=device)
+    return num, indices, torch.empty_like(num), torch.empty_like(indices)
