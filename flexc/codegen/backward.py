@@ -26,17 +26,17 @@ import torch
 
 from ..mods import ir
 from ..mods.derivative import ScoreModDerivative, differentiate
-from ..mods.trace import TracedMod
+from .constants import LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
-from .forward import (KV_BASES, RCP_LN2, _TL, _describe, _dot, _padded, _render, _row_sum, _stems, _widens,
-                      padded_head_dim)
+from .forward import _TL, KV_BASES, _describe, _dot, _padded, _render, _row_sum, _stems, _widens, padded_head_dim
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
+from .spec import AttentionSpec
 
 KERNEL_NAME = "flex_attention_backward"
 
 
 @dataclass(frozen=True)
-class BackwardSpec:
+class BackwardSpec(AttentionSpec):
     """What one generated backward kernel is specialised for.
 
     ``block_m1``/``block_n1`` are the dK/dV programs' query step and key tile, ``block_m2``/``block_n2``
@@ -44,11 +44,8 @@ class BackwardSpec:
     that receive gradients. The other fields mean what they mean in :class:`ForwardSpec`.
     """
 
-    score_mod: TracedMod | None
-    mask_mod: TracedMod | None
-    dtype: torch.dtype
-    head_dim: int
-    v_head_dim: int
+    KIND = ("backward",)
+
     q_block_size: int
     kv_block_size: int
     block_m1: int
@@ -63,17 +60,6 @@ class BackwardSpec:
     fp32_precision: str = "ieee"
     # integer type of the mods' index arithmetic, as the forward's (flexc.codegen.index_width)
     index_dtype: str = "int32"
-
-    def key(self) -> tuple:
-        """The kernel cache key: the mods' structure, never their captured values or lengths."""
-        return (
-            "backward",
-            self.score_mod.key if self.score_mod is not None else None,
-            self.mask_mod.key if self.mask_mod is not None else None,
-            self.dtype, self.head_dim, self.v_head_dim, self.q_block_size, self.kv_block_size,
-            self.block_m1, self.block_n1, self.block_m2, self.block_n2, self.num_warps, self.num_stages,
-            self.has_full_blocks, self.grad_slots, self.target, self.fp32_precision, self.index_dtype,
-        )
 
     def grad_dtype(self, slot: int) -> torch.dtype:
         """The dtype captured tensor ``slot``'s gradient is accumulated in (atomics need fp32/fp64)."""
@@ -372,7 +358,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         f"        score = {_dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
         "        valid = kv_in_range[:, None] & q_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
-        f"        pT = tl.exp2(qk * {RCP_LN2} - lse[None, :])",
+        f"        pT = tl.exp2(qk * {LOG2E} - lse[None, :])",
         f"        dv = {_dot(_operand(spec, 'pT'), 'do', spec, 'dv')}",
     ]
     needs_ds = gathers or not _ignores_score(d_score)
@@ -419,7 +405,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         f"        score = {_dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
-        f"        p = tl.exp2(qk * {RCP_LN2} - lse[:, None])",
+        f"        p = tl.exp2(qk * {LOG2E} - lse[:, None])",
         f"        dp = {_dot('do', 'vT', spec)}",
         "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
         *_score_grad_lines(d_score, "ds", "        "),

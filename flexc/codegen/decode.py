@@ -23,29 +23,26 @@ from dataclasses import dataclass
 
 import torch
 
-from ..mods.trace import TracedMod
+from .constants import LN2, LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble
-from .forward import (KV_BASES, LN2, RCP_LN2, _NONFINITE_VALUES, _TL, _buffer_args, _describe, _dot, _mask_lines, _padded,
-                      _render, _row_max, _row_sum, _score_lines, _softmax_state, _value_guard_lines, _widens,
-                      padded_head_dim)
+from .forward import (_NONFINITE_VALUES, _TL, KV_BASES, _buffer_args, _describe, _dot, _mask_lines, _padded, _render,
+                      _row_max, _row_sum, _score_lines, _softmax_state, _value_guard_lines, _widens, padded_head_dim)
 from .printer import BufferParam
+from .spec import AttentionSpec
 
 KERNEL_NAME = "flex_decode_split"
 
 
 @dataclass(frozen=True)
-class DecodeSpec:
+class DecodeSpec(AttentionSpec):
     """What one generated decode kernel is specialised for (its :meth:`key` is the cache key).
 
     ``block_m`` holds the packed rows (``G * L`` padded to a power of two, at least 16);
     ``block_n`` divides the BlockMask's key block size ``kv_block_size``.
     """
 
-    score_mod: TracedMod | None
-    mask_mod: TracedMod | None
-    dtype: torch.dtype
-    head_dim: int
-    v_head_dim: int
+    KIND = ("decode",)
+
     kv_block_size: int
     block_m: int
     block_n: int
@@ -56,14 +53,6 @@ class DecodeSpec:
     fp32_precision: str = "ieee"
     # integer type of the mods' index arithmetic, as the forward's (flexc.codegen.index_width)
     index_dtype: str = "int32"
-
-    def key(self) -> tuple:
-        return ("decode",
-                self.score_mod.key if self.score_mod is not None else None,
-                self.mask_mod.key if self.mask_mod is not None else None,
-                self.dtype, self.head_dim, self.v_head_dim, self.kv_block_size, self.block_m, self.block_n,
-                self.num_warps, self.num_stages, self.has_full_blocks, self.target, self.fp32_precision,
-                self.index_dtype)
 
 
 @dataclass(frozen=True)
@@ -141,7 +130,7 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
         "        kv_in_range = offs_n < KV_LEN",
         f"        k = {load(k_ptrs, 'kv_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', d_pad), widen=widen_t)}",
         *([f"        qk = {_dot('q', 'k', spec)} * scale"] if score is not None else
-          [f"        qk = {_dot('q', 'k', spec)} * (scale * {RCP_LN2})  # scaled and in base 2 at once: no score_mod"]),
+          [f"        qk = {_dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once: no score_mod"]),
         "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
         *_score_lines(spec, score, "        "),
     ]
@@ -150,7 +139,7 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
         body += ["        if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
     body += [
         "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
-        *([f"        qk = qk * {RCP_LN2}  # to base 2"] if score is not None else []),
+        *([f"        qk = qk * {LOG2E}  # to base 2"] if score is not None else []),
         f"        m_new = tl.maximum(m_i, {_row_max(spec, 'qk')})",
         "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # nothing allowed yet: no -inf - -inf",
         "        alpha = tl.exp2(m_i - m_safe)",

@@ -6,9 +6,9 @@ walks the BlockMask's *partial* key blocks (score_mod and mask_mod) and then its
 online softmax in fp32 with ``exp2``. Everything the generator knows (block sizes, head dims,
 dtypes, the mods) is written into the source, which opens with a comment saying what it computes.
 
-:class:`ForwardSpec` is everything that shapes the source; its :meth:`ForwardSpec.key` is the
-kernel cache key. :func:`generate_forward` returns the source and the parameter plan the launcher
-follows.
+:class:`ForwardSpec` is everything that shapes the source; its key (derived from its fields,
+:mod:`flexc.codegen.spec`) is the kernel cache key. :func:`generate_forward` returns the source
+and the parameter plan the launcher follows.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from ..mods.trace import TracedMod
+from .constants import LN2, LOG2E
 from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
+from .spec import AttentionSpec, next_power_of_2, padded_head_dim
 
 KERNEL_NAME = "flex_attention_forward"
-RCP_LN2 = 1.4426950408889634  # 1 / ln(2): scores move to base 2 so the softmax can use exp2
-LN2 = 0.6931471805599453
 NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row covers every query
 
 _TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
@@ -39,29 +39,14 @@ _RESERVED = {"query", "key", "value", "out", "lse", "partial_block_counts", "par
              "partial_q_counts", "partial_q_indices", "full_q_counts", "full_q_indices"}
 
 
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def padded_head_dim(d: int) -> int:
-    """Head dims are padded to a power of two, at least 16 (tl.dot's smallest tile)."""
-    return max(16, next_power_of_2(d))
-
-
 @dataclass(frozen=True)
-class ForwardSpec:
-    """What one generated forward kernel is specialised for.
+class ForwardSpec(AttentionSpec):
+    """What one generated forward kernel is specialised for (its :meth:`key` is the cache key).
 
     ``q_block_size``/``kv_block_size`` are the BlockMask's block sizes (``NO_BLOCK_MASK`` and
     ``block_n`` when there is none); ``block_m``/``block_n`` the kernel's tiles, which divide them.
-    ``target`` is ``"cuda"`` or ``"interpreter"`` (Triton's CPU interpreter).
     """
 
-    score_mod: TracedMod | None
-    mask_mod: TracedMod | None
-    dtype: torch.dtype
-    head_dim: int
-    v_head_dim: int
     q_block_size: int
     kv_block_size: int
     block_m: int
@@ -78,17 +63,6 @@ class ForwardSpec:
     blocks_are_contiguous: bool = False
     # integer type of the mods' index arithmetic: "int64" where int32 could overflow (torch uses int64)
     index_dtype: str = "int32"
-
-    def key(self) -> tuple:
-        """The kernel cache key: the mods' structure, never their captured values or lengths."""
-        return (
-            self.score_mod.key if self.score_mod is not None else None,
-            self.mask_mod.key if self.mask_mod is not None else None,
-            self.dtype, self.head_dim, self.v_head_dim, self.q_block_size, self.kv_block_size,
-            self.block_m, self.block_n, self.num_warps, self.num_stages, self.has_full_blocks,
-            self.output_lse, self.target, self.fp32_precision, self.prescale_qk, self.rows_guaranteed_safe,
-            self.blocks_are_contiguous, self.index_dtype,
-        )
 
 
 @dataclass(frozen=True)
@@ -345,13 +319,13 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
     elif score is not None:
         scores = [f"        qk = {_dot('q', 'k', spec)} * scale  # the score_mod sees the scaled score"]
     elif spec.dtype == torch.float64:  # nothing to gain from the fold; keep fp64 scores exact
-        scores = [f"        qk = {_dot('q', 'k', spec)} * (scale * {RCP_LN2})  # scaled and in base 2 at once"]
+        scores = [f"        qk = {_dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once"]
     else:
-        scores = [f"        qk_scale = scale * {RCP_LN2}  # scale and the change to base 2 (the launcher makes it > 0)",
+        scores = [f"        qk_scale = scale * {LOG2E}  # scale and the change to base 2 (the launcher makes it > 0)",
                   f"        qk = {_dot('q', 'k', spec)}  # qk_scale is applied in the exp2 below"]
     # The factor that takes a score to base 2: folded into one FMA with the max subtraction.
     to_base2 = (None if prescaled or (score is None and spec.dtype == torch.float64)
-                else RCP_LN2 if score is not None else "qk_scale")
+                else LOG2E if score is not None else "qk_scale")
     row_max = _row_max(spec, "qk")
     body = [
         *jit_def("attend_tile", params),
@@ -530,7 +504,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     if spec.prescale_qk:
         body += ["    # PRESCALE_QK: scale and log2(e) applied to q once (torch's option: the score_mod sees",
                  "    # scores in base 2), not to every tile of scores",
-                 f"    q = (q * (scale * {RCP_LN2})).to({_TL[spec.dtype]}){'.to(tl.float32)' if widen else ''}"]
+                 f"    q = (q * (scale * {LOG2E})).to({_TL[spec.dtype]}){'.to(tl.float32)' if widen else ''}"]
     body += [
         "    # this tile's row of the BlockMask tables; their batch and heads broadcast by modulo",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M) // Q_BLOCK_SIZE",

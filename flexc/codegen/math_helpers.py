@@ -48,6 +48,8 @@ prints the fast forms there too (``portable_fast_tanh``: a correctly rounded ``1
 """
 from __future__ import annotations
 
+from .constants import LOG2E, TWO_LOG2E  # noqa: F401 (the fast forms' constants, imported from here too)
+
 # IR op -> helper function name in the generated source
 MATH_HELPERS = {
     "tan": "tan", "atan": "atan", "asin": "asin", "acos": "acos", "sinh": "sinh", "cosh": "cosh",
@@ -63,8 +65,6 @@ FAST_HELPERS = {"cuda": {"tanh": "fast_tanh", "sigmoid": "fast_sigmoid"},
                 "portable": {"tanh": "portable_fast_tanh", "sigmoid": "portable_fast_sigmoid"}}
 FAST_TANH_ERROR = 6e-7  # absolute, every fp32 input
 FAST_SIGMOID_ERROR = 6e-7  # relative, plus |x| * 2**-24, while the result is a normal fp32 number
-TWO_LOG2E = 2.8853900817779268  # 2 / ln(2): e^(2x) = 2^(x * TWO_LOG2E)
-LOG2E = 1.4426950408889634
 
 HELPER_NEEDS = {
     "fast_tanh": ("approx_rcp",), "fast_sigmoid": ("approx_rcp",),

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .spec import KernelSpec
+
 KERNEL_NAME = "flex_decode_merge"
 
 
 @dataclass(frozen=True)
-class MergeSpec:
+class MergeSpec(KernelSpec):
     """What one merge kernel is specialised for (its :meth:`key` is the cache key)."""
+
+    KIND = ("merge",)
 
     work_dtype: str  # "float32" or "float64": the partial results' dtype
     v_head_dim_pad: int
@@ -30,9 +34,6 @@ class MergeSpec:
     target: str = "cuda"
     num_warps: int = 4
     num_stages: int = 1
-
-    def key(self) -> tuple:
-        return ("merge", self.work_dtype, self.v_head_dim_pad, self.block_rows, self.target, self.num_warps)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""The kernel spec base: what a generated kernel is specialised for, and its cache key.
+
+Each generator takes a frozen dataclass of everything that shapes its source, and the backends
+cache compiled kernels by its :meth:`KernelSpec.key`. The key is derived from the fields in order
+(a mod by its structure key, never its captured values), after the spec's ``KIND`` tag so kernels
+of two kinds never share one.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+from ..mods.trace import TracedMod
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def padded_head_dim(d: int) -> int:
+    """Head dims are padded to a power of two, at least 16 (tl.dot's smallest tile)."""
+    return max(16, next_power_of_2(d))
+
+
+@functools.cache
+def _key_plan(cls: type) -> tuple[operator.attrgetter, tuple[int, ...]]:
+    # once per class (key() runs on every call's cache lookup): a getter of the fields in order,
+    # and the positions of the mods among them
+    names = [f.name for f in fields(cls)]
+    return operator.attrgetter(*names), tuple(i for i, name in enumerate(names) if name in cls.MOD_FIELDS)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Base of every kernel spec: the cache key derived from the fields."""
+
+    KIND: ClassVar[tuple[str, ...]] = ()  # the key's leading tag ("decode", ...); the forward's is empty
+    MOD_FIELDS: ClassVar[tuple[str, ...]] = ()  # fields holding a TracedMod (or None): keyed by structure
+
+    def key(self) -> tuple:
+        """The kernel cache key: the fields in order, the mods' structure, never their captured values."""
+        get_fields, mods = _key_plan(type(self))
+        values = list(get_fields(self))
+        for i in mods:
+            if values[i] is not None:
+                values[i] = values[i].key
+        return self.KIND + tuple(values)
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KernelSpec):
+    """An attention kernel's spec: the mods and head dims lead every one's fields.
+
+    The specs also share ``num_warps``, ``num_stages``, ``has_full_blocks``, ``target``
+    (``"cuda"`` or ``"interpreter"``), ``fp32_precision`` and ``index_dtype``, but each declares
+    them where its callers pass them positionally (a base's fields would all come first).
+    """
+
+    MOD_FIELDS: ClassVar[tuple[str, ...]] = ("score_mod", "mask_mod")
+
+    score_mod: TracedMod | None
+    mask_mod: TracedMod | None
+    dtype: torch.dtype
+    head_dim: int
+    v_head_dim: int
+
+    @property
+    def widens(self) -> bool:
+        """Whether 16-bit tiles are widened to fp32 before tl.dot (Triton's interpreter: its 16-bit dot
+        is unreliable)."""
+        return self.target == "interpreter" and self.dtype in (torch.float16, torch.bfloat16)
+
+    @property
+    def padded(self) -> tuple[bool, bool]:
+        """Whether the head dim and the value head dim are padded (their tiles need bounds checks)."""
+        return self.head_dim != padded_head_dim(self.head_dim), self.v_head_dim != padded_head_dim(self.v_head_dim)
+
+    @property
+    def acc_dtype(self) -> str:
+        """The Triton dtype of the softmax state and gradient accumulators."""
+        return "tl.float64" if self.dtype == torch.float64 else "tl.float32"
+
+    @property
+    def tl_dtype(self) -> str:
+        """The Triton dtype of the inputs."""
+        return TL_DTYPES[self.dtype]
+
+
+TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+             torch.float64: "tl.float64"}
+
+__all__ = ["AttentionSpec", "KernelSpec", "TL_DTYPES", "next_power_of_2", "padded_head_dim"]
