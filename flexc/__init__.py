@@ -2,11 +2,13 @@
 from ._version import __version__
 from .mods.ir import Node
 from .mods.trace import TraceError, TracedMod, trace
-from .mods.evaluate import evaluate, evaluate_grid
+from .mods.evaluate import evaluate
+from .mods.grid import evaluate_grid
 from .masks.mask_mods import and_masks, noop_mask, not_mask, or_masks
 from .masks.block_mask import BlockMask, create_block_mask, create_mask
 from .masks import block_mask_pytree  # noqa: F401  (registers BlockMask as a pytree node)
 from .call.attention import AuxOutput, AuxRequest, FallbackWarning, flex_attention
+from .torch_compile import under_compile  # noqa: F401  (its custom ops exist before any compiled call)
 from .backends.triton.forward import cache_clear, cache_info, kernel_source
 # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`
 # becomes `from flexc import ...` unchanged

@@ -180,7 +180,7 @@ def test_validation_happens_before_tracing_or_work():
 
 
 def test_backend_dispatch_uses_the_registered_forward_and_trains_through_the_torch_backward(monkeypatch):
-    from flexc.call import attention
+    from flexc.backends import registry
     from flexc.backends.cpu.torch_cpu import torch_forward
 
     calls = []
@@ -189,8 +189,8 @@ def test_backend_dispatch_uses_the_registered_forward_and_trains_through_the_tor
         calls.append(args[-1])  # need_lse
         return torch_forward(*args)
 
-    monkeypatch.setitem(attention.BACKENDS, "TRITON", fake_triton)
-    monkeypatch.delitem(attention.TRAINING, "TRITON", raising=False)  # no generated backward: the torch one
+    monkeypatch.setitem(registry.BACKENDS, "TRITON", fake_triton)
+    monkeypatch.delitem(registry.TRAINING, "TRITON", raising=False)  # no generated backward: the torch one
     q, k, v = (t.double().requires_grad_() for t in _qkv())
     out = flexc.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
     assert calls == [True]  # training always asks the forward for lse

@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flexc.mods import ir, trace
+from flexc import trace
+from flexc.mods import ir
 from flexc.backends.triton.forward import import_source
 from flexc.codegen import render_mod
 from flexc.codegen.printer import HELPERS

@@ -1,6 +1,6 @@
 """The trace cache: a cached trace is reused only while it equals a fresh trace of the mod.
 
-The reference is a fresh, uncached trace of the mod in its current state (``_Tracer(fn).run()``)
+The reference is a fresh, uncached trace of the mod in its current state (``Tracer(fn).run()``)
 and, end to end, a dense float64 attention computed from the mod called directly.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.mods.trace import MASK_MOD, SCORE_MOD, TraceError, _Tracer, mod_kind, trace
+from flexc.mods.trace import MASK_MOD, SCORE_MOD, TraceError, Tracer, mod_kind, trace
 from reference import dense_attention, random_qkv
 
 
@@ -21,18 +21,18 @@ from reference import dense_attention, random_qkv
 def runs(monkeypatch):
     """Counts how many times the tracer really ran."""
     count = [0]
-    original = _Tracer.run
+    original = Tracer.run
 
     def counting(self):
         count[0] += 1
         return original(self)
 
-    monkeypatch.setattr(_Tracer, "run", counting)
+    monkeypatch.setattr(Tracer, "run", counting)
     return count
 
 
 def fresh(fn):
-    return _Tracer(fn, mod_kind(fn)).run()
+    return Tracer(fn, mod_kind(fn)).run()
 
 
 def assert_current(fn):

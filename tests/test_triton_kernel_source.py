@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.call import attention
+from flexc.call import plan
 from catalogue import mask_catalogue, score_catalogue
 from flexc.backends.triton import forward as triton_backend
 from reference import random_qkv
@@ -136,7 +136,7 @@ def test_with_sinks_the_kernels_are_the_sink_free_calls(launched, L):
 
 def test_a_backward_the_generated_kernel_cannot_run_is_named_with_what_runs(launched, monkeypatch):
     # a score_mod outside flexc.mods.derivative's rules (which ones are changes as rules are added)
-    monkeypatch.setattr(attention, "_generated_backward_applies", lambda score_mod: score_mod is None)
+    monkeypatch.setattr(plan, "generated_backward_applies", lambda score_mod: score_mod is None)
     clamp = lambda s, b, h, q_idx, kv_idx: torch.clamp(s, -1.0, 1.0)
     q, k, v = random_qkv(B, HQ, HKV, 1, S, E, seed=5)
     q.requires_grad_()

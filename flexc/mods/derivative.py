@@ -39,7 +39,7 @@ import torch
 
 from . import ir, reductions
 from .lowering import AUTOGRAD_FUNCTION
-from .trace import SCORE_MOD, Proxy, TracedMod, _hook_function_apply, _Tracer, _TraceMode
+from .trace import SCORE_MOD, Proxy, TracedMod, hook_function_apply, Tracer, TraceMode
 
 LN2 = math.log(2.0)
 
@@ -441,7 +441,7 @@ def _function_rule(n: ir.Node, A: ir.Node) -> list[tuple[ir.Node, ir.Node]]:
     fn_class, forward, inputs = n.attr, n.args[0], n.args[1:]
     name = f"{fn_class.__name__}.backward"
     buffers = _buffers.get()
-    tracer = _Tracer(fn_class.backward, SCORE_MOD)
+    tracer = Tracer(fn_class.backward, SCORE_MOD)
     for t in buffers:  # the score_mod's captured tensors keep their slots
         tracer.buffer_node(t)
     for x in inputs:
@@ -450,7 +450,7 @@ def _function_rule(n: ir.Node, A: ir.Node) -> list[tuple[ir.Node, ir.Node]]:
     args = [x.attr if x.op == "const" else Proxy(x, tracer) for x in inputs]
     ctx = _BackwardCtx(tuple(x.kind == ir.FLOAT and x.op != "const" for x in inputs))
     try:
-        with _TraceMode(tracer), _hook_function_apply(tracer):
+        with TraceMode(tracer), hook_function_apply(tracer):
             if torch.autograd.function._is_setup_context_defined(fn_class.setup_context):
                 fn_class.setup_context(ctx, tuple(args), Proxy(forward, tracer))
             else:

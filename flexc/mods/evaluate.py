@@ -14,7 +14,6 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from . import ir
-from .trace import SCORE_MOD, TracedMod, trace
 
 _BINARY = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
@@ -160,7 +159,7 @@ def _broadcast_shape(tensors: list) -> tuple:
 
 
 def evaluate(
-    mod: TracedMod | ir.Node,
+    mod: Any,
     *,
     score: torch.Tensor | None = None,
     b: torch.Tensor | None = None,
@@ -169,12 +168,13 @@ def evaluate(
     kv_idx: torch.Tensor | None = None,
     buffers: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Evaluate a traced mod on broadcastable tensors; the result has their broadcast shape.
+    """Evaluate a traced mod (a :class:`flexc.TracedMod` or a graph root) on broadcastable tensors; the
+    result has their broadcast shape.
 
     ``buffers`` replaces the captured tensors (same slots); by default the traced ones are used.
     """
-    root = mod.root if isinstance(mod, TracedMod) else mod
-    bufs = buffers if buffers is not None else (mod.buffers if isinstance(mod, TracedMod) else ())
+    root = mod if isinstance(mod, ir.Node) else mod.root
+    bufs = buffers if buffers is not None else (() if isinstance(mod, ir.Node) else mod.buffers)
     given_by_name = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
     given = [v for v in given_by_name.values() if isinstance(v, torch.Tensor)]
     device = given[0].device if given else torch.device("cpu")
@@ -213,28 +213,3 @@ def index_grid(B: int, H: int, Q_LEN: int, KV_LEN: int, device: Any = None, q_st
         "q_idx": ar(Q_LEN, q_start).view(1, 1, Q_LEN, 1),
         "kv_idx": ar(KV_LEN, kv_start).view(1, 1, 1, KV_LEN),
     }
-
-
-def evaluate_grid(mod: Any, B: int, H: int, Q_LEN: int, KV_LEN: int, device: Any = None,
-                  score: torch.Tensor | None = None, max_elements: int = 1 << 24) -> torch.Tensor:
-    """The mod over the full ``[B, H, Q_LEN, KV_LEN]`` grid, computed in query chunks.
-
-    For a score_mod, ``score`` defaults to zeros (float32). Intermediates never exceed about
-    ``max_elements`` elements per chunk; the output itself is dense.
-    """
-    traced = trace(mod)
-    rows = max(1, min(Q_LEN, max_elements // max(1, B * H * KV_LEN)))
-    chunks = []
-    for q0 in range(0, Q_LEN, rows):
-        n = min(rows, Q_LEN - q0)
-        grid = index_grid(B, H, n, KV_LEN, device, q_start=q0)
-        if traced.kind == SCORE_MOD:
-            if score is None:
-                s = torch.zeros((), device=device)
-            elif score.dim() >= 2 and score.shape[-2] == Q_LEN and Q_LEN > 1:
-                s = score[..., q0:q0 + n, :]
-            else:  # broadcast along queries (e.g. a 0-d or [.., 1, S] score)
-                s = score
-            grid["score"] = s
-        chunks.append(evaluate(traced, **grid).expand(B, H, n, KV_LEN))
-    return torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0].contiguous()

@@ -19,7 +19,6 @@ import math
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -28,99 +27,11 @@ from torch.overrides import TorchFunctionMode
 from . import derived, elementwise, ir, lowering, reductions, trace_cache
 from .derived import leaves
 from .promotion import weak_pair
-
-SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
-SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
-MASK_MOD_ARGS = ("b", "h", "q_idx", "kv_idx")
+from .traced_mod import (MASK_MOD, MASK_MOD_ARGS, SCORE_MOD, SCORE_MOD_ARGS, ArityError, TraceError,  # noqa: F401
+                         TracedMod, code_of, def_site, mod_kind, mod_name)
 
 _FLEXC_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-class TraceError(TypeError):
-    """A mod cannot be traced: the message names the mod, the line, and the fix."""
-
-
-class ArityError(TraceError, AssertionError):
-    """A mod takes neither 4 nor 5 positional parameters (torch asserts the same, so code that
-    catches torch's AssertionError catches this too)."""
-
-
-# ---- public API ---------------------------------------------------------------------------
-
-@dataclass(frozen=True, eq=False)
-class TracedMod:
-    """A traced mod: its graph, the tensors it captured, and where it came from.
-
-    ``key`` is the structural cache key: it depends on the graph and on each captured tensor's
-    dtype and rank, never on tensor values, so re-creating a closure over new data reuses kernels.
-    """
-
-    kind: str  # "score_mod" or "mask_mod"
-    root: ir.Node
-    buffers: tuple  # captured tensors, indexed by the buffer nodes' slot
-    buffer_names: tuple
-    name: str
-    fn: Callable
-    # where each lookup and integer division was written: node -> (" (file:line)", source line);
-    # bounds errors (flexc.analysis.bounds) quote it
-    sites: dict = field(default_factory=dict, repr=False)
-    # values of the graph's ``scalar`` nodes by index (set by flexc.codegen.scalars.lift_scalars)
-    scalars: tuple = ()
-    # how buffers computed from captured tensors (``torch.exp(log_temp)``) are recomputed when those
-    # change (flexc.mods.derived); None when the mod reads captured tensors only directly
-    derivations: Any = field(default=None, repr=False)
-
-    @property
-    def key(self) -> tuple:
-        return (self.kind, self.root)
-
-    @property
-    def arg_names(self) -> tuple:
-        return SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
-
-    def __str__(self) -> str:
-        return ir.format_expr(self.root, self.buffer_names)
-
-    def __repr__(self) -> str:
-        return f"<{self.kind} {self.name}: {self}>"
-
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        """Evaluate on (broadcastable) tensors, in the mod's own argument order."""
-        from .evaluate import evaluate
-
-        return evaluate(self, **dict(zip(self.arg_names, args)))
-
-
-def mod_kind(fn: Callable) -> str:
-    """``"score_mod"`` for 5 positional parameters without defaults, ``"mask_mod"`` for 4 (torch's rule)."""
-    if not callable(fn):
-        raise TypeError(f"expected a score_mod or mask_mod function, got {type(fn).__name__} {fn!r}")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError) as e:
-        raise TraceError(f"cannot read the signature of {_mod_name(fn)}: {e}") from None
-    positional = [
-        p for p in sig.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    required_keywords = [p.name for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
-    if len(positional) in (4, 5) and required_keywords:
-        raise TraceError(
-            f"cannot trace {_mod_name(fn)}{_def_site(fn)}: its keyword-only parameters "
-            f"{', '.join(required_keywords)} have no defaults, and flexc passes only the "
-            f"{len(positional)} mod arguments. Fix: give them default values or bind them with functools.partial."
-        )
-    if len(positional) == 5:
-        return SCORE_MOD
-    if len(positional) == 4:
-        return MASK_MOD
-    raise ArityError(
-        f"cannot trace {_mod_name(fn)}{_def_site(fn)}: it takes {len(positional)} positional "
-        f"parameters without defaults; expected 5 for a score_mod (score, b, h, q_idx, kv_idx) or 4 for a mask_mod "
-        f"(b, h, q_idx, kv_idx). Fix: give extra parameters default values or bind them with "
-        f"functools.partial."
-    )
 
 
 def trace(fn: Callable, kind: str | None = None) -> TracedMod:
@@ -142,13 +53,13 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
     if kind is not None and kind != actual:
         source = fn.fn if isinstance(fn, TracedMod) else fn
         raise TraceError(
-            f"cannot trace {_mod_name(source)}{_def_site(source)}: expected a {kind} but it is a {actual} "
+            f"cannot trace {mod_name(source)}{def_site(source)}: expected a {kind} but it is a {actual} "
             f"({len(SCORE_MOD_ARGS if actual == SCORE_MOD else MASK_MOD_ARGS)} positional parameters). "
             f"Fix: pass a {kind} taking ({', '.join(SCORE_MOD_ARGS if kind == SCORE_MOD else MASK_MOD_ARGS)})."
         )
     if isinstance(fn, TracedMod):
         return fn if fn.derivations is None else derived.current(fn)
-    tracer = _Tracer(fn, actual)
+    tracer = Tracer(fn, actual)
     traced = tracer.run()
     if not tracer.reads_values:  # a trace that baked in a tensor's value must be redone each call
         trace_cache.remember(token, traced)
@@ -157,7 +68,7 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
 
 # ---- the tracer ---------------------------------------------------------------------------
 
-class _Tracer:
+class Tracer:
     def __init__(self, fn: Callable, kind: str):
         self.fn, self.kind = fn, kind
         self.buffers: list[torch.Tensor] = []
@@ -176,7 +87,7 @@ class _Tracer:
     def run(self) -> TracedMod:
         names = SCORE_MOD_ARGS if self.kind == SCORE_MOD else MASK_MOD_ARGS
         proxies = [Proxy(ir.input_(n), self) for n in names]
-        with _TraceMode(self), _hook_function_apply(self):
+        with TraceMode(self), hook_function_apply(self):
             out = self.fn(*proxies)
         # the mod has returned: problems with its result point at its return statement
         self._site = _return_site(self.fn)
@@ -190,27 +101,27 @@ class _Tracer:
                       "index every dimension of the captured tensors it reads")
         if self.kind == MASK_MOD and root.kind != ir.BOOL:
             self.fail(
-                f"a mask_mod must return a bool, but {_mod_name(self.fn)} returns "
+                f"a mask_mod must return a bool, but {mod_name(self.fn)} returns "
                 f"{'an' if root.kind == ir.INT else 'a'} {root.kind} value: {ir.format_expr(root)}",
                 "return a comparison such as `q_idx >= kv_idx`; to change scores write a score_mod",
             )
         if self.kind == SCORE_MOD and root.kind == ir.BOOL:
             self.fail(
-                f"a score_mod must return a number, but {_mod_name(self.fn)} returns a bool: "
+                f"a score_mod must return a number, but {mod_name(self.fn)} returns a bool: "
                 f"{ir.format_expr(root)}",
                 "to mask, return `torch.where(cond, score, -float('inf'))` or write a mask_mod",
             )
         if self.kind == SCORE_MOD and root.kind == ir.INT:
             root = ir.cast(root, "float32", ir.FLOAT)
         return TracedMod(self.kind, root, tuple(self.buffers), _buffer_names(self.fn, self.buffers),
-                         _mod_name(self.fn), self.fn, self.sites,
+                         mod_name(self.fn), self.fn, self.sites,
                          derivations=self.recorder.derivations(self.buffers))
 
     # -- errors --
     def fail(self, what: str, fix: str) -> None:
         """Raise a TraceError naming the mod, the offending ``file:line`` and its source, and the fix."""
         where, source = self._site if self._site is not None else _user_site()
-        text = f"cannot trace {self.kind} {_mod_name(self.fn)}{where}: {what}."
+        text = f"cannot trace {self.kind} {mod_name(self.fn)}{where}: {what}."
         if source:
             text += f"\n    {source}"
         raise TraceError(f"{text}\nFix: {fix}.")
@@ -348,7 +259,7 @@ class _TracingCtx:
     """The ``ctx`` a Function's forward sees while it is traced: what it saves is not needed, since
     its backward runs later on real tensors (through ``apply`` in evaluation)."""
 
-    def __init__(self, tracer: _Tracer, name: str):
+    def __init__(self, tracer: Tracer, name: str):
         self._tracer, self._name = tracer, name
         self.needs_input_grad = ()
 
@@ -382,7 +293,7 @@ def _traced_apply(cls, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def _hook_function_apply(tracer: _Tracer):
+def hook_function_apply(tracer: Tracer):
     global _apply_users
     with _apply_lock:
         if _apply_users == 0:
@@ -420,7 +331,7 @@ class _PartialLoad:
     ``slots`` has one entry per dimension: its index node, or ``None`` while still free.
     """
 
-    def __init__(self, tensor: torch.Tensor, slots: tuple, tracer: _Tracer):
+    def __init__(self, tensor: torch.Tensor, slots: tuple, tracer: Tracer):
         self.tensor, self.slots, self.tracer = tensor, slots, tracer
 
     @property
@@ -483,7 +394,7 @@ def _binop(op: str, reverse: bool = False):
     return method
 
 
-def _binary(t: _Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
+def _binary(t: Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
     if op in ir.LOGIC_OPS and ir.FLOAT in (a.kind, b.kind):
         t.fail(f"`{ir._SYMBOLS[op]}` on a float value ({a} {ir._SYMBOLS[op]} {b})",
                "use `&`, `|`, `^` on comparisons (bools) or integer indices")
@@ -502,7 +413,7 @@ class Proxy:
 
     __slots__ = ("node", "tracer")
 
-    def __init__(self, node: ir.Node, tracer: _Tracer):
+    def __init__(self, node: ir.Node, tracer: Tracer):
         self.node, self.tracer = node, tracer
 
     def __repr__(self) -> str:
@@ -683,7 +594,7 @@ _CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16
           "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64, "bool": torch.bool}
 
 
-def _cast(t: _Tracer, x: Any, dtype: torch.dtype) -> "Proxy":
+def _cast(t: Tracer, x: Any, dtype: torch.dtype) -> "Proxy":
     node = t.to_node(x)
     kind = _dtype_kind(dtype)
     name = str(dtype).removeprefix("torch.")
@@ -704,7 +615,7 @@ def _cast(t: _Tracer, x: Any, dtype: torch.dtype) -> "Proxy":
     return t.wrap(ir.cast(node, name, kind))
 
 
-def _to(t: _Tracer, x: Any, *args: Any, **kwargs: Any) -> Any:
+def _to(t: Tracer, x: Any, *args: Any, **kwargs: Any) -> Any:
     """``x.to(dtype)``, ``x.to(other)``, ``x.to(device, dtype)``; device moves are no-ops here."""
     for a in (*args, kwargs.get("dtype"), kwargs.get("other")):
         if isinstance(a, torch.dtype):
@@ -714,7 +625,7 @@ def _to(t: _Tracer, x: Any, *args: Any, **kwargs: Any) -> Any:
     return x
 
 
-def _masked_fill(t: _Tracer, x: Any, mask: Any, value: Any) -> "Proxy":
+def _masked_fill(t: Tracer, x: Any, mask: Any, value: Any) -> "Proxy":
     m = t.to_node(mask)
     if m.kind != ir.BOOL:
         t.fail(f"masked_fill's mask `{m}` is {'an' if m.kind == ir.INT else 'a'} {m.kind}, not a bool",
@@ -722,12 +633,12 @@ def _masked_fill(t: _Tracer, x: Any, mask: Any, value: Any) -> "Proxy":
     return t.wrap(ir.where(m, *weak_pair(t.to_node(value), t.to_node(x))))
 
 
-def _as_bool(t: _Tracer, x: Any) -> ir.Node:
+def _as_bool(t: Tracer, x: Any) -> ir.Node:
     node = t.to_node(x)
     return node if node.kind == ir.BOOL else ir.binary("ne", node, ir.const(0))
 
 
-def _clamp(t: _Tracer, x: Any, min: Any = None, max: Any = None) -> "Proxy":
+def _clamp(t: Tracer, x: Any, min: Any = None, max: Any = None) -> "Proxy":
     node = t.to_node(x)
     if min is not None:
         node = _binary(t, "max", node, t.to_node(min))
@@ -736,14 +647,14 @@ def _clamp(t: _Tracer, x: Any, min: Any = None, max: Any = None) -> "Proxy":
     return t.wrap(node)
 
 
-def _where(t: _Tracer, cond: Any, x: Any, y: Any) -> "Proxy":
+def _where(t: Tracer, cond: Any, x: Any, y: Any) -> "Proxy":
     c = t.to_node(cond)
     if c.kind != ir.BOOL:
         t.fail(f"torch.where's condition `{c}` is {'an' if c.kind == ir.INT else 'a'} {c.kind}, not a bool", "pass a comparison such as `q_idx >= kv_idx`")
     return t.wrap(ir.where(c, *weak_pair(t.to_node(x), t.to_node(y))))
 
 
-def _div(t: _Tracer, x: Any, y: Any, rounding_mode: str | None = None) -> "Proxy":
+def _div(t: Tracer, x: Any, y: Any, rounding_mode: str | None = None) -> "Proxy":
     a, b = t.to_node(x), t.to_node(y)
     if rounding_mode is None:
         return t.wrap(_binary(t, "truediv", a, b))
@@ -752,7 +663,7 @@ def _div(t: _Tracer, x: Any, y: Any, rounding_mode: str | None = None) -> "Proxy
     t.fail(f"torch.div with rounding_mode={rounding_mode!r}", "use rounding_mode='floor' (or `//`), or plain `/`")
 
 
-def _full(t: _Tracer, value: Any, dtype: torch.dtype | None = None, like: Any = None) -> "Proxy":
+def _full(t: Tracer, value: Any, dtype: torch.dtype | None = None, like: Any = None) -> "Proxy":
     node = t.to_node(value)
     if dtype is None and like is not None:
         dtype = like.dtype if isinstance(like, (Proxy, torch.Tensor)) else None
@@ -761,7 +672,7 @@ def _full(t: _Tracer, value: Any, dtype: torch.dtype | None = None, like: Any = 
 
 def _min_max(op: str):
     """``torch.min(a, b)`` / ``a.max(b)``: the elementwise two-operand form (as in HF's T5 buckets)."""
-    def handler(t: _Tracer, x: Any, other: Any = None, *rest: Any, **kwargs: Any) -> "Proxy":
+    def handler(t: Tracer, x: Any, other: Any = None, *rest: Any, **kwargs: Any) -> "Proxy":
         if other is None or rest or kwargs or isinstance(other, bool):
             t.fail(f"`{op}` with one operand is a reduction, which a scalar mod cannot do",
                    f"compare two values with `torch.{op}imum(a, b)`")
@@ -818,7 +729,7 @@ _TORCH_FUNCS.update(
 
 # ---- shifts and the rest of torch's elementwise math ------------------------------------------
 
-def _shift(t: _Tracer, op: str, x: Any, y: Any) -> "Proxy":
+def _shift(t: Tracer, op: str, x: Any, y: Any) -> "Proxy":
     """``x << y`` / ``x >> y`` on integers. A shift by a constant is the multiplication or floor
     division by a power of two it equals (also for negative x: >> is arithmetic, as in torch), which
     the range analysis decides exactly; other shifts become shift nodes."""
@@ -831,7 +742,7 @@ def _shift(t: _Tracer, op: str, x: Any, y: Any) -> "Proxy":
     return t.wrap(_binary(t, op, a, b))
 
 
-def _options(t: _Tracer, name: str, values: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _options(t: Tracer, name: str, values: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """An activation's options as Python values; ``inplace=True`` would mutate a traced value."""
     kwargs = dict(kwargs)
     if kwargs.pop("inplace", False):
@@ -844,7 +755,7 @@ def _options(t: _Tracer, name: str, values: tuple, kwargs: dict) -> tuple[tuple,
 
 
 def _activation(name: str, builder: Callable) -> Callable:
-    def handler(t: _Tracer, x: Any, *options: Any, **kwargs: Any) -> "Proxy":
+    def handler(t: Tracer, x: Any, *options: Any, **kwargs: Any) -> "Proxy":
         options, kwargs = _options(t, name, options, kwargs)
         try:
             return t.wrap(builder(t.to_node(x), *options, **kwargs))
@@ -854,7 +765,7 @@ def _activation(name: str, builder: Callable) -> Callable:
 
 
 def _unary_math(op: str) -> Callable:
-    def handler(t: _Tracer, x: Any, decimals: int = 0) -> "Proxy":
+    def handler(t: Tracer, x: Any, decimals: int = 0) -> "Proxy":
         node = t.to_node(x)
         if op in ("trunc", "round") and node.kind != ir.FLOAT:
             return t.wrap(node)  # an integer is its own trunc and round
@@ -865,7 +776,7 @@ def _unary_math(op: str) -> Callable:
     return handler
 
 
-def _logit(t: _Tracer, x: Any, eps: float | None = None) -> "Proxy":
+def _logit(t: Tracer, x: Any, eps: float | None = None) -> "Proxy":
     node = t.to_node(x)
     if eps is not None:
         node = ir.binary("min", ir.binary("max", node, ir.const(float(eps))), ir.const(1.0 - eps))
@@ -898,7 +809,7 @@ def _elementwise_table() -> dict[str, Callable]:
 
 # ---- vectors over a small captured axis and their reductions (flexc.mods.reductions) ---------------
 
-def _vector_size(t: _Tracer, node: ir.Node, what: str) -> int | None:
+def _vector_size(t: Tracer, node: ir.Node, what: str) -> int | None:
     """The length of the vector ``node`` holds, or None for a scalar."""
     sizes = reductions.free_axes(node)
     if len(sizes) > 1:
@@ -906,7 +817,7 @@ def _vector_size(t: _Tracer, node: ir.Node, what: str) -> int | None:
     return next(iter(sizes)) if sizes else None
 
 
-def _check_dim(t: _Tracer, name: str, dim: Any) -> None:
+def _check_dim(t: Tracer, name: str, dim: Any) -> None:
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
     if any(isinstance(d, bool) or not isinstance(d, int) or d not in (-1, 0) for d in dims):
         t.fail(f"`{name}` over dim={dim!r}; a captured vector has one dimension",
@@ -915,7 +826,7 @@ def _check_dim(t: _Tracer, name: str, dim: Any) -> None:
 
 def _reduction(op: str, name: str) -> Callable:
     """``x.sum(dim)``, ``x.any(dim)``... over a vector's axis; on a scalar (one value) the value itself."""
-    def handler(t: _Tracer, x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> "Proxy":
+    def handler(t: Tracer, x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> "Proxy":
         node = t.to_node(x)
         if dim is not None:
             _check_dim(t, name, dim)
@@ -933,7 +844,7 @@ def _reduction(op: str, name: str) -> Callable:
     return handler
 
 
-def _dot(t: _Tracer, x: Any, y: Any) -> "Proxy":
+def _dot(t: Tracer, x: Any, y: Any) -> "Proxy":
     a, b = t.to_node(x), t.to_node(y)
     n = _vector_size(t, ir.binary("mul", a, b), "`dot`")
     if n is None or _vector_size(t, a, "`dot`") is None or _vector_size(t, b, "`dot`") is None:
@@ -942,7 +853,7 @@ def _dot(t: _Tracer, x: Any, y: Any) -> "Proxy":
     return t.wrap(reductions.reduce("sum", _binary(t, "mul", a, b), n))
 
 
-def _norm(t: _Tracer, x: Any, p: Any = 2, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> "Proxy":
+def _norm(t: Tracer, x: Any, p: Any = 2, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> "Proxy":
     node = t.to_node(x)
     p = kwargs.pop("ord", p)
     if dim is not None:
@@ -972,7 +883,7 @@ def _min_max_or_reduction(op: str) -> Callable:
     elementwise_form = _min_max(op)
     reduce = _reduction(op, op)
 
-    def handler(t: _Tracer, x: Any, other: Any = None, *rest: Any, **kwargs: Any) -> Any:
+    def handler(t: Tracer, x: Any, other: Any = None, *rest: Any, **kwargs: Any) -> Any:
         vector = isinstance(x, _PartialLoad) or (isinstance(x, Proxy) and reductions.free_axes(x.node))
         dim = kwargs.pop("dim", other)
         if vector and not rest and set(kwargs) <= {"keepdim"} and (dim is None or isinstance(dim, int)):
@@ -982,7 +893,7 @@ def _min_max_or_reduction(op: str) -> Callable:
     return handler
 
 
-def _unsqueeze(t: _Tracer, x: Any, dim: int = 0) -> Any:
+def _unsqueeze(t: Tracer, x: Any, dim: int = 0) -> Any:
     node = t.to_node(x)
     if reductions.free_axes(node):
         t.fail("`unsqueeze` of a vector (it would make a second dimension, which flexc does not trace)",
@@ -1030,7 +941,7 @@ _RANDOM_FUNCS = frozenset({
 })
 
 
-def _reject_random(tracer: _Tracer, name: str) -> None:
+def _reject_random(tracer: Tracer, name: str) -> None:
     if name in _RANDOM_FUNCS:
         tracer.fail(f"`torch.{name}` draws random numbers inside the mod; flexc traces a mod once, so the values would "
                     f"be frozen into one constant for every position (torch's vmap rejects this too)",
@@ -1046,7 +957,7 @@ _NUMPY_FIX = ("use the torch function instead (torch.where, torch.logical_and, t
               "convert captured numpy arrays to tensors once, outside the mod: `table = torch.as_tensor(table)`")
 
 
-def _dispatch(tracer: _Tracer, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _dispatch(tracer: Tracer, func: Callable, args: tuple, kwargs: dict) -> Any:
     name = getattr(func, "__name__", repr(func))
     _reject_random(tracer, name)
     if name == "__getitem__" and isinstance(args[0], torch.Tensor):
@@ -1061,7 +972,7 @@ def _dispatch(tracer: _Tracer, func: Callable, args: tuple, kwargs: dict) -> Any
     return _call_handler(tracer, name, handler, args, kwargs)
 
 
-def _call_handler(tracer: _Tracer, name: str, handler: Callable, args: tuple, kwargs: dict) -> Any:
+def _call_handler(tracer: Tracer, name: str, handler: Callable, args: tuple, kwargs: dict) -> Any:
     try:
         return handler(tracer, *args, **kwargs)
     except TraceError:
@@ -1076,10 +987,10 @@ _VALUE_READS = frozenset({"__int__", "__float__", "__bool__", "__complex__", "__
                           "numpy", "__array__", "__format__", "__len__", "__iter__"})
 
 
-class _TraceMode(TorchFunctionMode):
+class TraceMode(TorchFunctionMode):
     """Routes torch calls that touch a proxy into the graph; forbids mutating captured tensors."""
 
-    def __init__(self, tracer: _Tracer):
+    def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
 
@@ -1103,26 +1014,6 @@ class _TraceMode(TorchFunctionMode):
 
 # ---- names and places ---------------------------------------------------------------------
 
-def _mod_name(fn: Callable) -> str:
-    if isinstance(fn, functools.partial):
-        return f"partial({_mod_name(fn.func)})"
-    return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _code_of(fn: Callable):
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    code = getattr(fn, "__code__", None)
-    if code is None and hasattr(fn, "__call__"):
-        code = getattr(getattr(fn, "__call__"), "__code__", None)
-    return code
-
-
-def _def_site(fn: Callable) -> str:
-    code = _code_of(fn)
-    return f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
-
-
 def _site_of(filename: str, lineno: int) -> tuple[str, str]:
     return f" ({filename}:{lineno})", linecache.getline(filename, lineno).strip()
 
@@ -1141,7 +1032,7 @@ def _user_site() -> tuple[str, str]:
 
 def _return_site(fn: Callable) -> tuple[str, str]:
     """The mod's return statement when it has exactly one, else its ``def`` line."""
-    code = _code_of(fn)
+    code = code_of(fn)
     if code is None:
         return "", ""
     lines = {

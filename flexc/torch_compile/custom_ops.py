@@ -25,6 +25,7 @@ from ..codegen.printer import precise_math_for
 from ..masks.empty_entries import without_empty_entries
 from ..backends.layout import empty_like_reference, laid_out_like
 from ..mods.mod_key import traced_from_key
+from ..call.plan import generated_backward_applies, warn_fallback
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
 # The forward and the backward walk query rows, so the q-direction tables are never needed.
@@ -69,7 +70,7 @@ def _mods(score_key: str, score_buffers, mask_key: str, mask_buffers):
 
 
 def _triton():
-    # imported on first use: the Triton backend loads triton (and registers itself with flexc.call.attention)
+    # imported on first use: the Triton backend loads triton (and registers itself in flexc.backends.registry)
     from ..backends.triton import backward as triton_backward
     return triton_backward
 
@@ -169,10 +170,8 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask))
     options = _options(kernel_options)
     score, mask = precise_math_for(options, score, mask)
-    # flex_attention's own rule for when the generated backward applies (imported at run time:
-    # flexc.call.attention imports this module)
-    from ..call.attention import _generated_backward_applies, warn_fallback
-    if options["BACKEND"] == "TRITON" and _generated_backward_applies(score):  # the generated kernels
+    # flex_attention's own rule for when the generated backward applies
+    if options["BACKEND"] == "TRITON" and generated_backward_applies(score):  # the generated kernels
         dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, lse, grad_out, grad_lse, score,
                                                           mask, block_mask, scale, tuple(grad_slots), options)
     else:

@@ -16,7 +16,8 @@ import torch
 from ...codegen.backward import BackwardSpec, generate_backward
 from ...codegen.scalars import lift_for_call
 from ...analysis.tiles import cdiv, transpose_ordered
-from ...mods.trace import TracedMod
+from ...mods.traced_mod import TracedMod, trainable_slots
+from .. import registry
 from ... import device as gpu
 from . import forward as fwd
 from ..nonfinite import all_finite
@@ -319,22 +320,14 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
     """The backward source a training call with these arguments runs (captured tensors that
     require grad receive gradients); compiles nothing. :func:`flexc.kernel_source` with
     ``backward=True`` also says when no generated backward runs."""
-    from ...call.attention import _grad_slots
-
-    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, _grad_slots(score_mod))
+    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, trainable_slots(score_mod))
     if not plan.kernels:
         return ("# flexc: this call's backward launches no kernel: it has no query rows or no keys, so the\n"
                 "# gradients are zeros.\n")
     return fwd.source_for(plan.kernels[0])
 
 
-def _register() -> None:
-    from ...call import attention
-
-    attention.TRAINING.setdefault("TRITON", (forward_for_training, triton_backward))
-
-
-_register()
+registry.register_training("TRITON", forward_for_training, triton_backward)
 
 __all__ = ["BackwardPlan", "backward_source", "plan_backward", "compile_backward_offline", "forward_for_training", "default_backward_config", "launch_backward", "make_backward_spec",
            "resolve_backward_config", "spec_for_call", "triton_backward"]

@@ -35,7 +35,8 @@ from ..layout import empty_like_reference
 from ...analysis.tiles import cdiv
 from ... import device as gpu
 from ..nonfinite import all_finite
-from ...mods.trace import TracedMod
+from ...mods.traced_mod import TracedMod
+from .. import registry
 
 _FORWARD_OPTIONS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 # torch's kernel options the forward kernel honours (False by default, as in torch)
@@ -698,7 +699,7 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     >>> print(flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=causal))  # doctest: +SKIP
     """
-    from ...call.attention import plan_call, prepare_call, sink_free_request
+    from ...call.plan import plan_call, prepare_call, sink_free_request
 
     if sinks is not None:  # the kernels of the sink-free call flex_attention makes
         _, return_aux = sink_free_request(query, sinks, enable_gqa, return_lse, return_aux)
@@ -713,7 +714,8 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         return _runs_instead(plan.backend, query.device, backward)
     if backward:
         if plan.generated is None:
-            from ...call.attention import TRAINING, generated_backward_fallback
+            from ...call.plan import generated_backward_fallback
+            from ..registry import TRAINING
 
             reason = (generated_backward_fallback(traced_score) or "").replace("\n", " ")
             why = (f"the generated backward cannot differentiate its\n# score_mod ({reason})"
@@ -830,14 +832,7 @@ def compile_offline(spec: ForwardSpec, capability: int = 90, warp_size: int = 32
                                  spec.num_stages, capability, warp_size)
 
 
-def _register() -> None:
-    from ...call import attention
-
-    attention.BACKENDS.setdefault("TRITON", triton_forward)
-    from . import backward as triton_backward  # noqa: F401  registers the generated backward for training
-
-
-_register()
+registry.register("TRITON", triton_forward)
 
 __all__ = ["CacheInfo", "cache_clear", "cache_dir", "cache_info", "cache_limit", "compile_like_launcher", "compile_offline", "default_config", "get_kernel", "import_source", "kernel_source",
            "generated_for", "launch", "launch_plan", "launches_nothing", "make_spec", "plan_forward", "offline_inputs", "require_triton", "resolve_config", "resolve_fallback", "source_for", "sources_text", "triton_forward",

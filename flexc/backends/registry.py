@@ -1,0 +1,46 @@
+"""The backends by name: what ``kernel_options["BACKEND"]`` selects.
+
+A forward backend has the signature
+``forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse)
+-> (out [B, Hq, L, Ev] in query's dtype, lse [B, Hq, L] float32 natural log or None)``, where the
+mods are :class:`flexc.TracedMod` or None and ``block_mask`` is a BlockMask (flexc's or torch's) or
+None (everything allowed). ``"TORCH"`` is the CPU block-sparse path; the Triton backend registers
+``"TRITON"`` when its package is imported, which :func:`available` does on first need.
+
+A backend that also generates its backward registers it in :data:`TRAINING` as ``(forward,
+backward)``: that forward returns ``(out, lse natural log, float64 for float64 inputs)`` and the
+backward takes :func:`flexc.backends.cpu.torch_cpu.torch_backward`'s arguments plus kernel_options.
+Backends not listed there train through the torch row loop.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from .cpu.torch_cpu import torch_forward
+
+BACKENDS: dict[str, Callable] = {"TORCH": torch_forward}
+TRAINING: dict[str, tuple[Callable, Callable]] = {}
+
+# backends that live in a package of their own, imported when first asked for (Triton is optional)
+_PACKAGES = {"TRITON": "flexc.backends.triton"}
+
+
+def register(name: str, forward: Callable) -> None:
+    """Make ``forward`` the backend ``name`` (the first registration wins)."""
+    BACKENDS.setdefault(name, forward)
+
+
+def register_training(name: str, forward: Callable, backward: Callable) -> None:
+    """Backend ``name`` trains with its own ``forward`` (which returns the logsumexp) and ``backward``."""
+    TRAINING.setdefault(name, (forward, backward))
+
+
+def available(name: str) -> bool:
+    """Whether backend ``name`` can run here, importing its package on first need."""
+    if name not in BACKENDS and name in _PACKAGES:
+        try:
+            importlib.import_module(_PACKAGES[name])
+        except ImportError:  # triton is not installed
+            return False
+    return name in BACKENDS
