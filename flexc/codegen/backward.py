@@ -28,9 +28,11 @@ from ..mods import ir
 from ..mods.derivative import ScoreModDerivative, differentiate
 from .constants import LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
-from .forward import _TL, KV_BASES, _describe, _dot, _padded, _render, _row_sum, _stems, _widens, padded_head_dim
+from .header import describe_mod
+from .kernel_mods import param_stems, render_mods
+from .parts import KV_BASES, dot, operand, row_sum, widen_suffix
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
-from .spec import AttentionSpec
+from .spec import AttentionSpec, padded_head_dim
 
 KERNEL_NAME = "flex_attention_backward"
 
@@ -111,14 +113,14 @@ def _call(r: RenderedMod, args: str) -> str:
 
 def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     """The Triton source of the backward kernel described by ``spec``."""
-    score, mask = _render(spec, spec.target, spec.index_dtype)  # the forward's mod functions, parameter names and all
+    score, mask = render_mods(spec, spec.target, spec.index_dtype)  # the forward's mod functions, parameter names and all
     # the derivative functions and gradient addresses print like the mods (libdevice, index width)
     style = dict(target=spec.target, index_dtype=spec.index_dtype)
     widen = "float64" if spec.dtype == torch.float64 else None
     derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()
-    score_stems = _stems(spec.score_mod, taken, "score")
-    _stems(spec.mask_mod, taken, "mask")
+    score_stems = param_stems(spec.score_mod, taken, "score")
+    param_stems(spec.mask_mod, taken, "mask")
     d_score = gathers = None
     if derivative is not None:
         # derivatives read the score_mod's captured numbers: the same kernel arguments (score_mod_<name>)
@@ -178,8 +180,8 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
     E, Ev = spec.head_dim, spec.v_head_dim
     lines = [
         "# flexc backward attention kernel (generated; flexc.kernel_source(..., backward=True) returns this text).",
-        _describe(spec.score_mod, "score_mod"),
-        _describe(spec.mask_mod, "mask_mod"),
+        describe_mod(spec.score_mod, "score_mod"),
+        describe_mod(spec.mask_mod, "mask_mod"),
     ]
     if derivative is not None:
         lines.append(f"#   d score_mod / d score = {ir.format_expr(derivative.d_score, names)}")
@@ -201,19 +203,10 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
         "# they walk the key tables and write dQ. Partial blocks run the mask_mod, full blocks do not;",
         "# scores are recomputed and turned into probabilities with the saved base-2 logsumexp.",
     ]
-    if _widens(spec):
+    if spec.widens:
         lines.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
         lines.append("# dot is unreliable); operands are rounded to the input dtype first, as on the GPU.")
     return lines
-
-
-def _widen(spec: BackwardSpec) -> str:
-    return ".to(tl.float32)" if _widens(spec) else ""
-
-
-def _operand(spec: BackwardSpec, x: str) -> str:
-    """A probability/gradient tile as a tl.dot operand: in the input dtype, as torch's template does."""
-    return f"{x}.to({_TL[spec.dtype]}){_widen(spec)}"
 
 
 def _score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, shape: str, indent: str) -> list[str]:
@@ -291,13 +284,13 @@ def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -
                 address = f"{address} + tl.full((BLOCK_N1, BLOCK_M1), 0, tl.int32)"
             out.append(f"{indent}tl.atomic_add({address}, grad, mask=valid)")
         elif "q_idx" in reads:  # constant along the keys: one add per query
-            out.append(f"{indent}grad = {_row_sum(spec, term, 0)}[None, :]  # summed over the keys")
+            out.append(f"{indent}grad = {row_sum(spec, term, 0)}[None, :]  # summed over the keys")
             out.append(f"{indent}tl.atomic_add({address}, grad, mask=q_in_range[None, :])")
         elif "kv_idx" in reads:  # constant along the queries: one add per key
-            out.append(f"{indent}grad = {_row_sum(spec, term, 1)}[:, None]  # summed over the queries")
+            out.append(f"{indent}grad = {row_sum(spec, term, 1)}[:, None]  # summed over the queries")
             out.append(f"{indent}tl.atomic_add({address}, grad, mask=kv_in_range[:, None])")
         else:  # one element for the whole tile
-            out.append(f"{indent}grad = {_row_sum(spec, _row_sum(spec, term, 1), 0)}  # summed over the tile")
+            out.append(f"{indent}grad = {row_sum(spec, row_sum(spec, term, 1), 0)}  # summed over the tile")
             out.append(f"{indent}tl.atomic_add({address}, grad)")
     return out
 
@@ -330,8 +323,8 @@ def _bounds(indent: str, in_range: str, idx: str, offs: str, length: str, block:
 
 def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     tiles = spec.q_block_size // spec.block_m1
-    widen = _widen(spec)
-    pad_e, pad_ev = _padded(spec)
+    widen = widen_suffix(spec)
+    pad_e, pad_ev = spec.padded
     params = [
         "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
         "query_ptr, grad_out_ptr, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
@@ -355,16 +348,16 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         f"        do = {load(do_ptrs, 'q_in_range[:, None]', pad_check('offs_dv[None, :]', 'V_HEAD_DIM', pad_ev), widen=widen)}",
         "        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0",
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
-        f"        score = {_dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
+        f"        score = {dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
         "        valid = kv_in_range[:, None] & q_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
         f"        pT = tl.exp2(qk * {LOG2E} - lse[None, :])",
-        f"        dv = {_dot(_operand(spec, 'pT'), 'do', spec, 'dv')}",
+        f"        dv = {dot(operand(spec, 'pT'), 'do', spec, 'dv')}",
     ]
     needs_ds = gathers or not _ignores_score(d_score)
     if needs_ds:
         body += [
-            f"        dpT = {_dot('v', 'tl.trans(do)', spec)}",
+            f"        dpT = {dot('v', 'tl.trans(do)', spec)}",
             "        dsT = tl.where(valid, pT * (dpT - delta[None, :]), 0.0)  # d loss / d modified score",
             *_gather_lines(spec, gathers, "        "),
         ]
@@ -372,7 +365,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         body += [
             *_score_grad_lines(d_score, "dsT", "        "),
             *_finite_lines("qT", "        "),
-            f"        dk = {_dot(_operand(spec, 'dsT'), 'tl.trans(qT)', spec, 'dk')}",
+            f"        dk = {dot(operand(spec, 'dsT'), 'tl.trans(qT)', spec, 'dk')}",
         ]
     body.append("    return dk, dv")
     return body
@@ -380,8 +373,8 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
 
 def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     tiles = spec.kv_block_size // spec.block_n2
-    widen = _widen(spec)
-    pad_e, pad_ev = _padded(spec)
+    widen = widen_suffix(spec)
+    pad_e, pad_ev = spec.padded
     params = [
         "dq, q, do, lse, delta, b, h, q_idx, q_in_range,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
@@ -402,23 +395,23 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
         f"        kT = {load(k_ptrs, 'kv_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', pad_e), widen=widen)}",
         f"        vT = {load(v_ptrs, 'kv_in_range[None, :]', pad_check('offs_dv[:, None]', 'V_HEAD_DIM', pad_ev), widen=widen)}",
-        f"        score = {_dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
+        f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
         f"        p = tl.exp2(qk * {LOG2E} - lse[:, None])",
-        f"        dp = {_dot('do', 'vT', spec)}",
+        f"        dp = {dot('do', 'vT', spec)}",
         "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
         *_score_grad_lines(d_score, "ds", "        "),
         *_finite_lines("kT", "        "),
-        f"        dq = {_dot(_operand(spec, 'ds'), 'tl.trans(kT)', spec, 'dq')}",
+        f"        dq = {dot(operand(spec, 'ds'), 'tl.trans(kT)', spec, 'dq')}",
         "    return dq",
     ]
 
 
 def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str], dq_buffers: list[str]) -> list[str]:
     acc = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
-    widen = _widen(spec)
-    pad_e, pad_ev = _padded(spec)
+    widen = widen_suffix(spec)
+    pad_e, pad_ev = spec.padded
     full = spec.has_full_blocks
     params = [
         "query_ptr, key_ptr, value_ptr, grad_out_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,",

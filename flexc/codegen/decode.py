@@ -25,10 +25,11 @@ import torch
 
 from .constants import LN2, LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble
-from .forward import (_NONFINITE_VALUES, _TL, KV_BASES, _buffer_args, _describe, _dot, _mask_lines, _padded, _render,
-                      _row_max, _row_sum, _score_lines, _softmax_state, _value_guard_lines, _widens, padded_head_dim)
+from .header import describe_mod
+from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
+from .parts import KV_BASES, NONFINITE_VALUES, dot, row_max, row_sum, softmax_state, value_guard_lines
 from .printer import BufferParam
-from .spec import AttentionSpec
+from .spec import AttentionSpec, padded_head_dim
 
 KERNEL_NAME = "flex_decode_split"
 
@@ -65,14 +66,14 @@ class GeneratedDecode:
 
 def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     """The Triton source of the split-KV decode kernel described by ``spec``."""
-    score, mask = _render(spec, spec.target, spec.index_dtype)
+    score, mask = render_mods(spec, spec.target, spec.index_dtype)
     E, Ev = spec.head_dim, spec.v_head_dim
-    widen = _widens(spec)
+    widen = spec.widens
     acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
     header = [
         "# flexc split-KV decode kernel (generated; flexc.kernel_source() returns this text).",
-        _describe(spec.score_mod, "score_mod"),
-        _describe(spec.mask_mod, "mask_mod"),
+        describe_mod(spec.score_mod, "score_mod"),
+        describe_mod(spec.mask_mod, "mask_mod"),
         f"#   dtype {str(spec.dtype).removeprefix('torch.')}; head dim {E} (padded to {padded_head_dim(E)}), "
         f"value head dim {Ev} (padded to {padded_head_dim(Ev)})",
         f"#   BlockMask key blocks of {spec.kv_block_size}; tiles: BLOCK_M={spec.block_m} packed query rows, "
@@ -90,7 +91,7 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
         header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
     lines = preamble(header, [r for r in (score, mask) if r is not None])
     if mask is not None:
-        lines += [_NONFINITE_VALUES, ""]
+        lines += [NONFINITE_VALUES, ""]
     lines += _attend_range(spec, score, mask, widen)
     lines += ["", ""]
     lines += _kernel(spec, score, mask, widen, acc_dtype)
@@ -101,16 +102,16 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
 def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
     """The online-softmax loop over listed blocks ``[first, last)`` of one table row."""
     tiles = spec.kv_block_size // spec.block_n
-    d_pad, dv_pad = _padded(spec)
+    d_pad, dv_pad = spec.padded
     k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
     v_ptrs = "value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd"
     widen_t = ".to(tl.float32)" if widen else ""
-    p_operand = f"p.to({_TL[spec.dtype]}).to(tl.float32)" if widen else f"p.to({_TL[spec.dtype]})"
+    p_operand = f"p.to({spec.tl_dtype}).to(tl.float32)" if widen else f"p.to({spec.tl_dtype})"
     params = [
         "acc, l_i, m_i, q, b, h, q_idx,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_index_ptr, first, last, scale, KV_LEN,",
-        *names_line(_buffer_args(score, mask)),
+        *names_line(buffer_args(score, mask)),
         *constexprs(("IS_FULL_BLOCKS", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
                     ("KV_BLOCK_SIZE", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
@@ -129,32 +130,32 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
         "        offs_n = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)",
         "        kv_in_range = offs_n < KV_LEN",
         f"        k = {load(k_ptrs, 'kv_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', d_pad), widen=widen_t)}",
-        *([f"        qk = {_dot('q', 'k', spec)} * scale"] if score is not None else
-          [f"        qk = {_dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once: no score_mod"]),
+        *([f"        qk = {dot('q', 'k', spec)} * scale"] if score is not None else
+          [f"        qk = {dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once: no score_mod"]),
         "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
-        *_score_lines(spec, score, "        "),
+        *score_lines(spec, score, "        "),
     ]
-    masked = _mask_lines(spec, mask, "            ")
+    masked = mask_lines(spec, mask, "            ")
     if masked:
         body += ["        if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
     body += [
         "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
         *([f"        qk = qk * {LOG2E}  # to base 2"] if score is not None else []),
-        f"        m_new = tl.maximum(m_i, {_row_max(spec, 'qk')})",
+        f"        m_new = tl.maximum(m_i, {row_max(spec, 'qk')})",
         "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # nothing allowed yet: no -inf - -inf",
         "        alpha = tl.exp2(m_i - m_safe)",
         "        p = tl.exp2(qk - m_safe[:, None])",
-        f"        l_i = l_i * alpha + {_row_sum(spec, 'p')}",
+        f"        l_i = l_i * alpha + {row_sum(spec, 'p')}",
         f"        v = {load(v_ptrs, 'kv_in_range[:, None]', pad_check('offs_dv[None, :]', 'V_HEAD_DIM', dv_pad), widen=widen_t)}",
     ]
     if masked:  # the guard adds to the rescaled acc, so it must come between the rescale and the dot
         body += ["        acc = acc * alpha[:, None]",
                  "        if not IS_FULL_BLOCKS:",
                  "            if GUARD_NONFINITE_VALUES:  # compiled in only for CPU calls whose values hold NaN/inf",
-                 *_value_guard_lines(spec, "                "),
-                 f"        acc = {_dot(p_operand, 'v', spec, 'acc')}"]
+                 *value_guard_lines(spec, "                "),
+                 f"        acc = {dot(p_operand, 'v', spec, 'acc')}"]
     else:
-        body.append(f"        acc = {_dot(p_operand, 'v', spec, 'acc * alpha[:, None]')}")
+        body.append(f"        acc = {dot(p_operand, 'v', spec, 'acc * alpha[:, None]')}")
     body += [
         "        m_i = m_new",
         "    return acc, l_i, m_i",
@@ -163,8 +164,8 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
 
 
 def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[str]:
-    buffers = _buffer_args(score, mask)
-    d_pad, dv_pad = _padded(spec)
+    buffers = buffer_args(score, mask)
+    d_pad, dv_pad = spec.padded
     params = [
         "query_ptr, key_ptr, value_ptr, out_split_ptr, lse_split_ptr,",
         "partial_block_counts_ptr, partial_block_indices_ptr,"
@@ -216,7 +217,7 @@ def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[
         "    first = split * per_split",
         "    last = tl.minimum(first + per_split, n_partial + n_full)",
         *KV_BASES,
-        *_softmax_state(acc_dtype),
+        *softmax_state(spec),
         "    # 1. partial blocks: score_mod and mask_mod",
         *attend("partial", "tl.minimum(first, n_partial)", "tl.minimum(last, n_partial)", False),
     ]

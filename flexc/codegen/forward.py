@@ -16,28 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..mods.trace import TracedMod
 from .constants import LN2, LOG2E
 from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
-from .printer import BufferParam, RenderedMod, python_literal, render_mod
+from .header import describe_mod
+from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
+from .parts import KV_BASES, NONFINITE_VALUES, dot, row_max, row_sum, softmax_state, value_guard_lines
+from .printer import BufferParam
 from .spec import AttentionSpec, next_power_of_2, padded_head_dim
 
 KERNEL_NAME = "flex_attention_forward"
 NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row covers every query
-
-_TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
-       torch.float64: "tl.float64"}
-# Parameter stems the kernels themselves use (every ``<stem>_ptr`` parameter of the forward kernel
-# and attend_blocks, and of the backward and decode kernels); a captured tensor with one of these
-# names is renamed.
-_RESERVED = {"query", "key", "value", "out", "lse", "partial_block_counts", "partial_block_indices",
-             "full_block_counts", "full_block_indices", "block_counts", "block_indices", "block_count",
-             "block_index",
-             # the backward and decode kernels' own pointers (they name captured tensors the same way)
-             "count", "index", "delta", "dq", "dk", "dv", "grad_out", "out_split", "lse_split",
-             "partial_kv_counts", "partial_kv_indices", "full_kv_counts", "full_kv_indices",
-             "partial_q_counts", "partial_q_indices", "full_q_counts", "full_q_indices"}
-
 
 @dataclass(frozen=True)
 class ForwardSpec(AttentionSpec):
@@ -78,50 +66,9 @@ class GeneratedForward:
     needs_positive_scale: bool = False
 
 
-def _stems(traced: TracedMod | None, taken: set[str], suffix: str) -> dict[int, str]:
-    """Parameter stems for a mod's captured tensors: their names, made unique in the kernel."""
-    stems: dict[int, str] = {}
-    if traced is None:
-        return stems
-    for slot, name in enumerate(traced.buffer_names):
-        stem = name if name.isidentifier() and not name.startswith("_") else f"buf{slot}"
-        if stem in taken or stem in _RESERVED:
-            stem = f"{stem}_{suffix}"
-        while stem in taken or stem in _RESERVED:
-            stem = f"{stem}_{slot}"
-        taken.add(stem)
-        stems[slot] = stem
-    return stems
-
-
-def _render(spec, target: str | None = None, index_dtype: str = "int32"
-            ) -> tuple[RenderedMod | None, RenderedMod | None]:
-    """The spec's mods as device functions (``target``/``index_dtype`` as in :func:`render_mod`)."""
-    taken: set[str] = set()
-    score = mask = None
-    if spec.score_mod is not None:
-        score = render_mod(spec.score_mod, "score_mod", _stems(spec.score_mod, taken, "score"),
-                           target=target, index_dtype=index_dtype)
-    if spec.mask_mod is not None:
-        mask = render_mod(spec.mask_mod, "mask_mod", _stems(spec.mask_mod, taken, "mask"),
-                          target=target, index_dtype=index_dtype)
-        if mask.is_constant and mask.literal is True:
-            mask = None  # allows everything: nothing to apply
-    if score is not None and spec.score_mod.root.op == "input":
-        score = None  # the identity score_mod
-    return score, mask
-
-
-def _describe(traced: TracedMod | None, what: str) -> str:
-    if traced is None:
-        return f"#   {what:<9} none"
-    name = traced.name if traced.name != "<lambda>" else "lambda"
-    return f"#   {what:<9} {name}: {traced}"
-
-
 def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     """The Triton source of the forward kernel described by ``spec``."""
-    score, mask = _render(spec, spec.target, spec.index_dtype)
+    score, mask = render_mods(spec, spec.target, spec.index_dtype)
     score_params = score.params if score is not None else ()
     mask_params = mask.params if mask is not None else ()
 
@@ -131,13 +78,13 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     q_blocks = "none (every key is allowed)" if spec.q_block_size == NO_BLOCK_MASK else \
         f"{spec.q_block_size} x {spec.kv_block_size} (query x key)"
     dtype_name = str(spec.dtype).removeprefix("torch.")
-    widen = _widens(spec)
+    widen = spec.widens
     acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
 
     header = [
         "# flexc forward attention kernel (generated; flexc.kernel_source() returns this text).",
-        _describe(spec.score_mod, "score_mod"),
-        _describe(spec.mask_mod, "mask_mod"),
+        describe_mod(spec.score_mod, "score_mod"),
+        describe_mod(spec.mask_mod, "mask_mod"),
         f"#   dtype {dtype_name}; head dim {E} (padded to {E_pad}), value head dim {Ev} (padded to {Ev_pad})",
         f"#   BlockMask blocks: {q_blocks}",
         f"#   tiles: BLOCK_M={spec.block_m}, BLOCK_N={spec.block_n}; num_warps={spec.num_warps}, "
@@ -160,7 +107,7 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
         header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
     lines = preamble(header, [r for r in (score, mask) if r is not None])
     if mask is not None:
-        lines += [_NONFINITE_VALUES, ""]
+        lines += [NONFINITE_VALUES, ""]
 
     lines += _attend_tile(spec, score, mask, widen)
     lines += ["", ""]
@@ -172,137 +119,16 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
                             needs_positive_scale=score is None and not spec.prescale_qk)
 
 
-def _buffer_args(score: RenderedMod | None, mask: RenderedMod | None) -> list[str]:
-    names = []
-    for r in (score, mask):
-        if r is not None:
-            names += [p.name for p in r.params]
-    return names
-
-
-# a program's key and value heads (every kernel); stride_kb/vb are 0 when key/value broadcast over batch
-KV_BASES = ["    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
-            "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh"]
-
-
-def _softmax_state(acc_dtype: str) -> list[str]:
-    """The online softmax's starting state: row max -inf, row sum 0, output accumulator 0."""
-    return [f"    m_i = tl.full((BLOCK_M,), float(\"-inf\"), {acc_dtype})",
-            f"    l_i = tl.full((BLOCK_M,), 0.0, {acc_dtype})",
-            f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})"]
-
-
-def _widens(spec) -> bool:
-    """Whether 16-bit tiles are widened to fp32 before tl.dot (Triton's interpreter: its 16-bit dot
-    is unreliable)."""
-    return spec.target == "interpreter" and spec.dtype in (torch.float16, torch.bfloat16)
-
-
-def _padded(spec) -> tuple[bool, bool]:
-    """Whether the head dim and the value head dim are padded (their tiles need bounds checks)."""
-    return spec.head_dim != padded_head_dim(spec.head_dim), spec.v_head_dim != padded_head_dim(spec.v_head_dim)
-
-
-def _dot(a: str, b: str, spec: ForwardSpec, acc: str = "") -> str:
-    args = f"{a}, {b}" + (f", {acc}" if acc else "")
-    if spec.dtype == torch.float64:
-        return f"tl.dot({args}, input_precision=\"ieee\", out_dtype=tl.float64)"
-    if spec.dtype == torch.float32:
-        return f"tl.dot({args}, input_precision=\"{spec.fp32_precision}\")"
-    return f"tl.dot({args})"
-
-
-def _row_max(spec: ForwardSpec, x: str) -> str:
-    # Triton's interpreter, switched on after import, cannot call tl.max (a @jit function built at
-    # import); tl.reduce with the same combine function runs there, and as fast (numpy).
-    if spec.target == "interpreter":
-        return f"tl.reduce({x}, 1, tl.standard._elementwise_max)"
-    return f"tl.max({x}, 1)"
-
-
-def _row_sum(spec, x: str, axis: int = 1) -> str:
-    """The sum of ``x`` along ``axis`` (rows by default); tl.reduce under the interpreter (see _row_max)."""
-    if spec.target == "interpreter":
-        return f"tl.reduce({x}, {axis}, tl.standard._sum_combine)"
-    return f"tl.sum({x}, {axis})"
-
-
-# Masked keys must add exactly 0 to the output even where their value rows hold NaN or inf, but
-# tl.dot gives 0 * NaN = NaN. The launcher compiles this guard in (GUARD_NONFINITE_VALUES) only for
-# calls whose values hold NaN or inf: its never-taken branch alone, with three more dots per partial
-# tile, made the sm_90 compile spill ~11 KB and run ~20x the instructions per partial tile.
-# Partial blocks then check each value tile; one with a non-finite entry
-# (rare: padding) is multiplied without those entries, and this helper adds what the keys each
-# row allows make of them. p >= 0, so counts of NaN, +inf and -inf per output element decide it.
-_NONFINITE_VALUES = '''\
-@triton.jit
-def nonfinite_values(p, v):
-    # per output element: NaN, +inf or -inf where an allowed key (p > 0) brings such a value, else 0
-    live = (p > 0).to(tl.float32)
-    n_nan = tl.dot(live, (v != v).to(tl.float32), input_precision="ieee")
-    n_pinf = tl.dot(live, (v == float("inf")).to(tl.float32), input_precision="ieee")
-    n_ninf = tl.dot(live, (v == float("-inf")).to(tl.float32), input_precision="ieee")
-    inf = tl.where(n_pinf > 0, float("inf"), tl.where(n_ninf > 0, float("-inf"), 0.0))
-    return tl.where((n_nan > 0) | ((n_pinf > 0) & (n_ninf > 0)), float("nan"), inf)
-'''
-
-
-def _value_guard_lines(spec: ForwardSpec, indent: str) -> list[str]:
-    """Partial blocks: keep non-finite values of masked keys out of ``p @ v`` (see _NONFINITE_VALUES)."""
-    if spec.target == "interpreter":
-        any_bad = "tl.reduce(v_bad.to(tl.int32), None, tl.standard._elementwise_max) > 0"
-    else:
-        any_bad = "tl.max(v_bad.to(tl.int32)) > 0"
-    return [
-        f"{indent}# masked keys add exactly 0 even if their values hold NaN or inf (0 * NaN is NaN): a tile",
-        f"{indent}# with such values (rare: padding) is multiplied without them; allowed keys' are added back",
-        f"{indent}v_bad = (v != v) | (tl.abs(v) == float(\"inf\"))",
-        f"{indent}if {any_bad}:",
-        f"{indent}    acc = acc + nonfinite_values(p, v)",
-        f"{indent}    v = tl.where(v_bad, 0.0, v)",
-    ]
-
-
-def _score_lines(spec: ForwardSpec, score: RenderedMod | None, indent: str) -> list[str]:
-    """Apply the score_mod to ``qk`` (the scaled scores of one tile)."""
-    if spec.score_mod is None or score is None:
-        return []
-    out = [f"{indent}# score_mod: {score.expression}"]
-    if score.is_constant:
-        out.append(f"{indent}qk = tl.full((BLOCK_M, BLOCK_N), {python_literal(float(score.literal))}, qk.dtype)")
-        return out
-    args = ", ".join(["qk", "b", "h", "q_idx", "kv_idx"] + [p.name for p in score.params])
-    call = f"score_mod({args})"
-    full_tile = "score" in score.reads or {"q_idx", "kv_idx"} <= score.reads
-    if full_tile:
-        out.append(f"{indent}qk = {call}.to(qk.dtype)")
-    else:  # the mod ignores the score and varies along at most one axis: broadcast it to the tile
-        out.append(f"{indent}qk = tl.full((BLOCK_M, BLOCK_N), 0.0, qk.dtype) + {call}")
-    return out
-
-
-def _mask_lines(spec: ForwardSpec, mask: RenderedMod | None, indent: str) -> list[str]:
-    if spec.mask_mod is None or mask is None:
-        return []
-    out = [f"{indent}# mask_mod: {mask.expression}"]
-    if mask.is_constant:  # always False here (always True was dropped)
-        out.append(f"{indent}qk = tl.full((BLOCK_M, BLOCK_N), float(\"-inf\"), qk.dtype)")
-        return out
-    args = ", ".join(["b", "h", "q_idx", "kv_idx"] + [p.name for p in mask.params])
-    out.append(f"{indent}qk = tl.where(mask_mod({args}), qk, float(\"-inf\"))")
-    return out
-
-
 def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
     """The device function for one key tile: scores, mods, and the online-softmax update."""
     params = [
         "acc, l_i, m_i, q, b, h, q_idx, start_n,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
-        *names_line(_buffer_args(score, mask)),
+        *names_line(buffer_args(score, mask)),
         *constexprs(("IS_FULL_BLOCKS", "CHECK_KV", "ROWS_GUARANTEED_SAFE"), ("GUARD_NONFINITE_VALUES",),
                     ("BLOCK_M", "BLOCK_N", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
-    d_pad, dv_pad = _padded(spec)
+    d_pad, dv_pad = spec.padded
     k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
     v_ptrs = "value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd"
     widen_k = ".to(tl.float32)" if widen else ""
@@ -311,22 +137,22 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
     k_checked = load(k_ptrs, "kv_in_range[None, :]", k_pad, widen=widen_k)
     v_checked = load(v_ptrs, "kv_in_range[:, None]", v_pad, widen=widen_k)
     k_plain, v_plain = load(k_ptrs, k_pad, widen=widen_k), load(v_ptrs, v_pad, widen=widen_k)
-    value_dtype = _TL[spec.dtype]
+    value_dtype = spec.tl_dtype
     p_operand = f"p.to({value_dtype}).to(tl.float32)" if widen else f"p.to({value_dtype})"
     prescaled = spec.prescale_qk
     if prescaled:
-        scores = [f"        qk = {_dot('q', 'k', spec)}  # q was scaled by scale * log2(e): already base 2"]
+        scores = [f"        qk = {dot('q', 'k', spec)}  # q was scaled by scale * log2(e): already base 2"]
     elif score is not None:
-        scores = [f"        qk = {_dot('q', 'k', spec)} * scale  # the score_mod sees the scaled score"]
+        scores = [f"        qk = {dot('q', 'k', spec)} * scale  # the score_mod sees the scaled score"]
     elif spec.dtype == torch.float64:  # nothing to gain from the fold; keep fp64 scores exact
-        scores = [f"        qk = {_dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once"]
+        scores = [f"        qk = {dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once"]
     else:
         scores = [f"        qk_scale = scale * {LOG2E}  # scale and the change to base 2 (the launcher makes it > 0)",
-                  f"        qk = {_dot('q', 'k', spec)}  # qk_scale is applied in the exp2 below"]
+                  f"        qk = {dot('q', 'k', spec)}  # qk_scale is applied in the exp2 below"]
     # The factor that takes a score to base 2: folded into one FMA with the max subtraction.
     to_base2 = (None if prescaled or (score is None and spec.dtype == torch.float64)
                 else LOG2E if score is not None else "qk_scale")
-    row_max = _row_max(spec, "qk")
+    tile_max = row_max(spec, "qk")
     body = [
         *jit_def("attend_tile", params),
         "    # One BLOCK_N tile of keys starting at start_n: scores, the mods, the online-softmax update.",
@@ -344,8 +170,8 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
         "        kv_idx = offs_n[None, :]",
     ]
     body += [line[4:] for line in scores]
-    body += [line for line in _score_lines(spec, score, "    ")]
-    masked = _mask_lines(spec, mask, "        ")
+    body += [line for line in score_lines(spec, score, "    ")]
+    masked = mask_lines(spec, mask, "        ")
     if masked:
         body += ["    if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
     body += [
@@ -353,9 +179,9 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
         "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
     ]
     if to_base2 is None:
-        body.append(f"    m_new = tl.maximum(m_i, {row_max})")
+        body.append(f"    m_new = tl.maximum(m_i, {tile_max})")
     else:
-        body.append(f"    m_new = tl.maximum(m_i, {row_max} * {to_base2})  # running max, base 2")
+        body.append(f"    m_new = tl.maximum(m_i, {tile_max} * {to_base2})  # running max, base 2")
     body += [
         "    if ROWS_GUARANTEED_SAFE:  # the caller promised every row allows some key",
         "        m_safe = m_new",
@@ -372,22 +198,22 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
         else:
             body.append(f"    p = tl.exp2(tl.fma(qk, {to_base2}, -m_safe[:, None]))  # to base 2 and minus the max: one FMA")
     body += [
-        f"    l_i = l_i * alpha + {_row_sum(spec, 'p')}",
+        f"    l_i = l_i * alpha + {row_sum(spec, 'p')}",
         "    if CHECK_KV:",
         f"        v = {v_checked}",
         "    else:",
         f"        v = {v_plain}",
         "    acc = acc * alpha[:, None]",
-        *(["    if not IS_FULL_BLOCKS:", "        if GUARD_NONFINITE_VALUES:", *_value_guard_lines(spec, "            ")]
+        *(["    if not IS_FULL_BLOCKS:", "        if GUARD_NONFINITE_VALUES:", *value_guard_lines(spec, "            ")]
           if masked else []),
-        f"    acc = {_dot(p_operand, 'v', spec, 'acc')}",
+        f"    acc = {dot(p_operand, 'v', spec, 'acc')}",
         "    return acc, l_i, m_new",
     ]
     return body
 
 
 def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list[str]:
-    buffers = names_line(_buffer_args(score, mask))
+    buffers = names_line(buffer_args(score, mask))
     params = [
         "acc, l_i, m_i, q, b, h, q_idx,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
@@ -437,7 +263,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
 
 
 def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list[str]:
-    buffers = _buffer_args(score, mask)
+    buffers = buffer_args(score, mask)
     params = [
         "query_ptr, key_ptr, value_ptr, out_ptr," + (" lse_ptr," if spec.output_lse else ""),
         "partial_block_counts_ptr, partial_block_indices_ptr,"
@@ -463,7 +289,7 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     # Lengths and captured-tensor sizes/strides change with the input; Triton must not specialise
     # on them, or every new length would compile again.
     unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
-    d_pad, dv_pad = _padded(spec)
+    d_pad, dv_pad = spec.padded
     q_ptrs = "query_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd"
     o_ptrs = "out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od"
     q_pad = pad_check("offs_d[None, :]", "HEAD_DIM", d_pad)
@@ -504,12 +330,12 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     if spec.prescale_qk:
         body += ["    # PRESCALE_QK: scale and log2(e) applied to q once (torch's option: the score_mod sees",
                  "    # scores in base 2), not to every tile of scores",
-                 f"    q = (q * (scale * {LOG2E})).to({_TL[spec.dtype]}){'.to(tl.float32)' if widen else ''}"]
+                 f"    q = (q * (scale * {LOG2E})).to({spec.tl_dtype}){'.to(tl.float32)' if widen else ''}"]
     body += [
         "    # this tile's row of the BlockMask tables; their batch and heads broadcast by modulo",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M) // Q_BLOCK_SIZE",
         *KV_BASES,
-        *_softmax_state(acc_dtype),
+        *softmax_state(spec),
         "    # 1. partial blocks: score_mod and mask_mod",
         *blocks("partial", False),
     ]
