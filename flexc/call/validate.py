@@ -18,6 +18,7 @@ import torch
 
 from ..device import is_gpu
 from ..errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError
+from ..mods.traced_mod import check_captured  # noqa: F401  (validation of a call's mods)
 from ..masks.table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
 from ..versions import table_states
 
@@ -383,17 +384,6 @@ def _unravel(flat: int, shape: tuple) -> tuple:
         flat, i = divmod(flat, size)
         at.append(i)
     return tuple(reversed(at))
-
-
-def check_captured(traced: Any, device: torch.device, where: str = "flex_attention") -> None:
-    """Captured tensors of a traced mod live on ``device`` (0-d CPU tensors are allowed, as in torch)."""
-    if traced is None:
-        return
-    for name, t in zip(traced.buffer_names, traced.buffers):
-        if t.device != device and not (t.device.type == "cpu" and t.dim() == 0 and device.type != "meta"):
-            raise ValueError(f"{where}: {traced.kind} {traced.name!r} captures tensor {name!r} on {t.device} "
-                             f"but it runs on {device}. Fix: create the tensor on {device}, e.g. "
-                             f"`{name} = {name}.to({str(device)!r})` before defining the mod.")
 
 
 def _is_sliced_stub(mask_mod: Any) -> bool:

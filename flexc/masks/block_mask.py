@@ -25,8 +25,8 @@ from ..analysis.tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask,
                     evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
 from ..analysis.ranges import MIXED
 from ..mods.trace import MASK_MOD, TracedMod, mod_kind, trace
+from ..mods.traced_mod import check_captured
 from .table_lists import TableContents, row_contents
-from ..call.validate import check_captured
 from ..versions import table_states
 
 DEFAULT_BLOCK_SIZE = 128
@@ -36,7 +36,7 @@ compiled_builder: Callable | None = None
 
 _TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-_TENSOR_ATTRS = _TABLE_NAMES + ("dq_write_order", "dq_write_order_full", "dq_kv_order")
+TENSOR_ATTRS = _TABLE_NAMES + ("dq_write_order", "dq_write_order_full", "dq_kv_order")
 
 
 class _Derived:
@@ -292,10 +292,10 @@ class BlockMask:
     @classmethod
     def from_torch(cls, block_mask: Any) -> "BlockMask":
         """The same mask as flexc's BlockMask; tables are shared, not copied."""
-        if not all(hasattr(block_mask, name) for name in _TENSOR_ATTRS + ("seq_lengths", "BLOCK_SIZE", "mask_mod")):
+        if not all(hasattr(block_mask, name) for name in TENSOR_ATTRS + ("seq_lengths", "BLOCK_SIZE", "mask_mod")):
             raise TypeError(f"BlockMask.from_torch: expected a torch.nn.attention.flex_attention.BlockMask, "
                             f"got {type(block_mask).__name__}.")
-        tables = {name: getattr(block_mask, name) for name in _TENSOR_ATTRS}
+        tables = {name: getattr(block_mask, name) for name in TENSOR_ATTRS}
         return cls(block_mask.seq_lengths, **tables, BLOCK_SIZE=block_mask.BLOCK_SIZE,
                    mask_mod=_mask_mod_from_torch(block_mask.mask_mod),
                    dq_kv_order_spt=getattr(block_mask, "dq_kv_order_spt", None))
@@ -306,7 +306,7 @@ class BlockMask:
             from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
         except ImportError as e:  # pragma: no cover - torch without FlexAttention
             raise RuntimeError(f"BlockMask.to_torch needs torch.nn.attention.flex_attention: {e}") from None
-        tables = {name: getattr(self, name) for name in _TENSOR_ATTRS}
+        tables = {name: getattr(self, name) for name in TENSOR_ATTRS}
         return TorchBlockMask(self.seq_lengths, **tables, BLOCK_SIZE=self.BLOCK_SIZE,
                               mask_mod=_mask_mod_to_torch(self.mask_mod), dq_kv_order_spt=self.dq_kv_order_spt)
 
@@ -556,7 +556,7 @@ class BlockMask:
         moved = {n: DERIVED if lazy and n.startswith(("q_", "full_q_")) else
                  (t.to(device) if isinstance(t, torch.Tensor) else t)
                  for n, t in ((n, None if lazy and n.startswith(("q_", "full_q_")) else getattr(self, n))
-                              for n in _TENSOR_ATTRS)}
+                              for n in TENSOR_ATTRS)}
         return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
                          dq_kv_order_spt=self.dq_kv_order_spt)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.utils._pytree as pytree
 
-from .block_mask import _TENSOR_ATTRS, DERIVED, BlockMask
+from .block_mask import TENSOR_ATTRS, DERIVED, BlockMask
 
 
 _Q_NAMES = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -24,7 +24,7 @@ def _lazy_q(bm: BlockMask) -> bool:
 
 def _leaves(bm: BlockMask) -> list:
     lazy = _lazy_q(bm)
-    return [None if lazy and name in _Q_NAMES else getattr(bm, name) for name in _TENSOR_ATTRS]
+    return [None if lazy and name in _Q_NAMES else getattr(bm, name) for name in TENSOR_ATTRS]
 
 
 def _flatten(bm: BlockMask) -> tuple[list, tuple]:
@@ -32,7 +32,7 @@ def _flatten(bm: BlockMask) -> tuple[list, tuple]:
 
 
 def _flatten_with_keys(bm: BlockMask) -> tuple[list, tuple]:
-    return [(pytree.GetAttrKey(name), t) for name, t in zip(_TENSOR_ATTRS, _leaves(bm))], _context(bm)
+    return [(pytree.GetAttrKey(name), t) for name, t in zip(TENSOR_ATTRS, _leaves(bm))], _context(bm)
 
 
 def _context(bm: BlockMask) -> tuple:
@@ -41,10 +41,10 @@ def _context(bm: BlockMask) -> tuple:
 
 def _unflatten(leaves: Any, context: tuple) -> BlockMask:
     seq_lengths, block_size, lazy_q, spt, mask_mod = context
-    tensors = dict(zip(_TENSOR_ATTRS, leaves))
+    tensors = dict(zip(TENSOR_ATTRS, leaves))
     if lazy_q:
         tensors.update(dict.fromkeys(_Q_NAMES, DERIVED))
-    return BlockMask(seq_lengths, *(tensors[name] for name in _TENSOR_ATTRS[:8]), BLOCK_SIZE=block_size,
+    return BlockMask(seq_lengths, *(tensors[name] for name in TENSOR_ATTRS[:8]), BLOCK_SIZE=block_size,
                      mask_mod=mask_mod, dq_write_order=tensors["dq_write_order"],
                      dq_write_order_full=tensors["dq_write_order_full"], dq_kv_order=tensors["dq_kv_order"],
                      dq_kv_order_spt=spt)

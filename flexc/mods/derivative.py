@@ -359,11 +359,11 @@ def _expand(root: ir.Node) -> tuple[ir.Node, dict[int, tuple[str, tuple[ir.Node,
             return found[1]
         if x.op == reductions.REDUCE:
             op, count = x.attr
-            terms = [reductions._term(op, go(reductions.substitute(x.args[0], count, ir.const(i))))
+            terms = [reductions.term(op, go(reductions.substitute(x.args[0], count, ir.const(i))))
                      for i in range(count)]
             out = terms[0]
             for t in terms[1:]:
-                fold = reductions._FOLD[op]
+                fold = reductions.FOLD[op]
                 if op in ("max", "min") and t.kind == ir.BOOL:
                     fold = "or" if op == "max" else "and"
                 out = ir.binary(fold, out, t)

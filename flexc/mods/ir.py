@@ -35,7 +35,7 @@ LOGIC_OPS = {"and", "or", "xor"}
 COMPARE_OPS = {"eq", "ne", "lt", "le", "gt", "ge"}
 BINARY_OPS = ARITH_OPS | LOGIC_OPS | COMPARE_OPS | SHIFT_OPS | FLOAT_BINARY_OPS
 
-_SYMBOLS = {
+SYMBOLS = {
     "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
     "and": "&", "or": "|", "xor": "^", "lshift": "<<", "rshift": ">>",
     "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
@@ -247,14 +247,14 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
             return f"{n.attr.__name__}.apply({', '.join(fmt(a) for a in n.args[1:])})"
         if op in ("min", "max"):
             return f"{op}imum({fmt(n.args[0])}, {fmt(n.args[1])})"
-        if op in BINARY_OPS and op not in _SYMBOLS:  # fmod, atan2: function form
+        if op in BINARY_OPS and op not in SYMBOLS:  # fmod, atan2: function form
             return f"{op}({fmt(n.args[0])}, {fmt(n.args[1])})"
         if op in BINARY_OPS:
             prec = _PRECEDENCE[op]
             # comparisons and bitwise ops get explicit parentheses as operands: `(a >= b) & (c < d)`
             left = fmt(n.args[0], prec + (1 if op == "pow" else 0))
             right = fmt(n.args[1], prec + (0 if op == "pow" else 1))
-            text = f"{left} {_SYMBOLS[op]} {right}"
+            text = f"{left} {SYMBOLS[op]} {right}"
             needs = prec < parent_prec or (op in COMPARE_OPS | LOGIC_OPS and parent_prec > 0)
             return f"({text})" if needs else text
         if op == "neg":

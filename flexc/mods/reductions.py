@@ -87,7 +87,7 @@ def substitute(node: ir.Node, n: int, value: ir.Node) -> ir.Node:
     return go(node)
 
 
-def _term(op: str, node: ir.Node) -> ir.Node:
+def term(op: str, node: ir.Node) -> ir.Node:
     if op in ("any", "all"):
         return node if node.kind == ir.BOOL else ir.binary("ne", node, ir.const(0))
     if op in ("sum", "prod") and node.kind != ir.FLOAT:
@@ -95,7 +95,7 @@ def _term(op: str, node: ir.Node) -> ir.Node:
     return node
 
 
-_FOLD = {"sum": "add", "prod": "mul", "max": "max", "min": "min", "any": "or", "all": "and"}
+FOLD = {"sum": "add", "prod": "mul", "max": "max", "min": "min", "any": "or", "all": "and"}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -111,10 +111,10 @@ def unroll(root: ir.Node) -> ir.Node:
             return found
         if x.op == REDUCE:
             op, n = x.attr
-            terms = [_term(op, go(substitute(x.args[0], n, ir.const(i)))) for i in range(n)]
+            terms = [term(op, go(substitute(x.args[0], n, ir.const(i)))) for i in range(n)]
             out = terms[0]
             for t in terms[1:]:
-                out = ir.binary(_FOLD[op] if not (op in ("max", "min") and t.kind == ir.BOOL)
+                out = ir.binary(FOLD[op] if not (op in ("max", "min") and t.kind == ir.BOOL)
                                 else ("or" if op == "max" else "and"), out, t)
         elif not x.args:
             out = x

@@ -396,12 +396,12 @@ def _binop(op: str, reverse: bool = False):
 
 def _binary(t: Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
     if op in ir.LOGIC_OPS and ir.FLOAT in (a.kind, b.kind):
-        t.fail(f"`{ir._SYMBOLS[op]}` on a float value ({a} {ir._SYMBOLS[op]} {b})",
+        t.fail(f"`{ir.SYMBOLS[op]}` on a float value ({a} {ir.SYMBOLS[op]} {b})",
                "use `&`, `|`, `^` on comparisons (bools) or integer indices")
     if op != "pow":  # torch converts a Python int to a narrow integer operand's dtype (wrapping)
         a, b = weak_pair(a, b)
     if op in ("floordiv", "mod") and b.op == "const" and b.attr == 0 and ir.FLOAT not in (a.kind, b.kind):
-        t.fail(f"integer division by zero (`{a} {ir._SYMBOLS[op]} 0`, after torch converts the divisor to "
+        t.fail(f"integer division by zero (`{a} {ir.SYMBOLS[op]} 0`, after torch converts the divisor to "
                f"the dividend's dtype); torch raises ZeroDivisionError for it",
                "divide by a non-zero number, or use `/` (true division) on floats")
     node = ir.binary(op, a, b)

@@ -130,3 +130,14 @@ def trainable_slots(score_mod: "TracedMod | None") -> tuple[int, ...]:
     if score_mod is None:
         return ()
     return tuple(i for i, t in enumerate(score_mod.buffers) if t.is_floating_point() and t.requires_grad)
+
+
+def check_captured(traced: "TracedMod | None", device: torch.device, where: str = "flex_attention") -> None:
+    """Captured tensors of a traced mod live on ``device`` (0-d CPU tensors are allowed, as in torch)."""
+    if traced is None:
+        return
+    for name, t in zip(traced.buffer_names, traced.buffers):
+        if t.device != device and not (t.device.type == "cpu" and t.dim() == 0 and device.type != "meta"):
+            raise ValueError(f"{where}: {traced.kind} {traced.name!r} captures tensor {name!r} on {t.device} "
+                             f"but it runs on {device}. Fix: create the tensor on {device}, e.g. "
+                             f"`{name} = {name}.to({str(device)!r})` before defining the mod.")

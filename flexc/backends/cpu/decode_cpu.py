@@ -380,12 +380,12 @@ def flash(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, masked:
         mask = torch.zeros(1, 1, L, n, dtype=query.dtype, device=query.device)
         for offset, length, blocked in masked:
             mask[..., offset:offset + length].masked_fill_(blocked, _NEG_INF)
-        mask = fused_cpu._stack_heads(mask, G)
-    o, lse = fused_cpu._FLASH(query.reshape(B, Hkv, G * L, E) if G > 1 else query, k_sel, v_sel, attn_mask=mask,
+        mask = fused_cpu.stack_heads(mask, G)
+    o, lse = fused_cpu.FLASH(query.reshape(B, Hkv, G * L, E) if G > 1 else query, k_sel, v_sel, attn_mask=mask,
                               scale=scale)
     if need_lse:
         if masked and sum(length for _, length, _ in masked) == n:  # no allowed block: rows may be dead
-            fused_cpu._fix_dead_rows(lse, mask)
+            fused_cpu.fix_dead_rows(lse, mask)
         lse = lse.nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)  # a +inf score: NaN, as on the other paths
     if G > 1:
         o, lse = o.reshape(B, Hq, L, v_sel.shape[-1]), lse.reshape(B, Hq, L)
@@ -496,7 +496,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     else:
         read = positions[lo:hi]
         k_sel, v_sel = key.index_select(2, read), value.index_select(2, read)
-    if (score_mod is None and not need_max and fused_cpu._FLASH is not None and query.is_cpu
+    if (score_mod is None and not need_max and fused_cpu.FLASH is not None and query.is_cpu
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
             and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})

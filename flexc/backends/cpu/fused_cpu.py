@@ -33,7 +33,7 @@ from .block_plan import Chunk, chunk_kv_index, chunk_rows, fused_pieces, shared_
 # guarded: older or trimmed torch builds may lack the op. Its Python binding (an unboxed call), else
 # the overload itself, not its packet: the packet's Python dispatch cost ~20 us a call, which
 # decoding pays every token, and the overload's boxed call still a few
-_FLASH = (getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH = (getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
           or getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None))
 _NEG_INF = float("-inf")
 # An additive mask holds at most this many elements (2 MiB in fp32) per call
@@ -46,7 +46,7 @@ MIN_COST_PER_WORKER = 2e6
 def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) -> bool:
     """Whether the fused kernel computes this forward exactly as the plain-torch path would
     (``mods`` None: attention without mods)."""
-    return (_FLASH is not None and not need_max and query.is_cpu
+    return (FLASH is not None and not need_max and query.is_cpu
             and query.dtype in (torch.float32, torch.float64)
             and query.shape[-1] == value.shape[-1]
             and (mods is None or mods.score_mod is None or mods.bias_node is not None))
@@ -141,9 +141,9 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
         else:
             kv = chunk_kv_index(piece, mods.kv_pos)
             mask = _mask(piece, mods, a, b, kv, mode != "mask", q.dtype, g.G)
-            o, l = _FLASH(q, kc, vc, attn_mask=mask, scale=scale)
+            o, l = FLASH(q, kc, vc, attn_mask=mask, scale=scale)
             if mask is not None:
-                _fix_dead_rows(l, mask)
+                fix_dead_rows(l, mask)
         if acc is None:
             acc, acc_lse = o, l
         elif len(rows) == 1:  # every call covers all the rows (stacked G*r of them with GQA)
@@ -190,8 +190,8 @@ def _relative_call(q, k, v, mods, q0: int, q1: int, piece: Chunk, scale: float, 
             tile = tile.contiguous()
             for off, length in full:  # full blocks are allowed whatever the mask_mod says
                 tile[..., off:off + length] = 0.0
-    o, l = _FLASH(q.flip(-2), k, v, attn_mask=tile, scale=scale)
-    _fix_dead_rows(l, tile)
+    o, l = FLASH(q.flip(-2), k, v, attn_mask=tile, scale=scale)
+    fix_dead_rows(l, tile)
     return o.flip(-2), l.flip(-1)
 
 
@@ -218,7 +218,7 @@ def _mask(piece: Chunk, mods, q0: int, q1: int, kv: torch.Tensor, bias: bool, dt
         if mods.bias_sign < 0:
             x = x.neg()
         x = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
-        return _stack_heads(x.expand(x.shape[0], x.shape[1], r, piece.n_cols), G)
+        return stack_heads(x.expand(x.shape[0], x.shape[1], r, piece.n_cols), G)
     parts = [nb for _, _, nb in blocked]
     if bias:
         x = mods.bias(q0, q1, kv)
@@ -230,16 +230,16 @@ def _mask(piece: Chunk, mods, q0: int, q1: int, kv: torch.Tensor, bias: bool, dt
         mask = torch.empty(b, h, r, piece.n_cols, dtype=dtype, device=kv.device)
         mask.copy_(x if mods.bias_sign > 0 else -x)  # broadcasts and casts
     elif len(blocked) == 1 and blocked[0][1] == piece.n_cols:  # the common case: one tile, all partial
-        return _stack_heads(torch.zeros(b, h, r, piece.n_cols, dtype=dtype, device=kv.device)
+        return stack_heads(torch.zeros(b, h, r, piece.n_cols, dtype=dtype, device=kv.device)
                             .masked_fill_(blocked[0][2], _NEG_INF), G)
     else:
         mask = torch.zeros(b, h, r, piece.n_cols, dtype=dtype, device=kv.device)
     for off, n, not_allowed in blocked:
         mask[..., off:off + n].masked_fill_(not_allowed, _NEG_INF)
-    return _stack_heads(mask, G)
+    return stack_heads(mask, G)
 
 
-def _stack_heads(mask: torch.Tensor, G: int) -> torch.Tensor:
+def stack_heads(mask: torch.Tensor, G: int) -> torch.Tensor:
     """``[b, h, r, c]`` as ``[b, h/G or 1, G*r, c]``: rows of a key head's G query heads follow one another."""
     if G == 1:
         return mask
@@ -249,7 +249,7 @@ def _stack_heads(mask: torch.Tensor, G: int) -> torch.Tensor:
     return mask.reshape(b, -1, G * r, c)
 
 
-def _fix_dead_rows(l: torch.Tensor, mask: torch.Tensor) -> None:
+def fix_dead_rows(l: torch.Tensor, mask: torch.Tensor) -> None:
     """The kernel reports logsumexp 0 (and output 0) for rows its mask blocks entirely: make it -inf.
 
     A real logsumexp of exactly 0 is rare, so the mask is only inspected when one occurs.
