@@ -27,12 +27,12 @@ import torch
 from ..mods import ir
 from ..mods.derivative import ScoreModDerivative, differentiate
 from .constants import LOG2E
-from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
-from .header import describe_mod
+from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line, preamble, store
+from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import param_stems, render_mods
-from .parts import KV_BASES, dot, operand, row_sum, widen_suffix
+from .parts import KV_BASES, dot, head_check, operand, row_sum, tile_load, widen_suffix
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
-from .spec import AttentionSpec, padded_head_dim
+from .spec import AttentionSpec
 
 KERNEL_NAME = "flex_attention_backward"
 
@@ -177,11 +177,9 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
 
 def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: list[_GatherCode]) -> list[str]:
     names = spec.score_mod.buffer_names if spec.score_mod is not None else ()
-    E, Ev = spec.head_dim, spec.v_head_dim
     lines = [
         "# flexc backward attention kernel (generated; flexc.kernel_source(..., backward=True) returns this text).",
-        describe_mod(spec.score_mod, "score_mod"),
-        describe_mod(spec.mask_mod, "mask_mod"),
+        *describe_mods(spec),
     ]
     if derivative is not None:
         lines.append(f"#   d score_mod / d score = {ir.format_expr(derivative.d_score, names)}")
@@ -190,22 +188,19 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
         for g in gathers:
             lines.append(f"#     d / d {g.what} = {g.grad.expression}")
     lines += [
-        f"#   dtype {str(spec.dtype).removeprefix('torch.')}; head dim {E} (padded to {padded_head_dim(E)}), "
-        f"value head dim {Ev} (padded to {padded_head_dim(Ev)})",
+        describe_dims(spec),
         f"#   BlockMask blocks: {spec.q_block_size} x {spec.kv_block_size} (query x key)",
         f"#   tiles: dQ programs BLOCK_M2={spec.block_m2} x BLOCK_N2={spec.block_n2}, dK/dV programs "
         f"BLOCK_M1={spec.block_m1} x BLOCK_N1={spec.block_n1}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; target: {spec.target}",
-        *([f"#   index arithmetic in the mods: {spec.index_dtype}"] if spec.index_dtype != "int32" else []),
+        *index_note(spec),
         "# One launch. Programs [0, NUM_KV_TILES) each own a key tile of one key head: they walk the",
         "# BlockMask's query tables for every query head of the GQA group and write dK, dV (and add",
         "# captured-tensor gradients). The remaining programs each own a query tile of one query head:",
         "# they walk the key tables and write dQ. Partial blocks run the mask_mod, full blocks do not;",
         "# scores are recomputed and turned into probabilities with the saved base-2 logsumexp.",
+        *widen_note(spec, "operands are rounded to the input dtype first, as on the GPU."),
     ]
-    if spec.widens:
-        lines.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
-        lines.append("# dot is unreliable); operands are rounded to the input dtype first, as on the GPU.")
     return lines
 
 
@@ -323,8 +318,6 @@ def _bounds(indent: str, in_range: str, idx: str, offs: str, length: str, block:
 
 def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     tiles = spec.q_block_size // spec.block_m1
-    widen = widen_suffix(spec)
-    pad_e, pad_ev = spec.padded
     params = [
         "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
         "query_ptr, grad_out_ptr, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
@@ -344,8 +337,8 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         *_walk("block_count_ptr", "block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m"),
         "        offs_m = tl.multiple_of(start_m, BLOCK_M1) + tl.arange(0, BLOCK_M1)",
         *_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
-        f"        qT = {load(q_ptrs, 'q_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', pad_e), widen=widen)}",
-        f"        do = {load(do_ptrs, 'q_in_range[:, None]', pad_check('offs_dv[None, :]', 'V_HEAD_DIM', pad_ev), widen=widen)}",
+        f"        qT = {tile_load(spec, q_ptrs, 'q_in_range[None, :]', '[:, None]')}",
+        f"        do = {tile_load(spec, do_ptrs, 'q_in_range[:, None]', '[None, :]', value=True)}",
         "        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0",
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
         f"        score = {dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
@@ -373,8 +366,6 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
 
 def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     tiles = spec.kv_block_size // spec.block_n2
-    widen = widen_suffix(spec)
-    pad_e, pad_ev = spec.padded
     params = [
         "dq, q, do, lse, delta, b, h, q_idx, q_in_range,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
@@ -393,8 +384,8 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         *_walk("block_count_ptr", "block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n"),
         "        offs_n = tl.multiple_of(start_n, BLOCK_N2) + tl.arange(0, BLOCK_N2)",
         *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
-        f"        kT = {load(k_ptrs, 'kv_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', pad_e), widen=widen)}",
-        f"        vT = {load(v_ptrs, 'kv_in_range[None, :]', pad_check('offs_dv[:, None]', 'V_HEAD_DIM', pad_ev), widen=widen)}",
+        f"        kT = {tile_load(spec, k_ptrs, 'kv_in_range[None, :]', '[:, None]')}",
+        f"        vT = {tile_load(spec, v_ptrs, 'kv_in_range[None, :]', '[:, None]', value=True)}",
         f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
@@ -409,9 +400,8 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
 
 
 def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str], dq_buffers: list[str]) -> list[str]:
-    acc = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
+    acc = spec.acc_dtype
     widen = widen_suffix(spec)
-    pad_e, pad_ev = spec.padded
     full = spec.has_full_blocks
     params = [
         "query_ptr, key_ptr, value_ptr, grad_out_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,",
@@ -454,8 +444,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             *keywords((f"IS_FULL_BLOCKS={is_full}", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE", "DIVISIBLE"), dims),
         ], "        ")
 
-    d_check = pad_check("offs_d[None, :]", "HEAD_DIM", pad_e)
-    dv_check = pad_check("offs_dv[None, :]", "V_HEAD_DIM", pad_ev)
+    d_check, dv_check = head_check(spec, "[None, :]"), head_check(spec, "[None, :]", value=True)
     body = [
         *jit_def(KERNEL_NAME, params, f"@triton.jit(do_not_specialize={unspecialised!r})"),
         "    pid = tl.program_id(0)",
@@ -470,8 +459,8 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "        # ---- a dK/dV program: one key tile, every query head of the group ----",
         "        offs_n = pid * BLOCK_N1 + tl.arange(0, BLOCK_N1)",
         *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N1", "[:, None]"),
-        f"        k = {load('key_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd', 'kv_in_range[:, None]', d_check, widen=widen)}",
-        f"        v = {load('value_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd', 'kv_in_range[:, None]', dv_check, widen=widen)}",
+        f"        k = {tile_load(spec, 'key_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd', 'kv_in_range[:, None]', '[None, :]')}",
+        f"        v = {tile_load(spec, 'value_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd', 'kv_in_range[:, None]', '[None, :]', value=True)}",
         f"        dk = tl.full((BLOCK_N1, HEAD_DIM_PAD), 0.0, {acc})",
         f"        dv = tl.full((BLOCK_N1, V_HEAD_DIM_PAD), 0.0, {acc})",
         "        for g in range(GQA_GROUP):",

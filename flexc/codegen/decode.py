@@ -21,15 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .constants import LN2, LOG2E
-from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble
-from .header import describe_mod
+from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line
+from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
-from .parts import KV_BASES, NONFINITE_VALUES, dot, row_max, row_sum, softmax_state, value_guard_lines
+from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, head_check, online_softmax, softmax_state,
+                    tile_load, widen_suffix)
 from .printer import BufferParam
-from .spec import AttentionSpec, padded_head_dim
+from .spec import AttentionSpec
 
 KERNEL_NAME = "flex_decode_split"
 
@@ -67,46 +66,29 @@ class GeneratedDecode:
 def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     """The Triton source of the split-KV decode kernel described by ``spec``."""
     score, mask = render_mods(spec, spec.target, spec.index_dtype)
-    E, Ev = spec.head_dim, spec.v_head_dim
-    widen = spec.widens
-    acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
     header = [
         "# flexc split-KV decode kernel (generated; flexc.kernel_source() returns this text).",
-        describe_mod(spec.score_mod, "score_mod"),
-        describe_mod(spec.mask_mod, "mask_mod"),
-        f"#   dtype {str(spec.dtype).removeprefix('torch.')}; head dim {E} (padded to {padded_head_dim(E)}), "
-        f"value head dim {Ev} (padded to {padded_head_dim(Ev)})",
+        *describe_mods(spec),
+        describe_dims(spec),
         f"#   BlockMask key blocks of {spec.kv_block_size}; tiles: BLOCK_M={spec.block_m} packed query rows, "
         f"BLOCK_N={spec.block_n} keys; num_warps={spec.num_warps}, num_stages={spec.num_stages}; "
         f"target: {spec.target}",
-        *([f"#   index arithmetic in the mods: {spec.index_dtype}"] if spec.index_dtype != "int32" else []),
+        *index_note(spec),
         "# One program per (split, key head, batch). Its tile's rows are the GQA_GROUP query heads that",
         "# share the key head times the Q_LEN query rows (row r: head h_kv * GQA_GROUP + r // Q_LEN,",
         "# q_idx r % Q_LEN). It walks its share of the BlockMask row's listed key blocks (partial: score_mod",
         "# and mask_mod; full: score_mod only) with an online softmax in base 2, and writes its normalised",
         "# output and logsumexp; the launcher merges the splits by logsumexp.",
+        *widen_note(spec),
     ]
-    if widen:
-        header.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
-        header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
-    lines = preamble(header, [r for r in (score, mask) if r is not None])
-    if mask is not None:
-        lines += [NONFINITE_VALUES, ""]
-    lines += _attend_range(spec, score, mask, widen)
-    lines += ["", ""]
-    lines += _kernel(spec, score, mask, widen, acc_dtype)
-    return GeneratedDecode("\n".join(lines).rstrip() + "\n", KERNEL_NAME,
+    source = attention_source(header, score, mask, _attend_range(spec, score, mask), _kernel(spec, score, mask))
+    return GeneratedDecode(source, KERNEL_NAME,
                            score.params if score is not None else (), mask.params if mask is not None else ())
 
 
-def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
+def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
     """The online-softmax loop over listed blocks ``[first, last)`` of one table row."""
     tiles = spec.kv_block_size // spec.block_n
-    d_pad, dv_pad = spec.padded
-    k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
-    v_ptrs = "value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd"
-    widen_t = ".to(tl.float32)" if widen else ""
-    p_operand = f"p.to({spec.tl_dtype}).to(tl.float32)" if widen else f"p.to({spec.tl_dtype})"
     params = [
         "acc, l_i, m_i, q, b, h, q_idx,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
@@ -129,7 +111,7 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
         *walk,
         "        offs_n = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)",
         "        kv_in_range = offs_n < KV_LEN",
-        f"        k = {load(k_ptrs, 'kv_in_range[None, :]', pad_check('offs_d[:, None]', 'HEAD_DIM', d_pad), widen=widen_t)}",
+        f"        k = {tile_load(spec, KEY_TILE, 'kv_in_range[None, :]', '[:, None]')}",
         *([f"        qk = {dot('q', 'k', spec)} * scale"] if score is not None else
           [f"        qk = {dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once: no score_mod"]),
         "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
@@ -141,21 +123,10 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
     body += [
         "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
         *([f"        qk = qk * {LOG2E}  # to base 2"] if score is not None else []),
-        f"        m_new = tl.maximum(m_i, {row_max(spec, 'qk')})",
-        "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # nothing allowed yet: no -inf - -inf",
-        "        alpha = tl.exp2(m_i - m_safe)",
-        "        p = tl.exp2(qk - m_safe[:, None])",
-        f"        l_i = l_i * alpha + {row_sum(spec, 'p')}",
-        f"        v = {load(v_ptrs, 'kv_in_range[:, None]', pad_check('offs_dv[None, :]', 'V_HEAD_DIM', dv_pad), widen=widen_t)}",
     ]
-    if masked:  # the guard adds to the rescaled acc, so it must come between the rescale and the dot
-        body += ["        acc = acc * alpha[:, None]",
-                 "        if not IS_FULL_BLOCKS:",
-                 "            if GUARD_NONFINITE_VALUES:  # compiled in only for CPU calls whose values hold NaN/inf",
-                 *value_guard_lines(spec, "                "),
-                 f"        acc = {dot(p_operand, 'v', spec, 'acc')}"]
-    else:
-        body.append(f"        acc = {dot(p_operand, 'v', spec, 'acc * alpha[:, None]')}")
+    v_load = [f"        v = {tile_load(spec, VALUE_TILE, 'kv_in_range[:, None]', '[None, :]', value=True)}"]
+    body += online_softmax(spec, "        ", v_load, guard=bool(masked), fold_rescale=True,
+                           guard_note="  # compiled in only for CPU calls whose values hold NaN/inf")
     body += [
         "        m_i = m_new",
         "    return acc, l_i, m_i",
@@ -163,9 +134,8 @@ def _attend_range(spec: DecodeSpec, score, mask, widen: bool) -> list[str]:
     return body
 
 
-def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[str]:
+def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
     buffers = buffer_args(score, mask)
-    d_pad, dv_pad = spec.padded
     params = [
         "query_ptr, key_ptr, value_ptr, out_split_ptr, lse_split_ptr,",
         "partial_block_counts_ptr, partial_block_indices_ptr,"
@@ -206,8 +176,8 @@ def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         "    q = tl.load(query_ptr + b * stride_qb + h * stride_qh + q_idx * stride_qm + offs_d[None, :] * stride_qd,",
-        f"                mask={bounds('row_in_range[:, None]', pad_check('offs_d[None, :]', 'HEAD_DIM', d_pad))}, "
-        f"other=0.0){'.to(tl.float32)' if widen else ''}",
+        f"                mask={bounds('row_in_range[:, None]', head_check(spec, '[None, :]'))}, "
+        f"other=0.0){widen_suffix(spec)}",
         "    # the group's row of the BlockMask tables (shared by its heads: MASK_HEADS is 1 or GQA_GROUP is 1)",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + (h_kv * GQA_GROUP) % MASK_HEADS) * MASK_Q_BLOCKS",
         "    n_partial = tl.load(partial_block_counts_ptr + mask_row)",
@@ -233,7 +203,7 @@ def _kernel(spec: DecodeSpec, score, mask, widen: bool, acc_dtype: str) -> list[
         "    slot = (b * KV_HEADS + h_kv) * NUM_SPLITS + split",
         "    tl.store(out_split_ptr + (slot * BLOCK_M + rows[:, None]) * V_HEAD_DIM + offs_dv[None, :],",
         f"             out.to(out_split_ptr.dtype.element_ty), "
-        f"mask={bounds('row_in_range[:, None]', pad_check('offs_dv[None, :]', 'V_HEAD_DIM', dv_pad))})",
+        f"mask={bounds('row_in_range[:, None]', head_check(spec, '[None, :]', value=True))})",
         "    tl.store(lse_split_ptr + slot * BLOCK_M + rows, lse.to(lse_split_ptr.dtype.element_ty), mask=row_in_range)",
     ]
     return body

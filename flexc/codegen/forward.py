@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from .constants import LN2, LOG2E
-from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, load, names_line, pad_check, preamble, store
-from .header import describe_mod
+from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, names_line, store
+from .header import describe_dims, describe_mods, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
-from .parts import KV_BASES, NONFINITE_VALUES, dot, row_max, row_sum, softmax_state, value_guard_lines
+from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, head_check, online_softmax, softmax_state,
+                    tile_load, widen_suffix)
 from .printer import BufferParam
 from .spec import AttentionSpec, next_power_of_2, padded_head_dim
 
@@ -72,20 +73,14 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     score_params = score.params if score is not None else ()
     mask_params = mask.params if mask is not None else ()
 
-    E, Ev = spec.head_dim, spec.v_head_dim
-    E_pad, Ev_pad = padded_head_dim(E), padded_head_dim(Ev)
     tiles_per_block = spec.kv_block_size // spec.block_n
     q_blocks = "none (every key is allowed)" if spec.q_block_size == NO_BLOCK_MASK else \
         f"{spec.q_block_size} x {spec.kv_block_size} (query x key)"
-    dtype_name = str(spec.dtype).removeprefix("torch.")
-    widen = spec.widens
-    acc_dtype = "tl.float64" if spec.dtype == torch.float64 else "tl.float32"
 
     header = [
         "# flexc forward attention kernel (generated; flexc.kernel_source() returns this text).",
-        describe_mod(spec.score_mod, "score_mod"),
-        describe_mod(spec.mask_mod, "mask_mod"),
-        f"#   dtype {dtype_name}; head dim {E} (padded to {E_pad}), value head dim {Ev} (padded to {Ev_pad})",
+        *describe_mods(spec),
+        describe_dims(spec),
         f"#   BlockMask blocks: {q_blocks}",
         f"#   tiles: BLOCK_M={spec.block_m}, BLOCK_N={spec.block_n}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; logsumexp output: {'yes' if spec.output_lse else 'no'}; "
@@ -101,25 +96,15 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
         "# never visited. Softmax is online, in fp32, in base 2 (exp2). Lengths that are multiples of",
         "# the tiles (Q_LEN_DIVISIBLE, KV_LEN_DIVISIBLE) compile to a variant without bounds checks;",
         "# otherwise only the last key tile of a row is checked.",
+        *widen_note(spec),
     ]
-    if widen:
-        header.append("# Under Triton's CPU interpreter 16-bit tiles are widened to fp32 before tl.dot (its 16-bit")
-        header.append("# dot is unreliable); products of 16-bit values are exact in fp32, so results agree.")
-    lines = preamble(header, [r for r in (score, mask) if r is not None])
-    if mask is not None:
-        lines += [NONFINITE_VALUES, ""]
-
-    lines += _attend_tile(spec, score, mask, widen)
-    lines += ["", ""]
-    lines += _attend_blocks(spec, score, mask, tiles_per_block)
-    lines += ["", ""]
-    lines += _kernel(spec, score, mask, widen, acc_dtype)
-    source = "\n".join(lines).rstrip() + "\n"
+    source = attention_source(header, score, mask, _attend_tile(spec, score, mask),
+                              _attend_blocks(spec, score, mask, tiles_per_block), _kernel(spec, score, mask))
     return GeneratedForward(source, KERNEL_NAME, score_params, mask_params,
                             needs_positive_scale=score is None and not spec.prescale_qk)
 
 
-def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
+def _attend_tile(spec: ForwardSpec, score, mask) -> list[str]:
     """The device function for one key tile: scores, mods, and the online-softmax update."""
     params = [
         "acc, l_i, m_i, q, b, h, q_idx, start_n,",
@@ -128,17 +113,6 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
         *constexprs(("IS_FULL_BLOCKS", "CHECK_KV", "ROWS_GUARANTEED_SAFE"), ("GUARD_NONFINITE_VALUES",),
                     ("BLOCK_M", "BLOCK_N", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
-    d_pad, dv_pad = spec.padded
-    k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
-    v_ptrs = "value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd"
-    widen_k = ".to(tl.float32)" if widen else ""
-    k_pad = pad_check("offs_d[:, None]", "HEAD_DIM", d_pad)
-    v_pad = pad_check("offs_dv[None, :]", "V_HEAD_DIM", dv_pad)
-    k_checked = load(k_ptrs, "kv_in_range[None, :]", k_pad, widen=widen_k)
-    v_checked = load(v_ptrs, "kv_in_range[:, None]", v_pad, widen=widen_k)
-    k_plain, v_plain = load(k_ptrs, k_pad, widen=widen_k), load(v_ptrs, v_pad, widen=widen_k)
-    value_dtype = spec.tl_dtype
-    p_operand = f"p.to({value_dtype}).to(tl.float32)" if widen else f"p.to({value_dtype})"
     prescaled = spec.prescale_qk
     if prescaled:
         scores = [f"        qk = {dot('q', 'k', spec)}  # q was scaled by scale * log2(e): already base 2"]
@@ -152,7 +126,6 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
     # The factor that takes a score to base 2: folded into one FMA with the max subtraction.
     to_base2 = (None if prescaled or (score is None and spec.dtype == torch.float64)
                 else LOG2E if score is not None else "qk_scale")
-    tile_max = row_max(spec, "qk")
     body = [
         *jit_def("attend_tile", params),
         "    # One BLOCK_N tile of keys starting at start_n: scores, the mods, the online-softmax update.",
@@ -163,10 +136,10 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         "    if CHECK_KV:",
         "        kv_in_range = offs_n < KV_LEN",
-        f"        k = {k_checked}",
+        f"        k = {tile_load(spec, KEY_TILE, 'kv_in_range[None, :]', '[:, None]')}",
         "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
         "    else:",
-        f"        k = {k_plain}",
+        f"        k = {tile_load(spec, KEY_TILE, None, '[:, None]')}",
         "        kv_idx = offs_n[None, :]",
     ]
     body += [line[4:] for line in scores]
@@ -178,35 +151,12 @@ def _attend_tile(spec: ForwardSpec, score, mask, widen: bool) -> list[str]:
         "    if CHECK_KV:",
         "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
     ]
-    if to_base2 is None:
-        body.append(f"    m_new = tl.maximum(m_i, {tile_max})")
-    else:
-        body.append(f"    m_new = tl.maximum(m_i, {tile_max} * {to_base2})  # running max, base 2")
+    v_load = ["    if CHECK_KV:",
+              f"        v = {tile_load(spec, VALUE_TILE, 'kv_in_range[:, None]', '[None, :]', value=True)}",
+              "    else:",
+              f"        v = {tile_load(spec, VALUE_TILE, None, '[None, :]', value=True)}"]
     body += [
-        "    if ROWS_GUARANTEED_SAFE:  # the caller promised every row allows some key",
-        "        m_safe = m_new",
-        "    else:",
-        "        # a row with nothing allowed yet keeps m == -inf; use 0 there so exp2 never sees -inf - -inf",
-        "        m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
-        "    alpha = tl.exp2(m_i - m_safe)",
-    ]
-    if to_base2 is None:
-        body.append("    p = tl.exp2(qk - m_safe[:, None])")
-    else:
-        if spec.target == "interpreter":  # its tl.fma rounds worse than a multiply and a subtraction
-            body.append(f"    p = tl.exp2(qk * {to_base2} - m_safe[:, None])  # to base 2 and minus the max")
-        else:
-            body.append(f"    p = tl.exp2(tl.fma(qk, {to_base2}, -m_safe[:, None]))  # to base 2 and minus the max: one FMA")
-    body += [
-        f"    l_i = l_i * alpha + {row_sum(spec, 'p')}",
-        "    if CHECK_KV:",
-        f"        v = {v_checked}",
-        "    else:",
-        f"        v = {v_plain}",
-        "    acc = acc * alpha[:, None]",
-        *(["    if not IS_FULL_BLOCKS:", "        if GUARD_NONFINITE_VALUES:", *value_guard_lines(spec, "            ")]
-          if masked else []),
-        f"    acc = {dot(p_operand, 'v', spec, 'acc')}",
+        *online_softmax(spec, "    ", v_load, to_base2=to_base2, rows_option=True, guard=bool(masked)),
         "    return acc, l_i, m_new",
     ]
     return body
@@ -262,7 +212,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
     return body
 
 
-def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list[str]:
+def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
     buffers = buffer_args(score, mask)
     params = [
         "query_ptr, key_ptr, value_ptr, out_ptr," + (" lse_ptr," if spec.output_lse else ""),
@@ -289,12 +239,9 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
     # Lengths and captured-tensor sizes/strides change with the input; Triton must not specialise
     # on them, or every new length would compile again.
     unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
-    d_pad, dv_pad = spec.padded
     q_ptrs = "query_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd"
     o_ptrs = "out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od"
-    q_pad = pad_check("offs_d[None, :]", "HEAD_DIM", d_pad)
-    o_pad = pad_check("offs_dv[None, :]", "V_HEAD_DIM", dv_pad)
-    widen_q = ".to(tl.float32)" if widen else ""
+    o_pad = head_check(spec, "[None, :]", value=True)
     out_value = "out.to(out_ptr.dtype.element_ty)"
 
     def blocks(kind: str, full: bool) -> list[str]:
@@ -320,17 +267,17 @@ def _kernel(spec: ForwardSpec, score, mask, widen: bool, acc_dtype: str) -> list
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         "    if Q_LEN_DIVISIBLE:  # every query tile is whole",
-        f"        q = {load(q_ptrs, q_pad, widen=widen_q)}",
+        f"        q = {tile_load(spec, q_ptrs, None, '[None, :]')}",
         "        q_idx = offs_m[:, None]",
         "    else:",
         "        q_in_range = offs_m < Q_LEN",
-        f"        q = {load(q_ptrs, 'q_in_range[:, None]', q_pad, widen=widen_q)}",
+        f"        q = {tile_load(spec, q_ptrs, 'q_in_range[:, None]', '[None, :]')}",
         "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
     ]
     if spec.prescale_qk:
         body += ["    # PRESCALE_QK: scale and log2(e) applied to q once (torch's option: the score_mod sees",
                  "    # scores in base 2), not to every tile of scores",
-                 f"    q = (q * (scale * {LOG2E})).to({spec.tl_dtype}){'.to(tl.float32)' if widen else ''}"]
+                 f"    q = (q * (scale * {LOG2E})).to({spec.tl_dtype}){widen_suffix(spec)}"]
     body += [
         "    # this tile's row of the BlockMask tables; their batch and heads broadcast by modulo",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M) // Q_BLOCK_SIZE",

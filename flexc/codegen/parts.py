@@ -1,16 +1,20 @@
-"""Tile fragments of the generated attention kernels: dots, row reductions, masked tile loads, the
-online softmax (state and per-tile update, as torch's templates share one ``forward_inner``) and the
-guard that keeps non-finite values of masked keys out of ``p @ v``.
+"""Shared parts of the generated attention kernels: dots, row reductions, masked tile loads, the
+online softmax (state and per-tile update, as torch's templates share one ``forward_inner``), the
+guard that keeps non-finite values of masked keys out of ``p @ v``, and the source's assembly.
 
-The forward and decode generators share the online softmax; the backward uses the rest.
+The forward and decode generators share the online softmax; the backward uses the tile parts.
 """
 from __future__ import annotations
 
 import torch
 
-from .emit import load, pad_check
+from .emit import load, pad_check, preamble
+from .printer import RenderedMod
 from .spec import AttentionSpec
 
+# the forward and decode kernels' key tile (head dim down, keys across) and value tile (keys down)
+KEY_TILE = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
+VALUE_TILE = "value_ptr + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd"
 # a program's key and value heads (every kernel); stride_kb/vb are 0 when key/value broadcast over batch
 KV_BASES = ["    key_base = key_ptr + b * stride_kb + h_kv * stride_kh  # stride_kb is 0 when key/value broadcast over batch",
             "    value_base = value_ptr + b * stride_vb + h_kv * stride_vh"]
@@ -73,6 +77,51 @@ def softmax_state(spec: AttentionSpec) -> list[str]:
             f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})"]
 
 
+def online_softmax(spec: AttentionSpec, indent: str, v_load: list[str], *, to_base2: str | float | None = None,
+                   rows_option: bool = False, guard: bool = False, guard_note: str = "",
+                   fold_rescale: bool = False) -> list[str]:
+    """The online-softmax update for one tile of scores ``qk`` (torch's ``forward_inner``): the running
+    row max ``m_new`` (base 2), ``alpha`` that rescales the row sum ``l_i`` and the output ``acc``,
+    and ``p @ v`` added to ``acc``.
+
+    ``to_base2`` is the factor that still takes ``qk`` to base 2 (None: it is there already); it joins
+    the max and, in one FMA, the subtraction inside ``exp2``. ``rows_option`` compiles in torch's
+    ROWS_GUARANTEED_SAFE switch. ``v_load`` are the lines (indented) that load ``v``. ``guard`` adds the
+    non-finite value guard of partial blocks (``guard_note`` comments it); ``fold_rescale`` rescales
+    ``acc`` inside the dot where no guard comes between.
+    """
+    tile_max = row_max(spec, "qk")
+    if to_base2 is None:
+        lines = [f"m_new = tl.maximum(m_i, {tile_max})"]
+    else:
+        lines = [f"m_new = tl.maximum(m_i, {tile_max} * {to_base2})  # running max, base 2"]
+    if rows_option:
+        lines += ["if ROWS_GUARANTEED_SAFE:  # the caller promised every row allows some key",
+                  "    m_safe = m_new",
+                  "else:",
+                  "    # a row with nothing allowed yet keeps m == -inf; use 0 there so exp2 never sees -inf - -inf",
+                  "    m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)"]
+    else:
+        lines.append("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # nothing allowed yet: no -inf - -inf")
+    lines.append("alpha = tl.exp2(m_i - m_safe)")
+    if to_base2 is None:
+        lines.append("p = tl.exp2(qk - m_safe[:, None])")
+    elif spec.target == "interpreter":  # its tl.fma rounds worse than a multiply and a subtraction
+        lines.append(f"p = tl.exp2(qk * {to_base2} - m_safe[:, None])  # to base 2 and minus the max")
+    else:
+        lines.append(f"p = tl.exp2(tl.fma(qk, {to_base2}, -m_safe[:, None]))  # to base 2 and minus the max: one FMA")
+    lines.append(f"l_i = l_i * alpha + {row_sum(spec, 'p')}")
+    out = [indent + line for line in lines] + v_load
+    p = operand(spec, "p")
+    if fold_rescale and not guard:
+        return out + [f"{indent}acc = {dot(p, 'v', spec, 'acc * alpha[:, None]')}"]
+    out.append(f"{indent}acc = acc * alpha[:, None]")
+    if guard:  # the guard adds to the rescaled acc, so it comes between the rescale and the dot
+        out += [f"{indent}if not IS_FULL_BLOCKS:", f"{indent}    if GUARD_NONFINITE_VALUES:{guard_note}",
+                *value_guard_lines(spec, indent + "        ")]
+    return out + [f"{indent}acc = {dot(p, 'v', spec, 'acc')}"]
+
+
 # Masked keys must add exactly 0 to the output even where their value rows hold NaN or inf, but
 # tl.dot gives 0 * NaN = NaN. The launcher compiles this guard in (GUARD_NONFINITE_VALUES) only for
 # calls whose values hold NaN or inf: its never-taken branch alone, with three more dots per partial
@@ -109,5 +158,20 @@ def value_guard_lines(spec: AttentionSpec, indent: str) -> list[str]:
     ]
 
 
-__all__ = ["KV_BASES", "NONFINITE_VALUES", "dot", "head_check", "operand", "row_max", "row_sum", "softmax_state",
-           "tile_load", "value_guard_lines", "widen_suffix"]
+
+def attention_source(header: list[str], score: RenderedMod | None, mask: RenderedMod | None,
+                     *functions: list[str]) -> str:
+    """A whole kernel source: the header and preamble (imports, the mods), the non-finite value helper
+    where a mask_mod applies, then the jitted functions two blank lines apart."""
+    lines = preamble(header, [r for r in (score, mask) if r is not None])
+    if mask is not None:
+        lines += [NONFINITE_VALUES, ""]
+    for i, function in enumerate(functions):
+        lines += ["", ""] if i else []
+        lines += function
+    return "\n".join(lines).rstrip() + "\n"
+
+
+__all__ = ["KEY_TILE", "KV_BASES", "NONFINITE_VALUES", "VALUE_TILE", "attention_source", "dot", "head_check",
+           "online_softmax", "operand", "row_max", "row_sum", "softmax_state", "tile_load", "value_guard_lines",
+           "widen_suffix"]
