@@ -19,7 +19,8 @@ from ..mods import ir
 from ..mods.evaluate import evaluate
 from ..mods.lowering import scalar_form
 from ..mods.trace import TracedMod
-from .math_helpers import FAST_HELPERS, FAST_MATH_OPS, HELPER_SOURCES, LOG2E, MATH_HELPERS, TWO_LOG2E, with_needs
+from .constants import LOG2E, TWO_LOG2E
+from .math_helpers import FAST_HELPERS, FAST_MATH_OPS, HELPER_SOURCES, MATH_HELPERS, with_needs
 
 # Python operator precedence (higher binds tighter); what decides where parentheses go.
 _ATOM, _POW, _UNARY, _MUL, _ADD, _BAND, _BXOR, _BOR, _CMP = 12, 11, 10, 9, 8, 6, 5, 4, 3
