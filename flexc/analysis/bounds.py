@@ -124,7 +124,7 @@ def _exact_check(traced: TracedMod, check: tuple, sizes: dict, where: str) -> No
     """Evaluate ``check``'s expression over the domain (only the inputs it reads) and raise on the
     first value out of range."""
     node, dim, expr, size = check
-    reads = {n.attr for n in expr.walk() if n.op == "input"}
+    reads = ir.inputs_read(expr)
     low = high = None
     first = None
     for q0, values in _values(traced, expr, sizes):
@@ -142,7 +142,7 @@ def _exact_check(traced: TracedMod, check: tuple, sizes: dict, where: str) -> No
 def _values(traced: TracedMod, expr: ir.Node, sizes: dict):
     """``(first query row, int64 values of expr)`` over the domain, in chunks of at most ``_CHUNK``
     values (only the inputs ``expr`` reads span their extent; the others are 1)."""
-    reads = {n.attr for n in expr.walk() if n.op == "input"}
+    reads = ir.inputs_read(expr)
     extents = {name: (sizes[name] if name in reads else 1) for name in ("b", "h", "q_idx", "kv_idx")}
     device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
     per_row = extents["b"] * extents["h"] * extents["kv_idx"]

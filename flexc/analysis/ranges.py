@@ -33,12 +33,8 @@ from .affine import AffineForm, affine_difference
 from ..mods.promotion import node_dtype
 from .range_tables import RangeMinMax
 from ..mods.lowering import scalar_form
-from .tiles import cdiv
+from .tiles import EMPTY, FULL, MIXED, UNDECIDED, cdiv  # noqa: F401  (the tile classes, read from here too)
 from ..mods.trace import MASK_MOD, TracedMod
-
-EMPTY, UNDECIDED, FULL = 0, 1, 2
-# Set by mark_mixed_tiles: a tile proven to hold both allowed and masked elements (a PARTIAL tile).
-MIXED = 3
 
 # Integer bounds are float64: exact below 2**53. Nodes that may reach 2**50 are treated as unknown,
 # which leaves room for sums of a few such terms inside an affine form.

@@ -11,12 +11,15 @@ from typing import Any
 
 import torch
 
+from ..mods import ir
 from ..mods.evaluate import evaluate
-from ..mods.trace import SCORE_MOD, TracedMod
+from ..mods.traced_mod import SCORE_MOD, TracedMod
 
-# Tile classes shared with flexc.analysis.ranges: what analysis proved, or what exact evaluation found.
+# Tile classes, the one definition: what analysis (flexc.analysis.ranges) proved, or what exact
+# evaluation found.
 EMPTY, UNDECIDED, FULL = 0, 1, 2
 PARTIAL = 1  # after exact evaluation no tile is undecided; 1 then means "mixed"
+MIXED = 3  # set by ranges.mark_mixed_tiles: proven to hold both allowed and masked elements (PARTIAL)
 
 # Elements evaluated per batch of tiles. The largest intermediates are int64 index differences,
 # about 8 MiB per batch at this size: small against the 1 GiB goal at L=16384, and small enough
@@ -31,7 +34,7 @@ def cdiv(a: int, b: int) -> int:
 
 def reads_input(traced: TracedMod, name: str) -> bool:
     """Whether the traced mod reads the input ``name`` ("b", "h", "q_idx", "kv_idx", "score")."""
-    return any(n.op == "input" and n.attr == name for n in traced.root.walk())
+    return name in ir.inputs_read(traced.root)
 
 
 def ragged_tiles(Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int, device: Any = None) -> torch.Tensor:

@@ -145,6 +145,12 @@ def _trace_as(where: str, mod: Callable, kinds: tuple[str, ...]) -> TracedMod:
 
 # ---- the BlockMask --------------------------------------------------------------------------
 
+def _table_property(direction: str, slot: int, doc: str) -> property:
+    """Table ``slot`` of the ``direction`` ("kv" or "q") tables, read and set through them."""
+    return property(lambda self: getattr(self, f"_{direction}")()[slot],
+                    lambda self, value: getattr(self, f"_set_{direction}")(slot, value), doc=doc)
+
+
 class BlockMask:
     """A block-sparse attention mask in torch 2.13's layout (see the module docstring).
 
@@ -219,14 +225,10 @@ class BlockMask:
         self._kv_tables = tuple(tables)
         self.sliced_from = None  # a table of other provenance
 
-    kv_num_blocks = property(lambda self: self._kv()[0], lambda self, v: self._set_kv(0, v),
-                             doc="int32 ``[B, H, nQ]``: partial kv blocks per query-block row.")
-    kv_indices = property(lambda self: self._kv()[1], lambda self, v: self._set_kv(1, v),
-                          doc="int32 ``[B, H, nQ, nKV]``: their kv-block columns, valid entries first.")
-    full_kv_num_blocks = property(lambda self: self._kv()[2], lambda self, v: self._set_kv(2, v),
-                                  doc="int32 ``[B, H, nQ]``: full kv blocks per row, or None.")
-    full_kv_indices = property(lambda self: self._kv()[3], lambda self, v: self._set_kv(3, v),
-                               doc="int32 ``[B, H, nQ, nKV]``: their columns, or None.")
+    kv_num_blocks = _table_property("kv", 0, "int32 ``[B, H, nQ]``: partial kv blocks per query-block row.")
+    kv_indices = _table_property("kv", 1, "int32 ``[B, H, nQ, nKV]``: their kv-block columns, valid entries first.")
+    full_kv_num_blocks = _table_property("kv", 2, "int32 ``[B, H, nQ]``: full kv blocks per row, or None.")
+    full_kv_indices = _table_property("kv", 3, "int32 ``[B, H, nQ, nKV]``: their columns, or None.")
 
     # -- the q-direction tables, derived on first use --
     def _q(self) -> tuple:
@@ -246,14 +248,10 @@ class BlockMask:
         """Whether q tables exist (built or still to be derived), without building them."""
         return self._q_tables is None or self._q_tables[1] is not None
 
-    q_num_blocks = property(lambda self: self._q()[0], lambda self, v: self._set_q(0, v),
-                            doc="int32 ``[..., nKV]``: partial q blocks per kv block (derived on first use).")
-    q_indices = property(lambda self: self._q()[1], lambda self, v: self._set_q(1, v),
-                         doc="int32 ``[..., nKV, nQ]``: their q-block rows, valid entries first.")
-    full_q_num_blocks = property(lambda self: self._q()[2], lambda self, v: self._set_q(2, v),
-                                 doc="int32 ``[..., nKV]``: full q blocks per kv block, or None.")
-    full_q_indices = property(lambda self: self._q()[3], lambda self, v: self._set_q(3, v),
-                              doc="int32 ``[..., nKV, nQ]``: their q-block rows, or None.")
+    q_num_blocks = _table_property("q", 0, "int32 ``[..., nKV]``: partial q blocks per kv block (derived on first use).")
+    q_indices = _table_property("q", 1, "int32 ``[..., nKV, nQ]``: their q-block rows, valid entries first.")
+    full_q_num_blocks = _table_property("q", 2, "int32 ``[..., nKV]``: full q blocks per kv block, or None.")
+    full_q_indices = _table_property("q", 3, "int32 ``[..., nKV, nQ]``: their q-block rows, or None.")
 
     # -- construction --
     @classmethod

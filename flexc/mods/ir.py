@@ -8,6 +8,7 @@ closures that differ only in a captured tensor's contents produce the same graph
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Iterator
@@ -267,3 +268,12 @@ def format_expr(node: Node, buffer_names: tuple[str, ...] | None = None) -> str:
         return f"{op}({', '.join(fmt(a) for a in n.args)})"
 
     return fmt(node)
+
+
+@functools.lru_cache(maxsize=1024)
+def inputs_read(root: Node) -> frozenset[str]:
+    """The mod arguments (``score``, ``b``, ``h``, ``q_idx``, ``kv_idx``) a graph reads.
+
+    Cached by graph: graphs are shared (hash-consed), and a compiled call rebuilds its TracedMod
+    every call around the same graph."""
+    return frozenset(node.attr for node in root.walk() if node.op == "input")

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.evaluate_numpy import evaluate_small
 from ...analysis.row_intervals import allowed_intervals
@@ -66,15 +67,8 @@ def _is_true(mod: TracedMod | None) -> bool:
 
 
 def _reads(mod: TracedMod) -> tuple[str, ...]:
-    """The mod arguments the graph reads."""
-    return _inputs_of(mod.root)
-
-
-@functools.lru_cache(maxsize=256)
-def _inputs_of(root) -> tuple[str, ...]:
-    # keyed by the graph, not the TracedMod: a compiled call rebuilds its TracedMod every call
-    # around the same graph (flexc.mods.mod_key), and eager calls reuse traces (flexc.mods.trace_cache)
-    return tuple(sorted({node.attr for node in root.walk() if node.op == "input"}))
+    """The mod arguments the graph reads, in a fixed order."""
+    return tuple(sorted(ir.inputs_read(mod.root)))
 
 
 _MAX_SPANS = 4  # more partial spans than this: the mask_mod is evaluated over every position at once
@@ -329,7 +323,7 @@ def _narrowed(masked: list, n: int) -> tuple[list, int, int]:
 @functools.lru_cache(maxsize=256)
 def _reads_only_row_inputs(root) -> bool:
     """Whether the graph reads no index but ``q_idx`` and ``kv_idx`` (its verdicts are alike for every batch and head)."""
-    return set(_inputs_of(root)) <= {"q_idx", "kv_idx"}
+    return ir.inputs_read(root) <= {"q_idx", "kv_idx"}
 
 
 def _masked_by_intervals(allowed: tuple, plan: _RowPlan, n: int) -> tuple[list, int, int]:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from ..dropout import Dropout, keep_scale
+from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from . import decode_cpu, fused_cpu, workers
@@ -116,10 +117,6 @@ def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, 
 
 # ---- the mods ----------------------------------------------------------------------------
 
-def _inputs_read(mod: TracedMod) -> frozenset:
-    return frozenset(n.attr for n in mod.root.walk() if n.op == "input")
-
-
 def _is_true(mod: TracedMod | None) -> bool:
     return mod is None or (mod.root.op == "const" and mod.root.attr is True)
 
@@ -132,7 +129,7 @@ def _score_bias(mod: TracedMod | None):
     """
     if mod is None or mod.root.op not in ("add", "sub"):
         return None, 0
-    reads_score = lambda node: any(n.op == "input" and n.attr == "score" for n in node.walk())
+    reads_score = lambda node: "score" in ir.inputs_read(node)
     left, right = mod.root.args
     is_score = lambda node: node.op == "input" and node.attr == "score"
     if is_score(left) and not reads_score(right):
@@ -150,11 +147,10 @@ class _Mods:
         self.score_mod = score_mod
         self.dropout, self.Hq = dropout, Hq
         self.mask_mod = None if _is_true(mask_mod) else mask_mod
-        self.score_reads = _inputs_read(score_mod) if score_mod is not None else frozenset()
+        self.score_reads = ir.inputs_read(score_mod.root) if score_mod is not None else frozenset()
         self.bias_node, self.bias_sign = _score_bias(score_mod)
-        self.bias_reads = (frozenset(n.attr for n in self.bias_node.walk() if n.op == "input")
-                           if self.bias_node is not None else frozenset())
-        self.mask_reads = _inputs_read(self.mask_mod) if self.mask_mod is not None else frozenset()
+        self.bias_reads = ir.inputs_read(self.bias_node) if self.bias_node is not None else frozenset()
+        self.mask_reads = ir.inputs_read(self.mask_mod.root) if self.mask_mod is not None else frozenset()
         self.b = torch.arange(B, device=device)[g.b].view(-1, 1, 1, 1)
         self.h = torch.arange(Hq, device=device)[g.qh].view(1, -1, 1, 1)
         self.q_pos = torch.arange(L, device=device)
