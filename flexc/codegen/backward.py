@@ -32,7 +32,7 @@ from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import param_stems, render_mods
 from .parts import KV_BASES, dot, head_check, operand, row_sum, tile_load, widen_suffix
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
-from .spec import AttentionSpec
+from .spec import AttentionSpec, GeneratedKernel
 
 KERNEL_NAME = "flex_attention_backward"
 
@@ -69,17 +69,13 @@ class BackwardSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
-class GeneratedBackward:
+class GeneratedBackward(GeneratedKernel):
     """A generated backward kernel: its source and the parameters that carry captured tensors.
 
     ``score_params``/``mask_params`` read the mods' captured tensors; ``grad_params`` point into
     the gradient accumulators (their ``slot`` is the score_mod slot whose gradient they hold).
     """
 
-    source: str
-    kernel_name: str
-    score_params: tuple[BufferParam, ...]
-    mask_params: tuple[BufferParam, ...]
     grad_params: tuple[BufferParam, ...]
     derivative: ScoreModDerivative | None
 

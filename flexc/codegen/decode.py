@@ -27,8 +27,7 @@ from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, head_check, online_softmax, softmax_state,
                     tile_load, widen_suffix)
-from .printer import BufferParam
-from .spec import AttentionSpec
+from .spec import AttentionSpec, GeneratedKernel
 
 KERNEL_NAME = "flex_decode_split"
 
@@ -56,11 +55,8 @@ class DecodeSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
-class GeneratedDecode:
-    source: str
-    kernel_name: str
-    score_params: tuple[BufferParam, ...]
-    mask_params: tuple[BufferParam, ...]
+class GeneratedDecode(GeneratedKernel):
+    """A generated decode kernel (see :class:`GeneratedKernel`)."""
 
 
 def generate_decode(spec: DecodeSpec) -> GeneratedDecode:

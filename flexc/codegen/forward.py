@@ -22,8 +22,7 @@ from .header import describe_dims, describe_mods, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, head_check, online_softmax, softmax_state,
                     tile_load, widen_suffix)
-from .printer import BufferParam
-from .spec import AttentionSpec, next_power_of_2, padded_head_dim
+from .spec import AttentionSpec, GeneratedKernel, next_power_of_2, padded_head_dim
 
 KERNEL_NAME = "flex_attention_forward"
 NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row covers every query
@@ -55,13 +54,9 @@ class ForwardSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
-class GeneratedForward:
-    """A generated kernel: its source, and the captured-tensor parameters of each mod in order."""
+class GeneratedForward(GeneratedKernel):
+    """A generated forward kernel (see :class:`GeneratedKernel`)."""
 
-    source: str
-    kernel_name: str
-    score_params: tuple[BufferParam, ...]
-    mask_params: tuple[BufferParam, ...]
     # no score_mod: scale * log2(e) multiplies raw q.k inside exp2 after the row max, which is
     # right only for scale > 0 (the launcher negates q for a negative scale)
     needs_positive_scale: bool = False

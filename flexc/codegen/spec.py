@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from ..mods.trace import TracedMod
+from .printer import BufferParam
 
 
 def next_power_of_2(n: int) -> int:
@@ -90,7 +91,17 @@ class AttentionSpec(KernelSpec):
         return TL_DTYPES[self.dtype]
 
 
+@dataclass(frozen=True)
+class GeneratedKernel:
+    """A generated attention kernel: its source, and the captured-tensor parameters of each mod in order."""
+
+    source: str
+    kernel_name: str
+    score_params: tuple[BufferParam, ...]
+    mask_params: tuple[BufferParam, ...]
+
+
 TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
              torch.float64: "tl.float64"}
 
-__all__ = ["AttentionSpec", "KernelSpec", "TL_DTYPES", "next_power_of_2", "padded_head_dim"]
+__all__ = ["AttentionSpec", "GeneratedKernel", "KernelSpec", "TL_DTYPES", "next_power_of_2", "padded_head_dim"]
