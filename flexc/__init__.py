@@ -9,7 +9,8 @@ from .masks.block_mask import BlockMask, create_block_mask, create_mask
 from .masks import block_mask_pytree  # noqa: F401  (registers BlockMask as a pytree node)
 from .call.attention import AuxOutput, AuxRequest, FallbackWarning, flex_attention
 from .torch_compile import under_compile  # noqa: F401  (its custom ops exist before any compiled call)
-from .backends.triton.forward import cache_clear, cache_info, kernel_source
+from .backends.triton.cache import cache_clear, cache_info
+from .call.kernel_source import kernel_source
 # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`
 # becomes `from flexc import ...` unchanged
 from .call.compat import (FlexKernelOptions, _Backend, _DEFAULT_SPARSE_BLOCK_SIZE, _LARGE_SPARSE_BLOCK_SIZE,

@@ -1,7 +1,7 @@
 """The import paths flexc's modules had before they moved into stage folders keep working.
 
 ``import flexc.attention`` or ``from flexc.backends.triton_backend import compile_offline`` give
-the module that now lives at ``flexc.call.attention`` or ``flexc.backends.triton.forward``: the same
+the module that now lives at ``flexc.call.attention`` or the package ``flexc.backends.triton``: the same
 module object, so assigning or monkeypatching through either path affects both.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ MOVED = {
     "backends.decode_cpu": "backends.cpu.decode_cpu",
     "backends.fused_cpu": "backends.cpu.fused_cpu",
     "backends.torch_cpu": "backends.cpu.torch_cpu",
-    "backends.triton_backend": "backends.triton.forward",
+    "backends.triton_backend": "backends.triton",  # the package re-exports its public names
     "backends.triton_backward": "backends.triton.backward",
     "backends.triton_decode": "backends.triton.decode",
     "backends.workers": "backends.cpu.workers",

@@ -341,18 +341,18 @@ def test_captured_tensor_on_another_device_is_named():
 
 def test_triton_compiles_the_masked_value_guard_only_for_cpu_calls_with_non_finite_values():
     # The guard costs spills on sm_90, so it is a compile-time switch decided per call.
-    from flexc.backends.triton import forward as triton_backend
+    from flexc.backends.triton import forward as triton_forward, launcher as triton_launcher
 
-    spec = triton_backend.make_spec(None, flexc.trace(lambda b, h, q, kv: q >= kv, kind="mask_mod"),
+    spec = triton_forward.make_spec(None, flexc.trace(lambda b, h, q, kv: q >= kv, kind="mask_mod"),
                                     torch.float32, 16, 16, (64, 64), None, "interpreter", need_lse=False)
-    unmasked = triton_backend.make_spec(None, None, torch.float32, 16, 16, None, None, "interpreter",
+    unmasked = triton_forward.make_spec(None, None, torch.float32, 16, 16, None, None, "interpreter",
                                         need_lse=False)
     finite = torch.randn(1, 1, 8, 16)
     padded = finite.clone()
     padded[..., -1, :] = float("nan")
-    assert triton_backend._guards_nonfinite_values(spec, padded)
-    assert not triton_backend._guards_nonfinite_values(spec, finite)
-    assert not triton_backend._guards_nonfinite_values(unmasked, padded)
-    assert not triton_backend._guards_nonfinite_values(spec, padded.to("meta"))
+    assert triton_launcher.guards_nonfinite_values(spec, padded)
+    assert not triton_launcher.guards_nonfinite_values(spec, finite)
+    assert not triton_launcher.guards_nonfinite_values(unmasked, padded)
+    assert not triton_launcher.guards_nonfinite_values(spec, padded.to("meta"))
     with flexc.device.simulate("sm_90"):  # as on a GPU: never decided per call (that would be a sync)
-        assert not triton_backend._guards_nonfinite_values(spec, padded)
+        assert not triton_launcher.guards_nonfinite_values(spec, padded)

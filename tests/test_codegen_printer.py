@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from flexc import trace
 from flexc.mods import ir
-from flexc.backends.triton.forward import import_source
+from flexc.backends.triton.cache import import_source
 from flexc.codegen import render_mod
 from flexc.codegen.printer import HELPERS
 from flexc.mods.evaluate import evaluate, index_grid

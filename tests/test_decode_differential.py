@@ -27,7 +27,7 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
 from flexc.backends.cpu import decode_cpu
-from flexc.backends.triton import forward as triton_backend, decode as triton_decode
+from flexc.backends.triton import decode as triton_decode, forward as triton_forward
 from catalogue import mask_catalogue, score_catalogue
 from reference import dense_attention
 
@@ -314,7 +314,7 @@ def run_case(c, backend):
     if backend == "TRITON" and not triton_decode.applies(q, k, bm):
         # per-head masks under GQA, or rows past the first query block: the forward kernel serves
         # these short queries, and needs query blocks of 16 or more
-        spy_target = (triton_backend, "launch")
+        spy_target = (triton_forward, "launch")
         if bm is not None and c["q_block"] % 16:
             with pytest.raises(ValueError, match="multiple of 16"):
                 flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,

@@ -277,25 +277,25 @@ def test_tiles_that_do_not_divide_the_blocks_are_rejected():
 # ---- it is the generated kernel that runs -------------------------------------------------------
 
 def test_training_runs_the_generated_backward_not_the_torch_row_loop(monkeypatch):
-    from flexc.backends.triton import forward as triton_backend
+    from flexc.backends.triton import cache as kernel_cache
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the torch row-loop backward ran")
 
     monkeypatch.setattr(flexc.call.attention, "torch_backward", forbidden)
-    triton_backend.cache_clear()
+    kernel_cache.cache_clear()
     slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)
     q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=11))
     mine = _grads(q, k, v, alibi, MASKS["causal"], extra=(slopes,))
-    info = triton_backend.cache_info()
+    info = kernel_cache.cache_info()
     assert info.misses == 2 and info.size == 2  # the forward and the backward kernel
-    kinds = sorted(type(k.generated).__name__ for k in triton_backend._cache.values())
+    kinds = sorted(type(k.generated).__name__ for k in kernel_cache.cached_kernels())
     assert kinds == ["GeneratedBackward", "GeneratedForward"]
     ref = _grads(q, k, v, alibi, MASKS["causal"], "DENSE", extra=(slopes,))
     _assert_close(mine, ref, 1e-9, 1e-9)
     _grads(q, k, v, alibi, MASKS["causal"], extra=(slopes,))  # new call, same structure: cache hits
-    assert triton_backend.cache_info().misses == 2
+    assert kernel_cache.cache_info().misses == 2
 
 
 # ---- the source -------------------------------------------------------------------------------
@@ -346,7 +346,7 @@ def test_cli_show_backward(tmp_path, capsys):
 
 def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend is not installed")
-    from flexc.backends.triton import forward as triton_backend, backward as triton_backward
+    from flexc.backends.triton import backward as triton_backward, cache as kernel_cache, forward as triton_forward, offline as triton_offline
 
     slopes = torch.rand(4, requires_grad=True)
     table = torch.zeros(2000, requires_grad=True)
@@ -359,11 +359,11 @@ def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
     # (head dim 32, one stage: the smallest kernel that still has every part, to compile in seconds)
     spec = triton_backward.make_backward_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128),
                                               {"bwd_num_stages": 1}, "cuda", (0, 1))
-    fwd_spec = triton_backend.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
-    inputs = triton_backend.offline_inputs(fwd_spec, 1, 4, 1000, 1000)
-    source = triton_backend.source_for(spec)  # on CUDA the mods and derivatives print fast tanh, as the forward
+    fwd_spec = triton_forward.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
+    inputs = triton_offline.offline_inputs(fwd_spec, 1, 4, 1000, 1000)
+    source = kernel_cache.source_for(spec)  # on CUDA the mods and derivatives print fast tanh, as the forward
     assert source.count("fast_tanh(score, score * 2.8853900817779268)") >= 2 and "def tanh(" not in source
-    compiled = triton_backward.compile_backward_offline(spec, inputs)
+    compiled = triton_offline.compile_offline(spec, inputs=inputs)
     assert 0 < compiled.metadata.shared <= 232448  # fits an H100's 227 KiB
     assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"]
 
@@ -371,30 +371,30 @@ def test_cuda_backward_with_captured_gradients_compiles_for_hopper_and_fits():
 def test_offline_backward_compile_specialises_like_a_cuda_launch(monkeypatch):
     # the stand-in tensors are uninitialised (here: NaN); a CUDA launch never compiles the CPU-only
     # NaN/inf input guard in, so neither may the offline compile, whatever the stand-ins hold
-    from flexc.backends.triton import forward as triton_backend, backward as triton_backward
+    from flexc.backends.triton import backward as triton_backward, forward as triton_forward, offline as triton_offline
 
     seen = {}
-    monkeypatch.setattr(triton_backend, "compile_like_launcher",
+    monkeypatch.setattr(triton_offline, "compile_like_launcher",
                         lambda fn, args, constants, *rest: seen.update(constants))
     score_mod, mask_mod = flexc.trace(lambda s, b, h, q_idx, kv_idx: s * 0.5), flexc.trace(MASKS["causal"])
     spec = triton_backward.make_backward_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda")
-    fwd_spec = triton_backend.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
-    inputs = triton_backend.offline_inputs(fwd_spec, 1, 2, 256, 256)
+    fwd_spec = triton_forward.make_spec(score_mod, mask_mod, torch.bfloat16, 32, 32, (128, 128), None, "cuda", True)
+    inputs = triton_offline.offline_inputs(fwd_spec, 1, 2, 256, 256)
     for t in inputs[:3]:
         t.fill_(float("nan"))
-    triton_backward.compile_backward_offline(spec, inputs)
+    triton_offline.compile_offline(spec, inputs=inputs)
     assert seen["GUARD_NONFINITE_INPUTS"] is False and seen["DIVISIBLE"] is True
 
 
 def test_int64_index_arithmetic_variant_trains_like_the_reference(monkeypatch):
     # lengths past 46340 make q_idx * kv_idx wrap int32, so the backward (as the forward) widens the
     # mods' index arithmetic to int64 there; here the variant is forced at small lengths and checked
-    from flexc.backends.triton import forward as triton_backend, backward as triton_backward
+    from flexc.backends.triton import backward as triton_backward, cache as kernel_cache, config as triton_config
 
     big = torch.empty(1, 1, 50000, E)
     assert "q_idx = q_idx.to(tl.int64)" in triton_backward.backward_source(
         big, big, flexc.trace(lambda s, b, h, q_idx, kv_idx: s + (q_idx * kv_idx) % 7), None, None, None)
-    monkeypatch.setattr(triton_backend, "_index_dtype", lambda *args: "int64")
+    monkeypatch.setattr(triton_config, "index_dtype", lambda *args: "int64")
     table = torch.randn(L + S, dtype=torch.float64, requires_grad=True)
 
     def wide(score, b, h, q_idx, kv_idx):
@@ -402,9 +402,9 @@ def test_int64_index_arithmetic_variant_trains_like_the_reference(monkeypatch):
 
     q, k, v = _leaves(*random_qkv(B, HC, HC, L, S, E, dtype=torch.float64, seed=16))
     _check(q, k, v, wide, MASKS["causal"], extra=(table,))
-    sources = [kernel.generated.source for kernel in triton_backend._cache.values()]
+    sources = [kernel.generated.source for kernel in kernel_cache.cached_kernels()]
     assert any("flex_attention_backward" in src and "q_idx = q_idx.to(tl.int64)" in src for src in sources)
-    triton_backend.cache_clear()  # the forced variant must not serve later tests
+    kernel_cache.cache_clear()  # the forced variant must not serve later tests
 
 
 def test_non_finite_padding_keys_and_queries_do_not_reach_the_gradients():

@@ -9,7 +9,7 @@ import torch
 
 import flexc
 import flexc.codegen
-from flexc.backends.triton import forward as triton_backend
+from flexc.backends.triton import cache as kernel_cache, forward as triton_forward
 from reference import dense_attention
 
 TRITON = {"BACKEND": "TRITON"}
@@ -90,9 +90,9 @@ def test_kernel_source_is_the_cached_file_that_runs():
     flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, kernel_options=TRITON)
     source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=block_mask, kernel_options=TRITON)
     assert flexc.cache_info().misses == 1  # kernel_source compiled nothing new
-    spec = triton_backend.make_spec(flexc.trace(alibi), flexc.trace(same_document), torch.float32, 16, 16,
+    spec = triton_forward.make_spec(flexc.trace(alibi), flexc.trace(same_document), torch.float32, 16, 16,
                                     (32, 32), None, "interpreter", False)
-    with open(triton_backend.get_kernel(spec).path) as f:
+    with open(kernel_cache.get_kernel(spec).path) as f:
         assert f.read() == source
     assert source.startswith("# flexc forward attention kernel")
     assert "#   score_mod alibi: score + slopes[h] * (kv_idx - q_idx)" in source
@@ -128,16 +128,16 @@ def test_out_of_shared_memory_retries_with_smaller_tiles_and_remembers(monkeypat
                     raise OutOfResources(300000, 232448, "shared memory")
             return run
 
-    monkeypatch.setattr(triton_backend, "get_kernel", FakeKernel)
-    spec = triton_backend.make_spec(None, None, torch.bfloat16, 64, 64, None, None, "cuda", False)
+    monkeypatch.setattr(kernel_cache, "get_kernel", FakeKernel)
+    spec = triton_forward.make_spec(None, None, torch.bfloat16, 64, 64, None, None, "cuda", False)
     assert (spec.block_m, spec.block_n, spec.num_stages) == (128, 128, 3)
     q = k = v = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
     with flexc.device.simulate("sm_90"):  # the GPU's launch code, on CPU tensors
         with pytest.warns(RuntimeWarning, match="retrying with"):
-            triton_backend.launch(spec, q, k, v, None, None, None, 0.125)
+            triton_forward.launch(spec, q, k, v, None, None, None, 0.125)
         assert launched == [(128, 128, 3), (128, 128, 2), (128, 128, 1), (128, 64, 2), (128, 64, 1), (128, 32, 2),
                             (128, 32, 1)]
         launched.clear()
-        triton_backend.launch(spec, q, k, v, None, None, None, 0.125)
+        triton_forward.launch(spec, q, k, v, None, None, None, 0.125)
     assert launched == [(128, 32, 1)]  # straight to the configuration that fits
-    assert "BLOCK_M=128, BLOCK_N=32; num_warps=8, num_stages=1" in triton_backend.source_for(spec)
+    assert "BLOCK_M=128, BLOCK_N=32; num_warps=8, num_stages=1" in kernel_cache.source_for(spec)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.triton import forward as triton_backend
+from flexc.backends.triton import cache as kernel_cache, forward as triton_forward, launcher as triton_launcher, offline as triton_offline
 from test_codegen_printer import MASK_MODS, SCORE_MODS
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend is not installed")
@@ -42,11 +42,11 @@ for _group in _SCORE_GROUPS:
 
 
 def compile_for_hopper(score_mod, mask_mod, dtype, head_dim, v_head_dim, block_size=(128, 128), options=None):
-    spec = triton_backend.make_spec(flexc.trace(score_mod) if score_mod else None,
+    spec = triton_forward.make_spec(flexc.trace(score_mod) if score_mod else None,
                                     flexc.trace(mask_mod) if mask_mod else None, dtype, head_dim, v_head_dim,
                                     block_size if mask_mod else None, options, "cuda", True,
                                     has_full_blocks=mask_mod is not None)
-    compiled = triton_backend.compile_offline(spec, capability=90)
+    compiled = triton_offline.compile_offline(spec, capability=90)
     assert "cubin" in compiled.asm
     assert compiled.metadata.shared <= HOPPER_SHARED_MEMORY
     return compiled
@@ -89,7 +89,7 @@ def test_int64_offset_variant_compiles(monkeypatch):
         return compiled.asm["ptx"].count("mul.lo.s64")
 
     narrow = wide_multiplies()
-    monkeypatch.setattr(triton_backend, "INT32_OFFSET_LIMIT", 1)
+    monkeypatch.setattr(triton_launcher, "INT32_OFFSET_LIMIT", 1)
     assert wide_multiplies() > narrow
 
 
@@ -105,31 +105,31 @@ def test_math_functions_use_libdevice_on_cuda():
 
     small_tiles = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}
     traced = flexc.trace(every_math_function)
-    spec = triton_backend.make_spec(traced, None, torch.bfloat16, 64, 64, None, small_tiles, "cuda", True)
-    source = triton_backend.source_for(spec)
+    spec = triton_forward.make_spec(traced, None, torch.bfloat16, 64, 64, None, small_tiles, "cuda", True)
+    source = kernel_cache.source_for(spec)
     assert "libdevice.rint(" in source and "def tanh(" not in source and "def sigmoid(" not in source
     # fp32 tanh and sigmoid: one exp2 and one rcp.approx each (FAST_MATH, the default) ...
     body = source[source.index("def score_mod("):]
     assert "libdevice.tanh(" not in body and "tl.sigmoid(" not in body
     assert body.count("fast_tanh(") == 1 and body.count("fast_sigmoid(") == 1
-    compiled = triton_backend.compile_offline(spec, capability=90)
+    compiled = triton_offline.compile_offline(spec, capability=90)
     assert "rcp.approx.ftz.f32" in compiled.asm["ptx"]
     # ... and libdevice's tanh with FAST_MATH=False: another kernel (the mark is in the cache key)
-    precise = triton_backend.make_spec(keep_precise_math(traced), None, torch.bfloat16, 64, 64, None, small_tiles,
+    precise = triton_forward.make_spec(keep_precise_math(traced), None, torch.bfloat16, 64, 64, None, small_tiles,
                                        "cuda", True)
-    source = triton_backend.source_for(precise)
+    source = kernel_cache.source_for(precise)
     assert "libdevice.tanh(" in source and "tl.sigmoid(" in source and "fast_tanh" not in source
     assert precise.key() != spec.key()
-    assert "cubin" in triton_backend.compile_offline(precise, capability=90).asm
+    assert "cubin" in triton_offline.compile_offline(precise, capability=90).asm
 
 
 def test_float64_kernels_keep_accurate_tanh_and_sigmoid():
     # the fast helpers take libdevice's tanh and tl.sigmoid for float64 scores, decided when Triton compiles
     soft_cap = lambda score, b, h, q_idx, kv_idx: 20.0 * torch.tanh(score / 20.0) + torch.sigmoid(score)
-    spec = triton_backend.make_spec(flexc.trace(soft_cap), None, torch.float64, 64, 64, None,
+    spec = triton_forward.make_spec(flexc.trace(soft_cap), None, torch.float64, 64, 64, None,
                                     {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}, "cuda", True)
-    assert "fast_tanh(" in triton_backend.source_for(spec)
-    ptx = triton_backend.compile_offline(spec, capability=90).asm["ptx"]
+    assert "fast_tanh(" in kernel_cache.source_for(spec)
+    ptx = triton_offline.compile_offline(spec, capability=90).asm["ptx"]
     assert "rcp.approx.ftz.f32" not in ptx and "rcp.approx.ftz.f64" in ptx  # libdevice's tanh (fp64)
 
 
@@ -144,9 +144,9 @@ def test_decode_kernel_compiles_without_its_value_guard_by_default():
     soft_cap = lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0)
     bm = flexc.create_block_mask(mask_mod, 2, 1, 1, 4096, device="cpu")
     spec = triton_decode.make_spec(flexc.trace(soft_cap), flexc.trace(mask_mod), q, k, k, bm, target="cuda")
-    assert "fast_tanh(score * 0.03333333333333333, score * " in triton_backend.source_for(spec)  # as the forward
-    off = triton_decode.compile_decode_offline(spec, q, k, k, bm)
-    on = triton_decode.compile_decode_offline(spec, q, k, k, bm, guard_values=True)
+    assert "fast_tanh(score * 0.03333333333333333, score * " in kernel_cache.source_for(spec)  # as the forward
+    off = triton_offline.compile_offline(spec, inputs=(q, k, k, bm))
+    on = triton_offline.compile_offline(spec, inputs=(q, k, k, bm), guard_values=True)
     assert "cubin" in off.asm and off.metadata.shared <= HOPPER_SHARED_MEMORY
     assert off.metadata.shared < on.metadata.shared and "nonfinite_values" not in off.asm["ptx"]
     assert 2 * len(off.asm["ptx"]) < len(on.asm["ptx"])  # the guard's three extra dots and selects are gone

@@ -10,7 +10,7 @@ import torch
 
 import flexc
 from flexc.mods import ir
-from flexc.backends.triton import forward as triton_backend
+from flexc.backends.triton import launcher as triton_launcher
 from flexc.codegen.index_width import index_dtype, may_overflow_int32
 from reference import dense_attention, random_qkv
 
@@ -80,7 +80,7 @@ def test_index_width_is_proven_from_the_extents():
 
 def test_int64_offsets_path(monkeypatch):
     # tensors of 2**31 elements do not fit here: lower the threshold so the int64 variant runs
-    monkeypatch.setattr(triton_backend, "INT32_OFFSET_LIMIT", 1)
+    monkeypatch.setattr(triton_launcher, "INT32_OFFSET_LIMIT", 1)
     slopes = torch.tensor([0.5, 0.25])
 
     def alibi(score, b, h, q_idx, kv_idx):

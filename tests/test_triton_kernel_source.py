@@ -15,7 +15,7 @@ import torch
 import flexc
 from flexc.call import plan
 from catalogue import mask_catalogue, score_catalogue
-from flexc.backends.triton import forward as triton_backend
+from flexc.backends.triton import cache as kernel_cache
 from reference import random_qkv
 
 TRITON = {"BACKEND": "TRITON"}
@@ -28,14 +28,14 @@ def launched(monkeypatch):
     """The sources of the kernels launched since the last ``launched.clear()``: what the CPU runs,
     or under simulation what a GPU compiles for the spec launched (the interpreter runs its variant)."""
     sources: list[str] = []
-    get_kernel = triton_backend.get_kernel
+    get_kernel = kernel_cache.get_kernel
 
     def recording(spec, device=None):
         kernel = get_kernel(spec, device)
-        sources.append(triton_backend._generate(spec).source if flexc.device.simulated() else kernel.generated.source)
+        sources.append(kernel_cache.generate(spec).source if flexc.device.simulated() else kernel.generated.source)
         return kernel
 
-    monkeypatch.setattr(triton_backend, "get_kernel", recording)
+    monkeypatch.setattr(kernel_cache, "get_kernel", recording)
     return sources
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.triton import forward as triton_backend
+from flexc.backends.triton import cache as kernel_cache
 from flexc.codegen.scalars import lift_scalars
 from reference import dense_attention, random_qkv
 
@@ -31,7 +31,7 @@ def temperature_mod(temperature: float, window: int):
 
 def test_new_captured_numbers_reuse_one_kernel():
     q, k, v = random_qkv(1, 1, 1, L, S, 16)
-    triton_backend.cache_clear()
+    kernel_cache.cache_clear()
     for temperature, window in ((1.0, 3), (0.3, 17), (7.25, -4)):
         mod = temperature_mod(temperature, window)
         out = flexc.flex_attention(q, k, v, score_mod=mod, kernel_options=TRITON)
@@ -90,7 +90,7 @@ def test_new_captured_numbers_train_with_one_backward_kernel():
     # d/d score of cap * tanh(score / cap) / temperature is (1 - tanh(score / cap)**2) / temperature:
     # the backward must compute it from the arguments, not from constants folded for one call
     q, k, v = random_qkv(1, 1, 1, L, S, 16, dtype=torch.float64, seed=4)
-    triton_backend.cache_clear()
+    kernel_cache.cache_clear()
     values = ((20.0, 1.0), (3.5, 0.7), (0.8, 2.5))
     for cap, temperature in values:
         mod = softcap_mod(cap, temperature)
@@ -98,7 +98,7 @@ def test_new_captured_numbers_train_with_one_backward_kernel():
         for backend in ("DENSE", "TORCH"):
             for a, b in zip(mine, _training_grads(q, k, v, mod, backend)):
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
-    kinds = sorted(type(kernel.generated).__name__ for kernel in triton_backend._cache.values())
+    kinds = sorted(type(kernel.generated).__name__ for kernel in kernel_cache.cached_kernels())
     assert kinds == ["GeneratedBackward", "GeneratedForward"]  # one of each for all three calls
     assert flexc.cache_info().misses == 2
     source = flexc.kernel_source(q, k, v, score_mod=softcap_mod(0.8, 2.5), backward=True, kernel_options=TRITON)
@@ -109,7 +109,7 @@ def test_new_captured_numbers_train_with_one_backward_kernel():
 
 def test_captured_numbers_in_mask_mods_are_arguments_too():
     q, k, v = random_qkv(1, 1, 1, L, S, 16, seed=1)
-    triton_backend.cache_clear()
+    kernel_cache.cache_clear()
     for window in (5, 20):
         def sliding(b, h, q_idx, kv_idx):
             return (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
@@ -144,7 +144,7 @@ def test_structural_numbers_stay_literals():
 def _run(mod):
     q, k, v = random_qkv(1, 1, 1, 32, 32, 16, seed=2)
     flexc.flex_attention(q, k, v, score_mod=mod, kernel_options=TRITON)
-    return triton_backend._cache[next(reversed(triton_backend._cache))]
+    return kernel_cache.cached_kernels()[-1]
 
 
 def _module_of(kernel):
@@ -157,8 +157,8 @@ def test_cache_is_lru_bounded_and_frees_dropped_kernels(tmp_path, monkeypatch):
     mods = [lambda s, b, h, q_idx, kv_idx: s + 1.5,
             lambda s, b, h, q_idx, kv_idx: s * 3.5,
             lambda s, b, h, q_idx, kv_idx: s - q_idx]
-    triton_backend.cache_clear()
-    previous = triton_backend.cache_limit(2)
+    kernel_cache.cache_clear()
+    previous = kernel_cache.cache_limit(2)
     try:
         first = _run(mods[0])
         name, module = _module_of(first)
@@ -174,13 +174,13 @@ def test_cache_is_lru_bounded_and_frees_dropped_kernels(tmp_path, monkeypatch):
         gc.collect()
         assert module() is None
     finally:
-        triton_backend.cache_limit(previous)
+        kernel_cache.cache_limit(previous)
     with pytest.raises(ValueError, match="cache_limit: kernels must be a positive int"):
-        triton_backend.cache_limit(0)
+        kernel_cache.cache_limit(0)
 
 
 def test_cache_clear_frees_modules_and_files(tmp_path, monkeypatch):
-    triton_backend.cache_clear()
+    kernel_cache.cache_clear()
     monkeypatch.setenv("FLEXC_CACHE_DIR", str(tmp_path))
     kernel = _run(lambda s, b, h, q_idx, kv_idx: s + 0.125 * kv_idx)
     name, module = _module_of(kernel)

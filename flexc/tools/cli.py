@@ -254,7 +254,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     :func:`flexc.device.simulate` (``sm_90``), so it shows the CUDA source a GPU launches.
     """
     from .. import device as gpu
-    from ..backends.triton.forward import kernel_source
+    from ..call.kernel_source import kernel_source
     from ..analysis.bounds import IndexRangeError
 
     path, names = _split_target(args.target)

@@ -1,0 +1,257 @@
+"""The Triton backend's kernel cache: generated sources written to disk, imported, kept in one LRU.
+
+One cache holds the forward, backward, decode and merge kernels, keyed by their spec's key (the
+mods' *structure*, tiles and variant flags): new captured-tensor values, sequence lengths and
+batch sizes reuse a cached kernel. CPU tensors import the source under Triton's interpreter,
+switched on with ``triton.knobs.runtime.interpret`` while the module is imported (no environment
+variable). :func:`cache_info` counts hits and misses; :func:`cache_clear` frees everything.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import torch
+
+from ... import device as gpu
+from ...codegen.backward import BackwardSpec, generate_backward
+from ...codegen.decode import DecodeSpec, generate_decode
+from ...codegen.forward import ForwardSpec, generate_forward
+from ...codegen.merge import MergeSpec, generate_merge
+
+
+class CacheInfo(NamedTuple):
+    """Kernel cache counters: ``misses`` is how many kernels were generated and compiled."""
+
+    hits: int
+    misses: int
+    size: int
+
+
+class Kernel(NamedTuple):
+    """A cached kernel: what the generator returned, the imported function, and its source file."""
+
+    generated: Any  # GeneratedForward, GeneratedBackward, GeneratedDecode or GeneratedMerge
+    fn: Any  # the imported @triton.jit kernel (an InterpretedFunction under the interpreter)
+    path: str
+
+
+# spec key -> kernel, least recently used first; at most _limit["kernels"] entries
+_cache: "OrderedDict[tuple, Kernel]" = OrderedDict()
+_limit = {"kernels": int(os.environ.get("FLEXC_KERNEL_CACHE_SIZE", "64"))}
+# spec key -> the smaller-tile spec that replaced it after the GPU ran out of shared memory
+_fallbacks: dict[tuple, ForwardSpec] = {}
+_stats = {"hits": 0, "misses": 0}
+_cache_lock = threading.Lock()
+
+
+def cache_info() -> CacheInfo:
+    """``CacheInfo(hits, misses, size)`` of the generated-kernel cache (a miss generates and compiles)."""
+    with _cache_lock:
+        return CacheInfo(_stats["hits"], _stats["misses"], len(_cache))
+
+
+def cache_clear() -> None:
+    """Drop every cached kernel and reset the counters: their modules leave ``sys.modules`` and the
+    source files this process wrote are deleted, so the memory is freed."""
+    with _cache_lock:
+        while _cache:
+            _release(_cache.popitem(last=False)[1])
+        _fallbacks.clear()
+        _stats["hits"] = _stats["misses"] = 0
+
+
+def cache_limit(kernels: int | None = None) -> int:
+    """The most kernels the cache keeps (least recently used ones are dropped first); with
+    ``kernels``, set it and return the previous limit. Default 64, or ``$FLEXC_KERNEL_CACHE_SIZE``."""
+    with _cache_lock:
+        previous = _limit["kernels"]
+        if kernels is not None:
+            if isinstance(kernels, bool) or not isinstance(kernels, int) or kernels < 1:
+                raise ValueError(f"cache_limit: kernels must be a positive int, got {kernels!r}. Fix: pass e.g. 64.")
+            _limit["kernels"] = kernels
+            _evict()
+        return previous
+
+
+def cached_kernels() -> list[Kernel]:
+    """The cached kernels, least recently used first."""
+    with _cache_lock:
+        return list(_cache.values())
+
+
+def _evict() -> None:
+    """Drop least recently used kernels beyond the limit (the caller holds _cache_lock)."""
+    while len(_cache) > _limit["kernels"]:
+        _release(_cache.popitem(last=False)[1])
+
+
+def _release(kernel: Kernel) -> None:
+    """Forget a dropped kernel's module and file, unless another cached kernel shares them."""
+    if any(other.path == kernel.path for other in _cache.values()):
+        return
+    name = os.path.splitext(os.path.basename(kernel.path))[0]
+    if getattr(sys.modules.get(name), "__file__", None) == kernel.path:
+        del sys.modules[name]
+    try:
+        os.remove(kernel.path)
+    except OSError:  # already gone (another process cleared it): nothing to free
+        pass
+
+
+def cache_dir() -> str:
+    """Where generated sources are written: ``$FLEXC_CACHE_DIR``, else ``~/.cache/flexc/kernels``."""
+    candidates = [os.environ.get("FLEXC_CACHE_DIR"), os.path.join(os.path.expanduser("~"), ".cache", "flexc", "kernels"),
+                  os.path.join(tempfile.gettempdir(), f"flexc-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}")]
+    for path in candidates:
+        if not path:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise RuntimeError("flexc: no writable directory for generated kernels; set FLEXC_CACHE_DIR to one.")
+
+
+# ---- importing generated source -------------------------------------------------------------
+
+def require_triton() -> Any:
+    """The ``triton`` module, or an ImportError saying how to install it.
+
+    Triton is optional (the ``flexc[triton]`` extra): tracing, block masks, the CPU path and
+    kernel *source* need only torch; importing and running a generated kernel needs Triton.
+    """
+    try:
+        import triton
+    except ImportError as e:
+        raise ImportError("flexc: running a generated Triton kernel needs the `triton` package, which is not "
+                          "installed. Fix: pip install 'flexc[triton]' (or pip install triton), or use "
+                          "kernel_options={'BACKEND': 'TORCH'} on CPU tensors.") from e
+    return triton
+
+
+def _file_holds(path: str, text: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == text
+    except OSError:
+        return False
+
+
+def import_source(source: str, target: str) -> tuple[Any, str]:
+    """Write ``source`` to the cache directory and import it as a module; return it and its path.
+
+    With ``target="interpreter"`` its ``@triton.jit`` functions run on CPU tensors.
+    """
+    require_triton()  # a clear ImportError before anything is written
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    name = f"flexc_kernel_{digest}"
+    path = os.path.join(cache_dir(), name + ".py")
+    if not _file_holds(path, source):
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    try:
+        module = _exec_module(name, path, target)
+    except FileNotFoundError:  # another process's cache_clear removed the file just now
+        with open(path, "w") as f:
+            f.write(source)
+        module = _exec_module(name, path, target)
+    sys.modules.setdefault(name, module)
+    return module, path
+
+
+def _exec_module(name: str, path: str, target: str) -> Any:
+    triton = require_triton()
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    if target == "interpreter":
+        runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if runtime is None or not hasattr(runtime, "scope"):
+            raise RuntimeError(f"flexc: running the Triton kernel on CPU needs triton.knobs.runtime (Triton >= 3.4), "
+                               f"found Triton {triton.__version__}. Fix: upgrade Triton, or use BACKEND='TORCH' on CPU.")
+        with runtime.scope():
+            runtime.interpret = True  # @triton.jit now builds InterpretedFunctions
+            spec.loader.exec_module(module)
+    else:
+        spec.loader.exec_module(module)
+    return module
+
+
+# ---- kernels by spec -----------------------------------------------------------------------
+
+def generate(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> Any:
+    """The generated kernel (``.source``, ``.kernel_name``, parameters) for a spec of any kind."""
+    if isinstance(spec, BackwardSpec):
+        return generate_backward(spec)
+    if isinstance(spec, MergeSpec):
+        return generate_merge(spec)
+    return generate_decode(spec) if isinstance(spec, DecodeSpec) else generate_forward(spec)
+
+
+def get_kernel(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec, device: torch.device | None = None) -> Kernel:
+    """The compiled kernel for ``spec`` (any kind) launched for tensors on ``device``: from the
+    cache, or generated, written and imported. CPU tensors standing in for a GPU
+    (:func:`flexc.device.simulate`) run the interpreter variant of a ``"cuda"`` spec, cached apart
+    from the compiled one."""
+    runs = gpu.runnable(spec, device) if device is not None else spec
+    key = spec.key() if runs is spec else (spec.key(), "interpreted")
+    with _cache_lock:
+        kernel = _cache.get(key)
+        if kernel is not None:
+            _cache.move_to_end(key)
+            _stats["hits"] += 1
+            return kernel
+        generated = generate(runs)
+        module, path = import_source(generated.source, runs.target)
+        kernel = Kernel(generated, getattr(module, generated.kernel_name), path)
+        _cache[key] = kernel
+        _stats["misses"] += 1
+        _evict()
+        return kernel
+
+
+def resolve_fallback(spec: ForwardSpec) -> ForwardSpec:
+    """``spec``, or the smaller configuration that replaced it after an out-of-resources launch."""
+    with _cache_lock:
+        return _fallbacks.get(spec.key(), spec)
+
+
+def remember_fallback(spec: ForwardSpec, smaller: ForwardSpec) -> None:
+    """Launch ``smaller`` from now on wherever ``spec`` (or a spec it replaced) would run."""
+    with _cache_lock:
+        for replaced_key, replaced in list(_fallbacks.items()):
+            if replaced.key() == spec.key():
+                _fallbacks[replaced_key] = smaller
+        _fallbacks[spec.key()] = smaller
+
+
+def generated_for(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> Any:
+    """The generated kernel (``.source``, ``.kernel_name``) that runs for ``spec``: the cached one if
+    compiled already (so a kernel shared by mods of one structure shows its first mods' names), else
+    generated now; compiles nothing. A forward spec replaced after running out of GPU memory gives
+    its replacement."""
+    spec = resolve_fallback(spec)
+    with _cache_lock:
+        kernel = _cache.get(spec.key())
+    return kernel.generated if kernel is not None else generate(spec)
+
+
+def source_for(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> str:
+    """The source that runs for ``spec`` (the cached one if compiled already); compiles nothing."""
+    return generated_for(spec).source
+
+
+__all__ = ["CacheInfo", "Kernel", "cache_clear", "cache_dir", "cache_info", "cache_limit", "cached_kernels",
+           "generate", "generated_for", "get_kernel", "import_source", "remember_fallback", "require_triton",
+           "resolve_fallback", "source_for"]

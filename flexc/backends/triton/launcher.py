@@ -1,0 +1,299 @@
+"""What a Triton kernel launch passes: BlockMask tables, positional arguments, constexprs and grid.
+
+The forward, backward and decode kernels share the head of their signatures (query, key, value,
+their outputs, the tables, the mods' captured tensors, then scale, lengths and strides), built
+once by :func:`kernel_arguments`. The entry points (:mod:`.forward`, :mod:`.backward`,
+:mod:`.decode`) launch with these through :func:`flexc.device.launch`; :mod:`.offline` compiles
+with the same arguments, so an offline cubin is specialised as a real launch is.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import device as gpu
+from ...analysis.tiles import cdiv, transpose_ordered
+from ...codegen.backward import BackwardSpec
+from ...codegen.decode import DecodeSpec
+from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
+from ...codegen.merge import MergeSpec
+from ...codegen.spec import padded_head_dim
+from ...mods.traced_mod import TracedMod
+from ..layout import empty_like_reference
+from ..nonfinite import all_finite
+from .config import default_splits
+
+# a tensor with this many elements or more needs int64 offsets (index * stride wraps in int32)
+INT32_OFFSET_LIMIT = 2 ** 31
+
+
+# ---- BlockMask tables ---------------------------------------------------------------------
+
+def kv_tables(block_mask: Any, spec: ForwardSpec | DecodeSpec | BackwardSpec, S: int,
+              device: torch.device) -> list[torch.Tensor]:
+    """``[partial counts, partial indices, (full counts, full indices)]`` as contiguous int32; without a
+    BlockMask, one row whose every key block is full."""
+    if block_mask is None:
+        n = max(1, cdiv(S, spec.kv_block_size))
+        return [torch.zeros((1, 1, 1), dtype=torch.int32, device=device),
+                torch.zeros((1, 1, 1, n), dtype=torch.int32, device=device),
+                torch.full((1, 1, 1), cdiv(S, spec.kv_block_size), dtype=torch.int32, device=device),
+                torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n)]
+    names = ["kv_num_blocks", "kv_indices"] + (["full_kv_num_blocks", "full_kv_indices"] if spec.has_full_blocks else [])
+    tables = [getattr(block_mask, n).to(device=device, dtype=torch.int32).contiguous() for n in names]
+    if spec.has_full_blocks and (tables[2].shape != tables[0].shape or tables[3].shape != tables[1].shape):
+        raise ValueError(f"flexc: the BlockMask's full-block tables {tuple(tables[2].shape)}/{tuple(tables[3].shape)} "
+                         f"must have the shapes of its partial tables {tuple(tables[0].shape)}/{tuple(tables[1].shape)}. "
+                         f"Fix: build it with create_block_mask or BlockMask.from_kv_blocks.")
+    return tables
+
+
+def backward_tables(block_mask: Any, spec: BackwardSpec, L: int, S: int, device: torch.device) -> list[torch.Tensor]:
+    """Key-direction then query-direction tables (partial, then full when kept apart), int32."""
+    if block_mask is None:
+        nq, nkv = max(1, cdiv(L, spec.q_block_size)), max(1, cdiv(S, spec.kv_block_size))
+        i32 = dict(dtype=torch.int32, device=device)
+        return [torch.zeros((1, 1, nq), **i32), torch.zeros((1, 1, nq, nkv), **i32),
+                torch.full((1, 1, nq), nkv, **i32), torch.arange(nkv, **i32).expand(1, 1, nq, nkv).contiguous(),
+                torch.zeros((1, 1, nkv), **i32), torch.zeros((1, 1, nkv, nq), **i32),
+                torch.full((1, 1, nkv), nq, **i32), torch.arange(nq, **i32).expand(1, 1, nkv, nq).contiguous()]
+    kv = kv_tables(block_mask, spec, S, device)
+    if getattr(block_mask, "q_num_blocks", None) is not None and getattr(block_mask, "q_indices", None) is not None \
+            and (not spec.has_full_blocks or getattr(block_mask, "full_q_num_blocks", None) is not None):
+        names = ["q_num_blocks", "q_indices"] + (["full_q_num_blocks", "full_q_indices"] if spec.has_full_blocks else [])
+        q = [getattr(block_mask, n).to(device=device, dtype=torch.int32).contiguous() for n in names]
+    else:  # derive the query-direction tables from the key-direction ones, as torch does
+        q = list(transpose_ordered(kv[0], kv[1]))
+        if spec.has_full_blocks:
+            q += list(transpose_ordered(kv[2], kv[3]))
+        q = [t.to(device=device, dtype=torch.int32).contiguous() for t in q]
+    if spec.has_full_blocks:
+        return [kv[0], kv[1], kv[2], kv[3], q[0], q[1], q[2], q[3]]
+    return [kv[0], kv[1], q[0], q[1]]
+
+
+def check_query_blocks(tables: list[torch.Tensor], L: int, q_block_size: int) -> None:
+    """Raise unless the tables have a query block row for every ``q_block_size`` queries of ``L``."""
+    nQ = tables[0].shape[-1]
+    if q_block_size != NO_BLOCK_MASK and nQ < cdiv(L, q_block_size):
+        raise ValueError(f"flexc: the BlockMask has {nQ} query block rows but L={L} needs "
+                         f"{cdiv(L, q_block_size)} of size {q_block_size}. Fix: build it for Q_LEN={L}.")
+
+
+# ---- arguments ----------------------------------------------------------------------------
+
+def buffer_arguments(traced: TracedMod | None, params, device: torch.device) -> list:
+    """The arguments of one mod's captured tensors and numbers, in the order of ``params``."""
+    args: list = []
+    if traced is None:
+        return args
+    for p in params:
+        if p.what == "scalar":  # a captured Python number (flexc.codegen.scalars)
+            args.append(traced.scalars[p.slot])
+            continue
+        t = traced.buffers[p.slot]
+        if p.what == "ptr":
+            if t.device != device:
+                raise ValueError(f"flexc: {traced.kind} {traced.name} captured tensor "
+                                 f"{traced.buffer_names[p.slot]!r} is on {t.device} but the inputs are on {device}. "
+                                 f"Fix: create it on {device} (e.g. `.to('{device}')`).")
+            t = t.detach()
+            args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
+        elif p.what == "stride":
+            args.append(t.stride(p.dim))
+        else:
+            args.append(t.shape[p.dim])
+    return args
+
+
+def mod_arguments(generated: Any, score_mod: TracedMod | None, mask_mod: TracedMod | None,
+                  device: torch.device) -> list:
+    """The score_mod's then the mask_mod's captured-value arguments of a generated kernel."""
+    return (buffer_arguments(score_mod, generated.score_params, device)
+            + buffer_arguments(mask_mod, generated.mask_params, device))
+
+
+def kernel_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outputs: list, tables: list,
+                     buffers: list, scalars: list, output_strides: list) -> list:
+    """The positional arguments every attention kernel takes, in its signature's order: q, k, v, the
+    kernel's ``outputs``, the tables, the mods' ``buffers``, ``scalars`` (scale, lengths...), the
+    q/k/v strides (a batch-broadcast key or value has batch stride 0), ``output_strides``, and the
+    tables' batch, head, query-block and key-block counts."""
+    B, Bkv = query.shape[0], value.shape[0]
+    stride_kb = key.stride(0) if Bkv == B else 0
+    stride_vb = value.stride(0) if Bkv == B else 0
+    Bm, Hm, nQ = tables[0].shape
+    return [query, key, value, *outputs, *tables, *buffers, *scalars,
+            *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *output_strides,
+            Bm, Hm, nQ, tables[1].shape[-1]]
+
+
+def empty_output(query: torch.Tensor, v_head_dim: int) -> torch.Tensor:
+    """The output ``[B, Hq, L, Ev]`` laid out as flex_attention returns it (:mod:`flexc.backends.layout`:
+    the query's dimension order, the head dim innermost), so returning it copies nothing."""
+    B, H, L, _ = query.shape
+    return empty_like_reference((B, H, L, v_head_dim), query)
+
+
+def guards_nonfinite_values(spec: ForwardSpec | DecodeSpec, value: torch.Tensor) -> bool:
+    """Whether this call compiles in the guard that keeps masked keys' NaN/inf values out of ``p @ v``.
+
+    On the CPU (Triton's interpreter) one reduction over the values decides. On CUDA the guard stays
+    off, as in torch's own kernels (a NaN in a masked key's value row gives a NaN row there too):
+    deciding would cost a device sync on every call, and compiling it in always costs spills.
+    """
+    return spec.mask_mod is not None and gpu.is_plain_cpu(value.device) and not all_finite(value)
+
+
+def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor],
+                      score_mod: TracedMod | None, mask_mod: TracedMod | None, scale: float) -> list:
+    """The forward kernel's positional arguments, in the order of its signature (constexprs excluded)."""
+    Hq, L = query.shape[1], query.shape[2]
+    Hkv, S = value.shape[1], value.shape[2]
+    if generated.needs_positive_scale and not scale > 0:
+        # the kernel multiplies raw q.k by scale * log2(e) after taking the row max, so the scale
+        # must be positive: q.k * scale == (-q).k * |scale|, and with scale 0 every score is 0
+        query = -query if scale < 0 else torch.zeros_like(query)
+        scale = abs(scale) or 1.0
+    outputs, output_strides = [out], [*out.stride()]
+    if lse is not None:
+        outputs.append(lse)
+        output_strides += [lse.stride(0), lse.stride(1)]
+    return kernel_arguments(query, key, value, outputs, tables, mod_arguments(generated, score_mod, mask_mod, query.device),
+                            [float(scale), L, S, Hq // Hkv], output_strides)
+
+
+def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: bool = False) -> dict[str, int]:
+    """The forward kernel's compile-time arguments for ``spec`` and one call's lengths and tensors.
+
+    Whole tiles (lengths multiples of BLOCK_M, and of the key block, so of BLOCK_N), int64 offsets and the non-finite values
+    guard select variants that Triton compiles once each; other lengths reuse them.
+    """
+    largest = max((t.numel() for t in tensors if isinstance(t, torch.Tensor)), default=0)
+    return dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
+                KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
+                HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
+                V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim), ROWS_GUARANTEED_SAFE=spec.rows_guaranteed_safe,
+                BLOCKS_ARE_CONTIGUOUS=spec.blocks_are_contiguous, Q_LEN_DIVISIBLE=L % spec.block_m == 0,
+                # the key loop walks every tile of a listed block: a last block reaching past KV_LEN
+                # has whole tiles past it even when BLOCK_N divides KV_LEN (kv_block_size is a multiple
+                # of BLOCK_N, so this implies it)
+                KV_LEN_DIVISIBLE=S % spec.kv_block_size == 0, INT64_OFFSETS=largest >= INT32_OFFSET_LIMIT,
+                GUARD_NONFINITE_VALUES=guard_values)
+
+
+def backward_outputs(spec: BackwardSpec, query, key, value, score_mod) -> tuple:
+    """``(dq, dk, dv, summed, grads)``: dk/dv per query batch, summed afterwards when ``Bkv == 1 < B``."""
+    B, Hkv, S, E, Ev = query.shape[0], key.shape[1], key.shape[2], key.shape[3], value.shape[3]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    summed = key.shape[0] == 1 and B > 1
+    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    dk = torch.empty((B, Hkv, S, E), dtype=acc if summed else key.dtype, device=query.device)
+    dv = torch.empty((B, Hkv, S, Ev), dtype=acc if summed else value.dtype, device=query.device)
+    grads = [torch.zeros(score_mod.buffers[s].shape, dtype=spec.grad_dtype(s), device=query.device)
+             for s in spec.grad_slots]
+    return dq, dk, dv, summed, grads
+
+
+def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, dq, dk, dv, tables,
+                       grads, score_mod, mask_mod, scale: float, guard_inputs: bool | None = None) -> tuple[list, dict]:
+    """The backward kernel's positional arguments and constexprs for one launch (``guard_inputs``:
+    compile the NaN/inf input guard in; by default the launcher's choice for these tensors)."""
+    B, Hq, L, E = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    device = query.device
+    buffers = mod_arguments(generated, score_mod, mask_mod, device)
+    by_slot = dict(zip(spec.grad_slots, grads))
+    for p in generated.grad_params:
+        g = by_slot[p.slot]
+        buffers.append(g if p.what == "ptr" else g.stride(p.dim) if p.what == "stride" else g.shape[p.dim])
+    args = kernel_arguments(query, key, value, [grad_out, lse2, delta, dq, dk, dv], tables, buffers,
+                            [float(scale), L, S, Hq // Hkv],
+                            [*grad_out.stride(), delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(),
+                             *dv.stride()])
+    if guard_inputs is None:
+        # zeroing masked NaN/inf q and k entries: compiled in only where it can matter
+        # (CPU calls with such entries; on CUDA as torch's kernels, see guards_nonfinite_values)
+        guard_inputs = spec.mask_mod is not None and gpu.is_plain_cpu(device) and not all_finite(query, key)
+    constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
+                     Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
+                     # lengths that are multiples of the blocks (so of every tile: blocks are multiples
+                     # of the tiles) need no bounds checks (a second variant). Tiles alone do not do:
+                     # the loops walk every tile of a listed block, past the end of a last, shorter one
+                     DIVISIBLE=L % spec.q_block_size == 0 and S % spec.kv_block_size == 0,
+                     GUARD_NONFINITE_INPUTS=guard_inputs, HEAD_DIM=E,
+                     HEAD_DIM_PAD=padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=padded_head_dim(Ev))
+    return args, constants
+
+
+def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+                     splits: int | None, guard_values: bool | None = None):
+    """The decode kernel's positional and constexpr arguments for one call, and the per-split outputs
+    ``(out_split, lse_split)`` it writes. ``splits``: per (batch, key head), None for
+    :func:`flexc.backends.triton.config.default_splits`; ``guard_values`` defaults to the launcher's choice."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    device = query.device
+    tables = kv_tables(block_mask, spec, S, device)
+    splits = splits or default_splits(query, key, tables[1].shape[-1])
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out_split = torch.empty(B, Hkv, splits, spec.block_m, Ev, dtype=work, device=device)
+    lse_split = torch.empty(B, Hkv, splits, spec.block_m, dtype=work, device=device)
+    args = kernel_arguments(query, key, value, [out_split, lse_split], tables,
+                            mod_arguments(generated, score_mod, mask_mod, device),
+                            [float(scale), L, S, Hq // Hkv, Hkv, splits], [])
+    if guard_values is None:
+        guard_values = guards_nonfinite_values(spec, value)
+    constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, KV_BLOCK_SIZE=spec.kv_block_size,
+                     HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=padded_head_dim(spec.head_dim),
+                     V_HEAD_DIM=spec.v_head_dim, V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim),
+                     GUARD_NONFINITE_VALUES=guard_values)
+    return args, constants, (out_split, lse_split)
+
+
+def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, L: int, Hq: int) -> tuple[list, dict]:
+    """The merge kernel's positional and constexpr arguments: ``[B, Hkv, splits, M, Ev]`` partial
+    outputs and their logsumexps into ``out [B, Hq, L, Ev]`` and ``lse [B, Hq, L]``."""
+    B, Hkv, splits, M, Ev = out_split.shape
+    rows = Hq // Hkv * L
+    return ([out_split, lse_split, out, lse, splits, rows, L, Hq // Hkv, Ev, *out_split.stride()[:4],
+             *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1)],
+            dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad))
+
+
+# ---- grids --------------------------------------------------------------------------------
+
+def forward_grid(spec: ForwardSpec, query: torch.Tensor) -> tuple[int, int, int]:
+    """One program per query tile, query head and batch."""
+    B, Hq, L, _ = query.shape
+    return cdiv(L, spec.block_m), Hq, B
+
+
+def backward_grid(spec: BackwardSpec, query: torch.Tensor, key: torch.Tensor) -> tuple[int, int, int]:
+    """Per key head and batch: the dK/dV programs (one per ``BLOCK_N1`` keys), then the dQ programs
+    (one per ``BLOCK_M2`` queries of each query head in the group)."""
+    B, Hq, L, _ = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    return cdiv(S, spec.block_n1) + (Hq // Hkv) * cdiv(L, spec.block_m2), Hkv, B
+
+
+def decode_grid(out_split: torch.Tensor) -> tuple[int, int, int]:
+    """One program per split, key head and batch."""
+    B, Hkv, splits = out_split.shape[:3]
+    return splits, Hkv, B
+
+
+def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tuple[int, int, int]:
+    """One program per ``block_rows`` packed query rows, key head and batch."""
+    B, Hkv = out_split.shape[:2]
+    return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
+
+
+__all__ = ["INT32_OFFSET_LIMIT", "backward_arguments", "backward_grid", "backward_outputs", "backward_tables",
+           "buffer_arguments", "check_query_blocks", "decode_arguments", "decode_grid", "empty_output",
+           "forward_arguments", "forward_constexprs", "forward_grid", "guards_nonfinite_values", "kernel_arguments",
+           "kv_tables", "merge_arguments", "merge_grid", "mod_arguments"]

@@ -1,0 +1,120 @@
+"""Compile a Triton kernel for a CUDA target without a GPU, specialised as a real launch would be.
+
+:func:`compile_offline` takes a forward, backward or decode spec and CPU stand-ins of the launch's
+tensors (:func:`offline_inputs`), builds the kernel's arguments as the launch does
+(:mod:`.launcher`) and hands them to :func:`compile_like_launcher`: Triton's front end, LLVM and
+ptxas run on the CPU.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ...analysis.tiles import cdiv
+from ...codegen.backward import BackwardSpec
+from ...codegen.decode import DecodeSpec
+from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
+from . import cache, launcher
+
+
+def compile_like_launcher(fn: Any, args: list, constants: dict, num_warps: int, num_stages: int,
+                          capability: int = 90, warp_size: int = 32) -> Any:
+    """Compile the ``@triton.jit`` kernel ``fn`` for a CUDA target as its launcher would for ``args``.
+
+    No GPU is needed: Triton's front end, LLVM and ptxas run on the CPU. The arguments are
+    specialised exactly as :meth:`JITFunction.run` does for a real launch (tensor pointers 16-byte
+    aligned, integers divisible by 16 marked, integers equal to 1 made constants,
+    ``do_not_specialize`` honoured), so the machine code is what a GPU would run: typing every
+    integer as i32 with no attributes instead changes shared memory, loads and spills.
+    ``args`` may hold CPU tensors; only their dtype and address alignment matter.
+    """
+    triton = cache.require_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", capability, warp_size)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(constants, num_warps=num_warps, num_stages=num_stages)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def offline_inputs(spec: ForwardSpec | BackwardSpec, batch: int = 1, heads: int = 16, q_len: int = 4096,
+                   kv_len: int | None = None, block_mask: Any = None) -> tuple:
+    """CPU stand-ins ``(query, key, value, block_mask)`` for compiling ``spec`` offline.
+
+    Only their shapes, strides, dtypes and alignment reach the compiler; tensors are left
+    uninitialised. Without ``block_mask`` the BlockMask tables are all-zero tensors of the shape
+    ``create_block_mask`` gives for one batch and head (or none when ``spec`` has no BlockMask).
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    query = torch.empty((batch, heads, q_len, spec.head_dim), dtype=spec.dtype)
+    key = torch.empty((batch, heads, kv_len, spec.head_dim), dtype=spec.dtype)
+    value = torch.empty((batch, heads, kv_len, spec.v_head_dim), dtype=spec.dtype)
+    if block_mask is None and spec.q_block_size != NO_BLOCK_MASK:
+        nq, nkv = cdiv(q_len, spec.q_block_size), cdiv(kv_len, spec.kv_block_size)
+        counts, indices = torch.zeros((1, 1, nq), dtype=torch.int32), torch.zeros((1, 1, nq, nkv), dtype=torch.int32)
+        block_mask = SimpleNamespace(kv_num_blocks=counts, kv_indices=indices, full_kv_num_blocks=counts,
+                                     full_kv_indices=indices, BLOCK_SIZE=(spec.q_block_size, spec.kv_block_size))
+    return query, key, value, block_mask
+
+
+def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: Any, inputs: tuple, num_splits: int,
+                      guard_values: bool) -> tuple[list, dict]:
+    """The arguments and constexprs a launch of ``spec`` on ``inputs`` passes (the mods' captured
+    tensors are their traced values)."""
+    query, key, value, block_mask = inputs
+    L, S = query.shape[2], key.shape[2]
+    scale = query.shape[-1] ** -0.5
+    if isinstance(spec, BackwardSpec):
+        dq, dk, dv, _, grads = launcher.backward_outputs(spec, query, key, value, spec.score_mod)
+        rows = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+        tables = launcher.backward_tables(block_mask, spec, L, S, query.device)
+        return launcher.backward_arguments(spec, generated, query, key, value, torch.empty_like(query), rows, rows,
+                                           dq, dk, dv, tables, grads, spec.score_mod, spec.mask_mod, scale,
+                                           guard_inputs=guard_values)
+    if isinstance(spec, DecodeSpec):
+        args, constants, _ = launcher.decode_arguments(spec, generated, query, key, value, spec.score_mod,
+                                                       spec.mask_mod, block_mask, scale, num_splits, guard_values)
+        return args, constants
+    out = launcher.empty_output(query, value.shape[-1])
+    lse = torch.empty(query.shape[:3], dtype=torch.float32) if spec.output_lse else None
+    tables = launcher.kv_tables(block_mask, spec, S, query.device)
+    args = launcher.forward_arguments(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
+                                      scale)
+    return args, launcher.forward_constexprs(spec, L, S, args, guard_values)
+
+
+def compile_offline(spec: ForwardSpec | BackwardSpec | DecodeSpec, capability: int = 90, warp_size: int = 32,
+                    inputs: tuple | None = None, *, num_splits: int = 8, guard_values: bool = False) -> Any:
+    """Compile the CUDA kernel for ``spec`` (forward, backward or decode) to a cubin without a GPU,
+    specialised like a real launch.
+
+    ``inputs`` is ``(query, key, value, block_mask)`` (CPU tensors of the launch's shapes; default
+    :func:`offline_inputs`, which a decode spec cannot take: pass its short queries); the mods'
+    captured tensors are their traced values. ``num_splits`` is a decode launch's splits.
+    ``guard_values`` compiles the NaN/inf guard in (CUDA launches never do, so by default neither
+    does this, whatever the uninitialised stand-ins hold). Returns Triton's compiled kernel:
+    ``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata.shared`` (bytes).
+    """
+    if spec.target != "cuda":
+        raise ValueError(f"compile_offline: spec.target must be 'cuda', got {spec.target!r}. "
+                         f"Fix: build the spec with target 'cuda'.")
+    if inputs is None:
+        if isinstance(spec, DecodeSpec):
+            raise ValueError("compile_offline: a decode spec needs inputs=(query, key, value, block_mask) with its "
+                             "short queries. Fix: pass the stand-ins the spec was made for.")
+        inputs = offline_inputs(spec)
+    generated = cache.generate(spec)
+    module, _ = cache.import_source(generated.source, "cuda")
+    args, constants = _launch_arguments(spec, generated, inputs, num_splits, guard_values)
+    return compile_like_launcher(getattr(module, generated.kernel_name), args, constants, spec.num_warps,
+                                 spec.num_stages, capability, warp_size)
+
+
+__all__ = ["compile_like_launcher", "compile_offline", "offline_inputs"]

@@ -1,0 +1,89 @@
+"""``flexc.kernel_source``: the exact source of the kernels a ``flex_attention`` call launches.
+
+It decides as :func:`flexc.flex_attention` does (:mod:`flexc.call.plan`) and asks the Triton
+backend for the kernels of its plan (:func:`flexc.backends.triton.forward.plan_forward`,
+:func:`flexc.backends.triton.backward.backward_source`) and their sources; nothing is compiled.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..backends import dropout, registry
+from ..backends.triton.backward import backward_source
+from ..backends.triton.forward import plan_forward
+from ..backends.triton.sources import sources_text
+from .plan import generated_backward_fallback, plan_call, prepare_call, sink_free_request
+
+
+def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
+                  block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
+                  return_lse: bool = False, kernel_options: dict | None = None, *, return_aux: Any = None,
+                  sinks: torch.Tensor | None = None, dropout_p: float = 0.0, generator: Any = None,
+                  backward: bool = False) -> str:
+    """The exact Triton source of the kernels :func:`flexc.flex_attention` launches for these arguments.
+
+    Takes ``flex_attention``'s arguments, and decides as it does: the backend from
+    ``kernel_options`` and the device (under :func:`flexc.device.simulate` the GPU's choices and
+    its CUDA source), the logsumexp from ``return_lse``/``return_aux``, training from the inputs'
+    ``requires_grad`` (and captured tensors that require grad) under ``torch.is_grad_enabled()``.
+
+    * inference: the forward kernel (the variant that writes the logsumexp when it is returned);
+    * training: the forward kernel that writes the logsumexp, which the backward reads;
+    * at most 16 query rows (decoding): two kernels, the split-KV decode kernel and the merge of its
+      splits (not in training with the generated backward, which runs the forward kernel). Their
+      sources are concatenated in launch order, after a comment naming both, each opening with a
+      ``# ======== kernel i/n: NAME ========`` line; the text still parses as Python;
+    * ``backward=True``: the backward kernel a training call launches (whether or not the inputs
+      require grad now; captured tensors that require grad receive gradients).
+
+    With ``sinks`` the call runs the kernels of the call without them that returns the logsumexp
+    (the sinks are merged in torch, :mod:`flexc.call.sinks`): those are returned. With ``dropout_p > 0``
+    the call runs the TORCH backend (the kernels do not drop yet), which the text says.
+
+    When the call runs no generated kernel (the TORCH backend, the default on CPU tensors; a backward
+    of a score_mod the generated backward cannot differentiate, which trains through the torch
+    backward; no rows or no keys), the text is a comment saying what runs instead. Nothing is
+    compiled.
+
+    >>> print(flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=causal))  # doctest: +SKIP
+    """
+    if sinks is not None:  # the kernels of the sink-free call flex_attention makes
+        _, return_aux = sink_free_request(query, sinks, enable_gqa, return_lse, return_aux)
+        return_lse = False
+    _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
+                                                         enable_gqa, kernel_options, outputs=(return_lse, return_aux))
+    plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
+                     training=True if backward else None, dropout_p=dropout.check(dropout_p, generator))
+    if plan.backend != "TRITON":
+        return _runs_instead(plan.backend, query.device, backward)
+    if backward:
+        if plan.generated is None:
+            reason = (generated_backward_fallback(traced_score) or "").replace("\n", " ")
+            why = (f"the generated backward cannot differentiate its\n# score_mod ({reason})"
+                   if "TRITON" in registry.TRAINING else "no generated backward is registered\n# for the TRITON backend")
+            return (f"# flexc: this call's backward runs no generated kernel: {why}, so training runs the torch "
+                    f"backward\n# (flexc.backends.cpu.torch_cpu.torch_backward, per query row on {query.device}) "
+                    f"after the generated forward.\n")
+        return backward_source(query, value, traced_score, traced_mask, block_mask, options)
+    forward = plan_forward(query, key, value, traced_score, traced_mask, block_mask, options,
+                           plan.want_lse or plan.training, training=plan.generated is not None)
+    return sources_text(forward.kernels)
+
+
+def _runs_instead(backend: str, device: torch.device, backward: bool) -> str:
+    """kernel_source's text for a call whose backend generates no kernel."""
+    what = "backward" if backward else "call"
+    if backend == "TORCH":
+        runs = "flexc's block-sparse PyTorch path (flexc.backends.cpu.torch_cpu), forward and backward"
+    else:
+        runs = f"the {backend!r} backend"
+    return (f"# flexc: this {what} runs no generated kernel: kernel_options['BACKEND'] resolves to {backend!r} for "
+            f"tensors on {device},\n# so it runs {runs}.\n"
+            f"# Fix: pass kernel_options={{'BACKEND': 'TRITON'}} to run (and show) the generated Triton kernels "
+            f"(on CPU tensors\n# through Triton's interpreter), or wrap the call in flexc.device.simulate('sm_90') "
+            f"to see the CUDA source a GPU runs.\n")
+
+
+__all__ = ["kernel_source"]
