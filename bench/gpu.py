@@ -745,7 +745,7 @@ def graph_ms(fn, device: str, row: dict, who: str) -> float:
 def run_decode_cell(flexc, torch_flex, name: str, S: int, D: int, device: str, deadline: float) -> dict:
     """One token at position S-1 of an S-key cache: flexc's step and torch's compiled step, each
     captured in a CUDA graph; flexc's also with 4 warps (the 16-row tile takes 2 by default)."""
-    from flexc.backends.triton import decode as triton_decode
+    from flexc.backends.triton import config as triton_config
 
     B, Hq, Hkv = DECODE_BATCH, DECODE_HQ, DECODE_HKV
     g = torch.Generator().manual_seed(3)
@@ -772,12 +772,12 @@ def run_decode_cell(flexc, torch_flex, name: str, S: int, D: int, device: str, d
     try:
         row["flexc_us"] = graph_ms(flexc_step, device, row, "flexc") * 1e3
         row["flexc"] = tflops(row["flexc_us"] * 1e-3)
-        default_warps = triton_decode.default_warps
-        triton_decode.default_warps = lambda block_m, target: 4  # the same step with 4 warps
+        default_warps = triton_config.default_warps
+        triton_config.default_warps = lambda block_m, target: 4  # the same step with 4 warps
         try:
             row["flexc_w4_us"] = graph_ms(flexc_step, device, row, "flexc 4 warps") * 1e3
         finally:
-            triton_decode.default_warps = default_warps
+            triton_config.default_warps = default_warps
     except OutOfTime:
         raise
     except Exception as e:
@@ -1046,7 +1046,7 @@ def main(argv=None) -> int:
     compiled_flex = torch.compile(torch_flex.flex_attention)
     device = "cuda"
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"flexc kernels cached in {flexc.backends.triton.forward.cache_dir()}")
+          f"flexc kernels cached in {flexc.backends.triton.cache.cache_dir()}")
 
     ok = False
     rows: list = []

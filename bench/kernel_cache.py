@@ -33,21 +33,20 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["FLEXC_CACHE_DIR"] = tempfile.mkdtemp(prefix="flexc-cache-bench-")
     import flexc
-    from flexc.backends.triton import forward as tb
-    from flexc.backends.triton import backward as tbw
+    from flexc.backends.triton import backward as tbw, cache as kernel_cache, forward as tb
     from flexc.codegen.scalars import lift_scalars
 
     def build(mod):
         lifted = lift_scalars(flexc.trace(mod))
-        tb.get_kernel(tb.make_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter", False))
-        tb.get_kernel(tbw.make_backward_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter"))
+        kernel_cache.get_kernel(tb.make_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter", False))
+        kernel_cache.get_kernel(tbw.make_backward_spec(lifted, None, torch.float32, 64, 64, None, None, "interpreter"))
 
     def report(phase: str) -> None:
         gc.collect()
         info = flexc.cache_info()
-        backward = sum(type(k.generated).__name__ == "GeneratedBackward" for k in tb._cache.values())
+        backward = sum(type(k.generated).__name__ == "GeneratedBackward" for k in kernel_cache.cached_kernels())
         cached = f"{info.size:>4} ({info.size - backward} fwd, {backward} bwd)"
-        files = len([f for f in os.listdir(tb.cache_dir()) if f.endswith(".py")])
+        files = len([f for f in os.listdir(kernel_cache.cache_dir()) if f.endswith(".py")])
         print(f"{phase:<44} compiled {info.misses:>4}  cached {cached:<20} files {files:>4}  RSS {rss_mib():7.1f} MiB")
 
     build(lambda score, b, h, q_idx, kv_idx: score * 0.5)  # warm-up: imports triton
@@ -63,7 +62,7 @@ def main() -> None:
     report(f"{args.count} captured temperatures")
     for i in range(args.count):
         build(eval(f"lambda score, b, h, q_idx, kv_idx: score * {0.5 + i / args.count!r}"))
-    report(f"+ {args.count} literal constants (limit {tb.cache_limit()})")
+    report(f"+ {args.count} literal constants (limit {kernel_cache.cache_limit()})")
     flexc.cache_clear()
     report("after cache_clear()")
 

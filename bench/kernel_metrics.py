@@ -10,7 +10,7 @@
 
 Each kernel is compiled for ``GPUTarget("cuda", 90, 32)`` on the CPU (Triton's front end, LLVM and
 the ptxas bundled with Triton) with its arguments specialised as Triton's launcher specialises a
-real launch (:func:`flexc.backends.triton.forward.compile_like_launcher`), and flexc's mods with
+real launch (:func:`flexc.backends.triton.offline.compile_like_launcher`), and flexc's mods with
 their captured numbers lifted into kernel arguments as a real call lifts them
 (:func:`flexc.codegen.scalars.lift_for_call`): that is what makes the numbers mean something.
 
@@ -70,7 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import flexc  # noqa: E402
-from flexc.backends.triton import forward as triton_backend  # noqa: E402
+from flexc.backends.triton import cache as kernel_cache, forward as triton_forward, offline as triton_offline  # noqa: E402
 from flexc.codegen.scalars import lift_for_call  # noqa: E402
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default (and Inductor's), stated
@@ -391,10 +391,10 @@ def _lifted(dtype, score_mod, mask_mod):
 def compile_flexc(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=None):
     score, mask = _lifted(dtype, score_mod, mask_mod)
     block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
-    spec = triton_backend.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
+    spec = triton_forward.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
                                     options, "cuda", False, mask is not None)
-    inputs = triton_backend.offline_inputs(spec, BATCH, H, L, L, block_mask)
-    return spec, triton_backend.compile_offline(spec, CAPABILITY, inputs=inputs)
+    inputs = triton_offline.offline_inputs(spec, BATCH, H, L, L, block_mask)
+    return spec, triton_offline.compile_offline(spec, CAPABILITY, inputs=inputs)
 
 
 def compile_flexc_backward(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=None):
@@ -404,10 +404,10 @@ def compile_flexc_backward(score_mod, mask_mod, dtype, head_dim, L: int, H: int,
     block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
     spec = triton_backward.make_backward_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
                                               options, "cuda", (), mask is not None)
-    fwd_spec = triton_backend.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
+    fwd_spec = triton_forward.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
                                         None, "cuda", False, mask is not None)
-    inputs = triton_backend.offline_inputs(fwd_spec, BATCH, H, L, L, block_mask)
-    return spec, triton_backward.compile_backward_offline(spec, inputs, CAPABILITY)
+    inputs = triton_offline.offline_inputs(fwd_spec, BATCH, H, L, L, block_mask)
+    return spec, triton_offline.compile_offline(spec, CAPABILITY, inputs=inputs)
 
 
 def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_values: bool, num_warps=None):
@@ -423,8 +423,8 @@ def compile_flexc_decode(score_mod, mask_mod, dtype, head_dim, L: int, guard_val
     spec = triton_decode.make_spec(score, mask, q, k, k, block_mask, target="cuda")
     if num_warps is not None:
         spec = dataclasses.replace(spec, num_warps=num_warps)
-    return spec, triton_decode.compile_decode_offline(spec, q, k, k, block_mask, CAPABILITY,
-                                                      guard_values=guard_values)
+    return spec, triton_offline.compile_offline(spec, CAPABILITY, inputs=(q, k, k, block_mask),
+                                                guard_values=guard_values)
 
 
 # ---- torch's templates ------------------------------------------------------------------------
@@ -509,7 +509,7 @@ def compile_torch(case, dtype, head_dim, L: int, H: int, config=None):
     _, _, buffers, score_lines, mask_lines = case
     config = config or TORCH_H100_CONFIG[(dtype, head_dim)]
     source = render_torch_template(score_lines, mask_lines, len(buffers), dtype, head_dim, L, H, config)
-    module, _ = triton_backend.import_source(source, "cuda")
+    module, _ = kernel_cache.import_source(source, "cuda")
     n_blocks = L // 128
     q = torch.empty((BATCH, H, L, head_dim), dtype=dtype)
     counts = torch.zeros((1, 1, n_blocks), dtype=torch.int32)
@@ -518,7 +518,7 @@ def compile_torch(case, dtype, head_dim, L: int, H: int, config=None):
     args = [q, torch.empty_like(q), torch.empty_like(q), lse, lse, counts, indices, counts, indices,
             *buffers, torch.empty_like(q)]
     block_m, block_n, stages, warps = config
-    compiled = triton_backend.compile_like_launcher(module.triton_tem_fused_0, args, {}, warps, stages, CAPABILITY)
+    compiled = triton_offline.compile_like_launcher(module.triton_tem_fused_0, args, {}, warps, stages, CAPABILITY)
     return source, compiled, config
 
 
@@ -578,7 +578,7 @@ def compile_torch_backward(case_name, case, dtype, head_dim, L: int, H: int, con
     _, _, buffers, score_lines, mask_lines = case
     config = config or TORCH_H100_BWD_CONFIG[head_dim]
     source = render_torch_backward_template(case_name, score_lines, mask_lines, len(buffers), head_dim, L, H, config)
-    module, _ = triton_backend.import_source(source, "cuda")
+    module, _ = kernel_cache.import_source(source, "cuda")
     n_blocks = L // 128
     q = torch.empty((BATCH, H, L, head_dim), dtype=dtype)
     rows = torch.empty((BATCH, H, L), dtype=torch.float32)
@@ -588,7 +588,7 @@ def compile_torch_backward(case_name, case, dtype, head_dim, L: int, H: int, con
             torch.empty_like(q), counts, indices, counts, indices, counts, indices, counts, indices,
             *buffers, torch.empty_like(q)]
     stages, warps = config[4], config[5]
-    compiled = triton_backend.compile_like_launcher(module.triton_tem_fused_bwd_0, args, {}, warps, stages, CAPABILITY)
+    compiled = triton_offline.compile_like_launcher(module.triton_tem_fused_bwd_0, args, {}, warps, stages, CAPABILITY)
     return source, compiled, config
 
 
@@ -639,7 +639,7 @@ def compile_torch_decode(case, dtype, head_dim, L: int, config=None):
     _, _, buffers, score_lines, mask_lines = case
     config = config or TORCH_H100_DECODE_CONFIG
     source = render_torch_decode_template(score_lines, mask_lines, len(buffers), head_dim, L, config)
-    module, _ = triton_backend.import_source(source, "cuda")
+    module, _ = kernel_cache.import_source(source, "cuda")
     G, splits = DECODE_HEADS // DECODE_KV_HEADS, torch_decode_splits()
     q = torch.empty((BATCH, DECODE_HEADS, 1, head_dim), dtype=dtype)
     q5 = q.as_strided((BATCH, DECODE_KV_HEADS, G, 1, head_dim), _strides((BATCH, DECODE_KV_HEADS, G, 1, head_dim)))
@@ -650,7 +650,7 @@ def compile_torch_decode(case, dtype, head_dim, L: int, config=None):
     acc = torch.empty((BATCH, splits, DECODE_HEADS, 1, head_dim), dtype=torch.float32)
     args = [q5, k, torch.empty_like(k), rows, torch.empty_like(rows), counts, indices, counts, indices, *buffers, acc]
     _, stages, warps = config
-    compiled = triton_backend.compile_like_launcher(module.triton_tem_fused_decode_0, args, {}, warps, stages,
+    compiled = triton_offline.compile_like_launcher(module.triton_tem_fused_decode_0, args, {}, warps, stages,
                                                     CAPABILITY)
     return source, compiled, config
 
@@ -771,7 +771,7 @@ def run_forward(args, totals: Totals) -> None:
                 sides.append(Side("torch" if i == 0 else "torch@flexc", f"{bm}x{bn} w{warps} s{stages}",
                                   measure(torch_compiled), warps, {"": bm * bn}))
             if args.show_flexc_source:
-                print(triton_backend.source_for(spec))
+                print(kernel_cache.source_for(spec))
             lines, worst = compare(ours, sides)
             _print_block(f"{name} D={head_dim}", lines, ours.report)
             totals.add("forward", name, worst, ours.report)
@@ -800,7 +800,7 @@ def run_backward(args, totals: Totals) -> None:
                 sides.append(Side("torch" if i == 0 else "torch@flexc", f"{m1},{n1},{m2},{n2} w{warps} s{stages}",
                                   measure(torch_compiled, backward=True), warps, {"dK/dV": m1 * n1, "dQ": m2 * n2}))
             if args.show_flexc_source:
-                print(triton_backend.source_for(spec))
+                print(kernel_cache.source_for(spec))
             lines, worst = compare(ours, sides)
             _print_block(f"{name} D={head_dim}", lines, ours.report)
             totals.add("backward", name, worst, ours.report)
@@ -832,7 +832,7 @@ def run_decode(args, totals: Totals) -> None:
                 sides.append(Side("torch" if i == 0 else "torch@flexc", f"{torch_m}x{bn} w{warps} s{stages}",
                                   measure(torch_compiled), warps, {"": torch_m * bn}))
             if args.show_flexc_source:
-                print(triton_backend.source_for(spec))
+                print(kernel_cache.source_for(spec))
             lines, worst = compare(ours, sides)
             if getattr(args, "value_guard", False):  # the CPU-only NaN/inf value guard compiled in, for reference
                 guarded = measure(compile_flexc_decode(case[0], case[1], dtype, head_dim, L, True)[1])
