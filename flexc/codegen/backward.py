@@ -26,7 +26,7 @@ import torch
 
 from ..mods import ir
 from ..mods.derivative import ScoreModDerivative, differentiate
-from .constants import LOG2E
+from ..constants import LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line, preamble, store
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import param_stems, render_mods

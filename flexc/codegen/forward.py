@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .constants import LN2, LOG2E
+from ..constants import LN2, LOG2E
 from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, names_line, store
 from .header import describe_dims, describe_mods, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines

@@ -48,7 +48,7 @@ prints the fast forms there too (``portable_fast_tanh``: a correctly rounded ``1
 """
 from __future__ import annotations
 
-from .constants import LOG2E, TWO_LOG2E  # noqa: F401 (the fast forms' constants; tests read them here)
+from ..constants import LOG2E, TWO_LOG2E  # noqa: F401 (the fast forms' constants; tests read them here)
 
 # IR op -> helper function name in the generated source
 MATH_HELPERS = {

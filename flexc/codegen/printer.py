@@ -19,7 +19,7 @@ from ..mods import ir
 from ..mods.evaluate import evaluate
 from ..mods.lowering import scalar_form
 from ..mods.trace import TracedMod
-from .constants import LOG2E, TWO_LOG2E
+from ..constants import LOG2E, TWO_LOG2E
 from .math_helpers import FAST_HELPERS, FAST_MATH_OPS, HELPER_SOURCES, MATH_HELPERS, with_needs
 
 # Python operator precedence (higher binds tighter); what decides where parentheses go.

@@ -39,9 +39,9 @@ import torch
 
 from . import ir, reductions
 from .lowering import AUTOGRAD_FUNCTION
+from ..constants import LN2
 from .trace import SCORE_MOD, Proxy, TracedMod, hook_function_apply, Tracer, TraceMode
 
-LN2 = math.log(2.0)
 
 
 @dataclass(frozen=True)

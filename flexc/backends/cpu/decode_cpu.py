@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ...constants import DECODE_MAX_ROWS as MAX_ROWS, LN2, LOG2E
 from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.evaluate_numpy import evaluate_small
@@ -44,11 +45,8 @@ from ...mods.trace import TracedMod
 from . import fused_cpu
 from ..nonfinite import all_finite, matmul_skipping_zeros
 
-MAX_ROWS = 16
 # Scores [B, Hq, L, n] above this many elements go to the row path (bounded working memory).
 MAX_SCORES = 1 << 24
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 _NEG_INF = float("-inf")
 _NAN = float("nan")
 _ALLOWED, _BLOCKED = b"\x01", b"\x00"  # a bool verdict's byte

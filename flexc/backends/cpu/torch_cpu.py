@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from ..dropout import Dropout, keep_scale
+from ...constants import LN2, LOG2E
 from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
@@ -44,8 +45,6 @@ _MAX_PARTIAL_SPANS = 4
 _NEG_INF = float("-inf")
 # Softmax runs in base 2: torch's exp2 on CPU is several times faster than exp, and exp is ~30x
 # slower still on inputs below -88 (masked and far-away scores), which exp2 handles at full speed.
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 # ---- groups of heads that share one block-mask table -------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from ... import device as gpu
 from ...codegen.backward import BackwardSpec
-from ...codegen.constants import LOG2E
+from ...constants import LOG2E
 from ...codegen.scalars import lift_for_call
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry

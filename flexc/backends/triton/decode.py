@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ... import device as gpu
+from ...constants import DECODE_MAX_ROWS as MAX_ROWS
 from ...codegen.decode import DecodeSpec
 from ...codegen.merge import MergeSpec
 from ...codegen.scalars import lift_for_call
@@ -20,7 +21,6 @@ from ...mods.traced_mod import TracedMod
 from ..layout import empty_like_reference
 from . import cache, config, launcher
 
-MAX_ROWS = 16  # query rows per head (as the CPU decode path)
 MAX_PACKED = 128  # GQA group x query rows in one tile
 
 

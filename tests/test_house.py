@@ -1,0 +1,184 @@
+"""The package's shape: stages import only downward, no import circles, no private names across modules.
+
+Every import in flexc (at module level and inside functions) is read with ``ast``; the rules hold for
+the code as written, not for one import order.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch.nn.attention.flex_attention as torch_flex
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "flexc"
+
+# The pipeline's stages, lowest first: a module may import its own stage and the ones below it.
+# The call and its compiled path are one stage (flex_attention hands a compiled call to
+# torch_compile, which plans it with the call's own rules).
+STAGES = [
+    ("flexc._version", "flexc.errors", "flexc.constants", "flexc.versions", "flexc.device"),
+    ("flexc.mods",),
+    ("flexc.analysis",),
+    ("flexc.masks",),
+    ("flexc.codegen",),
+    ("flexc.backends",),
+    ("flexc.call", "flexc.torch_compile"),
+    ("flexc.tools",),
+    ("flexc", "flexc.__main__", "flexc.old_paths"),  # the package's own face
+]
+TOP_LEVEL_ALLOWED = 6  # modules directly in flexc/ besides __init__, __main__, _version and errors
+
+
+def _name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+class Import:
+    """One imported name: ``module`` imported by ``importer``; ``name`` when a non-module name is taken."""
+
+    def __init__(self, importer: str, module: str, name: str | None, line: int):
+        self.importer, self.module, self.name, self.line = importer, module, name, line
+
+    def __repr__(self) -> str:
+        what = f"{self.module}.{self.name}" if self.name else self.module
+        return f"{self.importer}:{self.line} imports {what}"
+
+
+def _imports(name: str) -> tuple[list[Import], list[tuple[str, str, int]]]:
+    """The flexc imports of module ``name`` and its ``alias._private`` attribute reads of imported modules."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not source.startswith("flexc"):
+                continue
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in MODULES:
+                    found.append(Import(name, full, None, node.lineno))
+                    aliases[alias.asname or alias.name] = full
+                else:
+                    found.append(Import(name, source, alias.name, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("flexc"):
+                    found.append(Import(name, alias.name, None, node.lineno))
+                    if alias.asname:
+                        aliases[alias.asname] = alias.name
+    private_reads = [(aliases[n.value.id], n.attr, n.lineno) for n in ast.walk(tree)
+                     if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+                     and n.attr.startswith("_") and not n.attr.startswith("__")]
+    return found, private_reads
+
+
+IMPORTS = {name: _imports(name) for name in MODULES}
+
+
+def _stage(module: str) -> int:
+    best = max(((len(prefix), i) for i, prefixes in enumerate(STAGES) for prefix in prefixes
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} belongs to no stage: add its folder to STAGES"
+    return best[1]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iteratively)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], 0
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_import_circles():
+    graph = {name: {i.module for i in IMPORTS[name][0] if i.module in MODULES and i.module != name}
+             for name in MODULES}
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_private_name_crosses_a_module_line():
+    # torch's own private names that flexc provides for `from torch.nn.attention.flex_attention import ...`
+    torch_names = {name for name in dir(torch_flex) if name.startswith("_")}
+    crossings = []
+    for name, (imports, private_reads) in IMPORTS.items():
+        crossings += [repr(i) for i in imports if i.name and i.name.startswith("_") and not i.name.startswith("__")
+                      and i.name not in torch_names]
+        crossings += [f"{name}:{line} reads {module}.{attr}" for module, attr, line in private_reads]
+    assert crossings == []
+
+
+def test_stages_import_only_downward():
+    upward = [repr(i) for name, (imports, _) in IMPORTS.items() for i in imports
+              if i.module in MODULES and _stage(i.module) > _stage(name)]
+    assert upward == []
+
+
+def test_backends_do_not_import_the_public_call():
+    reaching = [repr(i) for name, (imports, _) in IMPORTS.items() if name.startswith("flexc.backends")
+                for i in imports if i.module.startswith("flexc.call")]
+    assert reaching == []
+
+
+def test_few_modules_at_the_top():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__", "_version", "errors"))
+    assert len(top) <= TOP_LEVEL_ALLOWED, top
+
+
+@pytest.mark.parametrize("old, new", [("flexc.attention", "flexc.call.attention"),
+                                      ("flexc.block_mask", "flexc.masks.block_mask"),
+                                      ("flexc.backends.torch_cpu", "flexc.backends.cpu.torch_cpu"),
+                                      ("flexc.distributed", "flexc.call.distributed")])
+def test_import_paths_from_before_the_folders_give_the_same_modules(old, new):
+    import importlib
+
+    assert importlib.import_module(old) is importlib.import_module(new)
