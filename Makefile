@@ -35,7 +35,7 @@ test-oldest-triton: setup
 		"$$($(OLD)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_venv.pth"
 	$(PY) -m pip --python $(OLD)/bin/python install -q --no-deps triton==$(OLDEST_TRITON) 'numpy<2.4'
 	$(OLD)/bin/python -c "import triton; assert triton.__version__ == '$(OLDEST_TRITON)', triton.__version__"
-	PYTHONPATH=$(CURDIR) $(OLD)/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_triton_forward.py
+	PYTHONPATH=$(CURDIR) $(OLD)/bin/python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/backends/triton/test_triton_forward.py
 
 clean:
 	rm -rf $(VENV) $(OLD) build *.egg-info

@@ -36,7 +36,7 @@ from torch.nn.attention import flex_attention as torch_flex  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import flexc  # noqa: E402
-from models import Block  # noqa: E402  (the transformer block tests/test_compile.py compiles too)
+from models import Block  # noqa: E402  (the transformer block tests/torch_compile/test_compile.py compiles too)
 
 warnings.filterwarnings("ignore")
 H, D, LAYERS = 4, 64, 2

@@ -208,7 +208,7 @@ def main(argv=None) -> None:
     lines = ["# Gallery", "",
              "Every mask and score_mod of `examples/gallery.py`, drawn by `flexc.plot`. The pictures are "
              "generated (`python examples/gallery.py` writes them to `docs/gallery/`); this page is checked "
-             "against the script by `tests/test_gallery.py`.", "",
+             "against the script by `tests/tools/test_gallery.py`.", "",
              "Colours: **blue** full tiles (the kernel skips the mask_mod), **orange** partial tiles (the "
              "kernel runs the mask_mod; light orange marks the elements it masks), **grey** empty tiles "
              "(never visited). Tiles are 128x128 unless stated.", ""]

@@ -52,6 +52,39 @@ def _flexc_combinators():
     return getattr(flexc, "and_masks", and_masks), getattr(flexc, "or_masks", or_masks)
 
 
+# ---- torch.autograd.Functions a score_mod may call (their own backward defines the gradient) ----
+
+class StraightThroughClamp(torch.autograd.Function):
+    """clamp to [-c, c] forward; gradient passed through unchanged (not the clamp's derivative)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, c):
+        return torch.clamp(x, -c, c)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ScaledGrad(torch.autograd.Function):
+    """Old-style (ctx in forward): x * 2 forward, gradient scaled by 0.25 instead of 2."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.25
+
+
 # ---- building blocks (factories, as in attention-gym) --------------------------------------
 
 def causal_mask(b, h, q_idx, kv_idx):

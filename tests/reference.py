@@ -55,3 +55,19 @@ def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=to
     lse = torch.where(dead, -math.inf, lse).squeeze(-1)
     max_scores = scores.amax(dim=-1)
     return out, lse, max_scores
+
+
+def exact_classes(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK):
+    """EMPTY/UNDECIDED(mixed)/FULL of every tile's in-range part, from the dense mask."""
+    import flexc
+    from flexc.analysis.tiles import EMPTY, FULL, UNDECIDED
+
+    dense = flexc.evaluate_grid(traced, B, H, Q_LEN, KV_LEN).to(torch.int32)
+    nq, nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
+    allowed = torch.zeros(B, H, nq * Q_BLOCK, nkv * KV_BLOCK, dtype=torch.int32)
+    in_range = torch.zeros_like(allowed)
+    allowed[:, :, :Q_LEN, :KV_LEN] = dense
+    in_range[:, :, :Q_LEN, :KV_LEN] = 1
+    count = allowed.view(B, H, nq, Q_BLOCK, nkv, KV_BLOCK).sum((3, 5))
+    total = in_range.view(B, H, nq, Q_BLOCK, nkv, KV_BLOCK).sum((3, 5))
+    return torch.where(count == 0, EMPTY, torch.where(count == total, FULL, UNDECIDED)).to(torch.int8)

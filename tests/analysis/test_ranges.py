@@ -5,7 +5,6 @@ with flexc.evaluate and the min/max taken. Rules documented as exact must match 
 only sound (``%`` across a wrap) must contain it and equal the documented fallback.
 """
 import math
-import os
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from flexc.mods import ir
 from flexc.mods.evaluate import evaluate
 from flexc.analysis.ranges import classify_tiles, range_over_box
 import flexc
+from repo import ROOT
 
 q, k, b, h = ir.input_("q_idx"), ir.input_("kv_idx"), ir.input_("b"), ir.input_("h")
 c = ir.const
@@ -233,6 +233,6 @@ def test_block_mask_of_a_linear_mask_does_not_import_sympy():
             "flexc.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= 9),"
             " None, None, 300, 300, device='cpu', BLOCK_SIZE=32)\n"
             "print('sympy' in sys.modules)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
     assert out.stdout.strip() == "False"

@@ -12,6 +12,7 @@ import torch
 import torch.nn.attention.flex_attention as torch_flex
 
 import flexc
+from repo import TESTS
 
 _TORCH_IMPORT = "from torch.nn.attention.flex_attention import"
 
@@ -173,7 +174,7 @@ def test_create_nested_block_mask_is_document_masking_over_packed_sequences():
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
     """(torch's masklib, the same files importing flexc)."""
-    source = os.path.join(os.path.dirname(__file__), "masklib")
+    source = str(TESTS / "masklib")
     root = tmp_path_factory.mktemp("swapped")
     target = root / "masklib_flexc"
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))

@@ -8,41 +8,11 @@ import torch
 import torch.nn.attention.flex_attention as torch_flex
 
 import flexc
+from catalogue import ScaledGrad, StraightThroughClamp
 from reference import dense_attention, random_qkv
 
 B, H, L, E = 1, 2, 48, 16
 BACKENDS = ["TORCH", "TRITON"]
-
-
-class StraightThroughClamp(torch.autograd.Function):
-    """clamp to [-c, c] forward; gradient passed through unchanged (not the clamp's derivative)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, c):
-        return torch.clamp(x, -c, c)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class ScaledGrad(torch.autograd.Function):
-    """Old-style (ctx in forward): x * 2 forward, gradient scaled by 0.25 instead of 2."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 0.25
 
 
 def clamp_mod(score, b, h, q_idx, kv_idx):

@@ -10,22 +10,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import flexc
+from reference import exact_classes
 from flexc.analysis.ranges import EMPTY, FULL, MIXED, UNDECIDED, classify_tiles, mark_mixed_tiles
 
 INPUTS = ("b", "h", "q_idx", "kv_idx")
-
-
-def exact_classes(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK):
-    """EMPTY/UNDECIDED(mixed)/FULL of every tile's in-range part, from the dense mask."""
-    dense = flexc.evaluate_grid(traced, B, H, Q_LEN, KV_LEN).to(torch.int32)
-    nq, nkv = -(-Q_LEN // Q_BLOCK), -(-KV_LEN // KV_BLOCK)
-    allowed = torch.zeros(B, H, nq * Q_BLOCK, nkv * KV_BLOCK, dtype=torch.int32)
-    in_range = torch.zeros_like(allowed)
-    allowed[:, :, :Q_LEN, :KV_LEN] = dense
-    in_range[:, :, :Q_LEN, :KV_LEN] = 1
-    count = allowed.view(B, H, nq, Q_BLOCK, nkv, KV_BLOCK).sum((3, 5))
-    total = in_range.view(B, H, nq, Q_BLOCK, nkv, KV_BLOCK).sum((3, 5))
-    return torch.where(count == 0, EMPTY, torch.where(count == total, FULL, UNDECIDED)).to(torch.int8)
 
 
 # ---- random expressions, built as trees and turned into ordinary Python mask_mods ----------------

@@ -1,13 +1,13 @@
 """docs/differences.md names every torch FlexAttention name that flexc does not provide."""
-import pathlib
 import re
 import types
 
 from torch.nn.attention import flex_attention as tfa
 
 import flexc
+from repo import ROOT
 
-DOC = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "differences.md").read_text()
+DOC = (ROOT / "docs" / "differences.md").read_text()
 
 
 def _listed(name: str) -> bool:

@@ -9,7 +9,7 @@ import torch
 import flexc
 from catalogue import mask_catalogue
 from flexc.analysis.ranges import EMPTY, FULL, MIXED, UNDECIDED, classify_tiles, mark_mixed_tiles
-from test_ranges_properties import exact_classes
+from reference import exact_classes
 
 SHAPES = [(2, 3, 100, 130, 16, 8), (1, 2, 256, 256, 32, 32), (2, 2, 77, 300, 16, 64)]
 CATALOGUE_NAMES = sorted(mask_catalogue(1, 1, 8, 8))

@@ -21,7 +21,7 @@ from flexc.mods.lowering import autograd_function
 from flexc.mods.reductions import REDUCE_OPS, axis, reduce
 from flexc.mods.trace import SCORE_MOD, TracedMod
 from reference import dense_attention, random_qkv
-from test_derivative import B, H, L, S, _check
+from derivative_check import B, H, L, S, check_derivative
 
 # ---- every IR op has a rule --------------------------------------------------------------------
 
@@ -114,7 +114,7 @@ def _reduction_mods():
 
 @pytest.mark.parametrize("name", sorted(_reduction_mods()))
 def test_reduction_derivatives_match_autograd(name):
-    _check(_reduction_mods()[name])
+    check_derivative(_reduction_mods()[name])
 
 
 def test_dot_is_the_sum_of_products():
@@ -174,7 +174,7 @@ def _function_mods():
 
 @pytest.mark.parametrize("name", sorted(_function_mods()))
 def test_function_derivatives_use_its_backward(name):
-    _check(_function_mods()[name])
+    check_derivative(_function_mods()[name])
 
 
 # ---- TRITON training without the torch backward ----------------------------------------------

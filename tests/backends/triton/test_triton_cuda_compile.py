@@ -8,7 +8,7 @@ import torch
 
 import flexc
 from flexc.backends.triton import cache as kernel_cache, forward as triton_forward, launcher as triton_launcher, offline as triton_offline
-from test_codegen_printer import MASK_MODS, SCORE_MODS
+from printer_mods import MASK_MODS, SCORE_MODS
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend is not installed")
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

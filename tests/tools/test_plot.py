@@ -17,8 +17,8 @@ import flexc  # noqa: E402
 from catalogue import mask_catalogue, score_catalogue  # noqa: E402
 from flexc.tools.plot import COLORS, EMPTY, FULL, LABELS, PARTIAL_ALLOWED, PARTIAL_MASKED, raster  # noqa: E402
 from reference import index_tensors  # noqa: E402
+from repo import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -150,7 +150,7 @@ def test_a_65536_long_mask_is_drawn_without_allocating_l_by_s(tmp_path):
         "flexc.plot(alibi, None, None, 65536, mask_mod=bm, path='long_score.png')\n"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
     )
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr

@@ -19,7 +19,7 @@ import flexc.call.attention as attention_module
 import flexc.torch_compile.custom_ops as custom_ops_module
 from catalogue import score_catalogue
 from reference import random_qkv
-from test_dropin_autograd_function import ScaledGrad, StraightThroughClamp
+from catalogue import ScaledGrad, StraightThroughClamp
 
 B, H, L, E, R = 1, 2, 32, 16, 4
 _g = torch.Generator().manual_seed(21)

@@ -1,13 +1,12 @@
 """examples/gallery.py runs, draws every entry, and writes exactly the committed docs/gallery.md and its pictures."""
 import os
-import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from repo import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_gallery_script_runs_and_docs_gallery_md_is_up_to_date(tmp_path):

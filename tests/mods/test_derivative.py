@@ -11,73 +11,14 @@ import flexc
 from catalogue import score_catalogue
 from flexc.mods import ir
 from flexc.mods.derivative import differentiate
-from flexc.mods.evaluate import evaluate
+from derivative_check import B, H, L, S, autograd_gradients, check_derivative, ir_gradients
 from reference import index_tensors
 
-B, H, L, S = 2, 4, 33, 29
-
-
-def _promote_buffers(fn, dtype=torch.float64):
-    """Turn the float tensors ``fn`` captures into ``dtype`` leaves that require grad (in place)."""
-    traced = flexc.trace(fn)
-    leaves = []
-    for t in traced.buffers:
-        if t.is_floating_point():
-            t.data = t.data.to(dtype)
-            t.requires_grad_()
-            leaves.append(t)
-    return leaves
-
-
-def _ir_gradients(fn, score, w):
-    """``(d score, [d buffer])`` of ``sum(w * fn(score, ...))`` from the derivative IR alone."""
-    traced = flexc.trace(fn)
-    d = differentiate(traced)
-    b, h, q, kv = index_tensors(B, H, L, S)
-    grid = dict(score=score.detach(), b=b, h=h, q_idx=q, kv_idx=kv)
-    d_score = evaluate(d.as_mod(d.d_score, "d_score"), **grid) * w
-    grads = {slot: torch.zeros_like(t, dtype=torch.float64) for slot, t in enumerate(traced.buffers)
-             if t.is_floating_point()}
-    for g in d.gathers:
-        value = (evaluate(d.as_mod(g.grad, "g"), **grid) * w).expand(score.shape)
-        target = grads[g.slot]
-        if not g.indices:
-            target += value.sum()
-            continue
-        index = []
-        for dim, node in enumerate(g.indices):
-            i = evaluate(d.as_mod(node, "i"), **grid).long().expand(score.shape)
-            index.append(i % target.shape[dim])  # negative lookups count from the end
-        target.index_put_(tuple(index), value, accumulate=True)
-    return d_score.expand(score.shape), [grads[slot] for slot in sorted(grads)]
-
-
-def _autograd_gradients(fn, score, w, leaves):
-    b, h, q, kv = index_tensors(B, H, L, S)
-    out = torch.broadcast_to(fn(score, b, h, q, kv), score.shape)
-    if not out.requires_grad:  # a score_mod that reads neither the score nor a leaf
-        return [torch.zeros_like(x) for x in [score, *leaves]]
-    grads = torch.autograd.grad((out * w).sum(), [score, *leaves], allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, [score, *leaves])]
-
-
-def _check(fn, seed=0):
-    leaves = _promote_buffers(fn)
-    gen = torch.Generator().manual_seed(seed)
-    score = (torch.randn(B, H, L, S, generator=gen, dtype=torch.float64) * 3).requires_grad_()
-    w = torch.randn(B, H, L, S, generator=gen, dtype=torch.float64)
-    want = _autograd_gradients(fn, score, w, leaves)
-    d_score, d_buffers = _ir_gradients(fn, score, w)
-    for got, ref in zip([d_score, *d_buffers], want):
-        assert got.shape == ref.shape
-        # (float32 captured tables and float32 index arithmetic round differently along the two
-        # evaluation orders: a few float32 ulps; a wrong derivative is off by far more)
-        torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", sorted(score_catalogue(B, H, L, S)))
 def test_every_catalogue_score_mod_derivative_matches_autograd(name):
-    _check(score_catalogue(B, H, L, S)[name])
+    check_derivative(score_catalogue(B, H, L, S)[name])
 
 
 def test_simplified_forms_are_short():
@@ -95,7 +36,7 @@ def test_a_tensor_gathered_twice_gives_two_gathers_and_the_same_element_one():
     twice = lambda s, b, h, q, kv: s * table[q] + table[kv] * table[kv]
     d = differentiate(flexc.trace(twice))
     assert sorted(ir.format_expr(g.load) for g in d.gathers) == ["buf0[kv_idx]", "buf0[q_idx]"]
-    _check(twice)
+    check_derivative(twice)
 
 
 @pytest.mark.parametrize("fn", [
@@ -124,8 +65,8 @@ def test_rules_at_their_kinks_match_autograd(fn):
     # scores on a coarse lattice, so the kinks (0, +-1, ties) are hit exactly
     score = (torch.randint(-6, 7, (B, H, L, S), generator=gen).double() / 2).requires_grad_()
     w = torch.randn(B, H, L, S, generator=gen, dtype=torch.float64)
-    (want,) = _autograd_gradients(fn, score, w, [])
-    d_score, _ = _ir_gradients(fn, score, w)
+    (want,) = autograd_gradients(fn, score, w, [])
+    d_score, _ = ir_gradients(fn, score, w)
     torch.testing.assert_close(d_score, want, rtol=1e-6, atol=1e-9, equal_nan=True)  # 0 ** -0.5 * sign(0)
 
 
@@ -181,4 +122,4 @@ def _expressions():
 @settings(max_examples=60, deadline=None)
 @given(_expressions(), st.integers(0, 1000))
 def test_random_expressions_match_autograd(fn, seed):
-    _check(fn, seed)
+    check_derivative(fn, seed)
