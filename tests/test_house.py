@@ -182,3 +182,21 @@ def test_import_paths_from_before_the_folders_give_the_same_modules(old, new):
     import importlib
 
     assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_readme_layout_names_every_module():
+    """README's layout table names each module: a path below the folder of the bold row above it
+    (or below flexc/ itself)."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = readme[readme.index("## Layout"):readme.index("## Documentation")]
+    named, folder = set(), "flexc/"
+    for row in table.splitlines():
+        first = row.split("|")[1] if row.startswith("| ") else ""
+        if first.strip().startswith("**`flexc/"):  # a stage's row
+            folder = first.split("`")[1]
+            continue
+        for path in (p.strip() for p in first.replace("`", "").split(",")):
+            named |= {folder + path, "flexc/" + path}
+    modules = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+               if p.name != "__init__.py" or p.parent == PACKAGE}
+    assert sorted(modules - named) == []
