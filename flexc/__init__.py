@@ -5,10 +5,11 @@ from .mods.trace import TraceError, TracedMod, trace
 from .mods.evaluate import evaluate
 from .mods.grid import evaluate_grid
 from .masks.mask_mods import and_masks, noop_mask, not_mask, or_masks
-from .masks.block_mask import BlockMask, create_block_mask, create_mask
+from .masks.block_mask import BlockMask, create_mask
 from .masks import block_mask_pytree  # noqa: F401  (registers BlockMask as a pytree node)
 from .call.attention import AuxOutput, AuxRequest, FallbackWarning, flex_attention
-from .torch_compile import under_compile  # noqa: F401  (its custom ops exist before any compiled call)
+# create_block_mask dispatches to one custom-op node inside torch.compile
+from .torch_compile.under_compile import create_block_mask
 from .backends.triton.cache import cache_clear, cache_info
 from .call.kernel_source import kernel_source
 # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`

@@ -17,7 +17,8 @@ from typing import Any, Literal, TypedDict, TypeVar
 import torch
 from torch import Tensor
 
-from ..masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask, create_block_mask
+from ..masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
+from ..torch_compile.under_compile import create_block_mask  # (one custom-op node inside torch.compile)
 from ..analysis.tiles import dense_to_ordered, ordered_to_dense, transpose_ordered
 from ..mods.trace import MASK_MOD, SCORE_MOD, mod_kind
 

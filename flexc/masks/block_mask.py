@@ -31,9 +31,6 @@ from ..versions import table_states
 
 DEFAULT_BLOCK_SIZE = 128
 
-# create_block_mask inside torch.compile; flexc.torch_compile.under_compile installs it (it imports this module)
-compiled_builder: Callable | None = None
-
 _TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 TENSOR_ATTRS = _TABLE_NAMES + ("dq_write_order", "dq_write_order_full", "dq_kv_order")
@@ -826,15 +823,14 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     when ``separate_full_blocks``) or partial; a ragged edge tile is never FULL, as in torch.
     Memory stays bounded: the dense mask is never built. ``_analytic=False`` turns off the tile
     analysis and evaluates every tile exactly (for testing the analysis). ``_compile`` is accepted
-    for compatibility and ignored: flexc needs no compilation for this.
+    for compatibility and ignored: flexc needs no compilation for this. Inside ``torch.compile``,
+    :func:`flexc.create_block_mask` (:func:`flexc.torch_compile.under_compile.create_block_mask`)
+    builds the tables in one custom-op node and calls this outside the graph.
 
     >>> bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 256, 256)
     >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
     ([[[1, 1]]], [[[0, 1]]])
     """
-    if torch.compiler.is_compiling() and compiled_builder is not None:
-        # inside torch.compile: one custom-op node builds the tables (flexc.torch_compile.under_compile)
-        return compiled_builder(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full_blocks)
     where = "create_block_mask"
     traced = _trace_as(where, mask_mod, (MASK_MOD,))
     B = _positive_int(where, "B", B, allow_none=True) or 1

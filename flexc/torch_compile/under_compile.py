@@ -466,8 +466,21 @@ def _graph_function(forward: torch.fx.GraphModule, backward: torch.fx.GraphModul
 
 # ---- create_block_mask inside a compiled region ----------------------------------------------
 
-def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device: Any,
-                      BLOCK_SIZE: Any, separate_full_blocks: bool):
+@functools.wraps(block_mask.create_block_mask)
+def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device: Any = None,
+                      BLOCK_SIZE: Any = block_mask.DEFAULT_BLOCK_SIZE, _compile: bool = False,
+                      separate_full_blocks: bool = True, compute_dq_write_order: bool = False,
+                      dq_kv_order: bool = True, *, _analytic: bool = True) -> BlockMask:
+    # flexc.create_block_mask: inside torch.compile one custom-op node, eagerly the block-mask builder
+    if torch.compiler.is_compiling():
+        return _compiled_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full_blocks)
+    return block_mask.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile,
+                                        separate_full_blocks, compute_dq_write_order, dq_kv_order,
+                                        _analytic=_analytic)
+
+
+def _compiled_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device: Any,
+                         BLOCK_SIZE: Any, separate_full_blocks: bool):
     """:func:`flexc.create_block_mask` as one ``flexc::create_block_mask`` node (same bridge as above)."""
     block = tuple(BLOCK_SIZE) if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -512,5 +525,3 @@ def _mask_wrapper(spec: tuple, gm: torch.fx.GraphModule) -> Callable:
 
     return run
 
-
-block_mask.compiled_builder = create_block_mask
