@@ -35,6 +35,7 @@ import torch
 
 from ..evaluate import evaluate
 from ..evaluate_numpy import evaluate_small
+from ..lifted_cells import structure
 from ..row_intervals import allowed_intervals
 from ..spans import intersect
 from ..table_lists import contents_of, row_blocks
@@ -67,7 +68,7 @@ def _is_true(mod: TracedMod | None) -> bool:
 
 def _reads(mod: TracedMod) -> tuple[str, ...]:
     """The mod arguments the graph reads."""
-    return _inputs_of(mod.root)
+    return _inputs_of(structure(mod)[0])
 
 
 @functools.lru_cache(maxsize=256)
@@ -477,7 +478,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
     if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
         intervals = None  # one row of a mask of affine comparisons: its allowed keys as intervals
-        if L == 1 and plan.span_starts is not None and _reads_only_row_inputs(mask_mod.root):
+        if L == 1 and plan.span_starts is not None and _reads_only_row_inputs(structure(mask_mod)[0]):
             intervals = allowed_intervals(mask_mod, 0, S)  # (None: the mod needs its elements evaluated)
         if intervals is not None:
             masked, lo, hi = _masked_by_intervals(intervals, plan, n)
