@@ -21,8 +21,9 @@ running flexc.flex_attention on the whole sequence. Printed: wall time of forwar
 forward+backward (median of reps; a distributed rep lasts until its slowest rank is done), and the
 bytes each rank actually received, counted by wrapping the torch.distributed calls flexc makes
 (``irecv``: the buffer's bytes; ``all_reduce``/``all_gather``: the tensors' bytes, what a rank gets
-back), next to the plan's prediction. The distributed outputs are checked against the
-single-process ones first.
+back), next to the plan's prediction, with the time each phase spent blocked in ``wait()`` on its
+posted sends and receives (the exchange compute did not hide). The distributed outputs are checked
+against the single-process ones first.
 
     python bench/context_parallel.py --run [--tokens 1024] [--reps 5]
 """
@@ -66,14 +67,29 @@ def masks(n: int, window: int, seed: int = 0) -> dict:
 RUN_SHAPE = dict(B=1, H=8, D=64, block=128)
 
 
+class _TimedWork:
+    """A posted send or receive whose ``wait`` adds the seconds spent blocked to ``waited``."""
+
+    def __init__(self, work, waited: dict, phase: str):
+        self.work, self.waited, self.phase = work, waited, phase
+
+    def wait(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.work.wait(*args)
+        finally:
+            self.waited[self.phase] = self.waited.get(self.phase, 0.0) + time.perf_counter() - start
+
+
 class ReceivedBytes:
     """Wraps the torch.distributed calls flexc.distributed makes and counts the bytes this rank
-    receives, by phase (``self.phase`` is set by the caller: "forward" or "backward")."""
+    receives, by phase (``self.phase`` is set by the caller: "forward" or "backward"), and the
+    seconds spent waiting for posted sends and receives (exchange time not hidden by compute)."""
 
-    CALLS = ("irecv", "recv", "all_reduce", "all_gather", "broadcast")
+    CALLS = ("irecv", "recv", "all_reduce", "all_gather", "broadcast", "isend")
 
     def __init__(self):
-        self.phase, self.bytes, self.calls = "forward", {}, {}
+        self.phase, self.bytes, self.calls, self.waited = "forward", {}, {}, {}
         self.originals = {name: getattr(dist, name) for name in self.CALLS}
         for name, original in self.originals.items():
             setattr(dist, name, self._counting(name, original))
@@ -83,11 +99,12 @@ class ReceivedBytes:
             if name == "all_gather":  # (output list, input): what arrives is the others' tensors
                 got = sum(t.numel() * t.element_size() for t in tensor) - args[0].numel() * args[0].element_size()
             else:
-                got = tensor.numel() * tensor.element_size()
+                got = 0 if name == "isend" else tensor.numel() * tensor.element_size()
             key = (self.phase, name)
             self.bytes[key] = self.bytes.get(key, 0) + got
             self.calls[key] = self.calls.get(key, 0) + 1
-            return original(tensor, *args, **kwargs)
+            work = original(tensor, *args, **kwargs)
+            return _TimedWork(work, self.waited, self.phase) if name in ("irecv", "isend") else work
         return call
 
     def restore(self):
@@ -162,6 +179,7 @@ def _rank(rank: int, size: int, port: int, L: int, window: int, reps: int, outfi
             received = {phase: sum(b for (p, _), b in counter.bytes.items() if p == phase)
                         for phase in ("forward", "backward")}
             calls = ", ".join(f"{p} {n} x{c}" for (p, n), c in sorted(counter.calls.items()))
+            calls += "; waited " + ", ".join(f"{p} {t * 1e3:.2f} ms" for p, t in sorted(counter.waited.items()))
             lines.append((name, rank, fwd, both, received, plan.bytes_received(rank, token_bytes), calls))
     finally:
         dist.destroy_process_group()
@@ -186,9 +204,8 @@ def run(L: int, window: int, reps: int) -> None:
         mp.spawn(_rank, args=(size, _free_port(), L, window, reps, out), nprocs=size, join=True)
         spawned = time.perf_counter() - start
         results = [eval(open(f"{out}.{r}").read()) for r in range(size)]  # (our own repr of numbers and strings)
-    torch.set_num_threads(2)
     header = (f"{'mask':<14} | {'1 proc 2 thr fwd':>16} {'fwd+bwd':>9} | {'2 ranks fwd':>11} {'fwd+bwd':>9} | "
-              f"{'ranks/1 proc fwd':>16} {'fwd+bwd':>8}")
+              f"{'ranks/1 proc fwd':>16} {'fwd+bwd':>8} | {'1 proc 1 thr fwd':>16} {'fwd+bwd':>9}")
     print(header)
     print("-" * len(header))
     for i, (name, mask_mod) in enumerate(_run_masks(L, window).items()):
@@ -205,16 +222,21 @@ def run(L: int, window: int, reps: int) -> None:
                 t.grad = None
             flexc.flex_attention(*full, block_mask=bm).backward(grad)
 
-        fwd, both = _timed(forward, reps), _timed(forward_backward, reps)
+        times = {}
+        for threads in (2, 1):  # (one thread: what a rank's share of the machine does alone)
+            torch.set_num_threads(threads)
+            times[threads] = _timed(forward, reps), _timed(forward_backward, reps)
+        (fwd, both), (fwd1, both1) = times[2], times[1]
         _, _, cp_fwd, cp_both, _, _, _ = results[0][i]
         print(f"{name:<14} | {fwd * 1e3:14.1f}ms {both * 1e3:7.1f}ms | {cp_fwd * 1e3:9.1f}ms {cp_both * 1e3:7.1f}ms | "
-              f"{cp_fwd / fwd:15.2f}x {cp_both / both:7.2f}x")
+              f"{cp_fwd / fwd:15.2f}x {cp_both / both:7.2f}x | {fwd1 * 1e3:14.1f}ms {both1 * 1e3:7.1f}ms")
     print("\nbytes received per rank (counted at the torch.distributed calls; plan: key+value blocks fetched):")
     for per_rank in zip(*results):
         for name, rank, _, _, received, planned, calls in per_rank:
             print(f"  {name:<14} rank {rank}: forward {received['forward'] / 1e6:.3f} MB (plan {planned / 1e6:.3f} MB), "
                   f"backward {received['backward'] / 1e6:.3f} MB  [{calls}]")
-    print(f"(spawning, planning and checking the 2 ranks took {spawned:.1f} s)")
+    print(f"(spawning, planning and checking the 2 ranks took {spawned:.1f} s; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: other processes' load shows in every column)")
 
 
 def main() -> None:
