@@ -15,7 +15,20 @@ cache position, with the slicing idiom torch users know (gpt-fast):
 Also printed: the host overhead of a call with L=128 and no mask (flexc vs SDPA), and the time to
 slice a 16K causal BlockMask for one query block.
 
+--gpt-fast: the per-token cost of gpt-fast's idiom against a captured position, flexc only (issue 28):
+B=2, Hq=8, Hkv=2 (enable_gqa), cache 1024, D=64, fp32, one row, positions advancing across key
+blocks, with 1 and 2 threads:
+
+- captured: one mask_mod, built once, reading a 0-d position tensor advanced in place; one
+  BlockMask for the query row listing every key block (built once);
+- captured + slice: the same mask_mod, with the BlockMask sliced each step as gpt-fast does;
+- idiom int / idiom tensor: gpt-fast's idiom, ``block_mask[:, :, input_pos // 128]`` and a new
+  closure each step, ``q_idx + offset >= kv_idx`` with ``offset`` a Python int / a fresh 0-d tensor.
+
+Every form is checked against float64 dense attention at several positions before timing.
+
 Usage: python bench/decode.py [--quick] [--no-compile] [--breakdown] [--rounds N] [--device cuda]
+       python bench/decode.py --gpt-fast [--rounds N] [--cpu-time]
   --quick: only cache 4096 with H=8 (the issue's acceptance case)
   --cpu-time: time.thread_time instead of wall time, for a loaded machine
   --breakdown: what the slicing idiom, flexc's call and a compiled torch step each add to SDPA's call
@@ -30,12 +43,20 @@ import gc
 import statistics
 import time
 import warnings
+from typing import Callable
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import flex_attention as tfa
+import os
+import sys
 
-import flexc
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # this checkout's flexc, and the dense reference
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import flex_attention as tfa  # noqa: E402
+
+import flexc  # noqa: E402
+from reference import dense_attention  # noqa: E402
 
 WINDOW = 1024
 
@@ -150,6 +171,87 @@ def slice_time(rounds: int) -> float:
     return interleaved({"slice": lambda: bm[:, :, next(rows) % 128]}, rounds, 200)["slice"]
 
 
+def gpt_fast_forms(B: int = 2, Hq: int = 8, Hkv: int = 2, S: int = 1024, D: int = 64, block: int = 128,
+                   first: int = 500) -> tuple[dict, Callable]:
+    """``({form: step(pos)}, reference(pos))`` for :func:`gpt_fast_ratio`: each step attends one new
+    query row at cache position ``pos``; ``reference`` is float64 dense attention there."""
+    q = torch.randn(B, Hq, 1, D)
+    k, v = (torch.randn(B, Hkv, S, D) for _ in range(2))
+    parent = flexc.create_block_mask(causal, None, None, S, S, BLOCK_SIZE=block)
+    position = torch.tensor(first)  # the captured form's position, advanced in place
+
+    def captured_mod(b, h, q_idx, kv_idx):
+        return q_idx + position >= kv_idx
+
+    n = S // block  # one query row listing every key block as partial: the mask_mod decides
+    whole = flexc.BlockMask.from_kv_blocks(torch.full((1, 1, 1), n, dtype=torch.int32),
+                                           torch.arange(n, dtype=torch.int32).view(1, 1, 1, n),
+                                           BLOCK_SIZE=block, mask_mod=captured_mod, seq_lengths=(1, S))
+
+    def attend(mask):
+        return flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+    def captured(pos):
+        position.fill_(pos)
+        return attend(whole)
+
+    input_pos = torch.tensor([first])  # gpt-fast's, advanced in place each step
+
+    def captured_slice(pos):
+        position.fill_(pos)
+        input_pos.fill_(pos)
+        mask = parent[:, :, input_pos // block]
+        mask.mask_mod, mask.seq_lengths = captured_mod, (1, S)
+        return attend(mask)
+
+    def idiom(offset, pos):
+        def causal_offset(b, h, q_idx, kv_idx):  # a new closure every step, as gpt-fast makes it
+            return q_idx + offset >= kv_idx
+        input_pos.fill_(pos)
+        mask = parent[:, :, input_pos // block]
+        mask.mask_mod, mask.seq_lengths = causal_offset, (1, S)
+        return attend(mask)
+
+    def reference(pos):
+        return dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: q_idx + pos >= kv_idx)[0]
+
+    forms = {"captured": captured, "captured + slice": captured_slice,
+             "idiom int": lambda pos: idiom(pos, pos), "idiom tensor": lambda pos: idiom(torch.tensor(pos), pos)}
+    return forms, reference
+
+
+def gpt_fast_ratio(rounds: int, threads: int, steps: int = 100) -> dict:
+    """Median seconds per token of each :func:`gpt_fast_forms` form, ``steps`` positions a round."""
+    torch.set_num_threads(threads)
+    forms, reference = gpt_fast_forms()
+    first, S = 500, 1024
+    for pos in (first, 511, 512, 513, 640, S - 1):  # inside a block, either side of a boundary, the end
+        ref = reference(pos)
+        for name, step in forms.items():
+            torch.testing.assert_close(step(pos).double(), ref, atol=2e-5, rtol=2e-5,
+                                       msg=lambda m: f"{name} at position {pos}: {m}")
+    positions = [first + i % (S - first) for i in range(steps)]
+
+    def run(step):
+        return lambda: [step(pos) for pos in positions]
+
+    times = interleaved({name: run(step) for name, step in forms.items()}, rounds, 1)
+    return {name: t / steps for name, t in times.items()}
+
+
+def print_gpt_fast(rounds: int) -> None:
+    clock = "CPU time of this thread" if CLOCK is time.thread_time else "wall time"
+    print(f"gpt-fast decoding, flexc: ms per token ({clock}, median of {rounds} interleaved rounds of 100 "
+          f"steps), B=2 Hq=8 Hkv=2 cache 1024 D=64 fp32, positions 500..599")
+    forms = ("captured", "captured + slice", "idiom int", "idiom tensor")
+    print(f"{'threads':>7} | " + " ".join(f"{f:>16}" for f in forms) + " | idiom int / captured, tensor / captured")
+    for threads in (1, 2):
+        t = gpt_fast_ratio(rounds, threads)
+        base = t["captured"]
+        print(f"{threads:>7} | " + " ".join(f"{t[f] * 1e3:15.3f}m" for f in forms)
+              + f" | {t['idiom int'] / base:.2f}x, {t['idiom tensor'] / base:.2f}x (target <= 1.2x)")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="only cache 4096 with H=8")
@@ -162,11 +264,16 @@ def main(argv=None) -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="measure this thread's CPU time instead of wall time (on a loaded machine: what a "
                              "call costs without the waits for a core; one thread only)")
+    parser.add_argument("--gpt-fast", action="store_true",
+                        help="only gpt-fast's idiom against a captured position (flexc, 1 and 2 threads)")
     args = parser.parse_args(argv)
     global CLOCK
     if args.cpu_time:
         CLOCK = time.thread_time
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    if args.gpt_fast:
+        print_gpt_fast(args.rounds)
+        return
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("bench/decode.py --device cuda: no CUDA device on this machine; nothing was run.")

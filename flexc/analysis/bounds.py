@@ -22,6 +22,7 @@ import torch
 from ..mods import ir
 from ..device import is_gpu
 from ..mods.evaluate import evaluate, index_grid
+from ..mods.lifted_cells import structure
 from .ranges import domain_bounds
 from ..mods.trace import TracedMod
 from ..versions import write_count
@@ -50,11 +51,12 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
     if traced is None:
         return
     shapes = tuple(tuple(t.shape) for t in traced.buffers)
-    checks = _checks_memo.get((traced.root, shapes))
-    if checks is None:
-        checks = _checks_memo[(traced.root, shapes)] = _checks(traced)
-        while len(_checks_memo) > _MAX_CHECKS:
-            _checks_memo.popitem(last=False)
+    template = structure(traced)[0]
+    if template is not traced.root and not _checks_of(template, traced, shapes):
+        # a decoding step's new offset: the template has no lookup or division, so neither has this
+        # graph (substituted values are never indices or divisors, flexc.mods.lifted_cells)
+        return
+    checks = _checks_of(traced.root, traced, shapes)
     if not checks:
         return
     sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
@@ -90,11 +92,21 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
             _proven.popitem(last=False)
 
 
-def _checks(traced: TracedMod) -> list[tuple]:
+def _checks_of(root: ir.Node, traced: TracedMod, shapes: tuple) -> list[tuple]:
+    """:func:`_checks` of the graph ``root`` over ``traced``'s captured tensors, memoized."""
+    checks = _checks_memo.get((root, shapes))
+    if checks is None:
+        checks = _checks_memo[(root, shapes)] = _checks(root, traced)
+        while len(_checks_memo) > _MAX_CHECKS:
+            _checks_memo.popitem(last=False)
+    return checks
+
+
+def _checks(root: ir.Node, traced: TracedMod) -> list[tuple]:
     """``(node, dim, expr, size)`` per computed index (size of that dimension) and per divisor
     (dim and size None), operands before users so an inner lookup is checked first."""
     checks = []
-    for node in traced.root.walk():
+    for node in root.walk():
         if node.op == "load":
             tensor = traced.buffers[node.args[0].attr[0]]
             for dim, index in enumerate(node.args[1:]):

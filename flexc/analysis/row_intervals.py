@@ -14,11 +14,12 @@ small integer dtypes, values that could overflow int32), and the caller evaluate
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from ..mods import ir
+from ..mods.lifted_cells import structure
 from .spans import ALL, INF, NONE, complement, intersect, union
 from ..mods.trace import TracedMod
 
@@ -36,13 +37,21 @@ def allowed_intervals(mod: TracedMod, q_idx: int, kv_len: int) -> tuple | None:
     """The ``kv_idx`` values where ``mod`` allows query row ``q_idx`` (``kv_idx`` in ``[0, kv_len)``
     bounds the arithmetic), as sorted disjoint half-open ``(lo, hi)`` pairs, ``-inf``/``inf`` at
     open ends; None when the mod is not of the supported form (see the module docstring)."""
-    run = _program(mod.root)
+    root, scalars = structure(mod)  # a new decoding offset reuses its template's program
+    run = _program(root)
     if run is None:
         return None
     try:
-        return run(mod, q_idx, kv_len)
+        return run(_Operands(mod.buffers, scalars), q_idx, kv_len)
     except (NotAffine, IndexError):
         return None
+
+
+class _Operands(NamedTuple):
+    """What a program reads besides the row: captured tensors, and the values of ``scalar`` nodes."""
+
+    buffers: tuple
+    scalars: tuple
 
 
 @functools.lru_cache(maxsize=256)

@@ -6,7 +6,8 @@ blocks of the BlockMask, assigned so that every rank gets about the same number 
 the key/value *blocks* its query blocks have a non-empty tile with; a (rank, rank) pair that shares
 no tile exchanges nothing. Attention over the rank's own keys runs while the remote blocks are in
 flight; the two partial results are merged by their logsumexp. The backward keeps dq local and
-sends the gradients of fetched key/value blocks back to their owners (the reverse exchange).
+sends the gradients of fetched key/value blocks back to their owners (the reverse exchange), in
+flight while the backward of the attention over the rank's own keys runs.
 
 Mods see global indices: every call runs the user's mods on ``q_idx``/``kv_idx`` mapped back to
 their place in the full sequence. Only self-attention is supported (one sequence sharded for
@@ -309,6 +310,8 @@ class _Exchange:
         shape = (*kv.shape[:2], 0, kv.shape[-1])
         self.recv = {s: kv.new_empty(shape[:2] + (plan.block_size * len(plan.fetch[rank][s]), shape[-1]))
                      for s in plan.sources(rank)}
+        # the backward's gradient exchange, posted by _FetchKV.backward and awaited by _GradsFromPeers
+        self.grad_incoming, self.grad_works, self.grad_sends = {}, [], []
         # receives first, then sends: every pair's ops are posted before anyone waits
         self.works = [dist.irecv(buf, src=_global_rank(group, s), group=group) for s, buf in self.recv.items()]
         self.outgoing = {r: kv.index_select(2, rows).contiguous() for r, rows in self.send_rows.items()}
@@ -323,8 +326,9 @@ class _Exchange:
 
 
 class _FetchKV(torch.autograd.Function):
-    """Waits for the fetched key/value blocks; backward sends their gradients back to the owners and
-    adds the gradients other ranks send for this rank's blocks."""
+    """Waits for the fetched key/value blocks; backward posts their gradients' way back to the owners
+    and the receives of the gradients other ranks send for this rank's blocks, without waiting:
+    :class:`_GradsFromPeers` waits, once the local attention's backward has run meanwhile."""
 
     @staticmethod
     def forward(ctx, kv_local, exchange):
@@ -339,23 +343,41 @@ class _FetchKV(torch.autograd.Function):
     def backward(ctx, grad_remote):
         ex = ctx.exchange
         grad_remote = grad_remote.contiguous()
-        works, offset = [], 0
-        sends = []
+        sends, offset = [], 0
         for s in sorted(ex.recv):  # the gradient of each fetched block goes back to its owner
             n = ex.recv[s].shape[2]
             sends.append(grad_remote[:, :, offset:offset + n].contiguous())
             offset += n
-        incoming = {r: grad_remote.new_empty((*ctx.local_shape[:2], rows.numel(), ctx.local_shape[-1]))
-                    for r, rows in ex.send_rows.items()}
-        works += [dist.irecv(buf, src=_global_rank(ex.group, r), group=ex.group) for r, buf in incoming.items()]
-        works += [dist.isend(g, dst=_global_rank(ex.group, s), group=ex.group)
-                  for s, g in zip(sorted(ex.recv), sends)]
-        for w in works:
+        ex.grad_incoming = {r: grad_remote.new_empty((*ctx.local_shape[:2], rows.numel(), ctx.local_shape[-1]))
+                            for r, rows in ex.send_rows.items()}
+        ex.grad_works = [dist.irecv(buf, src=_global_rank(ex.group, r), group=ex.group)
+                         for r, buf in ex.grad_incoming.items()]
+        ex.grad_sends = sends  # (alive until the sends complete)
+        ex.grad_works += [dist.isend(g, dst=_global_rank(ex.group, s), group=ex.group)
+                          for s, g in zip(sorted(ex.recv), sends)]
+        return None, None
+
+
+class _GradsFromPeers(torch.autograd.Function):
+    """Identity on this rank's keys and values, applied before the local attention and the fetch read
+    them; its backward runs after both backwards (autograd runs the fetch's first, it was recorded
+    later) and adds the gradients the peers sent, so the exchange overlaps the local backward."""
+
+    @staticmethod
+    def forward(ctx, kv_local, exchange):
+        ctx.exchange = exchange
+        return kv_local.view_as(kv_local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ex = ctx.exchange
+        for w in ex.grad_works:
             w.wait()
-        grad_local = grad_remote.new_zeros(ctx.local_shape)
-        for r, buf in incoming.items():
-            grad_local.index_add_(2, ex.send_rows[r], buf)
-        return grad_local, None
+        ex.grad_works, ex.grad_sends = [], []
+        for r, buf in ex.grad_incoming.items():
+            grad = grad.index_add(2, ex.send_rows[r], buf)
+        ex.grad_incoming = {}
+        return grad, None
 
 
 class _SumGradAcrossRanks(torch.autograd.Function):
@@ -499,6 +521,7 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
     E = k_local.shape[-1]
     kv = torch.cat([_pad_blocks(k_local, n_local, padded_len), _pad_blocks(v_local, n_local, padded_len)], dim=-1)
     exchange = _Exchange(plan, rank, group, kv.detach())
+    kv = _GradsFromPeers.apply(kv, exchange)
     q = _pad_blocks(q_local, n_local, padded_len)
 
     # captured tensors that train: one all-reduce each, shared by both partial calls

@@ -117,7 +117,7 @@ def make(op: str, args: tuple = (), attr: Any = None, kind: str | None = None) -
     """Return the unique node for ``(op, args, attr)``, creating it on first use."""
     if kind is None:
         kind = infer_kind(op, args, attr)
-    key = (op, tuple(id(a) for a in args), _const_key(attr) if op == "const" else attr, kind)
+    key = (op, tuple(map(id, args)), _const_key(attr) if op == "const" else attr, kind)
     node = _table.get(key)
     if node is None:
         with _table_lock:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import derived, elementwise, ir, lowering, reductions, trace_cache
+from . import derived, elementwise, ir, lifted_cells, lowering, reductions, trace_cache
 from .derived import leaves
 from .promotion import weak_pair
 from .traced_mod import (MASK_MOD, MASK_MOD_ARGS, SCORE_MOD, SCORE_MOD_ARGS, ArityError, TraceError,  # noqa: F401
@@ -59,11 +59,32 @@ def trace(fn: Callable, kind: str | None = None) -> TracedMod:
         )
     if isinstance(fn, TracedMod):
         return fn if fn.derivations is None else derived.current(fn)
+    if trace_cache.wants_template(token):
+        traced = _from_template(fn, actual, token)
+        if traced is not None:
+            return traced
     tracer = Tracer(fn, actual)
     traced = tracer.run()
     if not tracer.reads_values:  # a trace that baked in a tensor's value must be redone each call
         trace_cache.remember(token, traced)
     return traced
+
+
+def _from_template(fn: Callable, kind: str, token: Any) -> TracedMod | None:
+    """Trace ``fn`` once with its liftable cells as placeholders (flexc.mods.lifted_cells), remember the
+    template (or that there is none) and return ``fn``'s trace from it; None: trace with the values."""
+    cells = trace_cache.template_cells(token)
+    clone, numbers = lifted_cells.clone_with_markers(fn, cells)
+    template = None
+    try:
+        tracer = Tracer(clone, kind)
+        traced = tracer.run()
+        if not tracer.reads_values:
+            template = lifted_cells.template_of(traced, fn, cells, numbers)
+    except Exception:  # any failure: the trace with the values decides (and raises its own error)
+        template = None
+    trace_cache.remember_template(token, template)
+    return trace_cache.instance(template, fn, token.key[1], token.keep) if template is not None else None
 
 
 # ---- the tracer ---------------------------------------------------------------------------
@@ -148,6 +169,8 @@ class Tracer:
                 "index every dimension, e.g. `bias[h, q_idx, kv_idx]` for a 3-D bias",
             )
         if isinstance(x, Proxy):
+            return x.node
+        if type(x) is lifted_cells.Marker:  # a captured number traced as a placeholder
             return x.node
         if isinstance(x, (bool, int, float)):
             if isinstance(x, float) and math.isnan(x):
@@ -410,6 +433,8 @@ def _binary(t: Tracer, op: str, a: ir.Node, b: ir.Node) -> ir.Node:
 
 class Proxy:
     """Stands in for one scalar of a mod (``score``, ``q_idx``, or anything computed from them)."""
+
+    is_trace_proxy = True  # how flexc.mods.lifted_cells tells a proxy from another operand
 
     __slots__ = ("node", "tracer")
 

@@ -25,6 +25,11 @@ Each code object keeps at most :data:`_MAX_ENTRIES` traces, oldest dropped first
 the objects of its snapshot alive). A mod whose snapshot cannot be taken (an object of unknown kind,
 very deep or very long data) is traced every time, as is a trace that read a captured tensor's
 value (``int(t)``): never stale.
+
+A closure's cells that its code uses only as operator operands (``q_idx + offset``) are *lifted*
+(:mod:`flexc.mods.lifted_cells`): the key holds their kind (a Python int or float, or a tensor's dtype,
+shape, device and grad flag) instead of their value, and a template traced once per key gives each
+new value its trace by substitution, so gpt-fast's new ``offset`` each decoding step traces once.
 """
 from __future__ import annotations
 
@@ -33,10 +38,12 @@ import os
 import sys
 import types
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
+
+from . import lifted_cells
 
 _MAX_ENTRIES = 16  # per code object: a mod re-created with new captured numbers evicts the oldest
 _MAX_CODES = 1024  # code objects with cached traces, least recently used dropped first
@@ -83,9 +90,13 @@ def _is_library_module(module: types.ModuleType) -> bool:
 class _Snapshot:
     """Builds the hashable snapshot of one mod; ``keep`` holds every object whose id it contains."""
 
-    def __init__(self):
+    def __init__(self, lift: tuple[int, ...] = ()):
         self.keep: list = []
         self.active: set[int] = set()  # functions being snapshotted (recursion guard)
+        self.lift = lift  # the top function's cells snapshotted by kind (their values go to ``values``)
+        self.values: list = []
+        self.tensors: set[int] = set()  # ids of the tensors met outside lifted cells
+        self.lifted_tensors: list[int] = []
 
     def ident(self, tag: str, obj: Any) -> tuple:
         self.keep.append(obj)
@@ -155,6 +166,7 @@ class _Snapshot:
         raise _Unknown
 
     def tensor(self, x: torch.Tensor) -> tuple:
+        self.tensors.add(id(x))
         if not x.requires_grad and type(x) in _PLAIN_TENSORS and x.layout is torch.strided:
             try:
                 address = x.data_ptr()
@@ -167,6 +179,18 @@ class _Snapshot:
                 self.keep.append(x)
                 return ("memory", address, x.shape, x.stride(), x.dtype, _CPU if x.is_cpu else x.device)
         return (*self.ident("tensor", x), x.dtype, x.shape, x.device)
+
+    def lifted(self, x: Any) -> tuple:
+        """A lifted cell's kind for the key; its value's snapshot goes to ``values``."""
+        if type(x) is torch.Tensor:
+            tensors = self.tensors
+            self.tensors = set()
+            self.values.append(self.tensor(x))
+            self.tensors = tensors
+            self.lifted_tensors.append(id(x))
+            return ("lifted tensor", x.dtype, x.shape, _CPU if x.is_cpu else x.device, x.requires_grad)
+        self.values.append(self.value(x, frozenset(), 0))
+        return ("lifted", type(x))
 
     def attributes(self, obj: Any, names: frozenset, depth: int) -> tuple:
         out = []
@@ -188,11 +212,17 @@ class _Snapshot:
         self.active.add(id(fn))
         inner = depth + 1
         cells = []
-        for cell in fn.__closure__ or ():
+        lift, self.lift = self.lift, ()  # (the top function's cells only)
+        for i, cell in enumerate(fn.__closure__ or ()):
             try:
-                cells.append(self.value(cell.cell_contents, names, inner))
+                contents = cell.cell_contents
             except ValueError:  # a cell not yet assigned
                 cells.append(_MISSING)
+                continue
+            if i in lift:
+                cells.append(self.lifted(contents))
+            else:
+                cells.append(self.value(contents, names, inner))
         reads = ()
         if sorted_names:
             globs = fn.__globals__
@@ -206,13 +236,35 @@ class _Snapshot:
                 _NO_DEFAULTS if kwdefaults is None else self.value(kwdefaults, names, inner), tuple(cells), reads)
 
 
-def snapshot(fn: Callable) -> tuple[Any, list] | None:
-    """``(key, kept objects)`` describing everything ``fn``'s trace can depend on, or None if unknown."""
-    snap = _Snapshot()
+def snapshot(fn: Callable, lift: tuple[int, ...] = ()) -> tuple[Any, tuple | None, list] | None:
+    """``(key, values of the lifted cells or None, kept objects)`` describing everything ``fn``'s
+    trace can depend on, or None if unknown. ``lift``: cells of ``fn`` keyed by kind (a tensor in
+    one of them that is also reached another way is not lifted: the template would share its slot)."""
+    snap = _Snapshot(lift)
     try:
-        return snap.value(fn, frozenset(), 0), snap.keep
+        key = snap.value(fn, frozenset(), 0)
     except (_Unknown, RecursionError):
         return None
+    if not lift:
+        return key, None, snap.keep
+    ids = snap.lifted_tensors
+    if len(set(ids)) != len(ids) or not snap.tensors.isdisjoint(ids):
+        return snapshot(fn)
+    return key, tuple(snap.values), snap.keep
+
+
+def _lift_cells(fn: Callable) -> tuple[int, ...]:
+    """The cells of a plain function that :mod:`flexc.mods.lifted_cells` can lift now."""
+    if type(fn) is not types.FunctionType or not fn.__closure__:
+        return ()
+    cells = lifted_cells.liftable_cells(fn.__code__)
+    if not cells:
+        return ()
+    closure = fn.__closure__
+    try:
+        return tuple(i for i in cells if lifted_cells.liftable_value(closure[i].cell_contents))
+    except ValueError:  # a cell not yet assigned
+        return ()
 
 
 # id(code) -> (code, OrderedDict(snapshot key -> (trace, kept objects))); the code object is kept
@@ -244,30 +296,95 @@ def _store(fn: Callable, create: bool = True) -> OrderedDict | None:
     return store
 
 
+_NO_TEMPLATE = ("no template",)  # a generic key whose template attempt failed: trace each value
+
+
+class _Token(NamedTuple):
+    """Where to remember a trace made after a miss; ``cells`` set: try a template first."""
+
+    store: OrderedDict
+    key: Any
+    keep: list
+    generic: Any = None  # the key by cell kinds, for the template
+    cells: tuple = ()
+
+
 def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
-    """``(cached trace or None, token)``; pass the token to :func:`remember` after tracing on a miss."""
+    """``(cached trace or None, token)``; pass the token to :func:`remember` after tracing on a miss
+    (to :func:`remember_template` first when :func:`wants_template` says so)."""
     store = _store(fn)
     if store is None:
         return None, None
-    snap = snapshot(fn)
+    cells = _lift_cells(fn)
+    snap = snapshot(fn, cells)
     if snap is None:
         return None, None
-    key, keep = snap
-    entry = store.get(key)
-    if entry is not None and (kind is None or entry[0].kind == kind):
-        if len(store) > 1:  # (a decoding loop's closure has one entry: no second hashing of its key)
-            store.move_to_end(key)
-        return entry[0], None
-    return None, (store, key, keep)
+    key, values, keep = snap
+    if values is None:
+        entry = store.get(key)
+        if entry is not None and (kind is None or entry[0].kind == kind):
+            if len(store) > 1:  # (a decoding loop's closure has one entry: no second hashing of its key)
+                store.move_to_end(key)
+            return entry[0], None
+        return None, _Token(store, key, keep)
+    # lifted cells: the template for these kinds gives the trace for these values
+    generic = store.get(key)
+    if generic is None:
+        return None, _Token(store, (key, values), keep, key, cells)
+    if len(store) > 1:
+        store.move_to_end(key)
+    template = generic[0]
+    if template is _NO_TEMPLATE:  # traces per value, as for cells that are not lifted
+        exact = (key, values)
+        entry = store.get(exact)
+        if entry is not None and (kind is None or entry[0].kind == kind):
+            store.move_to_end(exact)
+            return entry[0], None
+        return None, _Token(store, exact, keep)
+    if kind is not None and template.traced.kind != kind:
+        return None, _Token(store, (key, values), keep)  # (the tracer raises the kind's error)
+    latest = template.latest
+    if latest is not None and latest[0] == values:  # the same values again (a tensor advanced in place)
+        return latest[1], None
+    return instance(template, fn, values, keep), None
+
+
+def wants_template(token: Any) -> bool:
+    """Whether the trace for ``token`` should first try a template (:func:`flexc.mods.trace.trace`)."""
+    return token is not None and bool(token.cells)
+
+
+def template_cells(token: Any) -> tuple[int, ...]:
+    return token.cells
+
+
+def remember_template(token: Any, template: Any) -> None:
+    """Store the template for ``token``'s key, or that there is none (None)."""
+    # (keep: the key's ids stay valid while the entry lives)
+    token.store[token.generic] = (_NO_TEMPLATE if template is None else template, token.keep)
+    _trim(token.store)
+
+
+def instance(template: Any, fn: Callable, values: tuple, keep: list) -> Any:
+    """``fn``'s trace from ``template`` (None if not exact), kept as the template's latest for
+    ``values`` (the snapshot of the lifted cells; ``keep`` holds what its ids name)."""
+    traced = lifted_cells.instantiate(template, fn)  # (a template has no derived buffers)
+    if traced is not None:
+        template.latest = (values, traced, keep)
+    return traced
 
 
 def remember(token: Any, traced: Any) -> None:
     """Store ``traced`` under the snapshot taken by :func:`lookup` (a no-op for a None token)."""
     if token is None:
         return
-    store, key, keep = token
-    store[key] = (traced, keep)  # keep: the snapshot's ids stay valid while the entry lives
+    store, key = token.store, token.key
+    store[key] = (traced, token.keep)  # keep: the snapshot's ids stay valid while the entry lives
     store.move_to_end(key)
+    _trim(store)
+
+
+def _trim(store: OrderedDict) -> None:
     while len(store) > _MAX_ENTRIES:
         store.popitem(last=False)
 

@@ -49,6 +49,9 @@ class TracedMod:
     # how buffers computed from captured tensors (``torch.exp(log_temp)``) are recomputed when those
     # change (flexc.mods.derived); None when the mod reads captured tensors only directly
     derivations: Any = field(default=None, repr=False)
+    # a trace instantiated from a template over lifted closure cells (flexc.mods.lifted_cells):
+    # ``(root, template root, cell values)``; analyses keyed by graph share the template's work
+    lifted: Any = field(default=None, repr=False)
 
     @property
     def key(self) -> tuple:

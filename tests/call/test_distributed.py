@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 
 import pytest
@@ -152,6 +153,7 @@ def _worker(rank: int, size: int, port: int, cases: list, errfile: str) -> None:
             _check_case(*case)
         if size == 2:
             _check_shards(rank, size)
+            _check_backward_exchange_overlaps_local_backward()
     except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
         with open(f"{errfile}.{rank}", "w") as f:
             f.write(f"rank {rank}: {type(e).__name__}: {e}")
@@ -169,6 +171,33 @@ def _check_shards(rank: int, size: int) -> None:
     expect = torch.cat([chunks[rank], chunks[2 * size - 1 - rank]]).float()
     assert torch.equal(local.flatten(), expect)
     assert torch.equal(cp.unshard_sequence(local, bm), x)
+
+
+def _check_backward_exchange_overlaps_local_backward() -> None:
+    """The backward posts the key/value gradients' exchange, runs the attention backward over the
+    rank's own blocks, and only then waits for the peers' gradients (and still equals one process)."""
+    attention = sys.modules["flexc.attention"]
+    events = []
+    real = attention.torch_backward, cp._FetchKV.backward, cp._GradsFromPeers.backward
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    attention.torch_backward = recording("attention backward", real[0])
+    cp._FetchKV.backward = staticmethod(recording("exchange posted", real[1]))
+    cp._GradsFromPeers.backward = staticmethod(recording("exchange awaited", real[2]))
+    try:
+        _check_call(_causal, None, [], 128, 32, 2, 2, False)
+    finally:
+        attention.torch_backward = real[0]
+        cp._FetchKV.backward, cp._GradsFromPeers.backward = (staticmethod(f) for f in real[1:])
+    # events[0]: the single-process reference's backward; then the remote blocks' backward, the
+    # exchange posted, the local blocks' backward while it is in flight, and only then the wait
+    assert events == ["attention backward"] + ["attention backward", "exchange posted", "attention backward",
+                                                "exchange awaited"], events
 
 
 def _free_port() -> int:

@@ -42,6 +42,7 @@ from ...analysis.spans import intersect
 from ...masks.table_lists import contents_of, row_blocks
 from ...analysis.tiles import ordered_to_dense
 from ...mods.trace import TracedMod
+from ...mods.lifted_cells import structure
 from . import fused_cpu
 from ..nonfinite import all_finite, matmul_skipping_zeros
 
@@ -65,8 +66,8 @@ def _is_true(mod: TracedMod | None) -> bool:
 
 
 def _reads(mod: TracedMod) -> tuple[str, ...]:
-    """The mod arguments the graph reads, in a fixed order."""
-    return tuple(sorted(ir.inputs_read(mod.root)))
+    """The mod arguments the graph reads, in a fixed order (by the template graph of a lifted trace)."""
+    return tuple(sorted(ir.inputs_read(structure(mod)[0])))
 
 
 _MAX_SPANS = 4  # more partial spans than this: the mask_mod is evaluated over every position at once
@@ -469,7 +470,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
     if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
         intervals = None  # one row of a mask of affine comparisons: its allowed keys as intervals
-        if L == 1 and plan.span_starts is not None and _reads_only_row_inputs(mask_mod.root):
+        if L == 1 and plan.span_starts is not None and _reads_only_row_inputs(structure(mask_mod)[0]):
             intervals = allowed_intervals(mask_mod, 0, S)  # (None: the mod needs its elements evaluated)
         if intervals is not None:
             masked, lo, hi = _masked_by_intervals(intervals, plan, n)
