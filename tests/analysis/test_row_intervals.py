@@ -1,13 +1,14 @@
 """A mask_mod's allowed kv intervals along one query row equal torch's evaluation, or decline.
 
 The reference is flexc.evaluate (torch operations on index tensors) over every key of a row, for
-every catalogue mask and for random graphs of affine comparisons and logic; decoding with the
-intervals must then equal torch's FlexAttention and the dense reference (tests/test_attention_decode.py
-and the decode fuzzer cover the path too, since it is the default for one query row).
+every catalogue mask and for random graphs of affine comparisons and logic
+(strategies.AFFINE_CONDITIONS); decoding with the intervals must then equal torch's FlexAttention
+and the dense reference (tests/test_attention_decode.py and the decode fuzzer cover the path too,
+since it is the default for one query row).
 """
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import flexc
 from catalogue import mask_catalogue
@@ -15,6 +16,7 @@ from flexc.mods.evaluate import evaluate
 from flexc.analysis.row_intervals import allowed_intervals
 from flexc.mods.trace import MASK_MOD, trace
 from reference import dense_attention
+from strategies import AFFINE_CONDITIONS, compile_mod, examples
 
 
 def _row_verdicts(traced, q_value: int, S: int) -> list[bool]:
@@ -64,41 +66,11 @@ def test_a_captured_0d_tensor_is_read_at_each_call():
     assert allowed_intervals(traced, 0, 300) == ((25, 41),)
 
 
-_TERMS = st.sampled_from(["q", "kv", "off", "c", "table[q % 8]", "n"])
-
-
-@st.composite
-def _affine(draw, depth=0):
-    if depth >= 2 or draw(st.booleans()):
-        term = draw(_TERMS)
-        return term if term != "c" else str(draw(st.integers(-300, 300)))
-    op = draw(st.sampled_from(["+", "-", "*", "neg"]))
-    if op == "neg":
-        return f"(-{draw(_affine(depth + 1))})"
-    if op == "*":  # by a constant (a product of two kv terms declines, tested above)
-        return f"({draw(_affine(depth + 1))} * {draw(st.integers(-4, 4))})"
-    return f"({draw(_affine(depth + 1))} {op} {draw(_affine(depth + 1))})"
-
-
-@st.composite
-def _conditions(draw, depth=0):
-    if depth >= 2 or draw(st.booleans()):
-        compare = draw(st.sampled_from(["<", "<=", "==", "!=", ">", ">="]))
-        return f"(({draw(_affine())}) + q * 0 {compare} ({draw(_affine())}))"
-    op = draw(st.sampled_from(["&", "|", "^", "~", "where"]))
-    if op == "~":
-        return f"(~{draw(_conditions(depth + 1))})"
-    if op == "where":
-        return (f"torch.where({draw(_conditions(depth + 1))}, {draw(_conditions(depth + 1))}, "
-                f"{draw(_conditions(depth + 1))})")
-    return f"({draw(_conditions(depth + 1))} {op} {draw(_conditions(depth + 1))})"
-
-
 def _mod_of(body: str, offset_value: int, number: int):
     """A mask_mod from a generated body: ``off`` a captured 0-d tensor, ``n`` a captured number."""
-    env = {"torch": torch, "off": torch.tensor(offset_value), "n": number,
+    env = {"off": torch.tensor(offset_value), "n": number,
            "table": torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)}
-    return eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
+    return compile_mod(f"lambda b, h, q, kv: {body}", env)
 
 
 def _assert_decodes_like_dense(mask_mod, q, k, v, pos, msg=None):
@@ -117,8 +89,8 @@ def _assert_decodes_like_dense(mask_mod, q, k, v, pos, msg=None):
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5, msg=msg)
 
 
-@settings(max_examples=150, deadline=None)
-@given(_conditions(), st.integers(-50, 400), st.integers(-20, 20), st.integers(0, 299))
+@examples(150)
+@given(AFFINE_CONDITIONS.expressions("bool"), st.integers(-50, 400), st.integers(-20, 20), st.integers(0, 299))
 def test_random_affine_masks_match_torch(body, offset_value, number, q_value):
     mod = _mod_of(body, offset_value, number)
     assert _assert_same(trace(mod, MASK_MOD), q_value, 300), body
@@ -153,8 +125,8 @@ def test_decoding_with_holes_inside_a_block_matches_the_dense_reference(pos):
     _assert_decodes_like_dense(mask_mod, q, k, v, pos)
 
 
-@settings(max_examples=60, deadline=None)
-@given(_conditions(), st.integers(-50, 250), st.integers(-20, 20), st.integers(0, 191))
+@examples(60)
+@given(AFFINE_CONDITIONS.expressions("bool"), st.integers(-50, 250), st.integers(-20, 20), st.integers(0, 191))
 def test_decoding_random_affine_masks_matches_the_dense_reference(body, offset_value, number, pos):
     """Any interval set (several runs inside one partial block, none, all) decides the partial
     blocks of a decoding step as the elements would: output and logsumexp equal the float64 dense

@@ -11,11 +11,9 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
 
 from flexc import trace
-from flexc.mods import ir
 from flexc.backends.triton.cache import import_source
 from flexc.codegen import render_mod
 from flexc.codegen.printer import HELPERS
@@ -26,6 +24,7 @@ from flexc.mods.trace import SCORE_MOD, TracedMod
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 from printer_mods import B, H, L, S, MASK_MODS, SCORE_MODS  # noqa: E402  (the mods and the grid they are sized for)
+from strategies import PRINTER_EXPRESSIONS, compile_mod, examples, score_source  # noqa: E402
 
 _GRID_KERNEL = '''
 @triton.jit
@@ -127,59 +126,19 @@ def test_shared_subexpressions_are_computed_once():
 
 # ---- property test: random expressions -----------------------------------------------------
 
-_INT_LEAVES = [ir.input_(n) for n in ("b", "h", "q_idx", "kv_idx")]
+def _as_score_mod(body: str) -> TracedMod:
+    """The traced score_mod returning ``body`` (source text of strategies.PRINTER_EXPRESSIONS)."""
+    return trace(compile_mod(score_source(body)))
 
 
-def _int_exprs():
-    leaves = st.one_of(st.sampled_from(_INT_LEAVES), st.integers(-7, 7).map(ir.const))
-
-    def extend(children):
-        nonzero = st.sampled_from([-5, -3, -1, 2, 3, 7]).map(ir.const) | children.map(
-            lambda x: ir.binary("add", ir.binary("mod", x, ir.const(5)), ir.const(1)))
-        return st.one_of(
-            st.tuples(st.sampled_from(["add", "sub", "mul", "min", "max", "and", "or", "xor"]), children, children)
-            .map(lambda t: ir.binary(*t)),
-            st.tuples(st.sampled_from(["floordiv", "mod"]), children, nonzero).map(lambda t: ir.binary(*t)),
-            children.map(lambda x: ir.unary("neg", x)),
-            children.map(lambda x: ir.unary("abs", x)),
-            st.tuples(_bool_from(children), children, children).map(lambda t: ir.where(*t)),
-        )
-    return st.recursive(leaves, extend, max_leaves=6)
+@examples(30, slow=True)
+@given(PRINTER_EXPRESSIONS.expressions("float"))
+def test_random_score_expressions_print_like_torch(body):
+    assert_same(_as_score_mod(body))
 
 
-def _bool_from(ints):
-    return st.tuples(st.sampled_from(["lt", "le", "gt", "ge", "eq", "ne"]), ints, ints).map(lambda t: ir.binary(*t))
-
-
-def _float_exprs():
-    ints = _int_exprs()
-    leaves = st.one_of(st.just(ir.input_("score")), st.sampled_from([-2.5, -1.0, 0.5, 3.0]).map(ir.const),
-                       ints.map(lambda x: ir.cast(x, "float32", "float")))
-
-    def extend(children):
-        return st.one_of(
-            st.tuples(st.sampled_from(["add", "sub", "mul", "min", "max"]), children, children).map(lambda t: ir.binary(*t)),
-            st.tuples(children, st.sampled_from([-4.0, 0.5, 3.0])).map(lambda t: ir.binary("truediv", t[0], ir.const(t[1]))),
-            st.tuples(st.sampled_from(["tanh", "sigmoid", "sin", "neg", "abs", "floor"]), children).map(lambda t: ir.unary(*t)),
-            children.map(lambda x: ir.unary("exp", ir.unary("neg", ir.unary("abs", x)))),
-            children.map(lambda x: ir.unary("sqrt", ir.unary("abs", x))),
-            st.tuples(_bool_from(ints), children, children).map(lambda t: ir.where(*t)),
-        )
-    return st.recursive(leaves, extend, max_leaves=6)
-
-
-def _as_score_mod(root: ir.Node) -> TracedMod:
-    return TracedMod(SCORE_MOD, root, (), (), "random_expression", None)
-
-
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_float_exprs())
-def test_random_score_expressions_print_like_torch(root):
-    assert_same(_as_score_mod(root))
-
-
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_int_exprs())
-def test_random_integer_expressions_print_like_torch(root):
+@examples(30, slow=True)
+@given(PRINTER_EXPRESSIONS.expressions("int"))
+def test_random_integer_expressions_print_like_torch(body):
     # integer results are checked through a score_mod that returns them as floats
-    assert_same(_as_score_mod(ir.cast(root, "float64", "float")))
+    assert_same(_as_score_mod(f"as_tensor({body}).double()"))

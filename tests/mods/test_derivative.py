@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import flexc
 from catalogue import score_catalogue
@@ -13,6 +13,7 @@ from flexc.mods import ir
 from flexc.mods.derivative import differentiate
 from derivative_check import B, H, L, S, autograd_gradients, check_derivative, ir_gradients
 from reference import index_tensors
+from strategies import DIFFERENTIABLE, compile_mod, examples
 
 
 
@@ -77,49 +78,16 @@ def test_score_mod_that_ignores_the_score_has_zero_score_derivative():
 
 # ---- random expressions ----------------------------------------------------------------------
 
-_UNARY = {
-    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos, "abs": torch.abs,
-    "neg": lambda x: -x,
-    "exp": lambda x: torch.exp(torch.tanh(x)), "exp2": lambda x: torch.exp2(torch.sin(x)),
-    "log": lambda x: torch.log(torch.abs(x) + 1.0), "sqrt": lambda x: torch.sqrt(torch.abs(x) + 0.5),
-    "rsqrt": lambda x: torch.rsqrt(x * x + 0.5), "square": lambda x: x ** 2,
-    "pow15": lambda x: (torch.abs(x) + 0.5) ** 1.5, "clamp": lambda x: torch.clamp(x, -1.0, 1.0),
-    # a float cast that keeps float64 values: torch rounds gradients at a `.float()` node to float32,
-    # which no seed-independent derivative can reproduce (the kink tests cover the rounding cast)
-    "cast": lambda x: x.double(),
-}
-_BINARY = {
-    "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y,
-    "div": lambda x, y: x / (torch.abs(y) + 1.0), "min": torch.minimum, "max": torch.maximum,
-    "where": lambda x, y: torch.where(x > y, x, y * 0.5),
-}
+_BIAS = torch.randn(H, generator=torch.Generator().manual_seed(5))
+_TABLE = torch.randn(S, generator=torch.Generator().manual_seed(6))
 
 
-def _expressions():
-    bias = torch.randn(H, generator=torch.Generator().manual_seed(5))
-    table = torch.randn(S, generator=torch.Generator().manual_seed(6))
-    leaves = st.sampled_from([
-        lambda s, b, h, q, kv: s,
-        lambda s, b, h, q, kv: s * 0.5,
-        lambda s, b, h, q, kv: (q - kv) * 0.1,
-        lambda s, b, h, q, kv: bias[h],
-        lambda s, b, h, q, kv: table[kv] * s,
-    ])
-
-    def extend(children):
-        unary = st.tuples(st.sampled_from(sorted(_UNARY)), children).map(
-            lambda t: (lambda f, c: lambda s, b, h, q, kv: f(c(s, b, h, q, kv)))(_UNARY[t[0]], t[1]))
-        binary = st.tuples(st.sampled_from(sorted(_BINARY)), children, children).map(
-            lambda t: (lambda f, x, y: lambda s, b, h, q, kv: f(x(s, b, h, q, kv), y(s, b, h, q, kv)))(
-                _BINARY[t[0]], t[1], t[2]))
-        return unary | binary
-
+def _mod(body: str):
     # the root always reads the score, so the score derivative is exercised
-    return st.recursive(leaves, extend, max_leaves=6).map(
-        lambda f: (lambda s, b, h, q, kv: f(s, b, h, q, kv) + s * 0.25))
+    return compile_mod(f"lambda s, b, h, q, kv: ({body}) + s * 0.25", {"bias": _BIAS, "table": _TABLE})
 
 
-@settings(max_examples=60, deadline=None)
-@given(_expressions(), st.integers(0, 1000))
-def test_random_expressions_match_autograd(fn, seed):
-    check_derivative(fn, seed)
+@examples(60)
+@given(DIFFERENTIABLE.expressions("float"), st.integers(0, 1000))
+def test_random_expressions_match_autograd(body, seed):
+    check_derivative(_mod(body), seed)

@@ -1,18 +1,19 @@
 """Decoding's numpy evaluation of a mask_mod equals torch's evaluation, or declines.
 
 The reference is flexc.evaluate (torch operations, itself checked against calling the mods on
-index tensors), over every mask in the catalogue and random graphs of integer/boolean operations,
-on small index grids like a decoding step's partial blocks.
+index tensors), over every mask in the catalogue and random graphs of integer/boolean operations
+(strategies.INTEGER_GRAPHS), on small index grids like a decoding step's partial blocks.
 """
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from catalogue import mask_catalogue
 from flexc.mods.evaluate import evaluate
 from flexc.mods.evaluate_numpy import evaluate_small
 from flexc.mods.trace import MASK_MOD, trace
+from strategies import COMPARISONS, INTEGER_GRAPHS, LOGIC, compile_mod, examples
 
 
 def _grids(B, H, L, kv_positions):
@@ -63,35 +64,16 @@ def test_a_captured_0d_tensor_reads_its_current_value_and_keeps_the_index_dtype(
     assert _assert_same(traced, 1, 1, 3, list(range(45, 60)))
 
 
-_LEAVES = st.sampled_from(["q", "kv", "h", "off", "lookup", "c"])
-
-
-@st.composite
-def _expressions(draw, depth=0):
-    if depth >= 3 or draw(st.booleans()):
-        leaf = draw(_LEAVES)
-        return leaf if leaf != "c" else str(draw(st.integers(-300, 300)))
-    op = draw(st.sampled_from(["+", "-", "*", "//", "%", "min", "max", "where"]))
-    a, b = draw(_expressions(depth + 1)), draw(_expressions(depth + 1))
-    if op in ("//", "%"):
-        return f"({a} {op} {draw(st.sampled_from([1, 3, -4, 128]))})"
-    if op in ("min", "max"):
-        return f"torch.{'minimum' if op == 'min' else 'maximum'}({a} + q * 0, {b} + q * 0)"
-    if op == "where":
-        return f"torch.where({a} + q * 0 > {b}, {a} + q * 0, {b})"
-    return f"({a} {op} {b})"
-
-
-@settings(max_examples=60, deadline=None)
-@given(_expressions(), _expressions(), st.sampled_from(["<", "<=", "==", "!=", ">", ">="]),
-       st.sampled_from(["&", "|", "^"]), st.integers(-50, 400), st.booleans())
+@examples(60)
+@given(INTEGER_GRAPHS.expressions("int"), INTEGER_GRAPHS.expressions("int"), st.sampled_from(COMPARISONS),
+       st.sampled_from(LOGIC), st.integers(-50, 400), st.booleans())
 def test_random_integer_masks_match_torch(left, right, compare, logic, offset_value, negate):
     off = torch.tensor(offset_value)
     table = torch.tensor([5, -3, 200, 17, 0, 64, 9, 1], dtype=torch.int32)
-    env = {"torch": torch, "off": off, "table": table}
+    env = {"off": off, "table": table}
     comparison = f"((({left}) + q * 0) {compare} ({right}))"  # (a tensor, even for two constants)
-    body = f"{'~' if negate else ''}{comparison} {logic} (kv <= q + off)".replace("lookup", "table[kv % 8]")
-    mod = eval(f"lambda b, h, q, kv: {body}", env)  # noqa: S307 (test-generated expressions)
+    body = f"{'~' if negate else ''}{comparison} {logic} (kv <= q + off)"
+    mod = compile_mod(f"lambda b, h, q, kv: {body}", env)
     traced = trace(mod, MASK_MOD)
     kv = list(range(0, 7)) + list(range(250, 262))
     assert _assert_same(traced, 1, 2, 3, kv)
