@@ -15,7 +15,8 @@ Modelled on torch's FlexAttention backward template: one launch, two kinds of pr
 
 dq, dk and dv are each written by exactly one program (no atomics). ``delta = rowsum(out·dO) −
 dlse`` and the base-2 logsumexp (``+inf`` on rows that attend to nothing, so their ``p`` is 0) are
-computed before the launch. :class:`BackwardSpec` is everything that shapes the source.
+computed just before, by the prologue kernel (:mod:`flexc.codegen.prologue`). :class:`BackwardSpec`
+is everything that shapes the source.
 """
 from __future__ import annotations
 
