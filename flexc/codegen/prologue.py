@@ -17,29 +17,21 @@ from dataclasses import dataclass
 
 from ..constants import LOG2E
 from .parts import row_sum
-from .spec import KernelSpec
+from .spec import GeneratedSource, RowsSpec
 
 KERNEL_NAME = "flex_attention_backward_prologue"
 
 
 @dataclass(frozen=True)
-class PrologueSpec(KernelSpec):
-    """What one prologue kernel is specialised for (its :meth:`key` is the cache key)."""
+class PrologueSpec(RowsSpec):
+    """What one prologue kernel is specialised for; ``work_dtype`` is delta's and the base-2
+    logsumexp's dtype. HAS_GRAD_LSE is a launch constexpr: one source either way."""
 
-    KIND = ("backward prologue",)  # HAS_GRAD_LSE is a launch constexpr: one source either way
-
-    work_dtype: str  # "float32" or "float64": delta's and the base-2 logsumexp's dtype
-    v_head_dim_pad: int
-    block_rows: int
-    target: str = "cuda"
-    num_warps: int = 4
-    num_stages: int = 1
+    KIND = ("backward prologue",)
 
 
-@dataclass(frozen=True)
-class GeneratedPrologue:
-    source: str
-    kernel_name: str
+class GeneratedPrologue(GeneratedSource):
+    """A generated prologue kernel."""
 
 
 _SOURCE = '''\
