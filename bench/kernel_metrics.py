@@ -27,9 +27,12 @@ rather than a warning. Per key-tile loop, the innermost SASS loops with tensor-c
 * its SASS instructions per iteration;
 * its **ring slots**: the software pipeline's depth, the number of shared-memory buffers of each
   ring its async copies (cp.async, TMA) fill, from the final TTGIR (the leading dimension of each
-  ``ttg.local_alloc`` the loop indexes; the smallest ring of tile-sized buffers), and 0 for a loop
-  that copies nothing asynchronously (num_stages=1). ``rN`` in the tables. With one slot the copy
-  for the next tile waits for this tile's last read: little of its latency is hidden.
+  ``ttg.local_alloc`` the loop indexes; the smallest ring of the dots' operand tiles), and 0 for a
+  loop that copies nothing asynchronously (num_stages=1). ``rN`` in the tables. With one slot the
+  copy for the next tile waits for this tile's last read: little of its latency is hidden. Rings of
+  vectors (the dK/dV loops' logsumexp and delta, a mask's gather such as ``document_id[kv_idx]``: 2
+  slots at num_stages=3 in flexc's kernels and torch's alike) and of block indices are not counted:
+  what the depth hides is the tiles' copies.
 
 flexc's loops are matched with torch's by kind, whatever their order, and a kind on one side only
 is reported. Ratios are flexc / torch (lower is better) per (query, key) pair: a loop's
@@ -56,7 +59,6 @@ import argparse
 import ast
 import dataclasses
 import functools
-import math
 import os
 import re
 import subprocess
@@ -332,7 +334,7 @@ def ttgir_rings(ttgir: str, backward: bool) -> dict[str, list[int]]:
         ring = _RING.match(line)
         if ring:
             dims = [int(d) for d in ring.group(2).rstrip("x").split("x")]
-            if len(dims) >= 2 and math.prod(dims[1:]) >= 16:  # not the one-element rings of block indices
+            if len(dims) >= 3 and min(dims[1:]) > 1:  # tiles: not vectors (lse, gathers), nor block indices
                 rings[ring.group(1)] = dims[0]
     spans, stack = [], []
     for i, line in enumerate(lines):

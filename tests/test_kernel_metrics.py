@@ -95,10 +95,14 @@ module {{
     %k = ttg.local_alloc : () -> !ttg.memdesc<3x64x128xbf16, #shared, #smem, mutable> loc(#loc)
     %v = ttg.local_alloc : () -> !ttg.memdesc<2x128x64xbf16, #shared, #smem, mutable> loc(#loc)
     %idx = ttg.local_alloc : () -> !ttg.memdesc<1x1xi32, #shared2, #smem, mutable> loc(#loc)
+    %lse = ttg.local_alloc : () -> !ttg.memdesc<1x64xf32, #shared2, #smem, mutable> loc(#loc)
+    %doc = ttg.local_alloc : () -> !ttg.memdesc<1x1x64xi64, #shared2, #smem, mutable> loc(#loc)
     %a:2 = scf.for %i = %c0 to %n step %c1 iter_args(%x = %z) -> (tensor<64x64xf32>) {{
       %0 = ttg.memdesc_index %k[%i] : !ttg.memdesc<3x64x128xbf16> -> !ttg.memdesc<64x128xbf16> loc(#loc10)
       %1 = ttg.memdesc_index %v[%i] : !ttg.memdesc<2x128x64xbf16> -> !ttg.memdesc<128x64xbf16> loc(#loc10)
       %2 = ttg.memdesc_index %idx[%i] : !ttg.memdesc<1x1xi32> -> !ttg.memdesc<1xi32> loc(#loc10)
+      %6 = ttg.memdesc_index %lse[%i] : !ttg.memdesc<1x64xf32> -> !ttg.memdesc<64xf32> loc(#loc10)
+      %7 = ttg.memdesc_index %doc[%i] : !ttg.memdesc<1x1x64xi64> -> !ttg.memdesc<1x64xi64> loc(#loc10)
       %3 = arith.cmpi sge, %q, %kv : tensor<64x64xi32> loc(#loc21)
       %4 = ttng.warp_group_dot %0, %1, %x : tensor<64x64xf32> loc(#loc10)
       scf.yield %4 : tensor<64x64xf32> loc(#loc9)
@@ -111,7 +115,8 @@ module {{
   }} loc(#loc)
 }} loc(#loc)
 '''
-    # the 1x1 ring of block indices is not a tile ring; a loop with no ring copies nothing ahead: 0
+    # the rings of block indices (1x1) and of vectors (1x64, 1x1x64) are not tile rings; a loop with no
+    # ring copies nothing ahead: 0
     assert metrics.ttgir_rings(ttgir, backward=True) == {"dQ partial": [2], "dK/dV full": [0]}
 
 

@@ -15,7 +15,8 @@ Modelled on torch's FlexAttention backward template: one launch, two kinds of pr
 
 dq, dk and dv are each written by exactly one program (no atomics). ``delta = rowsum(out·dO) −
 dlse`` and the base-2 logsumexp (``+inf`` on rows that attend to nothing, so their ``p`` is 0) are
-computed before the launch. :class:`BackwardSpec` is everything that shapes the source.
+computed just before, by the prologue kernel (:mod:`flexc.codegen.prologue`). :class:`BackwardSpec`
+is everything that shapes the source.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from ..constants import LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line, preamble, store
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import param_stems, render_mods
-from .parts import KV_BASES, dot, head_check, operand, row_sum, tile_load, widen_suffix
+from .parts import KV_BASES, dot, head_check, operand, row_sum, tile_load, tile_walk, widen_suffix
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
 from .spec import AttentionSpec, GeneratedKernel
 
@@ -248,15 +249,6 @@ def _ignores_score(d_score: RenderedMod | None) -> bool:
     return d_score is not None and d_score.is_constant and float(d_score.literal) == 0.0
 
 
-def _walk(count_ptr: str, index_ptr: str, tiles: int, block: str, tile: str, start: str) -> list[str]:
-    if tiles == 1:
-        return [f"    for i in range(tl.load({count_ptr})):",
-                f"        {start} = tl.load({index_ptr} + i) * {block}  # the i-th listed block"]
-    return [f"    # each listed block spans {tiles} tiles of {tile}",
-            f"    for i in range(tl.load({count_ptr}) * {tiles}):",
-            f"        {start} = tl.load({index_ptr} + i // {tiles}) * {block} + (i % {tiles}) * {tile}"]
-
-
 def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -> list[str]:
     """Atomic adds of ``dsT * d score_mod / d element`` at each gathered element (transposed tile)."""
     out = []
@@ -324,14 +316,15 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     ]
     q_ptrs = "query_ptr + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd"
     do_ptrs = "grad_out_ptr + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod"
+    head, tail = tile_walk("block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m", count_ptr="block_count_ptr")
     body = [
         *jit_def("dkdv_blocks", params),
         "    # One key tile against the query tiles of the listed query blocks, transposed: rows are",
         "    # keys, columns are queries, so dv and dk accumulate without transposing p and ds.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        *_walk("block_count_ptr", "block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m"),
-        "        offs_m = tl.multiple_of(start_m, BLOCK_M1) + tl.arange(0, BLOCK_M1)",
+        *head,
+        "        offs_m = start_m + tl.arange(0, BLOCK_M1)",
         *_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
         f"        qT = {tile_load(spec, q_ptrs, 'q_in_range[None, :]', '[:, None]')}",
         f"        do = {tile_load(spec, do_ptrs, 'q_in_range[:, None]', '[None, :]', value=True)}",
@@ -356,7 +349,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
             *_finite_lines("qT", "        "),
             f"        dk = {dot(operand(spec, 'dsT'), 'tl.trans(qT)', spec, 'dk')}",
         ]
-    body.append("    return dk, dv")
+    body += [*tail, "    return dk, dv"]
     return body
 
 
@@ -372,13 +365,14 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     ]
     k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
     v_ptrs = "value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd"
+    head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n", count_ptr="block_count_ptr")
     return [
         *jit_def("dq_blocks", params),
         "    # One query tile against the key tiles of the listed key blocks.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        *_walk("block_count_ptr", "block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n"),
-        "        offs_n = tl.multiple_of(start_n, BLOCK_N2) + tl.arange(0, BLOCK_N2)",
+        *head,
+        "        offs_n = start_n + tl.arange(0, BLOCK_N2)",
         *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
         f"        kT = {tile_load(spec, k_ptrs, 'kv_in_range[None, :]', '[:, None]')}",
         f"        vT = {tile_load(spec, v_ptrs, 'kv_in_range[None, :]', '[:, None]', value=True)}",
@@ -391,6 +385,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         *_score_grad_lines(d_score, "ds", "        "),
         *_finite_lines("kT", "        "),
         f"        dq = {dot(operand(spec, 'ds'), 'tl.trans(kT)', spec, 'dq')}",
+        *tail,
         "    return dq",
     ]
 

@@ -26,7 +26,7 @@ from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, head_check, online_softmax, softmax_state,
-                    tile_load, widen_suffix)
+                    tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel
 
 KERNEL_NAME = "flex_decode_split"
@@ -93,19 +93,13 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         *constexprs(("IS_FULL_BLOCKS", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
                     ("KV_BLOCK_SIZE", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
-    if tiles == 1:
-        walk = ["    for i in range(first, last):",
-                "        start_n = tl.load(block_index_ptr + i) * KV_BLOCK_SIZE  # the i-th listed key block"]
-    else:
-        walk = [f"    # each BlockMask key block spans {tiles} tiles of BLOCK_N keys",
-                f"    for i in range(first * {tiles}, last * {tiles}):",
-                f"        start_n = tl.load(block_index_ptr + i // {tiles}) * KV_BLOCK_SIZE + (i % {tiles}) * BLOCK_N"]
+    head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N", "start_n", span=("first", "last"))
     body = [
         *jit_def("attend_range", params),
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        *walk,
-        "        offs_n = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)",
+        *head,
+        "        offs_n = start_n + tl.arange(0, BLOCK_N)",
         "        kv_in_range = offs_n < KV_LEN",
         f"        k = {tile_load(spec, KEY_TILE, 'kv_in_range[None, :]', '[:, None]')}",
         *([f"        qk = {dot('q', 'k', spec)} * scale"] if score is not None else
@@ -125,6 +119,7 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
                            guard_note="  # compiled in only for CPU calls whose values hold NaN/inf")
     body += [
         "        m_i = m_new",
+        *tail,
         "    return acc, l_i, m_i",
     ]
     return body

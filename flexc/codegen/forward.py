@@ -21,7 +21,7 @@ from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, names_line, st
 from .header import describe_dims, describe_mods, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, head_check, online_softmax, softmax_state,
-                    tile_load, widen_suffix)
+                    tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel, next_power_of_2, padded_head_dim
 
 KERNEL_NAME = "flex_attention_forward"
@@ -178,30 +178,20 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
                       ("BLOCK_M", "BLOCK_N"), HEAD_DIMS),
         ], indent)
 
-    count = "tl.load(block_count_ptr)" + (f" * {tiles_per_block}" if tiles_per_block > 1 else "")
-    in_block = f" + (i % {tiles_per_block}) * BLOCK_N" if tiles_per_block > 1 else ""
-    block_of = f"i // {tiles_per_block}" if tiles_per_block > 1 else "i"
+    head, tail = tile_walk("block_index_ptr", tiles_per_block, "KV_BLOCK_SIZE", "BLOCK_N", "start_n",
+                           count_ptr="block_count_ptr", contiguous=True)
     body = [
         *jit_def("attend_blocks", params),
         "    # Online softmax over the key tiles of the listed blocks: running row max m_i and row sum",
         "    # l_i (base 2) and the unnormalised output acc.",
-        "    first_block = tl.load(block_index_ptr)  # read even when the list is empty: the table has a column",
-    ]
-    if tiles_per_block > 1:
-        body.append(f"    # each BlockMask key block spans {tiles_per_block} tiles of BLOCK_N keys")
-    body += [
-        f"    for i in range({count}):",
-        "        if BLOCKS_ARE_CONTIGUOUS:  # the caller promised the listed blocks follow one another",
-        "            start_n = first_block * KV_BLOCK_SIZE + i * BLOCK_N",
-        "        else:",
-        f"            start_n = tl.load(block_index_ptr + {block_of}) * KV_BLOCK_SIZE{in_block}",
-        "        start_n = tl.multiple_of(start_n, BLOCK_N)",
+        *head,
         "        if KV_LEN_DIVISIBLE:  # every tile is whole: no bounds work at all",
         *tile("False", "            "),
         "        elif start_n + BLOCK_N <= KV_LEN:",
         *tile("False", "            "),
         "        else:  # the tile holding the end of the keys",
         *tile("True", "            "),
+        *tail,
         "    return acc, l_i, m_i",
     ]
     return body

@@ -17,29 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import KernelSpec
+from .spec import GeneratedSource, RowsSpec
 
 KERNEL_NAME = "flex_decode_merge"
 
 
 @dataclass(frozen=True)
-class MergeSpec(KernelSpec):
-    """What one merge kernel is specialised for (its :meth:`key` is the cache key)."""
+class MergeSpec(RowsSpec):
+    """What one merge kernel is specialised for; ``work_dtype`` is the partial results' dtype."""
 
     KIND = ("merge",)
 
-    work_dtype: str  # "float32" or "float64": the partial results' dtype
-    v_head_dim_pad: int
-    block_rows: int
-    target: str = "cuda"
-    num_warps: int = 4
-    num_stages: int = 1
 
-
-@dataclass(frozen=True)
-class GeneratedMerge:
-    source: str
-    kernel_name: str
+class GeneratedMerge(GeneratedSource):
+    """A generated merge kernel."""
 
 
 _SOURCE = '''\

@@ -69,6 +69,57 @@ def tile_load(spec: AttentionSpec, ptrs: str, in_range: str | None, axis: str, v
     return load(ptrs, in_range, head_check(spec, axis, value), widen=widen_suffix(spec))
 
 
+def _tile_start(index_ptr: str, i: str, end: str, tiles: int, block: str, tile: str) -> str:
+    """The first key (or query) of tile ``i`` of the listed blocks, ``tiles`` tiles of ``tile`` per block of
+    ``block``; its index is read under ``i < end`` (past the last tile: 0, never read)."""
+    if tiles == 1:
+        return f"tl.load({index_ptr} + {i}, mask={i} < {end}, other=0) * {block}"
+    return f"tl.load({index_ptr} + {i} // {tiles}, mask={i} < {end}, other=0) * {block} + ({i} % {tiles}) * {tile}"
+
+
+def tile_walk(index_ptr: str, tiles: int, block: str, tile: str, start: str, *, count_ptr: str = "",
+              span: tuple[str, str] = ("", ""), contiguous: bool = False) -> tuple[list[str], list[str]]:
+    """The loop over the tiles of a row (or column) of the BlockMask's listed blocks, ``tiles`` tiles of
+    ``tile`` per block of ``block``: the lines that open it (indented one level) and the lines that end
+    each iteration (two levels). It walks every listed block (their count at ``count_ptr``) or the
+    listed blocks ``[first, last)`` of ``span``.
+
+    The loop carries ``start``, the first key (query) of its tile, and each iteration reads the next
+    tile's block index, as torch's template does: then the loads of a tile depend on nothing read in
+    their own iteration, and the software pipeliner can copy the next tiles ahead into a ring of
+    ``num_stages`` slots. Read in the iteration that uses it, the index delays its tile's copy by a
+    stage: the ring loses a slot. ``contiguous`` compiles in torch's BLOCKS_ARE_CONTIGUOUS (the next
+    tile follows this one: no index is read).
+    """
+    per_block = f" * {tiles}" if tiles > 1 else ""
+    if count_ptr:
+        head = [f"    n_tiles = tl.load({count_ptr}){per_block}"]
+        loop, end = "range(n_tiles)", "n_tiles"
+        first = f"tl.load({index_ptr}, mask=n_tiles > 0, other=0) * {block}"
+    else:
+        head = []
+        loop, end = f"range({span[0]}{per_block}, {span[1]}{per_block})", f"{span[1]}{per_block}"
+        first = f"tl.load({index_ptr} + {span[0]}, mask={span[0]} < {span[1]}, other=0) * {block}"
+    if tiles > 1:
+        head.append(f"    # each listed block spans {tiles} tiles of {tile}")
+    head += [
+        "    # the loop carries its tile's start and reads the next one's block index a tile ahead, so the",
+        "    # pipeliner can copy the next tiles while this one computes",
+        f"    {start} = {first}  # the first tile's",
+        f"    for i in {loop}:",
+        f"        {start} = tl.multiple_of({start}, {tile})",
+    ]
+    next_start = ["        # the next tile's start (its index is not read past the last tile)",
+                  "        after = i + 1",
+                  f"        {start} = {_tile_start(index_ptr, 'after', end, tiles, block, tile)}"]
+    if not contiguous:
+        return head, next_start
+    return head, ["        if BLOCKS_ARE_CONTIGUOUS:  # the caller promised the listed blocks follow one another",
+                  f"            {start} = {start} + {tile}",
+                  "        else:",
+                  *("    " + line for line in next_start)]
+
+
 def softmax_state(spec: AttentionSpec) -> list[str]:
     """The online softmax's starting state: row max -inf, row sum 0, output accumulator 0."""
     acc_dtype = spec.acc_dtype
@@ -173,5 +224,5 @@ def attention_source(header: list[str], score: RenderedMod | None, mask: Rendere
 
 
 __all__ = ["KEY_TILE", "KV_BASES", "NONFINITE_VALUES", "VALUE_TILE", "attention_source", "dot", "head_check",
-           "online_softmax", "operand", "row_max", "row_sum", "softmax_state", "tile_load", "value_guard_lines",
-           "widen_suffix"]
+           "online_softmax", "operand", "row_max", "row_sum", "softmax_state", "tile_load", "tile_walk",
+           "value_guard_lines", "widen_suffix"]

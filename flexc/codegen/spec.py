@@ -101,7 +101,29 @@ class GeneratedKernel:
     mask_params: tuple[BufferParam, ...]
 
 
+@dataclass(frozen=True)
+class RowsSpec(KernelSpec):
+    """A small kernel over rows of value-head vectors in a work dtype (the decode kernel's merge, the
+    backward's prologue): what it is specialised for (its :meth:`key` is the cache key)."""
+
+    work_dtype: str  # "float32" or "float64"
+    v_head_dim_pad: int
+    block_rows: int
+    target: str = "cuda"
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@dataclass(frozen=True)
+class GeneratedSource:
+    """A generated kernel that takes no captured tensors: its source and its name."""
+
+    source: str
+    kernel_name: str
+
+
 TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
              torch.float64: "tl.float64"}
 
-__all__ = ["AttentionSpec", "GeneratedKernel", "KernelSpec", "TL_DTYPES", "next_power_of_2", "padded_head_dim"]
+__all__ = ["AttentionSpec", "GeneratedKernel", "GeneratedSource", "KernelSpec", "RowsSpec", "TL_DTYPES",
+           "next_power_of_2", "padded_head_dim"]

@@ -1,9 +1,9 @@
-"""The generated-Triton backward: its spec, the pre-pass, and the launch.
+"""The generated-Triton backward: its spec, its prologue, and the launch.
 
 :func:`triton_backward` is what ``BACKEND: "TRITON"`` runs for ``flex_attention``'s backward (on
-CUDA compiled, on CPU through Triton's interpreter). It computes ``delta = rowsum(out · dO) − dlse``
-and the base-2 logsumexp in torch (one elementwise pass each), finds or generates the kernel of
-:mod:`flexc.codegen.backward` in the backend's cache, and launches it once. Key/value gradients
+CUDA compiled, on CPU through Triton's interpreter): two launches, no eager pass. The prologue
+(:mod:`flexc.codegen.prologue`) computes ``delta = rowsum(out · dO) − dlse`` and the base-2
+logsumexp per query row; the kernel of :mod:`flexc.codegen.backward` then writes the gradients. Key/value gradients
 of a batch-broadcast key (``Bkv = 1``) are computed per batch and summed afterwards, so no
 program ever adds into another's dk/dv; captured-tensor gradients go through fp32/fp64 atomics.
 """
@@ -15,11 +15,13 @@ import torch
 
 from ... import device as gpu
 from ...codegen.backward import BackwardSpec
-from ...constants import LOG2E
+from ...codegen.prologue import PrologueSpec
 from ...codegen.scalars import lift_for_call
+from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
 from . import cache, config, forward, launcher
+from .sources import sources_text
 
 
 def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
@@ -50,6 +52,24 @@ def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
                               kernel_options, layout.target, grad_slots, layout.has_full_blocks, layout.index_dtype)
 
 
+def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
+    """The prologue kernel that computes delta and the base-2 logsumexp for the backward ``spec``:
+    rows of the value head dim in the work dtype, about 8K elements a program."""
+    v_pad = padded_head_dim(spec.v_head_dim)
+    work = "float64" if spec.dtype == torch.float64 else "float32"
+    return PrologueSpec(work, v_pad, min(128, max(16, 8192 // v_pad)), spec.target)
+
+
+def launch_prologue(spec: PrologueSpec, out, lse, grad_out, grad_lse, work_dtype: torch.dtype):
+    """Run the prologue kernel: ``(delta, lse2)``, each ``[B, Hq, L]`` contiguous in ``work_dtype``."""
+    delta = torch.empty(lse.shape, dtype=work_dtype, device=out.device)
+    lse2 = torch.empty_like(delta)
+    kernel = cache.get_kernel(spec, out.device)
+    args, constants = launcher.prologue_arguments(spec, out, grad_out, lse, grad_lse, delta, lse2)
+    gpu.launch(kernel.fn, launcher.prologue_grid(spec, out), spec, out.device, args, constants)
+    return delta, lse2
+
+
 def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, grad_lse,
                     score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float):
     """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``."""
@@ -60,12 +80,8 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, g
     if query.numel() == 0 or S == 0:
         return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
                 [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)])
-    # pre-pass: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-    delta = (out.to(acc) * grad_out.to(acc)).sum(-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(acc)
-    lse2 = torch.where(torch.isneginf(lse), float("inf"), lse.to(acc) * LOG2E)
-    delta, lse2 = delta.contiguous(), lse2.contiguous()
+    # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
+    delta, lse2 = launch_prologue(prologue_spec(spec), out, lse, grad_out, grad_lse, acc)
     tables = launcher.backward_tables(block_mask, spec, L, S, device)
     launcher.check_query_blocks(tables, L, spec.q_block_size)
     kernel = cache.get_kernel(spec, device)
@@ -84,7 +100,7 @@ class BackwardPlan(NamedTuple):
 
     score_mod: TracedMod | None  # the call's mods, captured numbers lifted to kernel arguments
     mask_mod: TracedMod | None
-    kernels: tuple  # (BackwardSpec,), or () when nothing is launched (no query rows or no keys)
+    kernels: tuple  # (PrologueSpec, BackwardSpec), or () when nothing is launched (no query rows or no keys)
 
 
 def launches_nothing(query: torch.Tensor, value: torch.Tensor) -> bool:
@@ -100,7 +116,7 @@ def plan_backward(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
     if launches_nothing(query, value):
         return BackwardPlan(score_mod, mask_mod, ())
     spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
-    return BackwardPlan(score_mod, mask_mod, (spec,))
+    return BackwardPlan(score_mod, mask_mod, (prologue_spec(spec), spec))
 
 
 def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: TracedMod | None,
@@ -115,7 +131,7 @@ def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: 
     plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, grad_slots)
     score_mod, mask_mod = plan.score_mod, plan.mask_mod
     if plan.kernels:
-        (spec,) = plan.kernels
+        spec = plan.kernels[1]  # (launch_backward launches the prologue kernels[0] of it)
     else:  # launch_backward returns the zero gradients without a kernel
         spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
     return launch_backward(spec, query, key, value, out, lse, grad_out, grad_lse, score_mod, mask_mod,
@@ -142,10 +158,11 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
     if not plan.kernels:
         return ("# flexc: this call's backward launches no kernel: it has no query rows or no keys, so the\n"
                 "# gradients are zeros.\n")
-    return cache.source_for(plan.kernels[0])
+    return sources_text(plan.kernels)
 
 
 registry.register_training("TRITON", forward_for_training, triton_backward)
 
-__all__ = ["BackwardPlan", "backward_source", "forward_for_training", "launch_backward", "launches_nothing",
-           "make_backward_spec", "plan_backward", "spec_for_call", "triton_backward"]
+__all__ = ["BackwardPlan", "backward_source", "forward_for_training", "launch_backward", "launch_prologue",
+           "launches_nothing", "make_backward_spec", "plan_backward", "prologue_spec", "spec_for_call",
+           "triton_backward"]

@@ -24,6 +24,9 @@ from ...codegen.backward import BackwardSpec, generate_backward
 from ...codegen.decode import DecodeSpec, generate_decode
 from ...codegen.forward import ForwardSpec, generate_forward
 from ...codegen.merge import MergeSpec, generate_merge
+from ...codegen.prologue import PrologueSpec, generate_prologue
+
+AnySpec = ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec | PrologueSpec  # a spec of any kernel kind
 
 
 class CacheInfo(NamedTuple):
@@ -190,16 +193,18 @@ def _exec_module(name: str, path: str, target: str) -> Any:
 
 # ---- kernels by spec -----------------------------------------------------------------------
 
-def generate(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> Any:
+def generate(spec: AnySpec) -> Any:
     """The generated kernel (``.source``, ``.kernel_name``, parameters) for a spec of any kind."""
     if isinstance(spec, BackwardSpec):
         return generate_backward(spec)
     if isinstance(spec, MergeSpec):
         return generate_merge(spec)
+    if isinstance(spec, PrologueSpec):
+        return generate_prologue(spec)
     return generate_decode(spec) if isinstance(spec, DecodeSpec) else generate_forward(spec)
 
 
-def get_kernel(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec, device: torch.device | None = None) -> Kernel:
+def get_kernel(spec: AnySpec, device: torch.device | None = None) -> Kernel:
     """The compiled kernel for ``spec`` (any kind) launched for tensors on ``device``: from the
     cache, or generated, written and imported. CPU tensors standing in for a GPU
     (:func:`flexc.device.simulate`) run the interpreter variant of a ``"cuda"`` spec, cached apart
@@ -236,7 +241,7 @@ def remember_fallback(spec: ForwardSpec, smaller: ForwardSpec) -> None:
         _fallbacks[spec.key()] = smaller
 
 
-def generated_for(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> Any:
+def generated_for(spec: AnySpec) -> Any:
     """The generated kernel (``.source``, ``.kernel_name``) that runs for ``spec``: the cached one if
     compiled already (so a kernel shared by mods of one structure shows its first mods' names), else
     generated now; compiles nothing. A forward spec replaced after running out of GPU memory gives
@@ -247,7 +252,7 @@ def generated_for(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> 
     return kernel.generated if kernel is not None else generate(spec)
 
 
-def source_for(spec: ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec) -> str:
+def source_for(spec: AnySpec) -> str:
     """The source that runs for ``spec`` (the cached one if compiled already); compiles nothing."""
     return generated_for(spec).source
 

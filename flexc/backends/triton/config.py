@@ -206,8 +206,11 @@ def resolve_backward_config(kernel_options: dict | None, dtype: torch.dtype, hea
     return tuple(config[name] for name in BACKWARD_OPTIONS)
 
 
-def resolve_decode_config(kv_block_size: int, rows: int, target: str) -> tuple[int, int, int, int]:
-    """The decode kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for ``rows`` packed query rows.
+def resolve_decode_config(kv_block_size: int, rows: int, target: str, dtype: torch.dtype, head_dims: tuple[int, int],
+                          shared_memory: int | None) -> tuple[int, int, int, int]:
+    """The decode kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for ``rows`` packed query rows
+    of ``dtype`` with ``head_dims`` (query/key, value), on a GPU with ``shared_memory`` bytes per block
+    (None: unknown, as much as sm_90 has).
 
     The interpreter pays per tile, so it takes whole key blocks; GPUs take 64-key tiles. Tiles are
     powers of two (tl.arange): a 48-key block is three 16-key tiles, on either.
@@ -217,7 +220,24 @@ def resolve_decode_config(kv_block_size: int, rows: int, target: str) -> tuple[i
     block_n = resolve_tiles({}, {"BLOCK_N": whole_block if target == "interpreter" else 64}, None, kv_block_size,
                             "decode kernel")["BLOCK_N"]
     block_m = max(16, next_power_of_2(rows))
-    return block_m, block_n, default_warps(block_m, target), 2
+    d, dv = (padded_head_dim(x) for x in head_dims)
+    size = torch.empty((), dtype=dtype).element_size()
+    stages = decode_stages(block_n * (d + dv) * size, block_m * (d + block_n) * size, shared_memory)
+    return block_m, block_n, default_warps(block_m, target), stages
+
+
+def decode_stages(slot_bytes: int, other_bytes: int, shared_memory: int | None) -> int:
+    """The decode kernel's num_stages: its ring of key/value tiles (``slot_bytes`` a slot) as deep as
+    the block's shared memory holds beside the query and probability tiles (``other_bytes``).
+
+    Its dots have 16 to 128 rows: mma.sync, not wgmma, and for those Triton's pipeliner keeps
+    num_stages - 1 tiles in flight (sm_90 compile, bench/kernel_metrics.py --decode: num_stages 2,
+    3 and 4 give rings of 1, 2 and 3 slots), so 4 stages make the 3-slot ring of the forward's loops.
+    """
+    for stages in (4, 3):
+        if shared_memory is None or (stages - 1) * slot_bytes + other_bytes <= shared_memory:
+            return stages
+    return 2
 
 
 def smaller_config(spec: ForwardSpec) -> ForwardSpec | None:
@@ -288,6 +308,6 @@ def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod |
 
 
 __all__ = ["BACKWARD_OPTIONS", "CallLayout", "FLAG_OPTIONS", "FORWARD_OPTIONS", "block_sizes", "call_layout",
-           "check_int_option", "default_backward_config", "default_config", "default_splits", "default_warps",
-           "flags", "fp32_precision", "largest_pow2_divisor", "pass_options", "requested_splits",
+           "check_int_option", "decode_stages", "default_backward_config", "default_config", "default_splits",
+           "default_warps", "flags", "fp32_precision", "largest_pow2_divisor", "pass_options", "requested_splits",
            "resolve_backward_config", "resolve_config", "resolve_decode_config", "resolve_tiles", "smaller_config"]

@@ -18,6 +18,7 @@ from ...codegen.backward import BackwardSpec
 from ...codegen.decode import DecodeSpec
 from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
 from ...codegen.merge import MergeSpec
+from ...codegen.prologue import PrologueSpec
 from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod
 from ..layout import empty_like_reference
@@ -265,6 +266,17 @@ def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.T
             dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad))
 
 
+def prologue_arguments(spec: PrologueSpec, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
+                       grad_lse: torch.Tensor | None, delta: torch.Tensor, lse2: torch.Tensor) -> tuple[list, dict]:
+    """The backward prologue's positional and constexpr arguments: ``out``, ``grad_out`` ``[B, Hq, L, Ev]``
+    and ``lse``, ``grad_lse`` (None: no gradient) ``[B, Hq, L]`` into ``delta`` and ``lse2`` (contiguous)."""
+    has_grad_lse = grad_lse is not None
+    grad_lse = grad_lse if has_grad_lse else lse  # an unread stand-in
+    return ([out, grad_out, lse, grad_lse, delta, lse2, out.shape[2], out.shape[3], *out.stride(),
+             *grad_out.stride(), *lse.stride(), *grad_lse.stride(), delta.stride(0), delta.stride(1)],
+            dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad, HAS_GRAD_LSE=has_grad_lse))
+
+
 # ---- grids --------------------------------------------------------------------------------
 
 def forward_grid(spec: ForwardSpec, query: torch.Tensor) -> tuple[int, int, int]:
@@ -279,6 +291,12 @@ def backward_grid(spec: BackwardSpec, query: torch.Tensor, key: torch.Tensor) ->
     B, Hq, L, _ = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     return cdiv(S, spec.block_n1) + (Hq // Hkv) * cdiv(L, spec.block_m2), Hkv, B
+
+
+def prologue_grid(spec: PrologueSpec, out: torch.Tensor) -> tuple[int, int, int]:
+    """One program per ``block_rows`` query rows, query head and batch."""
+    B, Hq, L, _ = out.shape
+    return cdiv(L, spec.block_rows), Hq, B
 
 
 def decode_grid(out_split: torch.Tensor) -> tuple[int, int, int]:
@@ -296,4 +314,4 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
 __all__ = ["INT32_OFFSET_LIMIT", "backward_arguments", "backward_grid", "backward_outputs", "backward_tables",
            "buffer_arguments", "check_query_blocks", "decode_arguments", "decode_grid", "empty_output",
            "forward_arguments", "forward_constexprs", "forward_grid", "guards_nonfinite_values", "kernel_arguments",
-           "kv_tables", "merge_arguments", "merge_grid", "mod_arguments"]
+           "kv_tables", "merge_arguments", "merge_grid", "mod_arguments", "prologue_arguments", "prologue_grid"]

@@ -289,13 +289,13 @@ def test_training_runs_the_generated_backward_not_the_torch_row_loop(monkeypatch
     q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=11))
     mine = _grads(q, k, v, alibi, MASKS["causal"], extra=(slopes,))
     info = kernel_cache.cache_info()
-    assert info.misses == 2 and info.size == 2  # the forward and the backward kernel
+    assert info.misses == 3 and info.size == 3  # the forward, the backward's prologue and the backward kernel
     kinds = sorted(type(k.generated).__name__ for k in kernel_cache.cached_kernels())
-    assert kinds == ["GeneratedBackward", "GeneratedForward"]
+    assert kinds == ["GeneratedBackward", "GeneratedForward", "GeneratedPrologue"]
     ref = _grads(q, k, v, alibi, MASKS["causal"], "DENSE", extra=(slopes,))
     _assert_close(mine, ref, 1e-9, 1e-9)
     _grads(q, k, v, alibi, MASKS["causal"], extra=(slopes,))  # new call, same structure: cache hits
-    assert kernel_cache.cache_info().misses == 2
+    assert kernel_cache.cache_info().misses == 3
 
 
 # ---- the source -------------------------------------------------------------------------------
@@ -308,8 +308,11 @@ def test_kernel_source_backward_prints_the_derivative_and_gradient_buffers():
 
     q, k, v = random_qkv(B, H, H, 64, 64, E)
     bm = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
-    source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True, kernel_options=TRITON)
-    assert source.startswith("# flexc backward attention kernel")
+    text = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True, kernel_options=TRITON)
+    # two launches: the prologue (delta and the base-2 logsumexp per query row), then the backward kernel
+    assert text.startswith("# flexc: this call launches 2 kernels, in this order: flex_attention_backward_prologue, "
+                           "then flex_attention_backward.")
+    source = text[text.index("# flexc backward attention kernel"):]
     assert "#   d score_mod / d score = 1.0" in source
     assert "#     d / d slopes[h] = kv_idx - q_idx" in source
     assert "tl.atomic_add(gather0_address(" in source and "summed over the tile" in source

@@ -227,7 +227,7 @@ def test_kernel_options_choose_the_tiles():
                                  kernel_options={**TRITON, "BLOCK_M": 32, "fwd_BLOCK_N": 16, "num_warps": 8,
                                                  "num_stages": 2})
     assert "BLOCK_M=32, BLOCK_N=16; num_warps=8, num_stages=2" in source
-    assert "each BlockMask key block spans 4 tiles" in source
+    assert "each listed block spans 4 tiles" in source
     out, lse = triton_attention(q, k, v, block_mask=block_mask, BLOCK_M=32, BLOCK_N=16)
     ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=MASKS["causal"])
     assert_matches(out, lse, ref_out, ref_lse, atol=2e-5)

@@ -70,7 +70,9 @@ def check_call(launched, q, k, v, *, score_mod=None, block_mask=None, return_lse
         launched.clear()
         (result[0] if return_lse else result).sum().backward()
         assert split(flexc.kernel_source(q, k, v, **options, backward=True)) == list(launched)
-        assert len(launched) == 1 and "flex_attention_backward" in launched[0]
+        # the prologue (delta and the base-2 logsumexp), then the backward kernel
+        assert len(launched) == 2 and "def flex_attention_backward_prologue(" in launched[0]
+        assert "def flex_attention_backward(" in launched[1]
     return forward
 
 
@@ -118,9 +120,10 @@ def test_captured_tensors_that_require_grad_make_the_call_training(launched):
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)
     launched.clear()
     flexc.flex_attention(q, k, v, score_mod=alibi, kernel_options=TRITON).sum().backward()
-    forward, backward = launched
+    forward, prologue, backward = launched
     assert flexc.kernel_source(q, k, v, score_mod=alibi, kernel_options=TRITON) == forward
-    assert flexc.kernel_source(q, k, v, score_mod=alibi, kernel_options=TRITON, backward=True) == backward
+    assert split(flexc.kernel_source(q, k, v, score_mod=alibi, kernel_options=TRITON, backward=True)) == [prologue,
+                                                                                                       backward]
     assert "atomic_add" in backward
     with torch.no_grad():  # no autograd: inference, so 16 rows decode
         assert "flex_decode_split" in flexc.kernel_source(q, k, v, score_mod=alibi, kernel_options=TRITON)
