@@ -131,7 +131,8 @@ def test_bad_dropout_arguments_name_the_fix():
 def test_kernel_source_says_a_dropout_call_runs_no_generated_kernel():
     q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=6)
     text = flexc.kernel_source(q, k, v, enable_gqa=True, kernel_options={"BACKEND": "TRITON"}, dropout_p=0.1)
-    assert "TORCH" in text and "@triton.jit" not in text
+    assert text.startswith("# flexc: this call runs no generated kernel: dropout_p=0.1 runs on the TORCH backend")
+    assert "@triton.jit" not in text and "Fix: pass dropout_p=0" in text
 
 
 # ---- torch.compile -------------------------------------------------------------------------------
