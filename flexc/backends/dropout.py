@@ -24,10 +24,16 @@ ROUNDS = 10
 
 
 class Dropout(NamedTuple):
-    """One call's dropout: its probability and seed (the same for the forward and the backward)."""
+    """One call's dropout: its probability and seed (the same for the forward and the backward).
+
+    ``q_positions``/``kv_positions`` (int64, optional) map the call's query rows and keys to the
+    positions whose pairs are drawn: context parallelism's shards draw the pairs of the full
+    sequence (:mod:`flexc.call.distributed`). None: the call's own indices."""
 
     p: float
     seed: int
+    q_positions: torch.Tensor | None = None
+    kv_positions: torch.Tensor | None = None
 
     @property
     def threshold(self) -> int:
@@ -53,12 +59,17 @@ def check(dropout_p: Any, generator: Any, where: str = "flex_attention") -> floa
     return float(dropout_p)
 
 
-def draw(dropout_p: float, generator: torch.Generator | None) -> Dropout:
-    """This call's seed, drawn from ``generator`` (torch's default CPU generator when None): a
-    draw on a CPU generator needs no device sync."""
-    seed = torch.randint(0, 2 ** 62, (), generator=generator,
+def seed_tensor(generator: torch.Generator | None) -> torch.Tensor:
+    """A call's seed as a 0-d int64 tensor, drawn from ``generator`` (torch's default CPU generator
+    when None: a draw on a CPU generator needs no device sync). One draw per call, eager or compiled,
+    so both advance the generator alike."""
+    return torch.randint(0, 2 ** 62, (), generator=generator,
                          device=generator.device if generator is not None else "cpu")
-    return Dropout(dropout_p, int(seed))
+
+
+def draw(dropout_p: float, generator: torch.Generator | None) -> Dropout:
+    """This call's dropout, its seed drawn by :func:`seed_tensor`."""
+    return Dropout(dropout_p, int(seed_tensor(generator)))
 
 
 def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,5 +99,9 @@ def keep_scale(dropout: Dropout, Hq: int, b: torch.Tensor, h: torch.Tensor, q_id
                kv_idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``1 / (1 - p)`` where the pair ``(b, h, q_idx, kv_idx)`` (broadcastable index tensors) is
     kept, 0 where it is dropped, in ``dtype``."""
+    if dropout.q_positions is not None:
+        q_idx = dropout.q_positions.to(q_idx.device)[q_idx]
+    if dropout.kv_positions is not None:
+        kv_idx = dropout.kv_positions.to(kv_idx.device)[kv_idx]
     random = philox(dropout.seed, kv_idx, q_idx, b * Hq + h, torch.zeros((), dtype=torch.int64))
     return torch.where(random >= dropout.threshold, dropout.scale, 0.0).to(dtype)

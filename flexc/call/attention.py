@@ -6,6 +6,8 @@ block-sparse path (:func:`flexc.backends.cpu.torch_cpu.torch_backward`), so ever
 """
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -112,20 +114,26 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return (out, lse) if return_lse else out
     dropout_p = dropout.check(dropout_p, generator)
     if torch.compiler.is_compiling():
-        if dropout_p:
-            raise NotImplementedError("flex_attention: dropout_p > 0 under torch.compile is not supported yet. "
-                                      "Fix: call flexc.flex_attention eagerly for the dropout step, or pass "
-                                      "dropout_p=0.0 inside the compiled region.")
+        seed = (dropout.seed_tensor(None) if generator is None else _seed_outside_graph(generator)) if dropout_p else None
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                              return_lse, return_aux)
+                              return_lse, return_aux, dropout_p, seed)
+    drop = dropout.draw(dropout_p, generator) if dropout_p else None
+    return attend(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
+                  return_aux, drop)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None, block_mask: Any,
+           scale: float | None, enable_gqa: bool, return_lse: bool, kernel_options: dict | None,
+           return_aux: AuxRequest | None, drop: dropout.Dropout | None):
+    """:func:`flex_attention`'s eager call (no sinks) with its dropout already drawn (``drop``, None
+    for none); context parallelism passes one whose pairs are the full sequence's."""
     scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
     block_mask = without_empty_entries(block_mask)  # negative entries in the counts: blocks never visited
     key, value = in_dtype_of(query, key), in_dtype_of(query, value)
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
-                     dropout_p=dropout_p)
-    drop = dropout.draw(dropout_p, generator) if dropout_p else None
+                     dropout_p=drop.p if drop is not None else 0.0)
     backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
     max_scores = None
     if plan.training:
@@ -157,9 +165,28 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+@torch.compiler.disable(reason="flexc: flex_attention's generator= is a torch.Generator, which dynamo cannot "
+                                "trace; its seed is drawn outside the graph. Fix: pass generator=None inside the "
+                                "compiled region (the seed then comes from torch's default generator, in the graph)")
+def _seed_outside_graph(generator: torch.Generator) -> torch.Tensor:
+    """The seed of a compiled call with an explicit ``generator``: drawn eagerly (a graph break), said once."""
+    _warn_generator_breaks_graph()
+    return dropout.seed_tensor(generator)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_generator_breaks_graph() -> None:
+    warnings.warn("flexc: flex_attention(dropout_p > 0, generator=...) under torch.compile draws its seed outside "
+                  "the graph (dynamo cannot trace a torch.Generator): the graph breaks before the call, and "
+                  "fullgraph=True refuses it. The result is eager's. Fix: pass generator=None inside the compiled "
+                  "region to keep one graph (the seed then comes from torch's default generator, seeded with "
+                  "torch.manual_seed).", FallbackWarning, stacklevel=3)
+
+
 def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse,
-                   return_aux):
-    """flex_attention under torch.compile: the same checks, then one custom-op node (:mod:`flexc.torch_compile.under_compile`)."""
+                   return_aux, dropout_p=0.0, seed=None):
+    """flex_attention under torch.compile: the same checks, then one custom-op node (:mod:`flexc.torch_compile.under_compile`);
+    a dropout call's ``seed`` (a 0-d int64 tensor drawn as eager draws it) is an input of that node."""
     validate.check_tensors(query, key, value, enable_gqa)
     validate.check_flags(enable_gqa, return_lse, return_aux)
     validate.check_mod(score_mod)
@@ -169,14 +196,14 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     key, value = in_dtype_of(query, key), in_dtype_of(query, value)
     backend = options["BACKEND"] = choose_backend(options, query.device)
     want_max = bool(return_aux is not None and return_aux.max_scores)
-    if want_max and backend != "TORCH":
+    if want_max and backend != "TORCH" and not dropout_p:  # (dropout runs TORCH, said by the op)
         raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
                          f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
     want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
     from ..torch_compile import under_compile  # (the compile path, imported when a compiled call needs it)
 
     out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, options,
-                                                        want_max, want_lse)
+                                                        want_max, want_lse, dropout_p, seed)
     out, lse = laid_out_like(out, query), lse.to(lse_dtype(query.dtype))  # as in eager (empty if not wanted)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores if want_max else None)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import attention as _attention
+from ..backends import dropout
 from ..mods import derived
 from ..masks.mask_mods import noop_mask
 from .sinks import check_sinks, with_sinks
@@ -466,11 +467,19 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
+def _shared_dropout(dropout_p: float, generator: Any, group: Any, like: torch.Tensor) -> dropout.Dropout:
+    """The call's dropout with one seed for all ranks: each draws one (as a single call advances its
+    generator), rank 0's is broadcast (on ``like``'s device, which NCCL needs)."""
+    seed = dropout.seed_tensor(generator).to(like.device)
+    dist.broadcast(seed, src=_global_rank(group, 0), group=group)
+    return dropout.Dropout(dropout_p, int(seed))
+
+
 def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: Any = None, *, group: Any = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
                    kernel_options: dict | None = None, plan: ContextParallelPlan | None = None,
-                   sinks: torch.Tensor | None = None):
+                   sinks: torch.Tensor | None = None, dropout_p: float = 0.0, generator: torch.Generator | None = None):
     """:func:`flexc.flex_attention` over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -485,6 +494,10 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
         plan: a :func:`plan_context_parallel` result for this mask and group size, to skip re-planning.
         sinks: attention-sink logits as in :func:`flexc.flex_attention` (the same on every rank; their
             gradient is summed over the ranks), merged once into the ranks' merged rows.
+        dropout_p, generator: attention dropout as in :func:`flexc.flex_attention`. Every rank draws
+            a seed from its ``generator`` (each advances as a single call's would) and uses rank 0's,
+            broadcast: each (q_idx, kv_idx) pair is drawn at its global position from that one seed,
+            so the ranks together drop what one process drops with rank 0's generator state.
 
     Returns:
         ``out_local [B, Hq, n_local, Ev]`` (and ``lse_local``), the rows of this rank's queries.
@@ -496,6 +509,7 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
     if block_mask is None:
         raise ValueError(f"{where}: block_mask is required: context parallelism is planned from it. Fix: pass "
                          f"create_block_mask(mask_mod, B, H, N, N) of the full sequence (noop_mask allows all).")
+    dropout_p = dropout.check(dropout_p, generator, where)
     rank, size = _rank_and_size(group)
     plan = plan or plan_context_parallel(block_mask, size)
     if plan.world_size != size:
@@ -511,6 +525,7 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
                              f"Fix: pass shard_sequence(x, block_mask) of the full sequence.")
     if scale is None:
         scale = 1.0 / math.sqrt(q_local.shape[-1])
+    drop = _shared_dropout(dropout_p, generator, group, q_local) if dropout_p else None
     bs, mine = plan.block_size, list(plan.blocks[rank])
     ragged = plan.num_blocks - 1 if plan.seq_len % bs else None
     padded_len = bs * len(mine)
@@ -536,11 +551,14 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
 
     def partial(k, v, cols):
         kv_pos, kv_valid = _positions(plan, cols)
-        smod, mmod = _global_mods(score_mod, mask_mod, q_pos.to(q.device), q_valid.to(q.device),
-                                  kv_pos.to(q.device), kv_valid.to(q.device), padded)
+        q_at, kv_at = q_pos.to(q.device), kv_pos.to(q.device)
+        smod, mmod = _global_mods(score_mod, mask_mod, q_at, q_valid.to(q.device), kv_at, kv_valid.to(q.device),
+                                  padded)
         sub = _sub_block_mask(classes, mine, cols, ragged, bs, mmod).to(q.device)
-        return _attention.flex_attention(q, k, v, score_mod=_with_buffers(smod, replaced), block_mask=sub, scale=scale,
-                                         enable_gqa=enable_gqa, return_lse=True, kernel_options=kernel_options)
+        # (dropout: the pairs at their global positions, as the mods see them)
+        at = drop._replace(q_positions=q_at, kv_positions=kv_at) if drop is not None else None
+        return _attention.attend(q, k, v, _with_buffers(smod, replaced), sub, scale, enable_gqa, True,
+                                 kernel_options, None, at)
 
     # attention over this rank's own blocks runs while the remote blocks are in flight
     out, lse = partial(kv[..., :E], kv[..., E:], mine)

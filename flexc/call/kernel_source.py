@@ -14,7 +14,7 @@ from ..backends import dropout, registry
 from ..backends.triton.backward import backward_source
 from ..backends.triton.forward import plan_forward
 from ..backends.triton.sources import sources_text
-from .plan import generated_backward_fallback, plan_call, prepare_call, sink_free_request
+from .plan import choose_backend, generated_backward_fallback, plan_call, prepare_call, sink_free_request
 
 
 def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
@@ -54,9 +54,12 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         return_lse = False
     _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                          enable_gqa, kernel_options, outputs=(return_lse, return_aux))
+    dropout_p = dropout.check(dropout_p, generator)
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
-                     training=True if backward else None, dropout_p=dropout.check(dropout_p, generator))
+                     training=True if backward else None, dropout_p=dropout_p)
     if plan.backend != "TRITON":
+        if dropout_p and choose_backend(options, query.device) == "TRITON":
+            return _dropout_runs_instead(dropout_p, backward)
         return _runs_instead(plan.backend, query.device, backward)
     if backward:
         if plan.generated is None:
@@ -70,6 +73,15 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     forward = plan_forward(query, key, value, traced_score, traced_mask, block_mask, options,
                            plan.want_lse or plan.training, training=plan.generated is not None)
     return sources_text(forward.kernels)
+
+
+def _dropout_runs_instead(dropout_p: float, backward: bool) -> str:
+    """kernel_source's text for a dropout call on the TRITON backend, which runs TORCH instead."""
+    what = "backward" if backward else "call"
+    return (f"# flexc: this {what} runs no generated kernel: dropout_p={dropout_p} runs on the TORCH backend, whose "
+            f"row loop\n# (flexc.backends.cpu.torch_cpu, on the tensors' device) draws the dropout mask forward and backward "
+            f"(flexc.backends.dropout);\n# the TRITON kernels do not drop yet (a FallbackWarning says so once).\n"
+            f"# Fix: pass dropout_p=0 to see the kernels the call launches without dropout.\n")
 
 
 def _runs_instead(backend: str, device: torch.device, backward: bool) -> str:

@@ -92,7 +92,8 @@ class FallbackWarning(UserWarning):
     message says which and why. ``BACKEND: "TRITON"`` training a score_mod whose backward
     :mod:`flexc.mods.derivative` cannot build (a ``torch.autograd.Function`` whose ``backward`` cannot
     be traced) trains through the torch backward. Warned once per score_mod; ``dropout_p > 0`` on a
-    backend whose kernels do not drop runs on the TORCH backend, warned once per backend."""
+    backend whose kernels do not drop runs on the TORCH backend, warned once per backend; under
+    ``torch.compile`` a dropout call's ``generator=`` draws its seed outside the graph, warned once."""
 
 
 # why a backend's generated backward cannot train a score_mod graph (None: it can), by graph
@@ -185,10 +186,7 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     backend's forward with the logsumexp and the torch backward. ``dropout_p > 0`` runs on the TORCH
     backend (the generated kernels do not drop yet; warned once).
     """
-    backend = choose_backend(options, query.device)
-    if dropout_p and backend != "TORCH":
-        _warn_dropout_runs_on_torch(backend)
-        backend = "TORCH"
+    backend = dropout_backend(choose_backend(options, query.device), dropout_p)
     # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
@@ -207,8 +205,17 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     return CallPlan(backend, training, generated, want_lse, want_max, slots)
 
 
+def dropout_backend(backend: str, dropout_p: float) -> str:
+    """The backend a call with ``dropout_p`` runs: ``backend``, or "TORCH" when it drops and the
+    backend's kernels do not (a :class:`FallbackWarning` once per backend). Eager and compiled calls."""
+    if dropout_p and backend != "TORCH":
+        _warn_dropout_runs_on_torch(backend)
+        return "TORCH"
+    return backend
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_dropout_runs_on_torch(backend: str) -> None:
     warnings.warn(f"flexc: dropout_p > 0 runs on the TORCH backend (its row loop draws the dropout mask); the "
                   f"{backend} kernels do not drop yet. This call and later ones with dropout use TORCH.",
-                  FallbackWarning, stacklevel=4)
+                  FallbackWarning, stacklevel=5)

@@ -22,6 +22,7 @@ import runpy
 import sys
 import sysconfig
 import traceback
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -246,15 +247,30 @@ def _option(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"--option {name} needs an integer value, got {value!r}") from None
 
 
+def _probability(text: str) -> float:
+    """An argparse type for --dropout: a float in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--dropout takes a probability in [0, 1), got {text!r}. "
+                                         f"Fix: pass e.g. --dropout 0.1") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"--dropout must be in [0, 1), got {value}. Fix: pass e.g. --dropout 0.1 "
+                                         f"(0 is no dropout; 1 would drop every probability)")
+    return value
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     """Print what :func:`flexc.kernel_source` returns for the flex_attention call the flags describe.
 
     The call's tensors are uninitialised CPU stand-ins of its shapes (only shapes and dtypes reach the
     source), with BACKEND TRITON; ``--device cuda`` runs kernel_source under
-    :func:`flexc.device.simulate` (``sm_90``), so it shows the CUDA source a GPU launches.
+    :func:`flexc.device.simulate` (``sm_90``), so it shows the CUDA source a GPU launches. ``--sinks``
+    and ``--dropout P`` add flexc's ``sinks=`` (one logit per query head) and ``dropout_p=P``.
     """
     from .. import device as gpu
     from ..call.kernel_source import kernel_source
+    from ..call.plan import FallbackWarning
     from ..analysis.bounds import IndexRangeError
 
     path, names = _split_target(args.target)
@@ -284,10 +300,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     v = torch.empty(1, kv_heads, kv_len, v_head_dim, dtype=dtype, requires_grad=trains)
     try:
         block_mask = _stand_in_block_mask(mask, args.block_size or (128, 128), q_len, kv_len) if mask else None
-        with gpu.simulate("sm_90" if args.device == "cuda" else None), torch.enable_grad():
-            source = kernel_source(q, k, v, score_mod=score, block_mask=block_mask, enable_gqa=heads != kv_heads,
-                                   return_lse=args.lse, kernel_options={**options, "BACKEND": "TRITON"},
-                                   backward=args.backward)
+        call = dict(score_mod=score, block_mask=block_mask, enable_gqa=heads != kv_heads, return_lse=args.lse,
+                    kernel_options={**options, "BACKEND": "TRITON"}, dropout_p=args.dropout, backward=args.backward)
+        sinks = torch.zeros(heads, requires_grad=trains) if args.sinks else None
+        with gpu.simulate("sm_90" if args.device == "cuda" else None), torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)  # (the text says what runs instead)
+            source = kernel_source(q, k, v, sinks=sinks, **call)
+            if sinks is not None and source == kernel_source(q, k, v, **{**call, "return_lse": True}):
+                source = _SINKS_NOTE + source
     except IndexRangeError as e:  # the call's lengths are the flags': say which
         raise CliError(f"{str(e).removeprefix('flex_attention: ')}\n(flexc show describes a call of --heads {heads}, --q-len {q_len}, --kv-len {kv_len}: "
                        f"pass the lengths the mods are written for.)") from None
@@ -295,6 +315,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise CliError(str(e).removeprefix("flexc: ").removeprefix("flex_attention: ")) from None
     sys.stdout.write(source)
     return 0
+
+
+# printed before the kernels of a call with sinks when they are the sink-free call's (flexc.call.sinks)
+_SINKS_NOTE = ("# flexc show: the call passes sinks= (one logit per query head). The kernels below are those of the "
+               "call\n# without them, which return the logsumexp; the sinks join after them, in torch "
+               "(flexc.call.sinks.with_sinks:\n# lse = logaddexp(lse0, sink), out = out0 * exp(lse0 - lse)), "
+               "and autograd carries their gradient.\n")
 
 
 def _stand_in_block_mask(mask_mod: Callable, block_size: tuple[int, int], q_len: int, kv_len: int) -> Any:
@@ -436,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "that require grad)")
     p.add_argument("--option", "-o", type=_option, action="append", default=[], metavar="NAME=VALUE",
                    help="a kernel option, e.g. -o BLOCK_M=64 -o num_warps=8")
+    p.add_argument("--sinks", action="store_true",
+                   help="the call passes sinks= (one learned logit per query head; flexc's own keyword)")
+    p.add_argument("--dropout", type=_probability, default=0.0, metavar="P",
+                   help="the call passes dropout_p=P, in [0, 1) (flexc's own keyword; 0: none)")
     p.set_defaults(run=cmd_show)
     p = sub.add_parser("draw", help="draw FILE.py[:NAME[,NAME]] (a mask_mod's BlockMask, a score_mod's values) to a PNG")
     p.add_argument("target", metavar="FILE.py[:NAME[,NAME]]")

@@ -25,7 +25,8 @@ from ..codegen.printer import precise_math_for
 from ..masks.empty_entries import without_empty_entries
 from ..backends.layout import empty_like_reference, laid_out_like
 from ..mods.mod_key import traced_from_key
-from ..call.plan import generated_backward_applies, warn_fallback
+from ..call.plan import dropout_backend, generated_backward_applies, warn_fallback
+from ..backends.dropout import Dropout
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
 # The forward and the backward walk query rows, so the q-direction tables are never needed.
@@ -97,28 +98,38 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
              mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
              block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
-             need_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             need_max: bool, dropout_p: float,
+             seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward: ``(out [B,Hq,L,Ev], lse [B,Hq,L], max_scores [B,Hq,L] or empty)``.
 
     ``score_mod``/``mask_mod`` are :func:`flexc.mods.mod_key.mod_key` strings ("" for none);
-    ``block_size`` is empty when there is no BlockMask; ``kernel_options`` is :func:`options_key`'s JSON.
+    ``block_size`` is empty when there is no BlockMask; ``kernel_options`` is :func:`options_key`'s JSON;
+    ``seed`` is a dropout call's 0-d int64 seed (:func:`flexc.backends.dropout.seed_tensor`), None without
+    (required arguments: a graph leaves out arguments equal to their defaults, which the autograd
+    formula could not tell from the inputs it is given).
     """
     return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                        seq_lengths, scale, kernel_options, need_max, True)
+                        seq_lengths, scale, kernel_options, need_max, True, _dropout(dropout_p, seed))
 
 
 def _forward_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
                        mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
                        block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
-                       need_max: bool, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       need_max: bool, need_lse: bool, dropout_p: float = 0.0,
+                       seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_forward` for calls without gradients; the logsumexp is empty unless ``need_lse``."""
     return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                        seq_lengths, scale, kernel_options, need_max, need_lse)
+                        seq_lengths, scale, kernel_options, need_max, need_lse, _dropout(dropout_p, seed))
+
+
+def _dropout(dropout_p: float, seed: Optional[torch.Tensor]) -> Dropout | None:
+    """The ops' dropout arguments as the row loop's :class:`~flexc.backends.dropout.Dropout` (None: none)."""
+    return Dropout(dropout_p, int(seed)) if dropout_p and seed is not None else None
 
 
 def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                 seq_lengths, scale, kernel_options, need_max, need_lse):
+                 seq_lengths, scale, kernel_options, need_max, need_lse, drop=None):
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
     if block_mask is not None:  # the value checks eager flex_attention makes (dynamo cannot read values)
@@ -128,12 +139,13 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
         bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
     options = _options(kernel_options)
     score, mask = precise_math_for(options, score, mask)  # FAST_MATH=False, as in eager calls
+    backend = dropout_backend(options["BACKEND"], drop.p if drop is not None else 0.0)
     row_max = None
-    if options["BACKEND"] == "TRITON":  # the forward that also serves the generated backward
+    if backend == "TRITON":  # the forward that also serves the generated backward
         out, lse = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options)
-    elif need_max or query.dtype == torch.float64:  # float64: keep the logsumexp in float64
+    elif need_max or query.dtype == torch.float64 or drop is not None:  # float64: keep the logsumexp in float64
         out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
-                                             lse_dtype=lse_dtype(query))
+                                             lse_dtype=lse_dtype(query), dropout=drop)
     else:
         out, lse = torch_forward(query, key, value, score, mask, block_mask, scale, options, need_lse)
     if row_max is None:
@@ -149,7 +161,7 @@ flex_attention_op = torch.library.custom_op("flexc::flex_attention", _forward, m
 
 @flex_attention_op.register_fake
 def _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                    seq_lengths, scale, kernel_options, need_max):
+                    seq_lengths, scale, kernel_options, need_max, dropout_p=0.0, seed=None):
     B, Hq, L, _ = query.shape
     Ev = value.shape[-1]
     out = empty_like_reference((B, Hq, L, Ev), query)  # the real implementation's strides
@@ -164,22 +176,25 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
                                tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
                                mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
                                block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
-                               grad_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``."""
+                               grad_slots: list[int], dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``; a dropout call's
+    mask regenerated from ``seed``."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask))
     options = _options(kernel_options)
     score, mask = precise_math_for(options, score, mask)
+    drop = _dropout(dropout_p, seed)
     # flex_attention's own rule for when the generated backward applies
-    if options["BACKEND"] == "TRITON" and generated_backward_applies(score):  # the generated kernels
+    if drop is None and options["BACKEND"] == "TRITON" and generated_backward_applies(score):  # the generated kernels
         dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, lse, grad_out, grad_lse, score,
                                                           mask, block_mask, scale, tuple(grad_slots), options)
     else:
-        if options["BACKEND"] == "TRITON":  # says so, once per score_mod, as eager calls do
+        if options["BACKEND"] == "TRITON" and drop is None:  # says so, once per score_mod, as eager calls do
             warn_fallback(score, "TRITON")
         with _autograd_enabled():  # carries dS through the score_mod
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
-                                                   block_mask, scale, tuple(grad_slots))
+                                                   block_mask, scale, tuple(grad_slots), dropout=drop)
     # each gradient laid out like its input, as an eager call's (flexc.backends.layout), and the captured
     # tensors' contiguous: what the fake implementation promises
     return (laid_out_like(dq, query), laid_out_like(dk, key), laid_out_like(dv, value),
@@ -188,7 +203,7 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
 
 @flex_attention_backward_op.register_fake
 def _(query, key, value, out, lse, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
-      mask_mod, block_size, seq_lengths, scale, kernel_options, grad_slots):
+      mask_mod, block_size, seq_lengths, scale, kernel_options, grad_slots, dropout_p=0.0, seed=None):
     return (empty_like_reference(query.shape, query), empty_like_reference(key.shape, key),
             empty_like_reference(value.shape, value),
             [score_buffers[i].new_empty(score_buffers[i].shape) for i in grad_slots])
@@ -196,7 +211,8 @@ def _(query, key, value, out, lse, grad_out, grad_lse, tables, score_buffers, ma
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths,
-     scale, kernel_options, need_max) = inputs
+     scale, kernel_options, need_max, ctx.dropout_p, seed) = inputs
+    ctx.has_seed = seed is not None
     out, lse, _ = output
     # captured float tensors that require grad (learnable biases, ALiBi slopes) get gradients
     ctx.grad_slots = [i for i, t in enumerate(score_buffers) if t.is_floating_point() and t.requires_grad]
@@ -206,7 +222,7 @@ def _setup_context(ctx, inputs, output):
     # the gradients mirror the inputs' pytree: a list of ints is a leaf (grad None), an empty list is not
     ctx.int_list_grads = [None if len(x) else [] for x in (block_size, seq_lengths)]
     ctx.save_for_backward(query, key, value, out, lse, *[t for t in tables if t is not None],
-                          *score_buffers, *mask_buffers)
+                          *score_buffers, *mask_buffers, *([seed] if ctx.has_seed else []))
 
 
 def _backward(ctx, grad_out, grad_lse, grad_max):
@@ -216,17 +232,18 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
     tables = [next(rest) if present else None for present in ctx.table_present]
     score_buffers = [next(rest) for _ in range(ctx.n_score)]
     mask_buffers = [next(rest) for _ in range(ctx.n_mask)]
+    seed = next(rest) if ctx.has_seed else None
     score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options = ctx.constants
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, buf_grads = flex_attention_backward_op(
         query, key, value, out, lse, grad_out.contiguous(), grad_lse, tables, score_buffers, mask_buffers,
-        score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options, ctx.grad_slots)
+        score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options, ctx.grad_slots, ctx.dropout_p, seed)
     score_grads: list = [None] * ctx.n_score
     for slot, g in zip(ctx.grad_slots, buf_grads):
         score_grads[slot] = g
     return (dq, dk, dv, [None] * ctx.n_tables, score_grads, [None] * ctx.n_mask, None, None,
-            *ctx.int_list_grads, None, None, None)
+            *ctx.int_list_grads, None, None, None, None, None)
 
 
 flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -242,7 +259,7 @@ _LIBRARY.impl("flex_attention_inference", _forward_inference, "CompositeExplicit
 
 @torch.library.register_fake("flexc::flex_attention_inference", lib=_LIBRARY)
 def _(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths, scale,
-      kernel_options, need_max, need_lse):
+      kernel_options, need_max, need_lse, dropout_p=0.0, seed=None):
     out, lse, row_max = _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod,
                                         block_size, seq_lengths, scale, kernel_options, need_max)
     return out, (lse if need_lse else lse.new_empty((0,))), row_max

@@ -2,7 +2,7 @@
 
 Spawned gloo processes each compute the single-process result on the full sequence and the
 distributed one on their shards, and compare outputs, lse and gradients (q, k, v, captured
-tensors) to 1e-5. The exchange is counted by wrapping torch.distributed.irecv, and the ranks a
+tensors, sinks) to 1e-5, with attention dropout too (the same mask from rank 0's seed). The exchange is counted by wrapping torch.distributed.irecv, and the ranks a
 rank must hear from are derived independently from the dense mask.
 """
 from __future__ import annotations
@@ -55,6 +55,11 @@ def _case(name: str, L: int, block: int):
         return _causal, tempered, [log_temp, logits]
     if name == "causal_sinks":  # learned attention sinks, merged once after the ranks' merge
         return _causal, None, [torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)]
+    if name == "causal_dropout":
+        return _causal, None, []
+    if name == "document_alibi_sinks_dropout":  # dropout with captured-tensor gradients and sinks
+        mask, alibi, captured = _case("document_alibi", L, block)
+        return mask, alibi, captured + [torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)]
     if name == "prefix_lm":
         return (lambda b, h, q, kv: (kv < 40) | (q >= kv)), None, []
     if name == "dead_rows":  # rows q % 5 == 3 allow nothing: output 0, lse -inf, zero gradients
@@ -68,18 +73,19 @@ def _case(name: str, L: int, block: int):
 
 def _check_case(name: str, L: int, block: int, Hq: int, Hkv: int, counted: bool) -> None:
     mask_mod, score_mod, captured = _case(name, L, block)
-    sinks = captured[0] if name.endswith("_sinks") else None
-    _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted, sinks)
+    sinks = captured[-1] if "_sinks" in name else None
+    dropout_p = 0.3 if name.endswith("_dropout") else 0.0
+    _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted, sinks, dropout_p)
     if captured:  # an optimizer-like step in place: the next call must read the new values
         with torch.no_grad():
             for t in captured:
                 t.add_(0.5)
                 t.grad = None
-        _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted, sinks)
+        _check_call(mask_mod, score_mod, captured, L, block, Hq, Hkv, counted, sinks, dropout_p)
 
 
 def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv: int, counted: bool,
-                sinks=None) -> None:
+                sinks=None, dropout_p: float = 0.0) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     bm = flexc.create_block_mask(mask_mod, None, None, L, L, BLOCK_SIZE=block)
     q, k, v = random_qkv(2, Hq, Hkv, L, L, 16, seed=L + Hq)
@@ -89,8 +95,10 @@ def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv:
 
     # single process
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    generator = torch.Generator().manual_seed(21)
     out, lse = flexc.flex_attention(*leaves, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True,
-                                    sinks=sinks)
+                                    sinks=sinks, dropout_p=dropout_p, generator=generator)
+    next_draw = torch.randint(0, 2 ** 62, (), generator=generator)
     finite = torch.isfinite(lse)
     ((out * g_out).sum() + (torch.where(finite, lse, 0.0) * g_lse).sum()).backward()
     ref_grads = [t.grad for t in leaves]
@@ -109,9 +117,12 @@ def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv:
         return real_irecv(tensor, src=src, group=group, tag=tag)
 
     dist.irecv = counting_irecv
+    # (another rank's generator differs: every rank drops with rank 0's seed, broadcast)
+    generator = torch.Generator().manual_seed(21 + 1000 * rank)
     try:
         out_l, lse_l = cp.flex_attention(*shards, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                                         return_lse=True, plan=plan, sinks=sinks)
+                                         return_lse=True, plan=plan, sinks=sinks, dropout_p=dropout_p,
+                                         generator=generator)
         forward_sources = sorted(received)
         received.clear()
         gl_out, gl_lse = (cp.shard_sequence(g, bm, plan=plan) for g in (g_out, g_lse))
@@ -128,6 +139,8 @@ def _check_call(mask_mod, score_mod, captured, L: int, block: int, Hq: int, Hkv:
     for t, ref in zip(captured, ref_captured):
         torch.testing.assert_close(t.grad, ref, **TOL)
     torch.testing.assert_close(cp.unshard_sequence(out_l, bm, plan=plan), out.detach(), **TOL)
+    if dropout_p and rank == 0:  # its generator advanced as the single call's did
+        assert torch.equal(torch.randint(0, 2 ** 62, (), generator=generator), next_draw)
 
     # who must talk to whom, from the dense mask and the shard each token landed in
     owner = torch.empty(L, dtype=torch.int64)
@@ -221,7 +234,8 @@ def test_two_ranks_match_single_process():
     _spawn(2, [("causal", 200, 32, 4, 2, False), ("sliding", 256, 32, 2, 2, False),
                ("document_alibi", 232, 32, 4, 2, False), ("prefix_lm", 224, 32, 2, 1, False),
                ("dead_rows", 200, 32, 2, 2, False), ("temperature_softmax_slopes", 160, 32, 4, 2, False),
-               ("causal_sinks", 128, 32, 4, 2, False)])
+               ("causal_sinks", 128, 32, 4, 2, False), ("causal_dropout", 200, 32, 4, 2, False),
+               ("document_alibi_sinks_dropout", 232, 32, 4, 2, False)])
 
 
 def test_four_ranks_skip_pairs_they_do_not_need():
@@ -265,6 +279,8 @@ def test_flex_attention_errors_name_the_fix():
     bm = flexc.create_block_mask(_causal, None, None, 64, 64, BLOCK_SIZE=16)
     with pytest.raises(RuntimeError, match="init_process_group"):
         cp.flex_attention(q, q, q, block_mask=bm)
+    with pytest.raises(ValueError, match=r"distributed.flex_attention: dropout_p must be in \[0, 1\), got 1.5.*Fix"):
+        cp.flex_attention(q, q, q, block_mask=bm, dropout_p=1.5)
     with pytest.raises(ValueError, match="layout"):
         cp.plan_context_parallel(bm, 2, layout="ring")
 

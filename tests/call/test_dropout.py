@@ -1,10 +1,12 @@
 """Attention dropout (flexc's ``dropout_p=``): p = 0 is the call without it; a seed fixes the mask, the
 mask is the counter-based one of flexc.backends.dropout (Philox 4x32-10, checked bit for bit against an
 independent integer implementation), outputs and gradients equal a float64 dense reference that
-uses the same mask, the mean over seeds approaches the undropped output, masked rows stay 0."""
+uses the same mask, the mean over seeds approaches the undropped output, masked rows stay 0;
+torch.compile draws the same seed and mask as eager."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -124,12 +126,144 @@ def test_bad_dropout_arguments_name_the_fix():
         flexc.flex_attention(q, q, q, dropout_p="0.1")
     with pytest.raises(TypeError, match=r"generator must be a torch.Generator.*Fix"):
         flexc.flex_attention(q, q, q, dropout_p=0.1, generator=3)
-    # (dynamo reports the error raised while tracing as its own Unsupported, message included)
-    with pytest.raises((NotImplementedError, torch._dynamo.exc.Unsupported), match="dropout_p > 0 under torch.compile"):
-        torch.compile(lambda q: flexc.flex_attention(q, q, q, dropout_p=0.1), fullgraph=True)(q)
 
 
 def test_kernel_source_says_a_dropout_call_runs_no_generated_kernel():
     q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=6)
     text = flexc.kernel_source(q, k, v, enable_gqa=True, kernel_options={"BACKEND": "TRITON"}, dropout_p=0.1)
-    assert "TORCH" in text and "@triton.jit" not in text
+    assert text.startswith("# flexc: this call runs no generated kernel: dropout_p=0.1 runs on the TORCH backend")
+    assert "@triton.jit" not in text and "Fix: pass dropout_p=0" in text
+
+
+# ---- torch.compile -------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _alibi_model(slopes, sinks=None):
+    """Two dropout calls (two masks) and a sink call in one function, as a model's layers would make."""
+    block_mask = flexc.create_block_mask(_mask, None, None, L, S, BLOCK_SIZE=16)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs() * 0.1
+
+    def f(q, k, v):
+        first = flexc.flex_attention(q, k, v, alibi, block_mask, enable_gqa=True, dropout_p=0.3)
+        second = flexc.flex_attention(q, k, v, alibi, block_mask, enable_gqa=True, dropout_p=0.3, sinks=sinks)
+        return first, second
+    return f, alibi
+
+
+def test_compiled_dropout_equals_eager_and_dense_with_the_same_mask(fresh_dynamo):
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, HQ, HKV, L, S, E, seed=8))
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], requires_grad=True)
+    f, alibi = _alibi_model(slopes)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    d_out = torch.randn(B, HQ, L, E, generator=torch.Generator().manual_seed(3))
+    leaves = [q, k, v, slopes]
+
+    def run(fn):
+        torch.manual_seed(11)
+        outs = fn(q, k, v)
+        after = torch.randint(0, 2 ** 62, ())  # the generator advanced as eager advances it
+        loss = sum((out * d_out * i).sum() for i, out in enumerate(outs, 1))
+        return outs, torch.autograd.grad(loss, leaves), after
+
+    (c_first, c_second), c_grads, c_after = run(compiled)
+    (e_first, e_second), e_grads, e_after = run(f)
+    assert torch.equal(c_first, e_first) and torch.equal(c_second, e_second) and torch.equal(c_after, e_after)
+    for name, a, b in zip(["q", "k", "v", "slopes"], c_grads, e_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=lambda m: f"d{name}: {m}")
+    assert not torch.equal(c_first, c_second)  # each call draws its own seed (no CSE of the draws)
+
+    # against the float64 dense reference with the masks of the seeds eager draws
+    torch.manual_seed(11)
+    drops = [dropout.draw(0.3, None), dropout.draw(0.3, None)]
+    refs = [_dense(q, k, v, drop, alibi) for drop in drops]
+    for got, ref in zip((c_first, c_second), refs):
+        torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=0)
+    loss = sum((ref * d_out.double() * i).sum() for i, ref in enumerate(refs, 1))
+    for name, a, b in zip(["q", "k", "v", "slopes"], c_grads, torch.autograd.grad(loss, leaves)):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4, msg=lambda m: f"d{name}: {m}")
+
+
+def test_compiled_dropout_with_sinks_and_without_gradients_equals_eager(fresh_dynamo):
+    q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=9)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    f, _ = _alibi_model(torch.tensor([0.1, 0.2, 0.3, 0.4]), sinks)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for grad in (True, False):  # the training op and the inference op
+        with torch.set_grad_enabled(grad):
+            torch.manual_seed(12)
+            got = compiled(q, k, v)
+            torch.manual_seed(12)
+            want = f(q, k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    torch.manual_seed(12)
+    g_eager = torch.autograd.grad(f(q, k, v)[1].sum(), sinks)[0]
+    torch.manual_seed(12)
+    g_compiled = torch.autograd.grad(compiled(q, k, v)[1].sum(), sinks)[0]
+    torch.testing.assert_close(g_compiled, g_eager, atol=1e-6, rtol=0)
+
+
+def test_compiled_dropout_with_a_generator_breaks_the_graph_once_said(fresh_dynamo):
+    q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=10)
+
+    def f(q, k, v, generator):
+        return flexc.flex_attention(q, k, v, enable_gqa=True, dropout_p=0.2, generator=generator) * 2
+
+    generator = torch.Generator().manual_seed(4)
+    want = [f(q, k, v, generator) for _ in range(2)]
+    generator.manual_seed(4)
+    with pytest.warns(UserWarning, match="draws its seed outside the graph.*Fix: pass generator=None"):
+        got = [torch.compile(f, backend="aot_eager")(q, k, v, generator) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="generator= is a torch.Generator.*Fix: pass generator=None"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, generator)
+
+
+def test_compiled_dropout_on_triton_runs_torch_as_eager_does(fresh_dynamo):
+    q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=11)
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, enable_gqa=True, dropout_p=0.2, kernel_options={"BACKEND": "TRITON"},
+                                    return_aux=flexc.AuxRequest(lse=True, max_scores=True))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flexc.FallbackWarning)  # (warned once per process: tested above)
+        torch.manual_seed(13)
+        got_out, got_aux = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+        torch.manual_seed(13)
+        want_out, want_aux = f(q, k, v)
+    assert torch.equal(got_out, want_out) and torch.equal(got_aux.lse, want_aux.lse)
+    assert torch.equal(got_aux.max_scores, want_aux.max_scores)
+
+
+def test_custom_ops_with_a_seed_pass_opcheck():
+    from flexc.mods.mod_key import mod_key
+    from flexc.torch_compile import custom_ops
+
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 32, 32, 8, seed=12))
+    block_mask = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 32, 32,
+                                         BLOCK_SIZE=16)
+    tables = [getattr(block_mask, name) for name in custom_ops.TABLE_NAMES]
+    mask = flexc.trace(block_mask.mask_mod)
+    seed = dropout.seed_tensor(torch.Generator().manual_seed(5))
+    args = (q, k, v, tables, [], list(mask.buffers), "", mod_key(mask), [16, 16], [32, 32], 0.3,
+            custom_ops.options_key({"BACKEND": "TORCH"}), False, 0.25, seed)
+    torch.library.opcheck(custom_ops.flex_attention_op, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    out = custom_ops.flex_attention_op(*args)[0]
+    assert torch.equal(out, _call_plain(q, k, v, 0.25, int(seed), block_mask))
+
+
+def _call_plain(q, k, v, p, seed, block_mask):
+    """The eager call with this seed (its dropout drawn as flexc.backends.dropout.draw would)."""
+    from flexc.call.attention import attend
+
+    return attend(q, k, v, None, block_mask, 0.3, False, False, {"BACKEND": "TORCH"}, None, dropout.Dropout(p, seed))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -87,6 +88,54 @@ def test_show_prints_the_kernels_the_call_it_describes_launches(mods_file, capsy
     assert ("target: cuda" in shown) == (device == "cuda")
 
 
+def _expected_source(device: str, L: int, training: bool, **call) -> str:
+    """kernel_source of the call `flexc show mods.py:alibi,causal --kv-len 64 --heads 4 --kv-heads 2` describes."""
+    namespace = {}
+    exec(MODS, namespace)
+    q = torch.randn(1, 4, L, 16, requires_grad=training)
+    k = v = torch.randn(1, 2, 64, 16, requires_grad=training)
+    block_mask = flexc.create_block_mask(namespace["causal"], None, None, L, 64, device="cpu", BLOCK_SIZE=32)
+    with flexc.device.simulate("sm_90" if device == "cuda" else None), warnings.catch_warnings():
+        warnings.simplefilter("ignore", flexc.FallbackWarning)
+        return flexc.kernel_source(q, k, v, score_mod=namespace["alibi"], block_mask=block_mask, enable_gqa=True,
+                                   kernel_options={"BACKEND": "TRITON"}, **call)
+
+
+def _show(mods_file, capsys, device: str, L: int, *flags) -> tuple[str, str]:
+    assert main(["show", f"{mods_file}:alibi,causal", "--device", device, "--dtype", "float32", "--head-dim", "16",
+                 "--q-len", str(L), "--kv-len", "64", "--heads", "4", "--kv-heads", "2", "--block-size", "32",
+                 *flags]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+@pytest.mark.parametrize("flags", [[], ["--training"], ["--backward"]])
+@pytest.mark.parametrize("L,device", [(40, "cpu"), (1, "cuda")])
+def test_show_sinks_prints_the_sink_free_kernels_and_says_how_the_sinks_join(mods_file, capsys, flags, L, device):
+    shown, err = _show(mods_file, capsys, device, L, "--sinks", *flags)
+    training = bool(flags)
+    sinks = torch.zeros(4, requires_grad=training)
+    with_sinks = _expected_source(device, L, training, sinks=sinks, backward="--backward" in flags)
+    without = _expected_source(device, L, training, return_lse=True, backward="--backward" in flags)
+    assert with_sinks == without  # what runs today: the sink-free call's kernels, then the merge in torch
+    note, kernels = shown.split("autograd carries their gradient.\n")
+    assert kernels == with_sinks and err == ""
+    assert "sinks join after them, in torch (flexc.call.sinks.with_sinks" in note
+    assert all(line.startswith("# ") for line in note.splitlines())  # the text still parses as Python
+
+
+@pytest.mark.parametrize("flags", [[], ["--backward"]])
+def test_show_dropout_says_the_torch_backend_runs_it(mods_file, capsys, flags):
+    shown, err = _show(mods_file, capsys, "cuda", 40, "--dropout", "0.2", *flags)
+    assert shown == _expected_source("cuda", 40, bool(flags), dropout_p=0.2, backward=bool(flags))
+    what = "backward" if flags else "call"
+    assert shown.startswith(f"# flexc: this {what} runs no generated kernel: dropout_p=0.2 runs on the TORCH backend")
+    assert "@triton.jit" not in shown and "Fix: pass dropout_p=0" in shown
+    assert err == ""  # the FallbackWarning's news is in the text, not a warning line
+    assert _show(mods_file, capsys, "cuda", 40, "--dropout", "0", *flags)[0] == _show(mods_file, capsys, "cuda", 40,
+                                                                                       *flags)[0]
+
+
 def test_show_defaults_to_the_cuda_kernel_of_the_files_mods(mods_file, capsys):
     assert main(["show", mods_file, "--head-dim", "128"]) == 0
     out = capsys.readouterr().out
@@ -125,6 +174,10 @@ def test_console_script_module_runs(mods_file):
     (["--v-head-dim", "0"], "--v-head-dim must be >= 1, got 0"),
     (["--head-dim", "x"], "--head-dim takes a positive integer, got 'x'"),
     (["--block-size", "0"], "--block-size takes N or Q,KV with positive sizes"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5. Fix: pass e.g. --dropout 0.1"),
+    (["--dropout", "-0.1"], "--dropout must be in [0, 1), got -0.1. Fix"),
+    (["--dropout", "nan"], "--dropout must be in [0, 1), got nan. Fix"),
+    (["--dropout", "x"], "--dropout takes a probability in [0, 1), got 'x'. Fix: pass e.g. --dropout 0.1"),
 ])
 def test_show_rejects_bad_sizes_before_generating_anything(mods_file, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

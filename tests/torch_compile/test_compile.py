@@ -121,10 +121,10 @@ def test_custom_ops_pass_opcheck():
     tables = [getattr(bm, name) for name in custom_ops.TABLE_NAMES]
     mask = flexc.trace(bm.mask_mod)
     args = (q, k, v, tables, [slopes], list(mask.buffers), mod_key(score), mod_key(mask), [16, 16], [32, 32],
-            0.3, custom_ops.options_key({"BACKEND": "TORCH"}), False)
+            0.3, custom_ops.options_key({"BACKEND": "TORCH"}), False, 0.0, None)
     torch.library.opcheck(custom_ops.flex_attention_op, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[:4]) + ([slopes.detach()],) + args[5:]
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[:4]) + ([slopes.detach()],) + args[5:-2]
     for need_lse in (True, False):
         torch.library.opcheck(custom_ops.flex_attention_inference_op, (*plain, need_lse),
                               test_utils=("test_schema", "test_faketensor"))
