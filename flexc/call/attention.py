@@ -114,7 +114,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return (out, lse) if return_lse else out
     dropout_p = dropout.check(dropout_p, generator)
     if torch.compiler.is_compiling():
-        seed = (dropout.seed_tensor(None) if generator is None else _seed_outside_graph(generator)) if dropout_p else None
+        seed = (dropout.seed_tensor(None) if generator is None else _generator_seed_outside_the_graph(generator)) if dropout_p else None
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
                               return_lse, return_aux, dropout_p, seed)
     drop = dropout.draw(dropout_p, generator) if dropout_p else None
@@ -165,10 +165,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
     return out
 
 
-@torch.compiler.disable(reason="flexc: flex_attention's generator= is a torch.Generator, which dynamo cannot "
-                                "trace; its seed is drawn outside the graph. Fix: pass generator=None inside the "
-                                "compiled region (the seed then comes from torch's default generator, in the graph)")
-def _seed_outside_graph(generator: torch.Generator) -> torch.Tensor:
+# torch._disable_dynamo, not torch.compiler.disable: the latter imports dynamo (and sympy, seconds) when
+# flexc is imported; this one imports it on the first call, which happens only inside a compiled region
+@torch._disable_dynamo
+def _generator_seed_outside_the_graph(generator: torch.Generator) -> torch.Tensor:
     """The seed of a compiled call with an explicit ``generator``: drawn eagerly (a graph break), said once."""
     _warn_generator_breaks_graph()
     return dropout.seed_tensor(generator)

@@ -223,7 +223,9 @@ def test_compiled_dropout_with_a_generator_breaks_the_graph_once_said(fresh_dyna
         got = [torch.compile(f, backend="aot_eager")(q, k, v, generator) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="generator= is a torch.Generator.*Fix: pass generator=None"):
+    # (torch's own message names the function that draws the seed eagerly: flexc cannot word it without
+    # importing dynamo when flexc is imported, which costs seconds)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="_generator_seed_outside_the_graph"):
         torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, generator)
 
 
