@@ -75,6 +75,11 @@ def score_source(body: str, names: Sequence[str] = ("score", *INPUTS)) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Grammar:
+    """Templates by kind of expression (see the module's docstring): ``leaves[kind]`` end a branch,
+    ``forms[kind]`` nest; ``atoms[name]`` draws the text of an ``{name}`` slot; ``depth`` (one for
+    all kinds or by kind) bounds the nesting of a fresh expression; a node is a leaf with chance
+    1 / ``leaf_odds``. A template listed twice is drawn twice as often."""
+
     leaves: Mapping[str, Sequence[str]]
     forms: Mapping[str, Sequence[str]]
     atoms: Mapping[str, st.SearchStrategy[str]]
@@ -141,7 +146,7 @@ TRACE_TABLE = 16
 """The length of TRACE_*'s 1-D captured tables (``int_table``, ``int32_table``, ``float_table``,
 ``bool_table``, ``doc``; ``head_table`` is ``[H, 16]``, ``offsets`` indexed by ``doc``'s values)."""
 
-_T = TRACE_TABLE
+_T = TRACE_TABLE  # (short, for the templates below)
 TRACE_SCORE = Grammar(
     leaves={
         # relative positions: negatives are common

@@ -12,11 +12,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import flexc
 from reference import dense_attention
+from strategies import examples
 
 pytestmark = [pytest.mark.filterwarnings("ignore:return_lse is deprecated"),
               # NumPy (under Triton's interpreter) warns about the NaN it is asked to carry
@@ -100,13 +101,13 @@ def check(p, backend: str, dtype: torch.dtype, atol: float) -> None:
     torch.testing.assert_close(lse.double(), ref_lse, atol=atol, rtol=0)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@examples(40, slow=True)
 @given(problems(max_len=100), st.sampled_from([torch.float32, torch.float64, torch.float16]))
 def test_torch_backend_any_layout_and_padding(p, dtype):
     check(p, "TORCH", dtype, atol=1e-2 if dtype == torch.float16 else 2e-5)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@examples(8, slow=True)
 @given(problems(max_len=40, min_q_len=17))  # (16 rows or fewer run the decode kernel, not guarded yet)
 def test_triton_backend_any_layout_and_padding(p):
     check(p, "TRITON", torch.float32, atol=2e-5)

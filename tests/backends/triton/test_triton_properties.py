@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import flexc
 from reference import dense_attention
+from strategies import examples
 
 
 def window_mask(lower: int, upper: int, period: int, head_step: int):
@@ -41,7 +42,7 @@ def problems(draw):
 
 
 @pytest.mark.filterwarnings("ignore:return_lse is deprecated")
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@examples(25, slow=True)
 @given(problems())
 def test_random_problems_match_dense_reference(p):
     g = torch.Generator().manual_seed(p["seed"])
