@@ -1,8 +1,7 @@
-"""Attention backends: functions that run the forward pass for :func:`flexc.flex_attention`.
+"""Attention backends: what runs a :func:`flexc.flex_attention` call once it is planned.
 
-Every forward backend has the signature ``forward(query, key, value, score_mod, mask_mod,
-block_mask, scale, kernel_options, need_lse) -> (out, lse)``, where ``score_mod``/``mask_mod``
-are :class:`flexc.TracedMod` or ``None`` and ``block_mask`` is a BlockMask (flexc's or torch's) or
-``None`` for "everything allowed". Backends are registered by name in
-``flexc.call.attention.BACKENDS``. The backward pass always runs on :mod:`flexc.backends.cpu.torch_cpu`.
+:mod:`flexc.backends.registry` names them (``"TORCH"``: :mod:`flexc.backends.cpu`; ``"TRITON"``:
+:mod:`flexc.backends.triton`, whose generated backward trains too); the other backends train
+through the CPU path's backward. The modules here serve every backend: output layouts, dropout's
+keep decisions, NaN/inf-safe pieces.
 """
