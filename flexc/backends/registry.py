@@ -8,8 +8,9 @@ None (everything allowed). ``"TORCH"`` is the CPU block-sparse path; the Triton 
 ``"TRITON"`` when its package is imported, which :func:`available` does on first need.
 
 A backend that also generates its backward registers it in :data:`TRAINING` as ``(forward,
-backward)``: that forward returns ``(out, lse natural log, float64 for float64 inputs)`` and the
-backward takes :func:`flexc.backends.cpu.torch_cpu.torch_backward`'s arguments plus kernel_options.
+backward)``: that forward returns ``(out, lse natural log, float64 for float64 inputs, stats)``, and
+the backward takes :func:`flexc.backends.cpu.torch_cpu.torch_backward`'s arguments with ``stats``
+(whatever that forward saves for it) in place of the logsumexp, plus kernel_options.
 Backends not listed there train through the torch row loop.
 """
 from __future__ import annotations

@@ -34,29 +34,31 @@ class _FlexAttentionFunction(torch.autograd.Function):
         if fallback is not None:
             warn_fallback(score_mod, fallback)
         ctx.options, ctx.dropout = options, drop
+        stats = None
         if training is not None:
-            out, lse = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options)
+            out, lse, stats = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options)
         elif forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
             # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
                                            need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop)
         else:
             out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True)
-        ctx.save_for_backward(query, key, value, out, lse)
+        # what the backward reads: the generated backward's own statistics, else the logsumexp
+        ctx.save_for_backward(query, key, value, out, lse if stats is None else stats)
         ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
         return out, lse.to(lse_dtype(query.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, out, saved = ctx.saved_tensors
         score_mod, mask_mod, block_mask, scale, slots = ctx.mods
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if ctx.backward_fn is not None:  # the backend's generated backward
-            dq, dk, dv, buf_grads = ctx.backward_fn(query, key, value, out, lse, grad_out, grad_lse, score_mod,
+            dq, dk, dv, buf_grads = ctx.backward_fn(query, key, value, out, saved, grad_out, grad_lse, score_mod,
                                                     mask_mod, block_mask, scale, slots, ctx.options)
         else:
-            dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod,
+            dq, dk, dv, buf_grads = torch_backward(query, key, value, out, saved, grad_out, grad_lse, score_mod,
                                                    mask_mod, block_mask, scale, slots, dropout=ctx.dropout)
         dq, dk, dv = (laid_out_like(g, t) for g, t in ((dq, query), (dk, key), (dv, value)))
         return (dq, dk, dv, None, None, None, None, None, None, None, None, None, *buf_grads)

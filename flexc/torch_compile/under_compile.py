@@ -236,7 +236,7 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
                      list(spec.block_size), seq_lengths, spec.scale, custom_ops.options_key(dict(spec.options)),
                      spec.need_max)
         if needs_grad:
-            out, lse, row_max = custom_ops.flex_attention_op(*arguments, spec.dropout_p, seed)
+            out, lse, row_max, _ = custom_ops.flex_attention_op(*arguments, spec.dropout_p, seed)
             lse = lse if spec.need_lse else lse.new_empty((0,))
         else:
             out, lse, row_max = custom_ops.flex_attention_inference_op(*arguments, spec.need_lse, spec.dropout_p,

@@ -167,24 +167,26 @@ PARAMS = [(backend, dtype, case) for backend in ("TORCH", "TRITON") for dtype in
 # Gradients the generated TRITON backward does not yet bring within the bound (worst ratio over the
 # 20 seeds when this was written). Each is still measured: the test reports them as an expected
 # failure while they exceed the bound, and fails once one no longer does (remove it here then).
-_FP32_DELTA = ("the generated backward's delta is rowsum(out * dO) and its probabilities come from the "
-               "forward's fp32 logsumexp (rounded twice: natural log, then base 2), so they sum to 1 only to "
-               "a few ulps of |lse| per row; SDPA's autograd softmax uses its own normalised P and delta. "
-               "Emulated in torch, a per-row pass (delta and the probability sum from the backward's own P, "
-               "as the TORCH backward does) brings dbias to <= 1.19x")
+_FP32_DELTA = ("the generated backward's delta is rowsum(out * dO), from the forward's rounded output, "
+               "and its dK/dV programs take probabilities from the base-2 logsumexp rounded once (the dQ "
+               "programs divide by the forward's row sum instead, so theirs sum to 1 as the forward's); "
+               "SDPA's autograd softmax uses its own normalised P and a delta from it. Emulated in torch, a "
+               "per-row pass (delta and the probability sum from the backward's own P, as the TORCH backward "
+               "does) brings dbias to <= 1.19x; an exact (float64) delta alone does not")
 _BF16_DS = ("dS is rounded to bf16 before the dq/dk dots (as in torch's Triton template) and delta comes "
             "from the bf16-rounded output; torch's eager order keeps dS and delta in fp32. With dS kept "
             "in fp32 (interpreter experiment) relative/bias/relbias dq, dk fall to <= 0.95x; square needs "
-            "the fp32 delta too")
+            "the fp32 delta too. (alibi's dq was 1.098x before the dQ programs took the forward's row max "
+            "and sum: the same bf16 roundings of dS, met at other fp32 values)")
 KNOWN_EXCESS = {
-    ("TRITON", torch.float32, "mask"): ({"dk": 1.20, "dv": 1.26}, _FP32_DELTA),
-    ("TRITON", torch.float32, "bias"): ({"dq": 1.51, "dk": 1.25, "dbias": 1.78}, _FP32_DELTA),
-    ("TRITON", torch.float32, "relbias"): ({"dq": 1.55, "dk": 1.28, "drelbias": 1.81}, _FP32_DELTA),
-    ("TRITON", torch.float32, "alibi"): ({"dq": 1.40, "dalibi": 1.32}, _FP32_DELTA),
-    ("TRITON", torch.bfloat16, "square"): ({"dq": 2.56, "dk": 2.28}, _BF16_DS),
-    ("TRITON", torch.bfloat16, "relative"): ({"dq": 1.19, "dk": 1.15}, _BF16_DS),
+    ("TRITON", torch.float32, "bias"): ({"dq": 1.26, "dbias": 1.60}, _FP32_DELTA),
+    ("TRITON", torch.float32, "relbias"): ({"dk": 1.23, "drelbias": 1.58}, _FP32_DELTA),
+    ("TRITON", torch.float32, "alibi"): ({"dq": 1.25}, _FP32_DELTA),
+    ("TRITON", torch.bfloat16, "square"): ({"dq": 2.62, "dk": 2.28}, _BF16_DS),
+    ("TRITON", torch.bfloat16, "relative"): ({"dq": 1.21, "dk": 1.15}, _BF16_DS),
     ("TRITON", torch.bfloat16, "bias"): ({"dq": 1.25, "dk": 1.23}, _BF16_DS),
-    ("TRITON", torch.bfloat16, "relbias"): ({"dq": 1.22, "dk": 1.21}, _BF16_DS),
+    ("TRITON", torch.bfloat16, "relbias"): ({"dq": 1.28, "dk": 1.21}, _BF16_DS),
+    ("TRITON", torch.bfloat16, "alibi"): ({"dq": 1.11}, _BF16_DS),
 }
 
 

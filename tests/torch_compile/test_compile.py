@@ -372,9 +372,10 @@ def test_custom_ops_fake_strides_equal_the_real_ones_for_permuted_inputs():
     for backend in ("TORCH", "TRITON"):
         common = (tables, [slopes.detach()], list(mask.buffers), mod_key(score), mod_key(mask), [16, 16], [32, 32],
                   0.3, custom_ops.options_key({"BACKEND": backend}))
-        out, lse, _ = custom_ops.flex_attention_inference_op(q, k, v, *common, False, True)
+        # the training op's outputs: the logsumexp and the statistics the generated backward reads
+        out, lse, _, stats = custom_ops.flex_attention_op(q, k, v, *common, False, 0.0, None)
         grad_out = torch.randn(out.shape, generator=g)
-        backward = (q, k, v, out, lse, grad_out, None, *common, [0])
+        backward = (q, k, v, out, lse, stats, grad_out, None, *common, [0])
         real = [*custom_ops.flex_attention_inference_op(q, k, v, *common, False, True)[:2],
                 *pytree.tree_leaves(custom_ops.flex_attention_backward_op(*backward))]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:

@@ -1,9 +1,11 @@
 """The generated-Triton backward: its spec, its prologue, and the launch.
 
 :func:`triton_backward` is what ``BACKEND: "TRITON"`` runs for ``flex_attention``'s backward (on
-CUDA compiled, on CPU through Triton's interpreter): two launches, no eager pass. The prologue
-(:mod:`flexc.codegen.prologue`) computes ``delta = rowsum(out · dO) − dlse`` and the base-2
-logsumexp per query row; the kernel of :mod:`flexc.codegen.backward` then writes the gradients. Key/value gradients
+CUDA compiled, on CPU through Triton's interpreter): two launches, no eager pass. The training
+forward (:func:`forward_for_training`) saves, beside the logsumexp the user sees, each row's base-2
+max and sum of ``exp2(score − max)`` (``stats``). The prologue (:mod:`flexc.codegen.prologue`)
+computes ``delta = rowsum(out · dO) − dlse`` and the base-2 logsumexp from them per query row; the
+kernel of :mod:`flexc.codegen.backward` then writes the gradients. Key/value gradients
 of a batch-broadcast key (``Bkv = 1``) are computed per batch and summed afterwards, so no
 program ever adds into another's dk/dv; captured-tensor gradients go through fp32/fp64 atomics.
 """
@@ -60,19 +62,20 @@ def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
     return PrologueSpec(work, v_pad, min(128, max(16, 8192 // v_pad)), spec.target)
 
 
-def launch_prologue(spec: PrologueSpec, out, lse, grad_out, grad_lse, work_dtype: torch.dtype):
+def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dtype: torch.dtype):
     """Run the prologue kernel: ``(delta, lse2)``, each ``[B, Hq, L]`` contiguous in ``work_dtype``."""
-    delta = torch.empty(lse.shape, dtype=work_dtype, device=out.device)
+    delta = torch.empty(stats.shape[1:], dtype=work_dtype, device=out.device)
     lse2 = torch.empty_like(delta)
     kernel = cache.get_kernel(spec, out.device)
-    args, constants = launcher.prologue_arguments(spec, out, grad_out, lse, grad_lse, delta, lse2)
+    args, constants = launcher.prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2)
     gpu.launch(kernel.fn, launcher.prologue_grid(spec, out), spec, out.device, args, constants)
     return delta, lse2
 
 
-def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, grad_lse,
+def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out, grad_lse,
                     score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float):
-    """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``."""
+    """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``.
+    ``stats`` are :func:`forward_for_training`'s."""
     L, S = query.shape[2], value.shape[2]
     device = query.device
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -81,12 +84,12 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, lse, grad_out, g
         return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
                 [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)])
     # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-    delta, lse2 = launch_prologue(prologue_spec(spec), out, lse, grad_out, grad_lse, acc)
+    delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
     tables = launcher.backward_tables(block_mask, spec, L, S, device)
     launcher.check_query_blocks(tables, L, spec.q_block_size)
     kernel = cache.get_kernel(spec, device)
     args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2, delta,
-                                                  dq, dk, dv, tables, grads, score_mod, mask_mod, scale)
+                                                  stats, dq, dk, dv, tables, grads, score_mod, mask_mod, scale)
     gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
     if summed:
         dk = dk.sum(0, keepdim=True).to(key.dtype)
@@ -119,12 +122,12 @@ def plan_backward(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
     return BackwardPlan(score_mod, mask_mod, (prologue_spec(spec), spec))
 
 
-def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: TracedMod | None,
+def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod: TracedMod | None,
                     mask_mod: TracedMod | None, block_mask: Any, scale: float, grad_slots: Sequence[int] = (),
                     kernel_options: dict | None = None):
     """The ``"TRITON"`` backward: ``(dq, dk, dv, buffer_grads)`` like :func:`torch_cpu.torch_backward`.
 
-    ``lse`` is the forward's natural-log logsumexp (``-inf`` on rows with nothing allowed);
+    ``stats`` are :func:`forward_for_training`'s (in place of the logsumexp ``torch_backward`` takes);
     ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``. The kernel is
     :func:`plan_backward`'s.
     """
@@ -134,16 +137,18 @@ def triton_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: 
         spec = plan.kernels[1]  # (launch_backward launches the prologue kernels[0] of it)
     else:  # launch_backward returns the zero gradients without a kernel
         spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
-    return launch_backward(spec, query, key, value, out, lse, grad_out, grad_lse, score_mod, mask_mod,
+    return launch_backward(spec, query, key, value, out, stats, grad_out, grad_lse, score_mod, mask_mod,
                            block_mask, scale)
 
 
 def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None,
                          block_mask: Any, scale: float, kernel_options: dict | None):
-    """The Triton forward that autograd saves for :func:`triton_backward`: ``(out, lse)``, the
-    logsumexp in float64 for float64 inputs (the backward's probabilities come from it). Its kernel
-    is :func:`flexc.backends.triton.forward.plan_forward`'s with ``training=True``: the forward
-    kernel that writes the logsumexp, for short queries too."""
+    """The Triton forward that autograd saves for :func:`triton_backward`: ``(out, lse, stats)``, the
+    logsumexp (the user's) and ``stats`` ``[2, B, Hq, L]``, each row's base-2 max (+inf where the row
+    allows nothing) and its sum of ``exp2(score − max)``: the backward's probabilities come from them,
+    so they sum to 1 as the forward's did. Float64 for float64 inputs. Its kernel is
+    :func:`flexc.backends.triton.forward.plan_forward`'s with ``training=True``: the forward kernel
+    that writes them, for short queries too."""
     plan = forward.plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, True,
                                 training=True)
     return forward.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, True)

@@ -24,10 +24,12 @@ from . import cache, config, decode, launcher
 
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
               v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None, target: str,
-              need_lse: bool, has_full_blocks: bool = True, index_dtype: str = "int32") -> ForwardSpec:
+              need_lse: bool, has_full_blocks: bool = True, index_dtype: str = "int32",
+              training: bool = False) -> ForwardSpec:
     """The :class:`ForwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
 
-    ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`).
+    ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`);
+    ``training`` adds the generated backward's statistics to the outputs.
     """
     if block_size is None:
         block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, v_head_dim,
@@ -39,16 +41,17 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
                                                                 kv_block, target)
     flags = config.flags(kernel_options)
     return ForwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, block_m, block_n,
-                       warps, stages, has_full_blocks, need_lse, target, config.fp32_precision(target),
+                       warps, stages, has_full_blocks, need_lse or training, training, target,
+                       config.fp32_precision(target),
                        flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
-                  block_mask: Any, kernel_options: dict | None, need_lse: bool) -> ForwardSpec:
+                  block_mask: Any, kernel_options: dict | None, need_lse: bool, training: bool = False) -> ForwardSpec:
     """The forward kernel's spec that a flex_attention call with these (validated) arguments runs."""
     layout = config.call_layout(query, value, score_mod, mask_mod, block_mask, kernel_options)
     return make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], layout.block_size,
-                     kernel_options, layout.target, need_lse, layout.has_full_blocks, layout.index_dtype)
+                     kernel_options, layout.target, need_lse, layout.has_full_blocks, layout.index_dtype, training)
 
 
 class ForwardPlan(NamedTuple):
@@ -77,7 +80,8 @@ def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     :func:`flexc.kernel_source` share: short queries (:func:`flexc.backends.triton.decode.applies`) run the
     split-KV decode kernel then its merge, except in training, whose generated backward takes the
     forward kernel's logsumexp; anything else runs the forward kernel (its logsumexp variant when
-    ``need_lse`` or ``training``), or nothing when :func:`launches_nothing`.
+    ``need_lse`` or ``training``, which also writes the backward's statistics), or nothing when
+    :func:`launches_nothing`.
     """
     score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
     if not training and decode.applies(query, key, block_mask):  # short queries: split-KV decoding
@@ -86,14 +90,16 @@ def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     need_lse = need_lse or training
     if launches_nothing(query, value, need_lse):
         return ForwardPlan(score_mod, mask_mod, ())
-    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
+    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse, training)
     return ForwardPlan(score_mod, mask_mod, (spec,))
 
 
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-           lse_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the forward kernel for ``spec`` on these tensors; the mods supply the captured-tensor values.
+           lse_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run the forward kernel for ``spec`` on these tensors; the mods supply the captured-tensor values:
+    ``(out, lse, stats)``, ``stats`` the backward's statistics ``[2, B, Hq, L]`` (each row's base-2 max,
+    then its sum of exp2(score - max); :mod:`flexc.backends.triton.backward`) where ``spec.output_stats``.
 
     ``lse_dtype`` float64 keeps a float64 call's logsumexp exact for its backward. A launch that
     runs out of GPU resources is retried with :func:`flexc.backends.triton.config.smaller_config`,
@@ -104,11 +110,15 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     device = query.device
     out = launcher.empty_output(query, Ev)
     lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
+    stats = torch.empty((2, B, Hq, L), dtype=lse_dtype, device=device) if spec.output_stats else None
     if launches_nothing(query, value, spec.output_lse):  # no rows, or no keys: rows fully masked
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
-        return out, lse
+        if stats is not None:  # as the kernel writes them for rows that allow nothing
+            stats[0].fill_(float("inf"))
+            stats[1].fill_(1.0)
+        return out, lse, stats
     if max(B, Hq) > 65535 and spec.target == "cuda":
         raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid limit). "
                          f"Fix: split the batch into chunks.")
@@ -119,13 +129,13 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     while True:
         kernel = cache.get_kernel(spec, device)
         args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod,
-                                          scale)
+                                          scale, stats)
         constants = launcher.forward_constexprs(spec, L, S, args, guard_values)
         from triton.runtime.errors import OutOfResources  # triton is imported only once a kernel runs
 
         try:
             gpu.launch(kernel.fn, launcher.forward_grid(spec, query), spec, device, args, constants)
-            return out, lse
+            return out, lse, stats
         except OutOfResources as e:
             # e.g. a score_mod that loads whole [BLOCK_M, BLOCK_N] tiles of a captured tensor:
             # pipelining them needs more shared memory than the default tiles leave.
@@ -141,14 +151,16 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
-                scale: float, kernel_options: dict | None, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the kernels of ``plan``: ``(out, lse)``, lse float64 for float64 inputs, None unless
-    ``need_lse`` or the plan's forward writes it (the training forward)."""
+                scale: float, kernel_options: dict | None, need_lse: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run the kernels of ``plan``: ``(out, lse, stats)``, lse float64 for float64 inputs, None unless
+    ``need_lse`` or the plan's forward writes it (the training forward, which also writes the
+    backward's statistics ``stats``: see :func:`launch`)."""
     if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
         decode_spec, merge = plan.kernels
         out, lse = decode.launch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
                                  num_splits=config.requested_splits(kernel_options), merge=merge)
-        return out, (lse if need_lse else None)
+        return out, (lse if need_lse else None), None
     if plan.kernels:
         (spec,) = plan.kernels
     else:  # the launcher returns the empty or fully masked outputs without a kernel
@@ -167,7 +179,7 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     (block sizes against tiles, devices of captured tensors). The kernels are :func:`plan_forward`'s.
     """
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
-    return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse)
+    return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse)[:2]
 
 
 registry.register("TRITON", triton_forward)

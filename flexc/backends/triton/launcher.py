@@ -149,8 +149,10 @@ def guards_nonfinite_values(spec: ForwardSpec | DecodeSpec, value: torch.Tensor)
 
 def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor],
-                      score_mod: TracedMod | None, mask_mod: TracedMod | None, scale: float) -> list:
-    """The forward kernel's positional arguments, in the order of its signature (constexprs excluded)."""
+                      score_mod: TracedMod | None, mask_mod: TracedMod | None, scale: float,
+                      stats: torch.Tensor | None = None) -> list:
+    """The forward kernel's positional arguments, in the order of its signature (constexprs excluded);
+    ``stats`` ``[2, B, Hq, L]``: the training forward's backward statistics (laid out as ``lse``)."""
     Hq, L = query.shape[1], query.shape[2]
     Hkv, S = value.shape[1], value.shape[2]
     if generated.needs_positive_scale and not scale > 0:
@@ -162,6 +164,8 @@ def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, va
     if lse is not None:
         outputs.append(lse)
         output_strides += [lse.stride(0), lse.stride(1)]
+    if stats is not None:  # both contiguous [B, Hq, L] planes, as lse: they share its strides
+        outputs += [stats[0], stats[1]]
     return kernel_arguments(query, key, value, outputs, tables, mod_arguments(generated, score_mod, mask_mod, query.device),
                             [float(scale), L, S, Hq // Hkv], output_strides)
 
@@ -198,7 +202,7 @@ def backward_outputs(spec: BackwardSpec, query, key, value, score_mod) -> tuple:
     return dq, dk, dv, summed, grads
 
 
-def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, dq, dk, dv, tables,
+def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, stats, dq, dk, dv, tables,
                        grads, score_mod, mask_mod, scale: float, guard_inputs: bool | None = None) -> tuple[list, dict]:
     """The backward kernel's positional arguments and constexprs for one launch (``guard_inputs``:
     compile the NaN/inf input guard in; by default the launcher's choice for these tensors)."""
@@ -210,7 +214,8 @@ def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_ou
     for p in generated.grad_params:
         g = by_slot[p.slot]
         buffers.append(g if p.what == "ptr" else g.stride(p.dim) if p.what == "stride" else g.shape[p.dim])
-    args = kernel_arguments(query, key, value, [grad_out, lse2, delta, dq, dk, dv], tables, buffers,
+    # stats [2, B, Hq, L] (the forward's): both planes contiguous, strided as lse2 and delta
+    args = kernel_arguments(query, key, value, [grad_out, lse2, delta, stats[0], stats[1], dq, dk, dv], tables, buffers,
                             [float(scale), L, S, Hq // Hkv],
                             [*grad_out.stride(), delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(),
                              *dv.stride()])
@@ -266,14 +271,15 @@ def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.T
             dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad))
 
 
-def prologue_arguments(spec: PrologueSpec, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
+def prologue_arguments(spec: PrologueSpec, out: torch.Tensor, grad_out: torch.Tensor, stats: torch.Tensor,
                        grad_lse: torch.Tensor | None, delta: torch.Tensor, lse2: torch.Tensor) -> tuple[list, dict]:
-    """The backward prologue's positional and constexpr arguments: ``out``, ``grad_out`` ``[B, Hq, L, Ev]``
-    and ``lse``, ``grad_lse`` (None: no gradient) ``[B, Hq, L]`` into ``delta`` and ``lse2`` (contiguous)."""
+    """The backward prologue's positional and constexpr arguments: ``out``, ``grad_out`` ``[B, Hq, L, Ev]``,
+    the forward's statistics ``stats`` ``[2, B, Hq, L]`` and ``grad_lse`` (None: no gradient) ``[B, Hq, L]``
+    into ``delta`` and ``lse2`` (contiguous)."""
     has_grad_lse = grad_lse is not None
-    grad_lse = grad_lse if has_grad_lse else lse  # an unread stand-in
-    return ([out, grad_out, lse, grad_lse, delta, lse2, out.shape[2], out.shape[3], *out.stride(),
-             *grad_out.stride(), *lse.stride(), *grad_lse.stride(), delta.stride(0), delta.stride(1)],
+    grad_lse = grad_lse if has_grad_lse else delta  # an unread stand-in
+    return ([out, grad_out, stats[0], stats[1], grad_lse, delta, lse2, out.shape[2], out.shape[3], *out.stride(),
+             *grad_out.stride(), *stats[0].stride(), *grad_lse.stride(), delta.stride(0), delta.stride(1)],
             dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad, HAS_GRAD_LSE=has_grad_lse))
 
 

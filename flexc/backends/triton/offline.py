@@ -75,8 +75,9 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
         dq, dk, dv, _, grads = launcher.backward_outputs(spec, query, key, value, spec.score_mod)
         rows = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
         tables = launcher.backward_tables(block_mask, spec, L, S, query.device)
+        stats = rows.new_empty((2, *rows.shape))
         return launcher.backward_arguments(spec, generated, query, key, value, torch.empty_like(query), rows, rows,
-                                           dq, dk, dv, tables, grads, spec.score_mod, spec.mask_mod, scale,
+                                           stats, dq, dk, dv, tables, grads, spec.score_mod, spec.mask_mod, scale,
                                            guard_inputs=guard_values)
     if isinstance(spec, DecodeSpec):
         args, constants, _ = launcher.decode_arguments(spec, generated, query, key, value, spec.score_mod,
@@ -84,9 +85,10 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
         return args, constants
     out = launcher.empty_output(query, value.shape[-1])
     lse = torch.empty(query.shape[:3], dtype=torch.float32) if spec.output_lse else None
+    stats = torch.empty((2, *query.shape[:3]), dtype=torch.float32) if spec.output_stats else None
     tables = launcher.kv_tables(block_mask, spec, S, query.device)
     args = launcher.forward_arguments(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
-                                      scale)
+                                      scale, stats)
     return args, launcher.forward_constexprs(spec, L, S, args, guard_values)
 
 
