@@ -351,7 +351,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     ]
     if spec.dropout:  # the forward's out = (p * keep) @ v: dv and dp go through the kept pairs
         body += [f"        keepT = {dropout_keep()}  # the forward's mask, drawn again",
-                 f"        dv = {dot(operand(spec, 'pT * keepT'), 'do', spec, 'dv')}"]
+                 f"        dv = {dot(operand(spec, '(pT * keepT)'), 'do', spec, 'dv')}"]
     else:
         body.append(f"        dv = {dot(operand(spec, 'pT'), 'do', spec, 'dv')}")
     needs_ds = gathers or not _ignores_score(d_score)
