@@ -11,6 +11,10 @@ A backend that also generates its backward registers it in :data:`TRAINING` as `
 backward)``: that forward returns ``(out, lse natural log, float64 for float64 inputs)`` and the
 backward takes :func:`flexc.backends.cpu.torch_cpu.torch_backward`'s arguments plus kernel_options.
 Backends not listed there train through the torch row loop.
+
+A call with attention dropout (flexc's ``dropout_p > 0``) passes ``dropout=`` (a
+:class:`flexc.backends.dropout.Dropout`) to these functions, only on the backends that draw it
+(:data:`flexc.call.plan.DROPOUT_BACKENDS`: TORCH and TRITON, the same mask for the same seed).
 """
 from __future__ import annotations
 
