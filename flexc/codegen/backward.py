@@ -401,7 +401,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
         f"        p = tl.exp2(qk * {LOG2E} - lse[:, None])",
         f"        dp = {dot('do', 'vT', spec)}",
-        *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again: dropped pairs reach nothing"]
+        *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"]
           if spec.dropout else []),
         "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
         *_score_grad_lines(d_score, "ds", "        "),
