@@ -6,7 +6,8 @@ Each pair's keep decision is a pure function of the call's seed and the pair's i
 counters ``(kv_idx, q_idx, b * Hq + h, 0)``, keyed by the 64-bit seed; the pair is kept when the
 first 32-bit output is at least ``p * 2**32``. So the backward regenerates the forward's mask
 without storing it, and the TORCH backend (this module, in torch integer arithmetic) and the
-generated Triton kernels (``tl.philox``) draw the same mask for the same seed. The kept
+generated Triton kernels (the ``philox``/``dropout_keep`` device helpers of
+:data:`flexc.codegen.parts.DROPOUT_HELPERS`) draw the same mask for the same seed. The kept
 probabilities are scaled by ``1 / (1 - p)``, as SDPA's dropout does; the logsumexp is the
 undropped softmax's.
 """

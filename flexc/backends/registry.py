@@ -12,6 +12,10 @@ backward)``: that forward returns ``(out, lse natural log, float64 for float64 i
 the backward takes :func:`flexc.backends.cpu.torch_cpu.torch_backward`'s arguments with ``stats``
 (whatever that forward saves for it) in place of the logsumexp, plus kernel_options.
 Backends not listed there train through the torch row loop.
+
+A call with attention dropout (flexc's ``dropout_p > 0``) passes ``dropout=`` (a
+:class:`flexc.backends.dropout.Dropout`) to these functions, only on the backends that draw it
+(:data:`flexc.call.plan.DROPOUT_BACKENDS`: TORCH and TRITON, the same mask for the same seed).
 """
 from __future__ import annotations
 

@@ -34,15 +34,16 @@ class _FlexAttentionFunction(torch.autograd.Function):
         if fallback is not None:
             warn_fallback(score_mod, fallback)
         ctx.options, ctx.dropout = options, drop
+        drops = _dropout_keyword(drop)
         stats = None
         if training is not None:
-            out, lse, stats = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options)
+            out, lse, stats = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options, **drops)
         elif forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
             # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
                                            need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop)
         else:
-            out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True)
+            out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True, **drops)
         # what the backward reads: the generated backward's own statistics, else the logsumexp
         ctx.save_for_backward(query, key, value, out, lse if stats is None else stats)
         ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
@@ -56,12 +57,19 @@ class _FlexAttentionFunction(torch.autograd.Function):
             grad_out = torch.zeros_like(out)
         if ctx.backward_fn is not None:  # the backend's generated backward
             dq, dk, dv, buf_grads = ctx.backward_fn(query, key, value, out, saved, grad_out, grad_lse, score_mod,
-                                                    mask_mod, block_mask, scale, slots, ctx.options)
+                                                    mask_mod, block_mask, scale, slots, ctx.options,
+                                                    **_dropout_keyword(ctx.dropout))
         else:
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, saved, grad_out, grad_lse, score_mod,
                                                    mask_mod, block_mask, scale, slots, dropout=ctx.dropout)
         dq, dk, dv = (laid_out_like(g, t) for g, t in ((dq, query), (dk, key), (dv, value)))
         return (dq, dk, dv, None, None, None, None, None, None, None, None, None, *buf_grads)
+
+
+def _dropout_keyword(drop: dropout.Dropout | None) -> dict:
+    """``dropout=drop`` for a backend's functions when the call drops (a backend without dropout
+    support is never asked: :func:`flexc.call.plan.dropout_backend`)."""
+    return {"dropout": drop} if drop is not None else {}
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -135,7 +143,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
     block_mask = without_empty_entries(block_mask)  # negative entries in the counts: blocks never visited
     key, value = in_dtype_of(query, key), in_dtype_of(query, value)
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
-                     dropout_p=drop.p if drop is not None else 0.0)
+                     dropout_p=drop.p if drop is not None else 0.0,
+                     dropout_positions=drop is not None and (drop.q_positions is not None
+                                                             or drop.kv_positions is not None))
     backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
     max_scores = None
     if plan.training:
@@ -150,12 +160,13 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
     elif want_max:
         out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
                                                 lse_dtype=lse_dtype(query.dtype), dropout=drop)
-    elif drop is not None or (want_lse and backend == "TORCH" and query.dtype == torch.float64):
-        # (a float64 lse for float64 inputs, as torch's)
+    elif backend == "TORCH" and (drop is not None or (want_lse and query.dtype == torch.float64)):
+        # (the row loop draws the dropout; a float64 lse for float64 inputs, as torch's)
         out, lse, _ = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
                                        need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop)
     else:
-        out, lse = registry.BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options, want_lse)
+        out, lse = registry.BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options,
+                                              want_lse, **_dropout_keyword(drop))
     out = laid_out_like(out, query)
     if lse is not None and lse.dtype != lse_dtype(query.dtype):
         lse = lse.to(lse_dtype(query.dtype))
@@ -198,7 +209,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     key, value = in_dtype_of(query, key), in_dtype_of(query, value)
     backend = options["BACKEND"] = choose_backend(options, query.device)
     want_max = bool(return_aux is not None and return_aux.max_scores)
-    if want_max and backend != "TORCH" and not dropout_p:  # (dropout runs TORCH, said by the op)
+    if want_max and backend != "TORCH":
         raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
                          f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
     want_lse = return_lse or bool(return_aux is not None and return_aux.lse)

@@ -14,7 +14,7 @@ from ..backends import dropout, registry
 from ..backends.triton.backward import backward_source
 from ..backends.triton.forward import plan_forward
 from ..backends.triton.sources import sources_text
-from .plan import choose_backend, generated_backward_fallback, plan_call, prepare_call, sink_free_request
+from .plan import generated_backward_fallback, plan_call, prepare_call, sink_free_request
 
 
 def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
@@ -40,7 +40,8 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     With ``sinks`` the call runs the kernels of the call without them that returns the logsumexp
     (the sinks are merged in torch, :mod:`flexc.call.sinks`): those are returned. With ``dropout_p > 0``
-    the call runs the TORCH backend (the kernels do not drop yet), which the text says.
+    the kernels are their dropout variants (the forward kernel for short queries too: the decode
+    kernel does not drop), which draw the mask from the call's seed.
 
     When the call runs no generated kernel (the TORCH backend, the default on CPU tensors; a backward
     of a score_mod the generated backward cannot differentiate, which trains through the torch
@@ -58,8 +59,6 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
                      training=True if backward else None, dropout_p=dropout_p)
     if plan.backend != "TRITON":
-        if dropout_p and choose_backend(options, query.device) == "TRITON":
-            return _dropout_runs_instead(dropout_p, backward)
         return _runs_instead(plan.backend, query.device, backward)
     if backward:
         if plan.generated is None:
@@ -69,19 +68,11 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
             return (f"# flexc: this call's backward runs no generated kernel: {why}, so training runs the torch "
                     f"backward\n# (flexc.backends.cpu.torch_cpu.torch_backward, per query row on {query.device}) "
                     f"after the generated forward.\n")
-        return backward_source(query, value, traced_score, traced_mask, block_mask, options)
+        return backward_source(query, value, traced_score, traced_mask, block_mask, options, dropout=bool(dropout_p))
     forward = plan_forward(query, key, value, traced_score, traced_mask, block_mask, options,
-                           plan.want_lse or plan.training, training=plan.generated is not None)
+                           plan.want_lse or plan.training, training=plan.generated is not None,
+                           dropout=bool(dropout_p))
     return sources_text(forward.kernels)
-
-
-def _dropout_runs_instead(dropout_p: float, backward: bool) -> str:
-    """kernel_source's text for a dropout call on the TRITON backend, which runs TORCH instead."""
-    what = "backward" if backward else "call"
-    return (f"# flexc: this {what} runs no generated kernel: dropout_p={dropout_p} runs on the TORCH backend, whose "
-            f"row loop\n# (flexc.backends.cpu.torch_cpu, on the tensors' device) draws the dropout mask forward and backward "
-            f"(flexc.backends.dropout);\n# the TRITON kernels do not drop yet (a FallbackWarning says so once).\n"
-            f"# Fix: pass dropout_p=0 to see the kernels the call launches without dropout.\n")
 
 
 def _runs_instead(backend: str, device: torch.device, backward: bool) -> str:

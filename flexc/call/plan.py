@@ -92,8 +92,10 @@ class FallbackWarning(UserWarning):
     message says which and why. ``BACKEND: "TRITON"`` training a score_mod whose backward
     :mod:`flexc.mods.derivative` cannot build (a ``torch.autograd.Function`` whose ``backward`` cannot
     be traced) trains through the torch backward. Warned once per score_mod; ``dropout_p > 0`` on a
-    backend whose kernels do not drop runs on the TORCH backend, warned once per backend; under
-    ``torch.compile`` a dropout call's ``generator=`` draws its seed outside the graph, warned once."""
+    backend whose kernels do not drop, or in a context-parallel shard on the TRITON backend (whose
+    kernels draw the pairs at the call's own indices), runs on the TORCH backend, warned once per
+    backend and reason; under ``torch.compile`` a dropout call's ``generator=`` draws its seed outside
+    the graph, warned once."""
 
 
 # why a backend's generated backward cannot train a score_mod graph (None: it can), by graph
@@ -176,17 +178,18 @@ class CallPlan(NamedTuple):
 
 def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
               mask_mod: TracedMod | None, options: dict, return_lse: bool, return_aux: Any,
-              training: bool | None = None, dropout_p: float = 0.0) -> CallPlan:
+              training: bool | None = None, dropout_p: float = 0.0, dropout_positions: bool = False) -> CallPlan:
     """The backend and paths a call with these (prepared) arguments takes; raises what the call raises.
 
     Training is decided as autograd would record the call (``torch.is_grad_enabled()`` and an input
     or a captured float tensor that requires grad); ``training`` overrides that (``kernel_source``'s
     ``backward=True`` asks about the call as trained). A training call runs the backend's generated
     forward and backward (:data:`flexc.backends.registry.TRAINING`) when :func:`generated_backward_applies`, otherwise the
-    backend's forward with the logsumexp and the torch backward. ``dropout_p > 0`` runs on the TORCH
-    backend (the generated kernels do not drop yet; warned once).
+    backend's forward with the logsumexp and the torch backward. ``dropout_p > 0`` runs on the TORCH and
+    TRITON backends, whose kernels draw the same mask; ``dropout_positions`` (a context-parallel
+    shard's pairs drawn at global positions) runs on TORCH (:func:`dropout_backend`).
     """
-    backend = dropout_backend(choose_backend(options, query.device), dropout_p)
+    backend = dropout_backend(choose_backend(options, query.device), dropout_p, dropout_positions)
     # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
@@ -205,17 +208,25 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     return CallPlan(backend, training, generated, want_lse, want_max, slots)
 
 
-def dropout_backend(backend: str, dropout_p: float) -> str:
+# the backends whose kernels draw attention dropout (the same mask for the same seed)
+DROPOUT_BACKENDS = ("TORCH", "TRITON")
+
+
+def dropout_backend(backend: str, dropout_p: float, positions: bool = False) -> str:
     """The backend a call with ``dropout_p`` runs: ``backend``, or "TORCH" when it drops and the
-    backend's kernels do not (a :class:`FallbackWarning` once per backend). Eager and compiled calls."""
-    if dropout_p and backend != "TORCH":
-        _warn_dropout_runs_on_torch(backend)
+    backend's kernels do not, or draw at the call's own indices while ``positions`` asks for a
+    context-parallel shard's global ones (a :class:`FallbackWarning` once per backend and reason).
+    Eager and compiled calls."""
+    if dropout_p and backend != "TORCH" and (positions or backend not in DROPOUT_BACKENDS):
+        _warn_dropout_runs_on_torch(backend, positions)
         return "TORCH"
     return backend
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_dropout_runs_on_torch(backend: str) -> None:
-    warnings.warn(f"flexc: dropout_p > 0 runs on the TORCH backend (its row loop draws the dropout mask); the "
-                  f"{backend} kernels do not drop yet. This call and later ones with dropout use TORCH.",
+def _warn_dropout_runs_on_torch(backend: str, positions: bool) -> None:
+    why = ("draw the pairs at the call's own indices, not a context-parallel shard's global positions" if positions
+           else "do not drop")
+    warnings.warn(f"flexc: dropout_p > 0 runs on the TORCH backend here (its row loop draws the dropout mask); the "
+                  f"{backend} kernels {why}. This call and later ones like it use TORCH.",
                   FallbackWarning, stacklevel=5)

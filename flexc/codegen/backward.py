@@ -13,6 +13,11 @@ Modelled on torch's FlexAttention backward template: one launch, two kinds of pr
 * A **dQ program** owns one tile of ``BLOCK_M2`` queries of one query head: it walks the key
   tables like the forward and accumulates ``dq += ds·k``.
 
+With attention dropout (``spec.dropout``) both programs draw the forward's keep mask again from the
+call's seed (:data:`flexc.codegen.parts.DROPOUT_HELPERS`): the forward's output is ``(p ∘ keep) @ v``
+with ``keep`` 0 or ``1 / (1 − p)``, so ``dv += (p ∘ keep)ᵀ·dO`` and ``dp = (dO·vᵀ) ∘ keep`` before ``ds``;
+``delta = rowsum(out·dO)`` with the forward's (dropped) output is ``rowsum(p ∘ dp)`` as it should be.
+
 dq, dk and dv are each written by exactly one program (no atomics). ``delta = rowsum(out·dO) −
 dlse`` and the base-2 logsumexp (``+inf`` on rows that attend to nothing, so their ``p`` is 0) are
 computed just before, by the prologue kernel (:mod:`flexc.codegen.prologue`). The dQ programs
@@ -35,11 +40,13 @@ from ..constants import LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line, preamble, store
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import param_stems, render_mods
-from .parts import KV_BASES, dot, head_check, operand, row_sum, tile_load, tile_walk, widen_suffix
+from .parts import (DROPOUT_HELPERS, KV_BASES, dot, dropout_args, dropout_head, dropout_keep, dropout_params, head_check,
+                    operand, row_sum, tile_load, tile_walk, widen_suffix)
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
 from .spec import AttentionSpec, GeneratedKernel
 
 KERNEL_NAME = "flex_attention_backward"
+HEADS = "tl.num_programs(1) * GQA_GROUP"  # Hq: the grid's head axis is the key head
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class BackwardSpec(AttentionSpec):
     fp32_precision: str = "ieee"
     # integer type of the mods' index arithmetic, as the forward's (flexc.codegen.index_width)
     index_dtype: str = "int32"
+    # attention dropout: the forward's keep mask regenerated in both programs (see the module docstring)
+    dropout: bool = False
 
     def grad_dtype(self, slot: int) -> torch.dtype:
         """The dtype captured tensor ``slot``'s gradient is accumulated in (atomics need fp32/fp64)."""
@@ -165,6 +174,8 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
 
     # a constant mod is printed as its value where it is used: no function
     lines = preamble(_header(spec, derivative, gathers), [r for r in mods if not r.is_constant])
+    if spec.dropout:
+        lines += [DROPOUT_HELPERS, ""]
     lines += _dkdv_blocks(spec, score, mask, d_score, gathers, buffers)
     lines += ["", ""]
     dq_buffers = buffers[:len(buffers) - len(grad_params)]  # dQ programs add no captured-tensor gradients
@@ -195,6 +206,8 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
         f"BLOCK_M1={spec.block_m1} x BLOCK_N1={spec.block_n1}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; target: {spec.target}",
         *index_note(spec),
+        *(["#   dropout: the forward's keep mask (Philox, keyed by the call's seed) is drawn again here; kept",
+           "#   pairs scaled by 1 / (1 - p), so dv = (p * keep)^T dO and dp = (dO v^T) * keep"] if spec.dropout else []),
         "# One launch. Programs [0, NUM_KV_TILES) each own a key tile of one key head: they walk the",
         "# BlockMask's query tables for every query head of the GQA group and write dK, dV (and add",
         "# captured-tensor gradients). The remaining programs each own a query tile of one query head:",
@@ -316,6 +329,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         "query_ptr, grad_out_ptr, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
         "block_count_ptr, block_index_ptr, scale, Q_LEN,",
         *names_line(buffers),
+        *dropout_args(spec),
         *constexprs(("IS_FULL_BLOCKS", "BLOCK_M1", "BLOCK_N1", "Q_BLOCK_SIZE"), ("DIVISIBLE", "GUARD_NONFINITE_INPUTS"),
                     HEAD_DIMS),
     ]
@@ -339,12 +353,17 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         "        valid = kv_in_range[:, None] & q_in_range[None, :]",
         *_score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
         f"        pT = tl.exp2(qk * {LOG2E} - lse[None, :])",
-        f"        dv = {dot(operand(spec, 'pT'), 'do', spec, 'dv')}",
     ]
+    if spec.dropout:  # the forward's out = (p * keep) @ v: dv and dp go through the kept pairs
+        body += [f"        keepT = {dropout_keep()}  # the forward's mask, drawn again",
+                 f"        dv = {dot(operand(spec, '(pT * keepT)'), 'do', spec, 'dv')}"]
+    else:
+        body.append(f"        dv = {dot(operand(spec, 'pT'), 'do', spec, 'dv')}")
     needs_ds = gathers or not _ignores_score(d_score)
     if needs_ds:
         body += [
             f"        dpT = {dot('v', 'tl.trans(do)', spec)}",
+            *(["        dpT = dpT * keepT  # d out / d p: dropped pairs reach nothing"] if spec.dropout else []),
             "        dsT = tl.where(valid, pT * (dpT - delta[None, :]), 0.0)  # d loss / d modified score",
             *_gather_lines(spec, gathers, "        "),
         ]
@@ -365,6 +384,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_count_ptr, block_index_ptr, scale, KV_LEN,",
         *names_line(buffers),
+        *dropout_args(spec),
         *constexprs(("IS_FULL_BLOCKS", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE"), ("DIVISIBLE", "GUARD_NONFINITE_INPUTS"),
                     HEAD_DIMS),
     ]
@@ -386,6 +406,8 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
         f"        p = tl.exp2(qk * {LOG2E} - row_max[:, None])  # not yet divided by the row's sum: dq is, once",
         f"        dp = {dot('do', 'vT', spec)}",
+        *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"]
+          if spec.dropout else []),
         "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
         *_score_grad_lines(d_score, "ds", "        "),
         *_finite_lines("kT", "        "),
@@ -405,6 +427,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "partial_kv_counts_ptr, partial_kv_indices_ptr," + (" full_kv_counts_ptr, full_kv_indices_ptr," if full else ""),
         "partial_q_counts_ptr, partial_q_indices_ptr," + (" full_q_counts_ptr, full_q_indices_ptr," if full else ""),
         *names_line(buffers),
+        *dropout_params(spec),
     ]
     params += [
         "scale, Q_LEN, KV_LEN, GQA_GROUP,",
@@ -429,6 +452,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             "q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
             f"{kind}_q_counts_ptr + mask_col, {kind}_q_indices_ptr + mask_col * MASK_Q_BLOCKS, scale, Q_LEN,",
             *names_line(buffers),
+            *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={is_full}", "BLOCK_M1", "BLOCK_N1", "Q_BLOCK_SIZE", "DIVISIBLE"), dims),
         ], "            ")
 
@@ -438,6 +462,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_kv_counts_ptr + mask_row, {kind}_kv_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
             *names_line(dq_buffers),
+            *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={is_full}", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE", "DIVISIBLE"), dims),
         ], "        ")
 
@@ -462,6 +487,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         f"        dv = tl.full((BLOCK_N1, V_HEAD_DIM_PAD), 0.0, {acc})",
         "        for g in range(GQA_GROUP):",
         "            h = h_kv * GQA_GROUP + g  # the query head the mods see",
+        *dropout_head(spec, "            ", HEADS),
         "            # this tile's column of the BlockMask's query tables; batch and heads broadcast by modulo",
         "            mask_col = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_KV_BLOCKS + (pid * BLOCK_N1) // KV_BLOCK_SIZE",
         "            q_base = query_ptr + b * stride_qb + h * stride_qh",
@@ -482,6 +508,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "        # ---- a dQ program: one query tile of one query head ----",
         "        tile = pid - NUM_KV_TILES",
         "        h = h_kv * GQA_GROUP + tile // NUM_Q_TILES  # the query head the mods see",
+        *dropout_head(spec, "        ", HEADS),
         "        q_tile = tile % NUM_Q_TILES",
         "        offs_m = q_tile * BLOCK_M2 + tl.arange(0, BLOCK_M2)",
         *_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M2", "[:, None]"),

@@ -20,8 +20,8 @@ from ..constants import LN2, LOG2E
 from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, names_line, store
 from .header import describe_dims, describe_mods, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
-from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, head_check, online_softmax, softmax_state,
-                    tile_load, tile_walk, widen_suffix)
+from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
+                    head_check, online_softmax, softmax_state, tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel, next_power_of_2, padded_head_dim
 
 KERNEL_NAME = "flex_attention_forward"
@@ -53,6 +53,8 @@ class ForwardSpec(AttentionSpec):
     blocks_are_contiguous: bool = False
     # integer type of the mods' index arithmetic: "int64" where int32 could overflow (torch uses int64)
     index_dtype: str = "int32"
+    # attention dropout (flexc's dropout_p > 0): p @ v sees the kept pairs only (codegen.parts.dropout_keep)
+    dropout: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,9 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
                                      ("BLOCKS_ARE_CONTIGUOUS", spec.blocks_are_contiguous)) if on]
     if options or spec.index_dtype != "int32":
         header.append(f"#   options: {', '.join(options) or 'none'}; index arithmetic in the mods: {spec.index_dtype}")
+    if spec.dropout:
+        header.append("#   dropout: each (b, h, q_idx, kv_idx) pair kept with probability 1 - p (Philox, keyed by the "
+                      "call's seed), kept ones scaled by 1 / (1 - p)")
     header += [
         "# One program per (query tile, head, batch). It visits the BlockMask's partial key blocks",
         "# (score_mod, then mask_mod) and then its full key blocks (score_mod only); empty blocks are",
@@ -97,7 +102,8 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
         *widen_note(spec),
     ]
     source = attention_source(header, score, mask, _attend_tile(spec, score, mask),
-                              _attend_blocks(spec, score, mask, tiles_per_block), _kernel(spec, score, mask))
+                              _attend_blocks(spec, score, mask, tiles_per_block), _kernel(spec, score, mask),
+                              dropout=spec.dropout)
     return GeneratedForward(source, KERNEL_NAME, score_params, mask_params,
                             needs_positive_scale=score is None and not spec.prescale_qk)
 
@@ -108,6 +114,7 @@ def _attend_tile(spec: ForwardSpec, score, mask) -> list[str]:
         "acc, l_i, m_i, q, b, h, q_idx, start_n,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
         *names_line(buffer_args(score, mask)),
+        *dropout_args(spec),
         *constexprs(("IS_FULL_BLOCKS", "CHECK_KV", "ROWS_GUARANTEED_SAFE"), ("GUARD_NONFINITE_VALUES",),
                     ("BLOCK_M", "BLOCK_N", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
@@ -154,7 +161,8 @@ def _attend_tile(spec: ForwardSpec, score, mask) -> list[str]:
               "    else:",
               f"        v = {tile_load(spec, VALUE_TILE, None, '[None, :]', value=True)}"]
     body += [
-        *online_softmax(spec, "    ", v_load, to_base2=to_base2, rows_option=True, guard=bool(masked)),
+        *online_softmax(spec, "    ", v_load, to_base2=to_base2, rows_option=True, guard=bool(masked),
+                        dropout=spec.dropout),
         "    return acc, l_i, m_new",
     ]
     return body
@@ -167,6 +175,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_count_ptr, block_index_ptr, scale, KV_LEN,",
         *buffers,
+        *dropout_args(spec),
         *constexprs(("IS_FULL_BLOCKS", "KV_LEN_DIVISIBLE"),
                     ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "GUARD_NONFINITE_VALUES"),
                     ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS),
@@ -177,6 +186,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
             "acc, l_i, m_i, q, b, h, q_idx, start_n,",
             "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
             *buffers,
+            *dropout_args(spec),
             *keywords(("IS_FULL_BLOCKS", f"CHECK_KV={check}"), ("ROWS_GUARANTEED_SAFE", "GUARD_NONFINITE_VALUES"),
                       ("BLOCK_M", "BLOCK_N"), HEAD_DIMS),
         ], indent)
@@ -208,6 +218,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
         "partial_block_counts_ptr, partial_block_indices_ptr,"
         + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
         *names_line(buffers),
+        *dropout_params(spec),
     ]
     strides = ["stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kn", "stride_kd",
                "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_ob", "stride_oh", "stride_om", "stride_od"]
@@ -239,6 +250,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_block_counts_ptr + mask_row, {kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
             *names_line(buffers),
+            *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={full}", "KV_LEN_DIVISIBLE"), ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS"),
                       ("GUARD_NONFINITE_VALUES",), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS),
         ], "    ")
@@ -252,6 +264,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
         "    if INT64_OFFSETS:  # a tensor holds 2**31 elements or more: every index * stride in int64",
         *(f"        {name} = tl.cast({name}, tl.int64)" for name in widened),
         "    h_kv = h // GQA_GROUP  # grouped-query attention: GQA_GROUP query heads share a key head",
+        *dropout_head(spec, "    "),
         "    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",

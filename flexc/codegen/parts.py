@@ -1,6 +1,7 @@
 """Shared parts of the generated attention kernels: dots, row reductions, masked tile loads, the
 online softmax (state and per-tile update, as torch's templates share one ``forward_inner``), the
-guard that keeps non-finite values of masked keys out of ``p @ v``, and the source's assembly.
+guard that keeps non-finite values of masked keys out of ``p @ v``, attention dropout's device helpers
+and lines (only in the kernels of calls with ``dropout_p > 0``), and the source's assembly.
 
 The forward and decode generators share the online softmax; the backward uses the tile parts.
 """
@@ -130,7 +131,7 @@ def softmax_state(spec: AttentionSpec) -> list[str]:
 
 def online_softmax(spec: AttentionSpec, indent: str, v_load: list[str], *, to_base2: str | float | None = None,
                    rows_option: bool = False, guard: bool = False, guard_note: str = "",
-                   fold_rescale: bool = False) -> list[str]:
+                   fold_rescale: bool = False, dropout: bool = False) -> list[str]:
     """The online-softmax update for one tile of scores ``qk`` (torch's ``forward_inner``): the running
     row max ``m_new`` (base 2), ``alpha`` that rescales the row sum ``l_i`` and the output ``acc``,
     and ``p @ v`` added to ``acc``.
@@ -139,7 +140,8 @@ def online_softmax(spec: AttentionSpec, indent: str, v_load: list[str], *, to_ba
     the max and, in one FMA, the subtraction inside ``exp2``. ``rows_option`` compiles in torch's
     ROWS_GUARANTEED_SAFE switch. ``v_load`` are the lines (indented) that load ``v``. ``guard`` adds the
     non-finite value guard of partial blocks (``guard_note`` comments it); ``fold_rescale`` rescales
-    ``acc`` inside the dot where no guard comes between.
+    ``acc`` inside the dot where no guard comes between. ``dropout`` drops pairs from ``p @ v`` only
+    (the kernel's ``dropout_head`` and dropout arguments in scope, :func:`dropout_keep`).
     """
     tile_max = row_max(spec, "qk")
     if to_base2 is None:
@@ -162,6 +164,10 @@ def online_softmax(spec: AttentionSpec, indent: str, v_load: list[str], *, to_ba
     else:
         lines.append(f"p = tl.exp2(tl.fma(qk, {to_base2}, -m_safe[:, None]))  # to base 2 and minus the max: one FMA")
     lines.append(f"l_i = l_i * alpha + {row_sum(spec, 'p')}")
+    if dropout:
+        lines += ["# dropout: the row sum above keeps every pair (the logsumexp stays the undropped softmax's, as",
+                  "# SDPA's); only p @ v sees the kept pairs, scaled by 1 / (1 - p)",
+                  f"p = p * {dropout_keep()}"]
     out = [indent + line for line in lines] + v_load
     p = operand(spec, "p")
     if fold_rescale and not guard:
@@ -210,19 +216,89 @@ def value_guard_lines(spec: AttentionSpec, indent: str) -> list[str]:
 
 
 
+# Attention dropout (flexc's dropout_p=). The keep mask is a pure function of the call's seed and the
+# pair's indices, so the backward regenerates the forward's mask instead of storing it, and these
+# helpers draw exactly the bits flexc.backends.dropout draws in torch for the TORCH backend: Philox
+# 4x32-10 at counters (kv_idx, q_idx, b * Hq + h, 0), the pair kept when the first output is at least
+# round(p * 2**32). Compiled into a kernel only when its spec has ``dropout``.
+DROPOUT_HELPERS = '''\
+@triton.jit
+def philox(seed, c0, c1, c2, c3):
+    # Philox 4x32-10 (Salmon et al. 2011, as Random123 and tl.philox): the first 32-bit output for the
+    # uint32 counters c0..c3 keyed by the int64 seed. uint32 arithmetic: products wrap to their low
+    # word, umulhi gives the high word, the key's increments wrap.
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(10):
+        a0 = c0
+        a2 = c2
+        c0 = tl.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
+        c1 = a2 * 0xCD9E8D57
+        c3 = a0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0
+
+
+@triton.jit
+def dropout_keep(dropout_ptr, dropout_scale, head, q_idx, kv_idx):
+    # 1 / (1 - p) (dropout_scale) where the pair is kept, 0 where it is dropped. head is b * Hq + h;
+    # dropout_ptr holds the call's int64 seed, then the threshold round(p * 2**32): a pair is kept when
+    # its 32-bit draw is at least that (compared in int64: the threshold may exceed int32)
+    seed = tl.load(dropout_ptr)
+    threshold = tl.load(dropout_ptr + 1)
+    head = head.to(tl.uint32)
+    random = philox(seed, kv_idx.to(tl.uint32), q_idx.to(tl.uint32), head, head * 0)  # c3: a uint32 zero
+    return tl.where(random.to(tl.int64) >= threshold, dropout_scale, 0.0)
+'''
+
+# a dropout kernel's parameters: the int64 pair (seed, threshold) and 1 / (1 - p)
+DROPOUT_PARAMS = "dropout_ptr, dropout_scale,"
+# what every function on the way to a tile passes on: those and dropout_head (b * Hq + h)
+DROPOUT_ARGS = "dropout_ptr, dropout_scale, dropout_head,"
+
+
+def dropout_params(spec) -> list[str]:
+    """The kernel's parameter line of the dropout values, for a spec with ``dropout``; else none."""
+    return [DROPOUT_PARAMS] if spec.dropout else []
+
+
+def dropout_args(spec) -> list[str]:
+    """The parameter (or argument) line that passes the dropout values on, for a spec with ``dropout``; else none."""
+    return [DROPOUT_ARGS] if spec.dropout else []
+
+
+def dropout_head(spec, indent: str, heads: str = "tl.num_programs(1)") -> list[str]:
+    """For a spec with ``dropout``, the line that sets ``dropout_head = b * Hq + h`` (the third Philox
+    counter), ``heads`` being Hq (by default the grid's head axis); else none."""
+    if not spec.dropout:
+        return []
+    return [f"{indent}dropout_head = b * {heads} + h  # the dropout draw's third counter: b * Hq + h"]
+
+
+def dropout_keep(q_idx: str = "q_idx", kv_idx: str = "kv_idx") -> str:
+    """The keep-and-scale tile of the pairs ``(q_idx, kv_idx)`` (broadcast index tiles)."""
+    return f"dropout_keep(dropout_ptr, dropout_scale, dropout_head, {q_idx}, {kv_idx})"
+
+
 def attention_source(header: list[str], score: RenderedMod | None, mask: RenderedMod | None,
-                     *functions: list[str]) -> str:
+                     *functions: list[str], dropout: bool = False) -> str:
     """A whole kernel source: the header and preamble (imports, the mods), the non-finite value helper
-    where a mask_mod applies, then the jitted functions two blank lines apart."""
+    where a mask_mod applies, the dropout helpers where ``dropout``, then the jitted functions two
+    blank lines apart."""
     lines = preamble(header, [r for r in (score, mask) if r is not None])
     if mask is not None:
         lines += [NONFINITE_VALUES, ""]
+    if dropout:
+        lines += [DROPOUT_HELPERS, ""]
     for i, function in enumerate(functions):
         lines += ["", ""] if i else []
         lines += function
     return "\n".join(lines).rstrip() + "\n"
 
 
-__all__ = ["KEY_TILE", "KV_BASES", "NONFINITE_VALUES", "VALUE_TILE", "attention_source", "dot", "head_check",
+__all__ = ["DROPOUT_ARGS", "DROPOUT_HELPERS", "DROPOUT_PARAMS", "KEY_TILE", "KV_BASES", "NONFINITE_VALUES", "VALUE_TILE",
+           "attention_source", "dot", "dropout_args", "dropout_head", "dropout_keep", "dropout_params", "head_check",
            "online_softmax", "operand", "row_max", "row_sum", "softmax_state", "tile_load", "tile_walk",
            "value_guard_lines", "widen_suffix"]

@@ -148,8 +148,9 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
     score, mask = precise_math_for(options, score, mask)  # FAST_MATH=False, as in eager calls
     backend = dropout_backend(options["BACKEND"], drop.p if drop is not None else 0.0)
     row_max = stats = None
-    if backend == "TRITON":  # the forward that also serves the generated backward
-        out, lse, stats = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options)
+    if backend == "TRITON":  # the forward that also serves the generated backward (drawing the dropout mask)
+        out, lse, stats = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options,
+                                                         dropout=drop)
     elif need_max or query.dtype == torch.float64 or drop is not None:  # float64: keep the logsumexp in float64
         out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
                                              lse_dtype=lse_dtype(query), dropout=drop)
@@ -197,11 +198,12 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     score, mask = precise_math_for(options, score, mask)
     drop = _dropout(dropout_p, seed)
     # flex_attention's own rule for when the generated backward applies
-    if drop is None and options["BACKEND"] == "TRITON" and generated_backward_applies(score):  # the generated kernels
+    if options["BACKEND"] == "TRITON" and generated_backward_applies(score):  # the generated kernels
         dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, stats, grad_out, grad_lse, score,
-                                                          mask, block_mask, scale, tuple(grad_slots), options)
+                                                          mask, block_mask, scale, tuple(grad_slots), options,
+                                                          dropout=drop)
     else:
-        if options["BACKEND"] == "TRITON" and drop is None:  # says so, once per score_mod, as eager calls do
+        if options["BACKEND"] == "TRITON":  # says so, once per score_mod, as eager calls do
             warn_fallback(score, "TRITON")
         with _autograd_enabled():  # carries dS through the score_mod
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,

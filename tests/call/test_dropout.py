@@ -111,11 +111,13 @@ def test_the_mean_over_seeds_approaches_the_undropped_output():
     assert (mean - plain).abs().max() > 0  # it does drop
 
 
-def test_triton_backend_warns_and_draws_the_same_mask():
+def test_triton_backend_draws_the_same_mask_without_falling_back():
+    # (outputs and gradients against TORCH's in depth: tests/backends/triton/test_triton_dropout.py)
     q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=5)
-    with pytest.warns(UserWarning, match="dropout_p > 0 runs on the TORCH backend"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flexc.FallbackWarning)
         triton = _call(q, k, v, 0.2, 9, "TRITON")
-    assert torch.equal(triton, _call(q, k, v, 0.2, 9, "TORCH"))
+    torch.testing.assert_close(triton, _call(q, k, v, 0.2, 9, "TORCH"), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_dropout_arguments_name_the_fix():
@@ -128,11 +130,10 @@ def test_bad_dropout_arguments_name_the_fix():
         flexc.flex_attention(q, q, q, dropout_p=0.1, generator=3)
 
 
-def test_kernel_source_says_a_dropout_call_runs_no_generated_kernel():
+def test_kernel_source_shows_the_dropout_kernel():
     q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=6)
     text = flexc.kernel_source(q, k, v, enable_gqa=True, kernel_options={"BACKEND": "TRITON"}, dropout_p=0.1)
-    assert text.startswith("# flexc: this call runs no generated kernel: dropout_p=0.1 runs on the TORCH backend")
-    assert "@triton.jit" not in text and "Fix: pass dropout_p=0" in text
+    assert text.startswith("# flexc forward attention kernel") and "def dropout_keep(" in text
 
 
 # ---- torch.compile -------------------------------------------------------------------------------
@@ -229,21 +230,29 @@ def test_compiled_dropout_with_a_generator_breaks_the_graph_once_said(fresh_dyna
         torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, generator)
 
 
-def test_compiled_dropout_on_triton_runs_torch_as_eager_does(fresh_dynamo):
-    q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=11)
+def test_compiled_dropout_on_triton_draws_the_mask_eager_draws(fresh_dynamo):
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, HQ, HKV, L, S, E, seed=11))
 
-    def f(q, k, v):
-        return flexc.flex_attention(q, k, v, enable_gqa=True, dropout_p=0.2, kernel_options={"BACKEND": "TRITON"},
-                                    return_aux=flexc.AuxRequest(lse=True, max_scores=True))
+    def f(q, k, v, backend="TRITON"):
+        return flexc.flex_attention(q, k, v, enable_gqa=True, dropout_p=0.2, kernel_options={"BACKEND": backend},
+                                    return_aux=flexc.AuxRequest(lse=True))
+
+    def run(fn, *args):
+        torch.manual_seed(13)
+        out, aux = fn(q, k, v, *args)
+        return [out, aux.lse, *torch.autograd.grad(out.sum(), (q, k, v))]
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", flexc.FallbackWarning)  # (warned once per process: tested above)
-        torch.manual_seed(13)
-        got_out, got_aux = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
-        torch.manual_seed(13)
-        want_out, want_aux = f(q, k, v)
-    assert torch.equal(got_out, want_out) and torch.equal(got_aux.lse, want_aux.lse)
-    assert torch.equal(got_aux.max_scores, want_aux.max_scores)
+        warnings.simplefilter("error", flexc.FallbackWarning)  # the TRITON kernels drop: no fallback
+        got = run(torch.compile(f, backend="aot_eager", fullgraph=True))
+        want = run(f)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got, run(f, "TORCH")):  # the same mask as the TORCH backend's
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="max_scores is supported by the TORCH backend only"):  # as without dropout
+        flexc.flex_attention(q, k, v, enable_gqa=True, dropout_p=0.2, kernel_options={"BACKEND": "TRITON"},
+                             return_aux=flexc.AuxRequest(max_scores=True))
 
 
 def test_custom_ops_with_a_seed_pass_opcheck():

@@ -22,6 +22,7 @@ from ...codegen.scalars import lift_for_call
 from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
+from ..dropout import Dropout
 from . import cache, config, forward, launcher
 from .sources import sources_text
 
@@ -29,9 +30,10 @@ from .sources import sources_text
 def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
                        v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None,
                        target: str, grad_slots: Sequence[int] = (), has_full_blocks: bool = True,
-                       index_dtype: str = "int32") -> BackwardSpec:
+                       index_dtype: str = "int32", dropout: bool = False) -> BackwardSpec:
     """The :class:`BackwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
-    ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`)."""
+    ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`); ``dropout``
+    compiles the forward's attention dropout in."""
     if block_size is None:
         # no BlockMask: every block is full; blocks as large as the largest tile
         m1, n1, m2, n2, warps, stages = config.resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
@@ -43,15 +45,17 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
                                                                        q_block, kv_block, target)
     return BackwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, m1, n1, m2, n2,
                         warps, stages, has_full_blocks, tuple(grad_slots), target, config.fp32_precision(target),
-                        index_dtype)
+                        index_dtype, dropout)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
-                  block_mask: Any, kernel_options: dict | None, grad_slots: Sequence[int] = ()) -> BackwardSpec:
+                  block_mask: Any, kernel_options: dict | None, grad_slots: Sequence[int] = (),
+                  dropout: bool = False) -> BackwardSpec:
     """The backward spec that a flex_attention call with these (validated) arguments runs."""
     layout = config.call_layout(query, value, score_mod, mask_mod, block_mask, kernel_options)
     return make_backward_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], layout.block_size,
-                              kernel_options, layout.target, grad_slots, layout.has_full_blocks, layout.index_dtype)
+                              kernel_options, layout.target, grad_slots, layout.has_full_blocks, layout.index_dtype,
+                              dropout)
 
 
 def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
@@ -73,11 +77,14 @@ def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dty
 
 
 def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out, grad_lse,
-                    score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float):
+                    score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+                    dropout: Dropout | None = None):
     """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``.
-    ``stats`` are :func:`forward_for_training`'s."""
+    ``stats`` are :func:`forward_for_training`'s; ``dropout`` is the forward's (its mask is drawn
+    again), for a spec with dropout."""
     L, S = query.shape[2], value.shape[2]
     device = query.device
+    launcher.check_dropout(spec, dropout)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
     if query.numel() == 0 or S == 0:
@@ -89,7 +96,8 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out,
     launcher.check_query_blocks(tables, L, spec.q_block_size)
     kernel = cache.get_kernel(spec, device)
     args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2, delta,
-                                                  stats, dq, dk, dv, tables, grads, score_mod, mask_mod, scale)
+                                                  stats, dq, dk, dv, tables, grads, score_mod, mask_mod, scale,
+                                                  dropout=dropout)
     gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
     if summed:
         dk = dk.sum(0, keepdim=True).to(key.dtype)
@@ -112,54 +120,59 @@ def launches_nothing(query: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 def plan_backward(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
-                  block_mask: Any, kernel_options: dict | None, grad_slots: Sequence[int] = ()) -> BackwardPlan:
-    """The backward kernel for these (validated) arguments: the one rule :func:`triton_backward` and
-    :func:`flexc.kernel_source` share."""
+                  block_mask: Any, kernel_options: dict | None, grad_slots: Sequence[int] = (),
+                 dropout: bool = False) -> BackwardPlan:
+    """The backward kernel for these (validated) arguments (``dropout``: the call drops attention): the
+    one rule :func:`triton_backward` and :func:`flexc.kernel_source` share."""
     score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
     if launches_nothing(query, value):
         return BackwardPlan(score_mod, mask_mod, ())
-    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
+    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots), dropout)
     return BackwardPlan(score_mod, mask_mod, (prologue_spec(spec), spec))
 
 
 def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod: TracedMod | None,
                     mask_mod: TracedMod | None, block_mask: Any, scale: float, grad_slots: Sequence[int] = (),
-                    kernel_options: dict | None = None):
+                    kernel_options: dict | None = None, dropout: Dropout | None = None):
     """The ``"TRITON"`` backward: ``(dq, dk, dv, buffer_grads)`` like :func:`torch_cpu.torch_backward`.
 
     ``stats`` are :func:`forward_for_training`'s (in place of the logsumexp ``torch_backward`` takes);
-    ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``. The kernel is
-    :func:`plan_backward`'s.
+    ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``; ``dropout`` is the forward's
+    (``out`` its dropped output). The kernel is :func:`plan_backward`'s.
     """
-    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, grad_slots)
+    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, grad_slots,
+                         dropout is not None)
     score_mod, mask_mod = plan.score_mod, plan.mask_mod
     if plan.kernels:
         spec = plan.kernels[1]  # (launch_backward launches the prologue kernels[0] of it)
     else:  # launch_backward returns the zero gradients without a kernel
-        spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots))
+        spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots),
+                             dropout is not None)
     return launch_backward(spec, query, key, value, out, stats, grad_out, grad_lse, score_mod, mask_mod,
-                           block_mask, scale)
+                           block_mask, scale, dropout)
 
 
 def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None,
-                         block_mask: Any, scale: float, kernel_options: dict | None):
+                         block_mask: Any, scale: float, kernel_options: dict | None, dropout: Dropout | None = None):
     """The Triton forward that autograd saves for :func:`triton_backward`: ``(out, lse, stats)``, the
     logsumexp (the user's) and ``stats`` ``[2, B, Hq, L]``, each row's base-2 max (+inf where the row
     allows nothing) and its sum of ``exp2(score − max)``: the backward's probabilities come from them,
     so they sum to 1 as the forward's did. Float64 for float64 inputs. Its kernel is
     :func:`flexc.backends.triton.forward.plan_forward`'s with ``training=True``: the forward kernel
-    that writes them, for short queries too."""
+    that writes them, for short queries too (with ``dropout``'s mask drawn)."""
     plan = forward.plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, True,
-                                training=True)
-    return forward.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, True)
+                                training=True, dropout=dropout is not None)
+    return forward.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, True, dropout)
 
 
 def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
-                    mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None) -> str:
+                    mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None,
+                    dropout: bool = False) -> str:
     """The backward source a training call with these arguments runs (captured tensors that
-    require grad receive gradients); compiles nothing. :func:`flexc.kernel_source` with
-    ``backward=True`` also says when no generated backward runs."""
-    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, trainable_slots(score_mod))
+    require grad receive gradients; ``dropout``: the call drops attention); compiles nothing.
+    :func:`flexc.kernel_source` with ``backward=True`` also says when no generated backward runs."""
+    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, trainable_slots(score_mod),
+                         dropout)
     if not plan.kernels:
         return ("# flexc: this call's backward launches no kernel: it has no query rows or no keys, so the\n"
                 "# gradients are zeros.\n")

@@ -19,17 +19,19 @@ from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
 from ...codegen.scalars import lift_for_call
 from ...mods.traced_mod import TracedMod
 from .. import registry
+from ..dropout import Dropout
 from . import cache, config, decode, launcher
 
 
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
               v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None, target: str,
               need_lse: bool, has_full_blocks: bool = True, index_dtype: str = "int32",
-              training: bool = False) -> ForwardSpec:
+              training: bool = False, dropout: bool = False) -> ForwardSpec:
     """The :class:`ForwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
 
     ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`);
-    ``training`` adds the generated backward's statistics to the outputs.
+    ``training`` adds the generated backward's statistics to the outputs; ``dropout`` compiles
+    attention dropout in.
     """
     if block_size is None:
         block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, v_head_dim,
@@ -43,15 +45,18 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
     return ForwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, block_m, block_n,
                        warps, stages, has_full_blocks, need_lse or training, training, target,
                        config.fp32_precision(target),
-                       flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype)
+                       flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype,
+                       dropout)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
-                  block_mask: Any, kernel_options: dict | None, need_lse: bool, training: bool = False) -> ForwardSpec:
+                  block_mask: Any, kernel_options: dict | None, need_lse: bool, training: bool = False,
+                  dropout: bool = False) -> ForwardSpec:
     """The forward kernel's spec that a flex_attention call with these (validated) arguments runs."""
     layout = config.call_layout(query, value, score_mod, mask_mod, block_mask, kernel_options)
     return make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], layout.block_size,
-                     kernel_options, layout.target, need_lse, layout.has_full_blocks, layout.index_dtype, training)
+                     kernel_options, layout.target, need_lse, layout.has_full_blocks, layout.index_dtype, training,
+                     dropout)
 
 
 class ForwardPlan(NamedTuple):
@@ -72,34 +77,37 @@ def launches_nothing(query: torch.Tensor, value: torch.Tensor, need_lse: bool) -
 
 def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                  mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None, need_lse: bool,
-                 training: bool = False) -> ForwardPlan:
+                 training: bool = False, dropout: bool = False) -> ForwardPlan:
     """The kernels the ``"TRITON"`` forward launches for these (validated) arguments.
 
     The one rule :func:`triton_forward`, the training forward
     (:func:`flexc.backends.triton.backward.forward_for_training`, ``training=True``) and
     :func:`flexc.kernel_source` share: short queries (:func:`flexc.backends.triton.decode.applies`) run the
     split-KV decode kernel then its merge, except in training, whose generated backward takes the
-    forward kernel's logsumexp; anything else runs the forward kernel (its logsumexp variant when
-    ``need_lse`` or ``training``, which also writes the backward's statistics), or nothing when
-    :func:`launches_nothing`.
+    forward kernel's logsumexp, and except with attention dropout (``dropout``), which only the forward
+    kernel draws; anything else runs the forward kernel (its logsumexp variant when ``need_lse`` or
+    ``training``, which also writes the backward's statistics; its dropout variant when ``dropout``),
+    or nothing when :func:`launches_nothing`.
     """
     score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
-    if not training and decode.applies(query, key, block_mask):  # short queries: split-KV decoding
+    if not training and not dropout and decode.applies(query, key, block_mask):  # short queries: split-KV decoding
         spec = decode.make_spec(score_mod, mask_mod, query, key, value, block_mask)
         return ForwardPlan(score_mod, mask_mod, (spec, decode.merge_spec(spec)))
     need_lse = need_lse or training
     if launches_nothing(query, value, need_lse):
         return ForwardPlan(score_mod, mask_mod, ())
-    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse, training)
+    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse, training, dropout)
     return ForwardPlan(score_mod, mask_mod, (spec,))
 
 
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-           lse_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run the forward kernel for ``spec`` on these tensors; the mods supply the captured-tensor values:
-    ``(out, lse, stats)``, ``stats`` the backward's statistics ``[2, B, Hq, L]`` (each row's base-2 max,
-    then its sum of exp2(score - max); :mod:`flexc.backends.triton.backward`) where ``spec.output_stats``.
+           lse_dtype: torch.dtype = torch.float32, dropout: Dropout | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run the forward kernel for ``spec`` on these tensors; the mods supply the captured-tensor values,
+    ``dropout`` the seed and probability of a spec with dropout: ``(out, lse, stats)``, ``stats`` the
+    backward's statistics ``[2, B, Hq, L]`` (each row's base-2 max, then its sum of exp2(score - max);
+    :mod:`flexc.backends.triton.backward`) where ``spec.output_stats``.
 
     ``lse_dtype`` float64 keeps a float64 call's logsumexp exact for its backward. A launch that
     runs out of GPU resources is retried with :func:`flexc.backends.triton.config.smaller_config`,
@@ -108,6 +116,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
+    launcher.check_dropout(spec, dropout)
     out = launcher.empty_output(query, Ev)
     lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
     stats = torch.empty((2, B, Hq, L), dtype=lse_dtype, device=device) if spec.output_stats else None
@@ -129,7 +138,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     while True:
         kernel = cache.get_kernel(spec, device)
         args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod,
-                                          scale, stats)
+                                          scale, stats, dropout)
         constants = launcher.forward_constexprs(spec, L, S, args, guard_values)
         from triton.runtime.errors import OutOfResources  # triton is imported only once a kernel runs
 
@@ -151,11 +160,11 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
-                scale: float, kernel_options: dict | None, need_lse: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run the kernels of ``plan``: ``(out, lse, stats)``, lse float64 for float64 inputs, None unless
-    ``need_lse`` or the plan's forward writes it (the training forward, which also writes the
-    backward's statistics ``stats``: see :func:`launch`)."""
+                scale: float, kernel_options: dict | None, need_lse: bool,
+                dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run the kernels of ``plan`` (planned with ``dropout=`` whether ``dropout`` is given): ``(out, lse,
+    stats)``, lse float64 for float64 inputs, None unless ``need_lse`` or the plan's forward writes it
+    (the training forward, which also writes the backward's statistics ``stats``: see :func:`launch`)."""
     if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
         decode_spec, merge = plan.kernels
         out, lse = decode.launch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
@@ -164,22 +173,26 @@ def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value
     if plan.kernels:
         (spec,) = plan.kernels
     else:  # the launcher returns the empty or fully masked outputs without a kernel
-        spec = spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options, need_lse)
+        spec = spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options, need_lse,
+                             dropout is not None)
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    return launch(spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype=lse_dtype)
+    return launch(spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype=lse_dtype,
+                  dropout=dropout)
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                    mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
-                   need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   need_lse: bool, dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``"TRITON"`` forward backend: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``.
 
     Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
-    (block sizes against tiles, devices of captured tensors). The kernels are :func:`plan_forward`'s.
+    (block sizes against tiles, devices of captured tensors). The kernels are :func:`plan_forward`'s;
+    ``dropout`` (flexc's ``dropout_p``) runs the forward kernel that draws its mask.
     """
-    plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse)
-    return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse)[:2]
+    plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
+                        dropout=dropout is not None)
+    return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout)[:2]
 
 
 registry.register("TRITON", triton_forward)

@@ -21,6 +21,7 @@ from ...codegen.merge import MergeSpec
 from ...codegen.prologue import PrologueSpec
 from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod
+from ..dropout import Dropout
 from ..layout import empty_like_reference
 from ..nonfinite import all_finite
 from .config import default_splits
@@ -115,6 +116,26 @@ def mod_arguments(generated: Any, score_mod: TracedMod | None, mask_mod: TracedM
             + buffer_arguments(mask_mod, generated.mask_params, device))
 
 
+def check_dropout(spec: ForwardSpec | BackwardSpec, dropout: Dropout | None) -> None:
+    """Raise unless a launch of ``spec`` passes a dropout exactly when the spec's kernel drops."""
+    if spec.dropout != (dropout is not None):
+        raise ValueError(f"flexc: a kernel {'with' if spec.dropout else 'without'} dropout launched with "
+                         f"dropout={dropout!r}")
+
+
+def dropout_arguments(dropout: Dropout | None, device: torch.device) -> list:
+    """A dropout kernel's arguments (after the mods' captured values): the int64 pair ``(seed,
+    threshold)`` on ``device`` (a tensor: a Python int would type the kernel's argument by its value,
+    int32, uint32 or int64, and compile it again) and ``1 / (1 - p)``; none without dropout."""
+    if dropout is None:
+        return []
+    if dropout.q_positions is not None or dropout.kv_positions is not None:
+        raise ValueError("flexc: the Triton kernels draw dropout at the call's own indices; a context-parallel "
+                         "shard's positions run on the TORCH backend (flexc.call.plan.dropout_backend)")
+    pair = torch.tensor([dropout.seed, dropout.threshold], dtype=torch.int64, device=device)
+    return [pair, dropout.scale]
+
+
 def kernel_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outputs: list, tables: list,
                      buffers: list, scalars: list, output_strides: list) -> list:
     """The positional arguments every attention kernel takes, in its signature's order: q, k, v, the
@@ -150,9 +171,10 @@ def guards_nonfinite_values(spec: ForwardSpec | DecodeSpec, value: torch.Tensor)
 def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor],
                       score_mod: TracedMod | None, mask_mod: TracedMod | None, scale: float,
-                      stats: torch.Tensor | None = None) -> list:
+                      stats: torch.Tensor | None = None, dropout: Dropout | None = None) -> list:
     """The forward kernel's positional arguments, in the order of its signature (constexprs excluded);
-    ``stats`` ``[2, B, Hq, L]``: the training forward's backward statistics (laid out as ``lse``)."""
+    ``stats`` ``[2, B, Hq, L]``: the training forward's backward statistics (laid out as ``lse``);
+    ``dropout`` for a kernel with dropout."""
     Hq, L = query.shape[1], query.shape[2]
     Hkv, S = value.shape[1], value.shape[2]
     if generated.needs_positive_scale and not scale > 0:
@@ -166,8 +188,8 @@ def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, va
         output_strides += [lse.stride(0), lse.stride(1)]
     if stats is not None:  # both contiguous [B, Hq, L] planes, as lse: they share its strides
         outputs += [stats[0], stats[1]]
-    return kernel_arguments(query, key, value, outputs, tables, mod_arguments(generated, score_mod, mask_mod, query.device),
-                            [float(scale), L, S, Hq // Hkv], output_strides)
+    buffers = mod_arguments(generated, score_mod, mask_mod, query.device) + dropout_arguments(dropout, query.device)
+    return kernel_arguments(query, key, value, outputs, tables, buffers, [float(scale), L, S, Hq // Hkv], output_strides)
 
 
 def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: bool = False) -> dict[str, int]:
@@ -203,9 +225,11 @@ def backward_outputs(spec: BackwardSpec, query, key, value, score_mod) -> tuple:
 
 
 def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, stats, dq, dk, dv, tables,
-                       grads, score_mod, mask_mod, scale: float, guard_inputs: bool | None = None) -> tuple[list, dict]:
+                       grads, score_mod, mask_mod, scale: float, guard_inputs: bool | None = None,
+                       dropout: Dropout | None = None) -> tuple[list, dict]:
     """The backward kernel's positional arguments and constexprs for one launch (``guard_inputs``:
-    compile the NaN/inf input guard in; by default the launcher's choice for these tensors)."""
+    compile the NaN/inf input guard in; by default the launcher's choice for these tensors; ``dropout``:
+    the forward's, for a spec with dropout)."""
     B, Hq, L, E = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
@@ -214,6 +238,8 @@ def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_ou
     for p in generated.grad_params:
         g = by_slot[p.slot]
         buffers.append(g if p.what == "ptr" else g.stride(p.dim) if p.what == "stride" else g.shape[p.dim])
+    check_dropout(spec, dropout)
+    buffers += dropout_arguments(dropout, device)
     # stats [2, B, Hq, L] (the forward's): both planes contiguous, strided as lse2 and delta
     args = kernel_arguments(query, key, value, [grad_out, lse2, delta, stats[0], stats[1], dq, dk, dv], tables, buffers,
                             [float(scale), L, S, Hq // Hkv],
@@ -318,6 +344,7 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
 
 
 __all__ = ["INT32_OFFSET_LIMIT", "backward_arguments", "backward_grid", "backward_outputs", "backward_tables",
-           "buffer_arguments", "check_query_blocks", "decode_arguments", "decode_grid", "empty_output",
-           "forward_arguments", "forward_constexprs", "forward_grid", "guards_nonfinite_values", "kernel_arguments",
-           "kv_tables", "merge_arguments", "merge_grid", "mod_arguments", "prologue_arguments", "prologue_grid"]
+           "buffer_arguments", "check_dropout", "check_query_blocks", "decode_arguments", "decode_grid",
+           "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",
+           "guards_nonfinite_values", "kernel_arguments", "kv_tables", "merge_arguments", "merge_grid", "mod_arguments",
+           "prologue_arguments", "prologue_grid"]

@@ -16,7 +16,11 @@ from ...analysis.tiles import cdiv
 from ...codegen.backward import BackwardSpec
 from ...codegen.decode import DecodeSpec
 from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
+from ..dropout import Dropout
 from . import cache, launcher
+
+# a dropout kernel's stand-in seed and probability (their values do not shape the compiled kernel)
+_STAND_IN_DROPOUT = Dropout(0.1, 0)
 
 
 def compile_like_launcher(fn: Any, args: list, constants: dict, num_warps: int, num_stages: int,
@@ -71,6 +75,7 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
     query, key, value, block_mask = inputs
     L, S = query.shape[2], key.shape[2]
     scale = query.shape[-1] ** -0.5
+    drop = _STAND_IN_DROPOUT if getattr(spec, "dropout", False) else None  # (decode specs never drop)
     if isinstance(spec, BackwardSpec):
         dq, dk, dv, _, grads = launcher.backward_outputs(spec, query, key, value, spec.score_mod)
         rows = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
@@ -78,7 +83,7 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
         stats = rows.new_empty((2, *rows.shape))
         return launcher.backward_arguments(spec, generated, query, key, value, torch.empty_like(query), rows, rows,
                                            stats, dq, dk, dv, tables, grads, spec.score_mod, spec.mask_mod, scale,
-                                           guard_inputs=guard_values)
+                                           guard_inputs=guard_values, dropout=drop)
     if isinstance(spec, DecodeSpec):
         args, constants, _ = launcher.decode_arguments(spec, generated, query, key, value, spec.score_mod,
                                                        spec.mask_mod, block_mask, scale, num_splits, guard_values)
@@ -88,7 +93,7 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
     stats = torch.empty((2, *query.shape[:3]), dtype=torch.float32) if spec.output_stats else None
     tables = launcher.kv_tables(block_mask, spec, S, query.device)
     args = launcher.forward_arguments(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
-                                      scale, stats)
+                                      scale, stats, drop)
     return args, launcher.forward_constexprs(spec, L, S, args, guard_values)
 
 

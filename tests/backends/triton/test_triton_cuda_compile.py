@@ -150,3 +150,20 @@ def test_decode_kernel_compiles_without_its_value_guard_by_default():
     assert "cubin" in off.asm and off.metadata.shared <= HOPPER_SHARED_MEMORY
     assert off.metadata.shared < on.metadata.shared and "nonfinite_values" not in off.asm["ptx"]
     assert 2 * len(off.asm["ptx"]) < len(on.asm["ptx"])  # the guard's three extra dots and selects are gone
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_dropout_kernels_compile_for_hopper(backward):
+    # the Philox helper's uint32 arithmetic (umulhi, wrapping products) as the CUDA compiler types it
+    from flexc.backends.triton import backward as triton_backward
+
+    mask = flexc.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    if backward:
+        spec = triton_backward.make_backward_spec(None, mask, torch.bfloat16, 64, 64, (128, 128), None, "cuda",
+                                                  dropout=True)
+    else:
+        spec = triton_forward.make_spec(None, mask, torch.bfloat16, 64, 64, (128, 128), None, "cuda", True,
+                                        dropout=True)
+    compiled = triton_offline.compile_offline(spec, capability=90)
+    assert "cubin" in compiled.asm and compiled.metadata.shared <= HOPPER_SHARED_MEMORY
+    assert "mul.hi.u32" in compiled.asm["ptx"]  # umulhi: the high words of Philox's products
