@@ -388,7 +388,7 @@ def _unravel(flat: int, shape: tuple) -> tuple:
 
 def _is_sliced_stub(mask_mod: Any) -> bool:
     """Whether ``mask_mod`` is the stand-in that flexc's or torch's ``BlockMask.__getitem__`` attaches."""
-    # by name, not identity: flexc.masks.block_mask imports this module
+    # by name: the stand-in is torch's or flexc's, and either module may be absent from this call
     return (getattr(mask_mod, "__name__", None) == "_sliced_mask_mod_error"
             and getattr(mask_mod, "__module__", None) in ("flexc.masks.block_mask", "torch.nn.attention.flex_attention"))
 

@@ -17,20 +17,6 @@ from flexc.mods.trace import MASK_MOD, SCORE_MOD, TraceError, Tracer, mod_kind, 
 from reference import dense_attention, random_qkv
 
 
-@pytest.fixture
-def runs(monkeypatch):
-    """Counts how many times the tracer really ran."""
-    count = [0]
-    original = Tracer.run
-
-    def counting(self):
-        count[0] += 1
-        return original(self)
-
-    monkeypatch.setattr(Tracer, "run", counting)
-    return count
-
-
 def fresh(fn):
     return Tracer(fn, mod_kind(fn)).run()
 

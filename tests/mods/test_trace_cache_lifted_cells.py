@@ -18,20 +18,6 @@ from flexc.mods.trace import MASK_MOD, SCORE_MOD, TraceError, Tracer, mod_kind, 
 from reference import dense_attention, random_qkv
 
 
-@pytest.fixture
-def runs(monkeypatch):
-    """How many times the tracer really ran."""
-    count = [0]
-    original = Tracer.run
-
-    def counting(self):
-        count[0] += 1
-        return original(self)
-
-    monkeypatch.setattr(Tracer, "run", counting)
-    return count
-
-
 def assert_current(fn):
     """``trace(fn)`` equals a fresh trace: same graph, same captured memory, same name and sites."""
     cached, fresh = trace(fn), Tracer(fn, mod_kind(fn)).run()
