@@ -65,9 +65,9 @@ def _is_true(mod: TracedMod | None) -> bool:
     return mod is None or (mod.root.op == "const" and mod.root.attr is True)
 
 
-def _reads(mod: TracedMod) -> tuple[str, ...]:
-    """The mod arguments the graph reads, in a fixed order (by the template graph of a lifted trace)."""
-    return tuple(sorted(ir.inputs_read(structure(mod)[0])))
+def _reads(mod: TracedMod) -> frozenset[str]:
+    """The mod arguments the graph reads (by the template graph of a lifted trace; cached by graph)."""
+    return ir.inputs_read(structure(mod)[0])
 
 
 _MAX_SPANS = 4  # more partial spans than this: the mask_mod is evaluated over every position at once
@@ -492,7 +492,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     if (score_mod is None and not need_max and fused_cpu.FLASH is not None and query.is_cpu
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
-            and (not masked or set(_reads(mask_mod)) <= {"q_idx", "kv_idx"})
+            and (not masked or _reads(mask_mod) <= {"q_idx", "kv_idx"})
             and (not masked or (all_finite(query) and _finite_columns(masked, k_sel, v_sel)))):
         run = two_products if _products_pay(query, k_sel, masked) else flash
         out, lse = run(query, k_sel, v_sel, masked, scale, need_lse)
