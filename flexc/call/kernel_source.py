@@ -40,8 +40,8 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     With ``sinks`` the call runs the kernels of the call without them that returns the logsumexp
     (the sinks are merged in torch, :mod:`flexc.call.sinks`): those are returned. With ``dropout_p > 0``
-    the kernels are their dropout variants (the forward kernel for short queries too: the decode
-    kernel does not drop), which draw the mask from the call's seed.
+    the kernels are their dropout variants (for short queries the decode kernel's), which draw the mask
+    from the call's seed.
 
     When the call runs no generated kernel (the TORCH backend, the default on CPU tensors; a backward
     of a score_mod the generated backward cannot differentiate, which trains through the torch

@@ -13,6 +13,11 @@ flex_decode, instead
   logsumexp (:func:`flexc.backends.triton.decode.merge_splits`). A row that allows no key in a
   split writes 0 and ``-inf`` there, so a fully masked row ends as output 0, logsumexp ``-inf``.
 
+With attention dropout (``DecodeSpec.dropout``, flexc's ``dropout_p > 0``) each packed row draws its
+keep mask at its own query head and row, so a seed keeps the pairs the forward kernel and the TORCH
+backend keep; as there, only ``p @ v`` is dropped, never the row sum behind the logsumexp the merge
+weighs splits by.
+
 The packed rows share one row of the BlockMask's tables, so the kernel applies when the mask
 does not vary by query head within a group (``Hm == 1`` or ``G == 1``) and the ``L`` rows lie in
 its first query block; the launcher checks that and otherwise runs the forward kernel.
@@ -25,8 +30,8 @@ from ..constants import LN2, LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
-from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, head_check, online_softmax, softmax_state,
-                    tile_load, tile_walk, widen_suffix)
+from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
+                    head_check, online_softmax, softmax_state, tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel
 
 KERNEL_NAME = "flex_decode_split"
@@ -52,6 +57,9 @@ class DecodeSpec(AttentionSpec):
     fp32_precision: str = "ieee"
     # integer type of the mods' index arithmetic, as the forward's (flexc.codegen.index_width)
     index_dtype: str = "int32"
+    # attention dropout (flexc's dropout_p > 0), drawn per packed row at its real (b, h, q_idx) as
+    # the forward kernel draws it (codegen.parts.dropout_keep): the same seed keeps the same pairs
+    dropout: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
         f"BLOCK_N={spec.block_n} keys; num_warps={spec.num_warps}, num_stages={spec.num_stages}; "
         f"target: {spec.target}",
         *index_note(spec),
+        *_dropout_note(spec),
         "# One program per (split, key head, batch). Its tile's rows are the GQA_GROUP query heads that",
         "# share the key head times the Q_LEN query rows (row r: head h_kv * GQA_GROUP + r // Q_LEN,",
         "# q_idx r % Q_LEN). It walks its share of the BlockMask row's listed key blocks (partial: score_mod",
@@ -77,9 +86,28 @@ def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
         "# output and logsumexp; the launcher merges the splits by logsumexp.",
         *widen_note(spec),
     ]
-    source = attention_source(header, score, mask, _attend_range(spec, score, mask), _kernel(spec, score, mask))
+    source = attention_source(header, score, mask, _attend_range(spec, score, mask), _kernel(spec, score, mask),
+                              dropout=spec.dropout)
     return GeneratedDecode(source, KERNEL_NAME,
                            score.params if score is not None else (), mask.params if mask is not None else ())
+
+
+def _dropout_note(spec: DecodeSpec) -> list[str]:
+    """The header's dropout line, for a spec with ``dropout``; else none."""
+    if not spec.dropout:
+        return []
+    return ["#   dropout: each (b, h, q_idx, kv_idx) pair kept with probability 1 - p (Philox, keyed by the call's "
+            "seed, at each packed row's own query head and row: the forward kernel's mask), kept ones scaled by "
+            "1 / (1 - p)"]
+
+
+def _dropout_rows(spec: DecodeSpec) -> list[str]:
+    """For a spec with ``dropout``, the per-row Philox head counter: each packed row draws at its own
+    query head and row, so the kept pairs are the forward kernel's; else none."""
+    if not spec.dropout:
+        return []
+    return ["    # dropout: each packed row draws at its own query head h and row q_idx (the forward kernel's mask)",
+            *dropout_head(spec, "    ", heads="(KV_HEADS * GQA_GROUP)")]
 
 
 def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
@@ -90,6 +118,7 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_index_ptr, first, last, scale, KV_LEN,",
         *names_line(buffer_args(score, mask)),
+        *dropout_args(spec),
         *constexprs(("IS_FULL_BLOCKS", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
                     ("KV_BLOCK_SIZE", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
@@ -116,7 +145,8 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
     ]
     v_load = [f"        v = {tile_load(spec, VALUE_TILE, 'kv_in_range[:, None]', '[None, :]', value=True)}"]
     body += online_softmax(spec, "        ", v_load, guard=bool(masked), fold_rescale=True,
-                           guard_note="  # compiled in only for CPU calls whose values hold NaN/inf")
+                           guard_note="  # compiled in only for CPU calls whose values hold NaN/inf",
+                           dropout=spec.dropout)
     body += [
         "        m_i = m_new",
         *tail,
@@ -132,6 +162,7 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "partial_block_counts_ptr, partial_block_indices_ptr,"
         + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
         *names_line(buffers),
+        *dropout_params(spec),
         "scale, Q_LEN, KV_LEN, GQA_GROUP, KV_HEADS, NUM_SPLITS,",
         "stride_qb, stride_qh, stride_qm, stride_qd,",
         "stride_kb, stride_kh, stride_kn, stride_kd,",
@@ -147,6 +178,7 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, {first}, {last}, scale, KV_LEN,",
             *names_line(buffers),
+            *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={full}", "GUARD_NONFINITE_VALUES"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"),
                       HEAD_DIMS),
         ], "    ")
@@ -164,6 +196,7 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "    r = tl.minimum(rows, packed - 1)",
         "    h = (h_kv * GQA_GROUP + r // Q_LEN)[:, None]  # the query head of each row, as the mods see it",
         "    q_idx = (r % Q_LEN)[:, None]",
+        *_dropout_rows(spec),
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         "    q = tl.load(query_ptr + b * stride_qb + h * stride_qh + q_idx * stride_qm + offs_d[None, :] * stride_qd,",

@@ -18,6 +18,7 @@ from ...codegen.merge import MergeSpec
 from ...codegen.scalars import lift_for_call
 from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod
+from ..dropout import Dropout
 from ..layout import empty_like_reference
 from . import cache, config, launcher
 
@@ -39,8 +40,9 @@ def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
 
 
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, block_mask: Any, target: str | None = None) -> DecodeSpec:
-    """The decode kernel's spec for these tensors (``target``: their device's, unless given)."""
+              value: torch.Tensor, block_mask: Any, target: str | None = None, dropout: bool = False) -> DecodeSpec:
+    """The decode kernel's spec for these tensors (``target``: their device's, unless given; ``dropout``
+    compiles attention dropout in)."""
     if block_mask is None:
         mask_mod = None
     layout = config.call_layout(query, value, score_mod, mask_mod, block_mask)
@@ -52,7 +54,7 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
     block_m, block_n, warps, stages = config.resolve_decode_config(kv_block, G * query.shape[2], target, query.dtype,
                                                                    (query.shape[-1], value.shape[-1]), shared)
     return DecodeSpec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], kv_block, block_m, block_n,
-                      warps, stages, has_full, target, config.fp32_precision(target), layout.index_dtype)
+                      warps, stages, has_full, target, config.fp32_precision(target), layout.index_dtype, dropout)
 
 
 def merge_spec(spec: DecodeSpec) -> MergeSpec:
@@ -79,13 +81,17 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.
 
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-           num_splits: int | None = None, merge: MergeSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           num_splits: int | None = None, merge: MergeSpec | None = None,
+           dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the decode kernel and merge its splits (the merge kernel ``merge``, by default
-    :func:`merge_spec`'s): ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32 (float64 for float64 inputs)."""
+    :func:`merge_spec`'s): ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32 (float64 for float64 inputs).
+    ``dropout``: the seed and probability of a spec with dropout."""
     B, Hq, L, _ = query.shape
+    launcher.check_dropout(spec, dropout)
     kernel = cache.get_kernel(spec, query.device)
     args, constants, (out_split, lse_split) = launcher.decode_arguments(
-        spec, kernel.generated, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits)
+        spec, kernel.generated, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits,
+        dropout=dropout)
     gpu.launch(kernel.fn, launcher.decode_grid(out_split), spec, query.device, args, constants)
     return merge_splits(out_split, lse_split, query, Hq, L, merge if merge is not None else merge_spec(spec))
 

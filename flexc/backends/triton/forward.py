@@ -84,14 +84,14 @@ def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     (:func:`flexc.backends.triton.backward.forward_for_training`, ``training=True``) and
     :func:`flexc.kernel_source` share: short queries (:func:`flexc.backends.triton.decode.applies`) run the
     split-KV decode kernel then its merge, except in training, whose generated backward takes the
-    forward kernel's logsumexp, and except with attention dropout (``dropout``), which only the forward
-    kernel draws; anything else runs the forward kernel (its logsumexp variant when ``need_lse`` or
-    ``training``, which also writes the backward's statistics; its dropout variant when ``dropout``),
-    or nothing when :func:`launches_nothing`.
+    forward kernel's logsumexp and statistics; anything else runs the forward kernel (its logsumexp
+    variant when ``need_lse`` or ``training``, which also writes the backward's statistics), or nothing
+    when :func:`launches_nothing`. ``dropout`` selects either kernel's dropout variant (both draw
+    the same mask, so inference with dropout decodes as it would without).
     """
     score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
-    if not training and not dropout and decode.applies(query, key, block_mask):  # short queries: split-KV decoding
-        spec = decode.make_spec(score_mod, mask_mod, query, key, value, block_mask)
+    if not training and decode.applies(query, key, block_mask):  # short queries: split-KV decoding
+        spec = decode.make_spec(score_mod, mask_mod, query, key, value, block_mask, dropout=dropout)
         return ForwardPlan(score_mod, mask_mod, (spec, decode.merge_spec(spec)))
     need_lse = need_lse or training
     if launches_nothing(query, value, need_lse):
@@ -168,7 +168,7 @@ def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value
     if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
         decode_spec, merge = plan.kernels
         out, lse = decode.launch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
-                                 num_splits=config.requested_splits(kernel_options), merge=merge)
+                                 num_splits=config.requested_splits(kernel_options), merge=merge, dropout=dropout)
         return out, (lse if need_lse else None), None
     if plan.kernels:
         (spec,) = plan.kernels
@@ -188,7 +188,7 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
     (block sizes against tiles, devices of captured tensors). The kernels are :func:`plan_forward`'s;
-    ``dropout`` (flexc's ``dropout_p``) runs the forward kernel that draws its mask.
+    ``dropout`` (flexc's ``dropout_p``) runs the kernels' variants that draw its mask.
     """
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
                         dropout=dropout is not None)

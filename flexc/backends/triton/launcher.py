@@ -262,10 +262,11 @@ def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_ou
 
 def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                     splits: int | None, guard_values: bool | None = None):
+                     splits: int | None, guard_values: bool | None = None, dropout: Dropout | None = None):
     """The decode kernel's positional and constexpr arguments for one call, and the per-split outputs
     ``(out_split, lse_split)`` it writes. ``splits``: per (batch, key head), None for
-    :func:`flexc.backends.triton.config.default_splits`; ``guard_values`` defaults to the launcher's choice."""
+    :func:`flexc.backends.triton.config.default_splits`; ``guard_values`` defaults to the launcher's choice;
+    ``dropout`` for a kernel with dropout."""
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
@@ -275,7 +276,7 @@ def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key:
     out_split = torch.empty(B, Hkv, splits, spec.block_m, Ev, dtype=work, device=device)
     lse_split = torch.empty(B, Hkv, splits, spec.block_m, dtype=work, device=device)
     args = kernel_arguments(query, key, value, [out_split, lse_split], tables,
-                            mod_arguments(generated, score_mod, mask_mod, device),
+                            mod_arguments(generated, score_mod, mask_mod, device) + dropout_arguments(dropout, device),
                             [float(scale), L, S, Hq // Hkv, Hkv, splits], [])
     if guard_values is None:
         guard_values = guards_nonfinite_values(spec, value)

@@ -75,7 +75,7 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
     query, key, value, block_mask = inputs
     L, S = query.shape[2], key.shape[2]
     scale = query.shape[-1] ** -0.5
-    drop = _STAND_IN_DROPOUT if getattr(spec, "dropout", False) else None  # (decode specs never drop)
+    drop = _STAND_IN_DROPOUT if spec.dropout else None
     if isinstance(spec, BackwardSpec):
         dq, dk, dv, _, grads = launcher.backward_outputs(spec, query, key, value, spec.score_mod)
         rows = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
@@ -86,7 +86,8 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
                                            guard_inputs=guard_values, dropout=drop)
     if isinstance(spec, DecodeSpec):
         args, constants, _ = launcher.decode_arguments(spec, generated, query, key, value, spec.score_mod,
-                                                       spec.mask_mod, block_mask, scale, num_splits, guard_values)
+                                                       spec.mask_mod, block_mask, scale, num_splits, guard_values,
+                                                       dropout=drop)
         return args, constants
     out = launcher.empty_output(query, value.shape[-1])
     lse = torch.empty(query.shape[:3], dtype=torch.float32) if spec.output_lse else None
