@@ -2,7 +2,7 @@
 CPU tensors take every host decision a GPU takes (backend, tiles, variants, guards, decode
 dispatch, launch code), and the kernels run in Triton's interpreter. Checked against the float64
 dense reference for the catalogue, training with captured-tensor gradients, GQA and gpt-fast style
-decoding; a steady-state training or decoding step reads no tensor contents on the host.
+decoding (with dropout: against the TORCH backend's mask); a steady-state training or decoding step reads no tensor contents on the host.
 CUDA graph capture and ``torch.compile(mode="reduce-overhead")`` run where CUDA exists."""
 from __future__ import annotations
 
@@ -132,6 +132,28 @@ def test_gpt_fast_decoding_equals_dense_in_two_launches_without_host_reads(arch,
             if step > 0:
                 assert reads == [], f"host reads in a steady-state decoding step: {reads}"
             input_pos += 1
+
+
+def test_decoding_with_dropout_draws_the_torch_mask_in_the_decode_kernel():
+    # sampling with dropout (or MC dropout) at inference: the CUDA decode kernel's dropout variant
+    S, rows = 96, 2
+    _, k, v = random_qkv(2, 8, 2, 1, S, E, seed=9)
+    q = torch.randn(2, 8, rows, E, generator=torch.Generator().manual_seed(10))
+    mask = lambda b, h, q_idx, kv_idx: q_idx + 50 >= kv_idx
+    with flexc.device.simulate("sm_90"):
+        block_mask = flexc.create_block_mask(mask, None, None, rows, S, BLOCK_SIZE=32)
+
+        def call(backend):
+            return flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, dropout_p=0.2,
+                                        generator=torch.Generator().manual_seed(4), kernel_options={"BACKEND": backend})
+
+        assert "flex_decode_split" in flexc.kernel_source(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                                          dropout_p=0.2).splitlines()[0]
+        info = flexc.cache_info()
+        out = call("TRITON")
+        assert flexc.cache_info().hits + flexc.cache_info().misses - info.hits - info.misses == 2  # split, merge
+        want = call("TORCH")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

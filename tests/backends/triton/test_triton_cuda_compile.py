@@ -152,18 +152,25 @@ def test_decode_kernel_compiles_without_its_value_guard_by_default():
     assert 2 * len(off.asm["ptx"]) < len(on.asm["ptx"])  # the guard's three extra dots and selects are gone
 
 
-@pytest.mark.parametrize("backward", [False, True])
-def test_dropout_kernels_compile_for_hopper(backward):
-    # the Philox helper's uint32 arithmetic (umulhi, wrapping products) as the CUDA compiler types it
-    from flexc.backends.triton import backward as triton_backward
+@pytest.mark.parametrize("kernel", ["forward", "backward", "decode"])
+def test_dropout_kernels_compile_for_hopper(kernel):
+    # the Philox helper's uint32 arithmetic (umulhi, wrapping products) as the CUDA compiler types it;
+    # the decode kernel draws it on [BLOCK_M, 1] head and row vectors (its packed rows)
+    from flexc.backends.triton import backward as triton_backward, decode as triton_decode
 
     mask = flexc.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
-    if backward:
+    inputs = None
+    if kernel == "backward":
         spec = triton_backward.make_backward_spec(None, mask, torch.bfloat16, 64, 64, (128, 128), None, "cuda",
                                                   dropout=True)
+    elif kernel == "decode":
+        q, k = torch.empty(2, 32, 2, 64, dtype=torch.bfloat16), torch.empty(2, 8, 4096, 64, dtype=torch.bfloat16)
+        bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 4000 >= kv_idx, 2, 1, 2, 4096, device="cpu")
+        spec = triton_decode.make_spec(None, flexc.trace(bm.mask_mod), q, k, k, bm, target="cuda", dropout=True)
+        inputs = (q, k, k, bm)
     else:
         spec = triton_forward.make_spec(None, mask, torch.bfloat16, 64, 64, (128, 128), None, "cuda", True,
                                         dropout=True)
-    compiled = triton_offline.compile_offline(spec, capability=90)
+    compiled = triton_offline.compile_offline(spec, capability=90, inputs=inputs)
     assert "cubin" in compiled.asm and compiled.metadata.shared <= HOPPER_SHARED_MEMORY
     assert "mul.hi.u32" in compiled.asm["ptx"]  # umulhi: the high words of Philox's products
