@@ -22,9 +22,9 @@ def test_the_key_is_the_kind_then_every_field_in_order_with_mods_by_structure():
                       True, False, True, "int64", True)
     assert fwd.key() == (("score",), None, torch.float16, 64, 48, 128, 128, 64, 32, 4, 2, True, False, True, "cuda",
                          "tf32", True, False, True, "int64", True)
-    dec = DecodeSpec(None, mask, torch.float32, 64, 64, 128, 16, 32, 2, 2, False, "interpreter", "ieee", "int32")
+    dec = DecodeSpec(None, mask, torch.float32, 64, 64, 128, 16, 32, 2, 2, False, "interpreter", "ieee", "int32", True)
     assert dec.key() == ("decode", None, ("mask",), torch.float32, 64, 64, 128, 16, 32, 2, 2, False, "interpreter",
-                         "ieee", "int32")
+                         "ieee", "int32", True)
     bwd = BackwardSpec(score, mask, torch.bfloat16, 64, 64, 128, 128, 32, 64, 64, 32, 4, 1, True, (0,), "cuda",
                        "ieee", "int32", True)
     assert bwd.key() == ("backward", ("score",), ("mask",), torch.bfloat16, 64, 64, 128, 128, 32, 64, 64, 32, 4, 1,
