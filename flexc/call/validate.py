@@ -48,7 +48,10 @@ TORCH_KERNEL_OPTIONS = frozenset({
 # flexc's own keys. FAST_MATH (default True): on CUDA, fp32 tanh and sigmoid lower to one exp2 and one
 # reciprocal (flexc.codegen.math_helpers); False keeps libdevice's tanh and tl.sigmoid. It applies to
 # every kernel of a call (forward, backward, decode), so it takes no fwd_/bwd_ prefix.
-FLEXC_OPTIONS = frozenset({"FAST_MATH"})
+# PRECISE_GRADIENTS (default True for fp32/fp64 inputs, False for 16-bit ones): the TRITON backward takes
+# delta and the probabilities' sum from its own probabilities (a row pass), and 16-bit dS enters the
+# dq/dk dots as two operands (flexc.codegen.backward_rows).
+FLEXC_OPTIONS = frozenset({"FAST_MATH", "PRECISE_GRADIENTS"})
 
 
 def check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:

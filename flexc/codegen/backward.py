@@ -76,6 +76,15 @@ class BackwardSpec(AttentionSpec):
     index_dtype: str = "int32"
     # attention dropout: the forward's keep mask regenerated in both programs (see the module docstring)
     dropout: bool = False
+    # PRECISE_GRADIENTS: delta and the probabilities' sum come from this backward's own probabilities
+    # (a row pass before it, flexc.codegen.backward_rows), and 16-bit dS enters the dq/dk dots as
+    # two operands (its rounding and the remainder) instead of one
+    precise: bool = False
+
+    @property
+    def splits_ds(self) -> bool:
+        """Whether dS enters the dq/dk dots as two 16-bit operands (PRECISE_GRADIENTS, 16-bit inputs)."""
+        return self.precise and self.dtype in (torch.float16, torch.bfloat16)
 
     def grad_dtype(self, slot: int) -> torch.dtype:
         """The dtype captured tensor ``slot``'s gradient is accumulated in (atomics need fp32/fp64)."""
@@ -115,14 +124,38 @@ def _accumulates(p: BufferParam, n_buf: int) -> bool:
     return p.what != "scalar" and p.slot >= n_buf
 
 
-def _call(r: RenderedMod, args: str) -> str:
+def mod_call(r: RenderedMod, args: str) -> str:
+    """A rendered mod applied to ``args`` in the kernel: its function call, or its value if constant."""
     if r.is_constant:
         return python_literal(float(r.literal))
     return f"{r.fn_name}({', '.join([args] + [p.name for p in r.params])})"
 
 
-def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
-    """The Triton source of the backward kernel described by ``spec``."""
+@dataclass(frozen=True)
+class RenderedBackward:
+    """The mods of a backward spec as kernel text, and the kernel's captured-value parameters:
+    what the backward kernel and its row pass (:mod:`flexc.codegen.backward_rows`) share, so both
+    take the same arguments."""
+
+    score: RenderedMod | None
+    mask: RenderedMod | None
+    d_score: RenderedMod | None  # d score_mod / d score
+    gathers: list  # [_GatherCode]: the captured tensors that receive gradients
+    derivative: ScoreModDerivative | None
+    score_params: tuple[BufferParam, ...]
+    mask_params: tuple[BufferParam, ...]
+    grad_params: list[BufferParam]  # addresses into the gradient accumulators (slots n_buf + slot)
+    buffers: list[str]  # every captured-value parameter name, in the kernels' order
+    n_buf: int
+
+    def generated(self, source: str, kernel_name: str) -> GeneratedBackward:
+        grad_params = tuple(BufferParam(p.name, p.slot - self.n_buf, p.what, p.dim) for p in self.grad_params)
+        return GeneratedBackward(source, kernel_name, self.score_params, self.mask_params, grad_params,
+                                 self.derivative)
+
+
+def render_backward(spec: BackwardSpec) -> RenderedBackward:
+    """The mods, their derivatives and the gradient addresses of ``spec`` as kernel text."""
     score, mask = render_mods(spec, spec.target, spec.index_dtype)  # the forward's mod functions, parameter names and all
     # the derivative functions and gradient addresses print like the mods (libdevice, index width)
     style = dict(target=spec.target, index_dtype=spec.index_dtype)
@@ -160,8 +193,6 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
         d_score = None
         gathers = []
 
-    mods = [r for r in (score, mask, d_score) if r is not None]
-    mods += [r for g in gathers for r in (g.grad, g.address)]
     n_buf = len(spec.score_mod.buffers) if spec.score_mod is not None else 0
     # what an address reads besides its gradient accumulator (captured numbers, index tensors such
     # as doc in bias[doc[kv_idx]]) is the score_mod's, under the score_mod's parameter names
@@ -171,20 +202,26 @@ def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     mask_params = tuple(mask.params) if mask is not None else ()
     grad_params = _unique([p for g in gathers for p in g.address.params if _accumulates(p, n_buf)])
     buffers = [p.name for p in score_params] + [p.name for p in mask_params] + [p.name for p in grad_params]
+    return RenderedBackward(score, mask, d_score, gathers, derivative, tuple(score_params), mask_params, grad_params,
+                            buffers, n_buf)
 
+
+def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
+    """The Triton source of the backward kernel described by ``spec``."""
+    r = render_backward(spec)
+    score, mask, d_score, gathers, buffers = r.score, r.mask, r.d_score, r.gathers, r.buffers
+    mods = [m for m in (score, mask, d_score) if m is not None] + [m for g in gathers for m in (g.grad, g.address)]
     # a constant mod is printed as its value where it is used: no function
-    lines = preamble(_header(spec, derivative, gathers), [r for r in mods if not r.is_constant])
+    lines = preamble(_header(spec, r.derivative, gathers), [m for m in mods if not m.is_constant])
     if spec.dropout:
         lines += [DROPOUT_HELPERS, ""]
     lines += _dkdv_blocks(spec, score, mask, d_score, gathers, buffers)
     lines += ["", ""]
-    dq_buffers = buffers[:len(buffers) - len(grad_params)]  # dQ programs add no captured-tensor gradients
+    dq_buffers = buffers[:len(buffers) - len(r.grad_params)]  # dQ programs add no captured-tensor gradients
     lines += _dq_blocks(spec, score, mask, d_score, dq_buffers)
     lines += ["", ""]
     lines += _kernel(spec, d_score, buffers, dq_buffers)
-    source = "\n".join(lines).rstrip() + "\n"
-    grad_params = tuple(BufferParam(p.name, p.slot - n_buf, p.what, p.dim) for p in grad_params)
-    return GeneratedBackward(source, KERNEL_NAME, tuple(score_params), mask_params, grad_params, derivative)
+    return r.generated("\n".join(lines).rstrip() + "\n", KERNEL_NAME)
 
 
 def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: list[_GatherCode]) -> list[str]:
@@ -219,7 +256,7 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
     return lines
 
 
-def _score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, shape: str, indent: str) -> list[str]:
+def score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, shape: str, indent: str) -> list[str]:
     """``qk`` (the modified, masked score) from ``score`` (the scaled q·k) and ``valid``."""
     out = []
     if score is None:
@@ -229,7 +266,7 @@ def _score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, 
         if score.is_constant:
             out.append(f"{indent}qk = tl.full({shape}, {python_literal(float(score.literal))}, score.dtype)")
         else:
-            call = _call(score, "score, b, h, q_idx, kv_idx")
+            call = mod_call(score, "score, b, h, q_idx, kv_idx")
             if "score" in score.reads or {"q_idx", "kv_idx"} <= score.reads:
                 out.append(f"{indent}qk = {call}.to(score.dtype)")
             else:  # varies along at most one axis: broadcast it to the tile
@@ -240,7 +277,7 @@ def _score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, 
         if mask.is_constant:  # always False (always True was dropped)
             out.append(f"{indent}    valid = valid & (q_idx < 0)  # allows nothing")
         else:
-            out.append(f"{indent}    valid = valid & {_call(mask, 'b, h, q_idx, kv_idx')}")
+            out.append(f"{indent}    valid = valid & {mod_call(mask, 'b, h, q_idx, kv_idx')}")
             if spec.target == "interpreter":
                 # the interpreter stores a per-program comparison (h == 0, b < 2) as int32 and
                 # broadcasts it to the tile as int32: valid would be an int32 tile typed int1,
@@ -260,7 +297,7 @@ def _score_grad_lines(d_score: RenderedMod | None, ds: str, indent: str) -> list
             return []
         return [f"{indent}{ds} = {ds} * {python_literal(value)}  # d score_mod / d score: {d_score.expression}"]
     return [f"{indent}# d score_mod / d score: {d_score.expression}",
-            f"{indent}{ds} = tl.where(valid, {ds} * {_call(d_score, 'score, b, h, q_idx, kv_idx')}, 0.0)"]
+            f"{indent}{ds} = tl.where(valid, {ds} * {mod_call(d_score, 'score, b, h, q_idx, kv_idx')}, 0.0)"]
 
 
 def _ignores_score(d_score: RenderedMod | None) -> bool:
@@ -277,8 +314,8 @@ def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -
             value = float(g.grad.literal)
             term = "dsT" if value == 1.0 else f"dsT * {python_literal(value)}"
         else:
-            term = f"tl.where(valid, dsT * {_call(g.grad, 'score, b, h, q_idx, kv_idx')}, 0.0)"
-        address = _call(g.address, "score, b, h, q_idx, kv_idx")
+            term = f"tl.where(valid, dsT * {mod_call(g.grad, 'score, b, h, q_idx, kv_idx')}, 0.0)"
+        address = mod_call(g.address, "score, b, h, q_idx, kv_idx")
         if "score" in reads or {"q_idx", "kv_idx"} <= reads:
             out.append(f"{indent}grad = {term}")
             if not {"q_idx", "kv_idx"} <= reads:  # an index read from the score alone: spread it over the tile
@@ -310,7 +347,7 @@ def _finite_lines(x: str, indent: str) -> list[str]:
             f"{indent}        {x} = tl.where(({x} == {x}) & (tl.abs({x}) != float(\"inf\")), {x}, 0.0)"]
 
 
-def _bounds(indent: str, in_range: str, idx: str, offs: str, length: str, block: str, axis: str) -> list[str]:
+def tile_bounds(indent: str, in_range: str, idx: str, offs: str, length: str, block: str, axis: str) -> list[str]:
     """``in_range`` and the clamped index ``idx`` of a tile; no checks when the lengths divide the tiles."""
     return [
         f"{indent}if DIVISIBLE:  # both lengths are multiples of every tile: nothing to bounds-check",
@@ -320,6 +357,18 @@ def _bounds(indent: str, in_range: str, idx: str, offs: str, length: str, block:
         f"{indent}    {in_range} = {offs} < {length}",
         f"{indent}    {idx} = tl.minimum({offs}, {length} - 1){axis}  # clamped: captured-tensor lookups stay in bounds",
     ]
+
+
+def _ds_dot(spec: BackwardSpec, ds: str, other: str, acc: str, indent: str) -> list[str]:
+    """``acc += ds · other`` with ``ds`` (fp32) as the dot's operand: rounded to the input dtype, as
+    torch's template does, or with :attr:`BackwardSpec.splits_ds` as two operands, its rounding and
+    what the rounding dropped, so the dot sees ~16 of its bits instead of 8 (one more dot)."""
+    if not spec.splits_ds:
+        return [f"{indent}{acc} = {dot(operand(spec, ds), other, spec, acc)}"]
+    return [f"{indent}# PRECISE_GRADIENTS: {ds} enters as its {spec.tl_dtype} rounding plus the remainder",
+            f"{indent}{ds}_hi = {operand(spec, ds)}",
+            f"{indent}{acc} = {dot(f'{ds}_hi', other, spec, acc)}",
+            f"{indent}{acc} = {dot(operand(spec, f'({ds} - {ds}_hi.to({spec.acc_dtype}))'), other, spec, acc)}"]
 
 
 def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
@@ -344,14 +393,14 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *head,
         "        offs_m = start_m + tl.arange(0, BLOCK_M1)",
-        *_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
+        *tile_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
         f"        qT = {tile_load(spec, q_ptrs, 'q_in_range[None, :]', '[:, None]')}",
         f"        do = {tile_load(spec, do_ptrs, 'q_in_range[:, None]', '[None, :]', value=True)}",
         "        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0",
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
         f"        score = {dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
         "        valid = kv_in_range[:, None] & q_in_range[None, :]",
-        *_score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
+        *score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
         f"        pT = tl.exp2(qk * {LOG2E} - lse[None, :])",
     ]
     if spec.dropout:  # the forward's out = (p * keep) @ v: dv and dp go through the kept pairs
@@ -371,7 +420,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         body += [
             *_score_grad_lines(d_score, "dsT", "        "),
             *_finite_lines("qT", "        "),
-            f"        dk = {dot(operand(spec, 'dsT'), 'tl.trans(qT)', spec, 'dk')}",
+            *_ds_dot(spec, "dsT", "tl.trans(qT)", "dk", "        "),
         ]
     body += [*tail, "    return dk, dv"]
     return body
@@ -398,12 +447,12 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *head,
         "        offs_n = start_n + tl.arange(0, BLOCK_N2)",
-        *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
+        *tile_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
         f"        kT = {tile_load(spec, k_ptrs, 'kv_in_range[None, :]', '[:, None]')}",
         f"        vT = {tile_load(spec, v_ptrs, 'kv_in_range[None, :]', '[:, None]', value=True)}",
         f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
-        *_score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
+        *score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
         f"        p = tl.exp2(qk * {LOG2E} - row_max[:, None])  # not yet divided by the row's sum: dq is, once",
         f"        dp = {dot('do', 'vT', spec)}",
         *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"]
@@ -411,15 +460,15 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
         *_score_grad_lines(d_score, "ds", "        "),
         *_finite_lines("kT", "        "),
-        f"        dq = {dot(operand(spec, 'ds'), 'tl.trans(kT)', spec, 'dq')}",
+        *_ds_dot(spec, "ds", "tl.trans(kT)", "dq", "        "),
         *tail,
         "    return dq",
     ]
 
 
-def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str], dq_buffers: list[str]) -> list[str]:
-    acc = spec.acc_dtype
-    widen = widen_suffix(spec)
+def kernel_params(spec: BackwardSpec, buffers: list[str]) -> tuple[list[str], list[str]]:
+    """The backward kernel's parameter lines (its row pass takes the same ones, so one argument list
+    launches both) and the parameters left unspecialised (lengths and captured values)."""
     full = spec.has_full_blocks
     params = [
         "query_ptr, key_ptr, value_ptr, grad_out_ptr, lse_ptr, delta_ptr, row_max_ptr, row_sum_ptr,",
@@ -428,8 +477,6 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "partial_q_counts_ptr, partial_q_indices_ptr," + (" full_q_counts_ptr, full_q_indices_ptr," if full else ""),
         *names_line(buffers),
         *dropout_params(spec),
-    ]
-    params += [
         "scale, Q_LEN, KV_LEN, GQA_GROUP,",
         "stride_qb, stride_qh, stride_qm, stride_qd,",
         "stride_kb, stride_kh, stride_kn, stride_kd,",
@@ -443,7 +490,14 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         *constexprs(("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), ("Q_BLOCK_SIZE", "KV_BLOCK_SIZE", "DIVISIBLE"),
                     ("GUARD_NONFINITE_INPUTS",), HEAD_DIMS),
     ]
-    unspecialised = ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
+    return params, ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
+
+
+def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str], dq_buffers: list[str]) -> list[str]:
+    acc = spec.acc_dtype
+    widen = widen_suffix(spec)
+    full = spec.has_full_blocks
+    params, unspecialised = kernel_params(spec, buffers)
     dims = ("GUARD_NONFINITE_INPUTS", *HEAD_DIMS)
 
     def dkdv_call(kind: str, is_full: bool) -> list[str]:
@@ -480,7 +534,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "    if pid < NUM_KV_TILES:",
         "        # ---- a dK/dV program: one key tile, every query head of the group ----",
         "        offs_n = pid * BLOCK_N1 + tl.arange(0, BLOCK_N1)",
-        *_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N1", "[:, None]"),
+        *tile_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N1", "[:, None]"),
         f"        k = {tile_load(spec, 'key_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd', 'kv_in_range[:, None]', '[None, :]')}",
         f"        v = {tile_load(spec, 'value_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd', 'kv_in_range[:, None]', '[None, :]', value=True)}",
         f"        dk = tl.full((BLOCK_N1, HEAD_DIM_PAD), 0.0, {acc})",
@@ -511,7 +565,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         *dropout_head(spec, "        ", HEADS),
         "        q_tile = tile % NUM_Q_TILES",
         "        offs_m = q_tile * BLOCK_M2 + tl.arange(0, BLOCK_M2)",
-        *_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M2", "[:, None]"),
+        *tile_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M2", "[:, None]"),
         f"        dq = tl.full((BLOCK_M2, HEAD_DIM_PAD), 0.0, {acc})",
     ]
     if not _ignores_score(d_score):
@@ -541,4 +595,5 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
     return body
 
 
-__all__ = ["BackwardSpec", "GeneratedBackward", "KERNEL_NAME", "generate_backward"]
+__all__ = ["BackwardSpec", "GeneratedBackward", "KERNEL_NAME", "RenderedBackward", "generate_backward", "kernel_params",
+           "mod_call", "render_backward", "score_mod_lines", "tile_bounds"]

@@ -17,6 +17,7 @@ import torch
 
 from ... import device as gpu
 from ...codegen.backward import BackwardSpec
+from ...codegen.backward_rows import rows_spec
 from ...codegen.prologue import PrologueSpec
 from ...codegen.scalars import lift_for_call
 from ...codegen.spec import padded_head_dim
@@ -45,7 +46,17 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
                                                                        q_block, kv_block, target)
     return BackwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, m1, n1, m2, n2,
                         warps, stages, has_full_blocks, tuple(grad_slots), target, config.fp32_precision(target),
-                        index_dtype, dropout)
+                        index_dtype, dropout, precise_gradients(kernel_options, dtype))
+
+
+def precise_gradients(kernel_options: dict | None, dtype: torch.dtype) -> bool:
+    """``PRECISE_GRADIENTS`` (flexc's kernel option): the backward's row pass and, for 16-bit inputs,
+    dS as two operands (:mod:`flexc.codegen.backward_rows`). By default on for fp32 and fp64 inputs,
+    whose users chose them for accuracy; off for fp16/bf16, whose backward then does torch's
+    template's arithmetic at its cost (the option adds two dots per pair to the row pass and two
+    to the backward's seven)."""
+    default = dtype in (torch.float32, torch.float64)
+    return bool((kernel_options or {}).get("PRECISE_GRADIENTS", default))
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
@@ -90,14 +101,24 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out,
     if query.numel() == 0 or S == 0:
         return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
                 [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)])
-    # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-    delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
     tables = launcher.backward_tables(block_mask, spec, L, S, device)
     launcher.check_query_blocks(tables, L, spec.q_block_size)
     kernel = cache.get_kernel(spec, device)
+    if spec.precise:
+        # the row pass: delta (starting from -dlse) and the probabilities' sum from the backward's own
+        # probabilities, into a copy of the statistics (the forward's row max kept)
+        delta = (-grad_lse.to(acc)).contiguous() if grad_lse is not None else \
+            torch.zeros(stats.shape[1:], dtype=acc, device=device)
+        lse2, stats = torch.empty_like(delta), stats.clone()
+    else:
+        # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
+        delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
     args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2, delta,
                                                   stats, dq, dk, dv, tables, grads, score_mod, mask_mod, scale,
                                                   dropout=dropout)
+    if spec.precise:
+        rows = cache.get_kernel(rows_spec(spec), device)
+        gpu.launch(rows.fn, launcher.backward_rows_grid(spec, query, key), spec, device, args, constants)
     gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
     if summed:
         dk = dk.sum(0, keepdim=True).to(key.dtype)
@@ -111,7 +132,9 @@ class BackwardPlan(NamedTuple):
 
     score_mod: TracedMod | None  # the call's mods, captured numbers lifted to kernel arguments
     mask_mod: TracedMod | None
-    kernels: tuple  # (PrologueSpec, BackwardSpec), or () when nothing is launched (no query rows or no keys)
+    # (PrologueSpec, BackwardSpec), with PRECISE_GRADIENTS (BackwardRowsSpec, BackwardSpec), or () when
+    # nothing is launched (no query rows or no keys)
+    kernels: tuple
 
 
 def launches_nothing(query: torch.Tensor, value: torch.Tensor) -> bool:
@@ -128,7 +151,7 @@ def plan_backward(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
     if launches_nothing(query, value):
         return BackwardPlan(score_mod, mask_mod, ())
     spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots), dropout)
-    return BackwardPlan(score_mod, mask_mod, (prologue_spec(spec), spec))
+    return BackwardPlan(score_mod, mask_mod, (rows_spec(spec) if spec.precise else prologue_spec(spec), spec))
 
 
 def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod: TracedMod | None,
@@ -144,7 +167,7 @@ def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod
                          dropout is not None)
     score_mod, mask_mod = plan.score_mod, plan.mask_mod
     if plan.kernels:
-        spec = plan.kernels[1]  # (launch_backward launches the prologue kernels[0] of it)
+        spec = plan.kernels[1]  # (launch_backward launches the prologue or row pass kernels[0] of it)
     else:  # launch_backward returns the zero gradients without a kernel
         spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots),
                              dropout is not None)
@@ -182,5 +205,5 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
 registry.register_training("TRITON", forward_for_training, triton_backward)
 
 __all__ = ["BackwardPlan", "backward_source", "forward_for_training", "launch_backward", "launch_prologue",
-           "launches_nothing", "make_backward_spec", "plan_backward", "prologue_spec", "spec_for_call",
-           "triton_backward"]
+           "launches_nothing", "make_backward_spec", "plan_backward", "precise_gradients", "prologue_spec",
+           "spec_for_call", "triton_backward"]

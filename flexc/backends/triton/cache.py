@@ -21,6 +21,7 @@ import torch
 
 from ... import device as gpu
 from ...codegen.backward import BackwardSpec, generate_backward
+from ...codegen.backward_rows import BackwardRowsSpec, generate_backward_rows
 from ...codegen.decode import DecodeSpec, generate_decode
 from ...codegen.forward import ForwardSpec, generate_forward
 from ...codegen.merge import MergeSpec, generate_merge
@@ -195,6 +196,8 @@ def _exec_module(name: str, path: str, target: str) -> Any:
 
 def generate(spec: AnySpec) -> Any:
     """The generated kernel (``.source``, ``.kernel_name``, parameters) for a spec of any kind."""
+    if isinstance(spec, BackwardRowsSpec):
+        return generate_backward_rows(spec)
     if isinstance(spec, BackwardSpec):
         return generate_backward(spec)
     if isinstance(spec, MergeSpec):

@@ -326,6 +326,13 @@ def backward_grid(spec: BackwardSpec, query: torch.Tensor, key: torch.Tensor) ->
     return cdiv(S, spec.block_n1) + (Hq // Hkv) * cdiv(L, spec.block_m2), Hkv, B
 
 
+def backward_rows_grid(spec: BackwardSpec, query: torch.Tensor, key: torch.Tensor) -> tuple[int, int, int]:
+    """The backward's row pass (:mod:`flexc.codegen.backward_rows`): the dQ programs' part of
+    :func:`backward_grid`, one program per ``BLOCK_M2`` queries of each query head in the group."""
+    B, Hq, L, _ = query.shape
+    return (Hq // key.shape[1]) * cdiv(L, spec.block_m2), key.shape[1], B
+
+
 def prologue_grid(spec: PrologueSpec, out: torch.Tensor) -> tuple[int, int, int]:
     """One program per ``block_rows`` query rows, query head and batch."""
     B, Hq, L, _ = out.shape
@@ -344,7 +351,7 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
     return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
 
 
-__all__ = ["INT32_OFFSET_LIMIT", "backward_arguments", "backward_grid", "backward_outputs", "backward_tables",
+__all__ = ["INT32_OFFSET_LIMIT", "backward_arguments", "backward_grid", "backward_rows_grid", "backward_outputs", "backward_tables",
            "buffer_arguments", "check_dropout", "check_query_blocks", "decode_arguments", "decode_grid",
            "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",
            "guards_nonfinite_values", "kernel_arguments", "kv_tables", "merge_arguments", "merge_grid", "mod_arguments",
