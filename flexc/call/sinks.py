@@ -10,8 +10,8 @@ key already seen that has no value row, so the output's normalisation and the lo
 
 * the CPU row loop and the Triton forward kernel start each row's softmax there (the kernel gets the
   sink code and argument only for a call with sinks: ``ForwardSpec.sinks``);
-* the split-KV decode kernel's merge (``MergeSpec.sinks``) and context parallelism's merge of the
-  shards start from the sink as from one more part with output 0, once per row;
+* the split-KV decode kernel's merge (``MergeSpec.sinks``) starts from the sink as from one more
+  split with output 0; context parallelism folds it into each rank's own-blocks part, so once per row;
 * the CPU paths whose softmax ends inside torch's fused kernel join it as that part after it.
 
 A -inf sink is no sink; a row with nothing allowed gets output 0 and logsumexp ``s``. The returned
