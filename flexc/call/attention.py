@@ -3,6 +3,7 @@
 The call validates its inputs, traces the mods once (:func:`flexc.trace`), picks a forward backend
 from :mod:`flexc.backends.registry`, and wraps it in a ``torch.autograd.Function`` whose backward is the torch
 block-sparse path (:func:`flexc.backends.cpu.torch_cpu.torch_backward`), so every backend trains.
+Learned attention sinks are folded into the backends' softmax (:mod:`flexc.call.sinks`).
 """
 from __future__ import annotations
 
@@ -18,9 +19,8 @@ from ..backends.layout import laid_out_like
 from ..masks.empty_entries import without_empty_entries
 from . import validate
 from .plan import (AuxOutput, AuxRequest, CallPlan, FallbackWarning, choose_backend, falls_back,  # noqa: F401
-                   generated_backward_fallback, in_dtype_of, lse_dtype, plan_call, prepare_call, sink_free_request,
-                   warn_fallback)
-from .sinks import with_sinks
+                   generated_backward_fallback, in_dtype_of, lse_dtype, plan_call, prepare_call, warn_fallback)
+from .sinks import check_sinks, sink_grad, with_sinks
 
 
 class _FlexAttentionFunction(torch.autograd.Function):
@@ -28,48 +28,62 @@ class _FlexAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, forward, training, score_mod, mask_mod, block_mask, scale, options, slots,
-                drop, *grad_buffers):
+                drop, sinks, *grad_buffers):
         ctx.backward_fn = training[1] if training is not None else None
         fallback = falls_back(forward, training)
         if fallback is not None:
             warn_fallback(score_mod, fallback)
         ctx.options, ctx.dropout = options, drop
-        drops = _dropout_keyword(drop)
+        extra = _dropout_keyword(drop) | _sinks_keyword(sinks)
         stats = None
         if training is not None:
-            out, lse, stats = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options, **drops)
+            out, lse, stats = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options, **extra)
         elif forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
             # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                           need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop)
+                                           need_max=False, lse_dtype=lse_dtype(query.dtype), **extra)
         else:
-            out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True, **drops)
-        # what the backward reads: the generated backward's own statistics, else the logsumexp
-        ctx.save_for_backward(query, key, value, out, lse if stats is None else stats)
+            out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True, **extra)
+        # what the backward reads: the generated backward's own statistics, else the logsumexp; with
+        # sinks also the logsumexp and the sinks, for the sinks' gradient
+        saved = lse if stats is None else stats
+        ctx.save_for_backward(query, key, value, out, saved, *(() if sinks is None else (lse, sinks)))
         ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
         return out, lse.to(lse_dtype(query.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        query, key, value, out, saved = ctx.saved_tensors
+        query, key, value, out, saved, *with_sinks = ctx.saved_tensors
+        lse, sinks = with_sinks or (None, None)
         score_mod, mask_mod, block_mask, scale, slots = ctx.mods
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if ctx.backward_fn is not None:  # the backend's generated backward
+        if ctx.backward_fn is not None:  # the backend's generated backward (its statistics include the sinks)
             dq, dk, dv, buf_grads = ctx.backward_fn(query, key, value, out, saved, grad_out, grad_lse, score_mod,
                                                     mask_mod, block_mask, scale, slots, ctx.options,
                                                     **_dropout_keyword(ctx.dropout))
         else:
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, saved, grad_out, grad_lse, score_mod,
-                                                   mask_mod, block_mask, scale, slots, dropout=ctx.dropout)
+                                                   mask_mod, block_mask, scale, slots, dropout=ctx.dropout,
+                                                   sinks=sinks)
         dq, dk, dv = (laid_out_like(g, t) for g, t in ((dq, query), (dk, key), (dv, value)))
-        return (dq, dk, dv, None, None, None, None, None, None, None, None, None, *buf_grads)
+        # the sinks' gradient, eagerly from the output, dO and the logsumexp (no kernel computes it:
+        # it is one pass over the output per call, flexc.call.sinks.sink_grad)
+        d_sinks = (sink_grad(sinks, out, grad_out, lse, grad_lse) if sinks is not None and ctx.needs_input_grad[12]
+                   else None)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None, None, d_sinks, *buf_grads)
 
 
 def _dropout_keyword(drop: dropout.Dropout | None) -> dict:
     """``dropout=drop`` for a backend's functions when the call drops (a backend without dropout
     support is never asked: :func:`flexc.call.plan.dropout_backend`)."""
     return {"dropout": drop} if drop is not None else {}
+
+
+def _sinks_keyword(sinks: torch.Tensor | None) -> dict:
+    """``sinks=rows`` (``[B or 1, Hq, 1]``) for a backend's forward when the call has sinks; a call
+    without them passes nothing, so it runs exactly the sink-free kernels."""
+    return {"sinks": sinks} if sinks is not None else {}
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -113,30 +127,36 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         >>> causal = flexc.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
         >>> out = flexc.flex_attention(q, k, v, block_mask=causal)
     """
-    if sinks is not None:  # attention without the sinks, then their logsumexp merge (flexc.call.sinks)
-        rows, inner = sink_free_request(query, sinks, enable_gqa, return_lse, return_aux)
+    rows = None
+    if sinks is not None:
+        validate.check_flags(enable_gqa, return_lse, return_aux)
+        rows = check_sinks(sinks, query)
+    dropout_p = dropout.check(dropout_p, generator)
+    if torch.compiler.is_compiling() and rows is not None:
+        # one custom-op node computes the call without sinks; the sinks join its logsumexp after it
         out, aux = flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                  kernel_options=kernel_options, return_aux=inner, dropout_p=dropout_p,
-                                  generator=generator)
+                                  kernel_options=kernel_options, return_aux=AuxRequest(lse=True, max_scores=bool(
+                                      return_aux is not None and return_aux.max_scores)),
+                                  dropout_p=dropout_p, generator=generator)
         out, lse = with_sinks(out, aux.lse, rows)
         if return_aux is not None:
             return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=aux.max_scores)
         return (out, lse) if return_lse else out
-    dropout_p = dropout.check(dropout_p, generator)
     if torch.compiler.is_compiling():
         seed = (dropout.seed_tensor(None) if generator is None else _generator_seed_outside_the_graph(generator)) if dropout_p else None
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
                               return_lse, return_aux, dropout_p, seed)
     drop = dropout.draw(dropout_p, generator) if dropout_p else None
     return attend(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
-                  return_aux, drop)
+                  return_aux, drop, rows)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None, block_mask: Any,
            scale: float | None, enable_gqa: bool, return_lse: bool, kernel_options: dict | None,
-           return_aux: AuxRequest | None, drop: dropout.Dropout | None):
-    """:func:`flex_attention`'s eager call (no sinks) with its dropout already drawn (``drop``, None
-    for none); context parallelism passes one whose pairs are the full sequence's."""
+           return_aux: AuxRequest | None, drop: dropout.Dropout | None, sinks: torch.Tensor | None = None):
+    """:func:`flex_attention`'s eager call with its dropout already drawn (``drop``, None for none) and
+    its sinks checked (``[B or 1, Hq, 1]`` from :func:`flexc.call.sinks.check_sinks`, or None);
+    context parallelism passes a dropout whose pairs are the full sequence's."""
     scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                              enable_gqa, kernel_options,
                                                              outputs=(return_lse, return_aux))
@@ -145,28 +165,29 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
                      dropout_p=drop.p if drop is not None else 0.0,
                      dropout_positions=drop is not None and (drop.q_positions is not None
-                                                             or drop.kv_positions is not None))
+                                                             or drop.kv_positions is not None), sinks=sinks)
     backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
     max_scores = None
     if plan.training:
         forward = registry.BACKENDS[backend]
         grad_buffers = [traced_score.buffers[i] for i in slots]
         out, lse = _FlexAttentionFunction.apply(query, key, value, forward, plan.generated, traced_score,
-                                                traced_mask, block_mask, scale, options, slots, drop, *grad_buffers)
+                                                traced_mask, block_mask, scale, options, slots, drop, sinks,
+                                                *grad_buffers)
         if want_max:
             with torch.no_grad():
                 max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
                                               dropout=drop)[2]
     elif want_max:
         out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                                lse_dtype=lse_dtype(query.dtype), dropout=drop)
+                                                lse_dtype=lse_dtype(query.dtype), dropout=drop, sinks=sinks)
     elif backend == "TORCH" and (drop is not None or (want_lse and query.dtype == torch.float64)):
         # (the row loop draws the dropout; a float64 lse for float64 inputs, as torch's)
         out, lse, _ = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                       need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop)
+                                       need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop, sinks=sinks)
     else:
         out, lse = registry.BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options,
-                                              want_lse, **_dropout_keyword(drop))
+                                              want_lse, **_dropout_keyword(drop), **_sinks_keyword(sinks))
     out = laid_out_like(out, query)
     if lse is not None and lse.dtype != lse_dtype(query.dtype):
         lse = lse.to(lse_dtype(query.dtype))

@@ -32,7 +32,7 @@ from . import attention as _attention
 from ..backends import dropout
 from ..mods import derived
 from ..masks.mask_mods import noop_mask
-from .sinks import check_sinks, with_sinks
+from .sinks import check_sinks
 from ..analysis.tiles import FULL, PARTIAL, dense_to_ordered
 from ..mods.trace import SCORE_MOD, trace
 
@@ -493,7 +493,8 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
         return_lse: also return this rank's logsumexp ``[B, Hq, n_local]``.
         plan: a :func:`plan_context_parallel` result for this mask and group size, to skip re-planning.
         sinks: attention-sink logits as in :func:`flexc.flex_attention` (the same on every rank; their
-            gradient is summed over the ranks), merged once into the ranks' merged rows.
+            gradient is summed over the ranks), folded once into each row's softmax: into the rank's own
+            partial attention, before the logsumexp merge with the remote blocks' part.
         dropout_p, generator: attention dropout as in :func:`flexc.flex_attention`. Every rank draws
             a seed from its ``generator`` (each advances as a single call's would) and uses rank 0's,
             broadcast: each (q_idx, kv_idx) pair is drawn at its global position from that one seed,
@@ -549,7 +550,15 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
     q_pos, q_valid = _positions(plan, mine)
     padded = ragged is not None
 
-    def partial(k, v, cols):
+    # the sinks join the softmax once: folded into this rank's own partial attention (their gradient
+    # summed over the ranks, as every rank's rows see the same sinks)
+    rows = None
+    if sinks is not None:
+        rows = check_sinks(sinks, q_local, where)
+        if rows.requires_grad and torch.is_grad_enabled():
+            rows = _SumGradAcrossRanks.apply(rows, group)
+
+    def partial(k, v, cols, sink_rows=None):
         kv_pos, kv_valid = _positions(plan, cols)
         q_at, kv_at = q_pos.to(q.device), kv_pos.to(q.device)
         smod, mmod = _global_mods(score_mod, mask_mod, q_at, q_valid.to(q.device), kv_at, kv_valid.to(q.device),
@@ -558,10 +567,10 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
         # (dropout: the pairs at their global positions, as the mods see them)
         at = drop._replace(q_positions=q_at, kv_positions=kv_at) if drop is not None else None
         return _attention.attend(q, k, v, _with_buffers(smod, replaced), sub, scale, enable_gqa, True,
-                                 kernel_options, None, at)
+                                 kernel_options, None, at, sink_rows)
 
     # attention over this rank's own blocks runs while the remote blocks are in flight
-    out, lse = partial(kv[..., :E], kv[..., E:], mine)
+    out, lse = partial(kv[..., :E], kv[..., E:], mine, rows)
     remote = _FetchKV.apply(kv, exchange)
     remote_blocks = [b for s in sorted(exchange.recv) for b in plan.fetch[rank][s]]
     if remote_blocks:
@@ -573,9 +582,4 @@ def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.
         out = out + remote.sum().to(out.dtype)
     out = out[:, :, :n_local]
     lse = lse[:, :, :n_local]
-    if sinks is not None:  # once, after the partial attentions are merged (flexc.call.sinks)
-        rows = check_sinks(sinks, q_local, where)
-        if rows.requires_grad and torch.is_grad_enabled():
-            rows = _SumGradAcrossRanks.apply(rows, group)
-        out, lse = with_sinks(out, lse, rows)
     return (out, lse) if return_lse else out

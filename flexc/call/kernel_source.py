@@ -14,7 +14,8 @@ from ..backends import dropout, registry
 from ..backends.triton.backward import backward_source
 from ..backends.triton.forward import plan_forward
 from ..backends.triton.sources import sources_text
-from .plan import generated_backward_fallback, plan_call, prepare_call, sink_free_request
+from .plan import generated_backward_fallback, plan_call, prepare_call
+from .sinks import check_sinks
 
 
 def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None = None,
@@ -38,10 +39,11 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     * ``backward=True``: the backward kernel a training call launches (whether or not the inputs
       require grad now; captured tensors that require grad receive gradients).
 
-    With ``sinks`` the call runs the kernels of the call without them that returns the logsumexp
-    (the sinks are merged in torch, :mod:`flexc.call.sinks`): those are returned. With ``dropout_p > 0``
-    the kernels are their dropout variants (for short queries the decode kernel's), which draw the mask
-    from the call's seed.
+    With ``sinks`` the kernels are their sink variants, which fold the sinks into the softmax (the
+    forward kernel, or the decode kernel's merge: :mod:`flexc.call.sinks`); the backward kernel is the
+    same as without them (the forward's statistics include the sinks). With ``dropout_p > 0``
+    the kernels are their dropout variants (for short queries the decode kernel's), which draw the
+    mask from the call's seed.
 
     When the call runs no generated kernel (the TORCH backend, the default on CPU tensors; a backward
     of a score_mod the generated backward cannot differentiate, which trains through the torch
@@ -50,14 +52,12 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 
     >>> print(flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=causal))  # doctest: +SKIP
     """
-    if sinks is not None:  # the kernels of the sink-free call flex_attention makes
-        _, return_aux = sink_free_request(query, sinks, enable_gqa, return_lse, return_aux)
-        return_lse = False
+    rows = check_sinks(sinks, query) if sinks is not None else None
     _, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
                                                          enable_gqa, kernel_options, outputs=(return_lse, return_aux))
     dropout_p = dropout.check(dropout_p, generator)
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
-                     training=True if backward else None, dropout_p=dropout_p)
+                     training=True if backward else None, dropout_p=dropout_p, sinks=rows)
     if plan.backend != "TRITON":
         return _runs_instead(plan.backend, query.device, backward)
     if backward:
@@ -71,7 +71,7 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         return backward_source(query, value, traced_score, traced_mask, block_mask, options, dropout=bool(dropout_p))
     forward = plan_forward(query, key, value, traced_score, traced_mask, block_mask, options,
                            plan.want_lse or plan.training, training=plan.generated is not None,
-                           dropout=bool(dropout_p))
+                           dropout=bool(dropout_p), sinks=rows is not None)
     return sources_text(forward.kernels)
 
 

@@ -20,7 +20,6 @@ from ..codegen.printer import precise_math_for
 from ..mods.trace import trace
 from ..mods.traced_mod import MASK_MOD, SCORE_MOD, TracedMod, trainable_slots
 from . import validate
-from .sinks import check_sinks
 
 
 class AuxRequest(NamedTuple):
@@ -154,16 +153,6 @@ def falls_back(forward: Callable, training: Any) -> str | None:
     return next((name for name in registry.TRAINING if registry.BACKENDS.get(name) is forward), None)
 
 
-def sink_free_request(query: torch.Tensor, sinks: Any, enable_gqa: bool, return_lse: bool,
-                      return_aux: Any) -> tuple[torch.Tensor, AuxRequest]:
-    """A call with ``sinks`` runs the call without them, asking for its logsumexp (and max_scores if
-    asked), then merges the sinks in torch (:func:`flexc.call.sinks.with_sinks`). Returns the checked
-    sinks' rows and that inner call's ``return_aux``; shared with :func:`flexc.kernel_source`."""
-    validate.check_flags(enable_gqa, return_lse, return_aux)
-    rows = check_sinks(sinks, query)
-    return rows, AuxRequest(lse=True, max_scores=bool(return_aux is not None and return_aux.max_scores))
-
-
 class CallPlan(NamedTuple):
     """What one eager :func:`flex_attention` call runs, decided by :func:`plan_call` for the call
     itself and for :func:`flexc.kernel_source` (one rule, so the source shown is the one launched)."""
@@ -178,7 +167,8 @@ class CallPlan(NamedTuple):
 
 def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
               mask_mod: TracedMod | None, options: dict, return_lse: bool, return_aux: Any,
-              training: bool | None = None, dropout_p: float = 0.0, dropout_positions: bool = False) -> CallPlan:
+              training: bool | None = None, dropout_p: float = 0.0, dropout_positions: bool = False,
+              sinks: torch.Tensor | None = None) -> CallPlan:
     """The backend and paths a call with these (prepared) arguments takes; raises what the call raises.
 
     Training is decided as autograd would record the call (``torch.is_grad_enabled()`` and an input
@@ -187,7 +177,8 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     forward and backward (:data:`flexc.backends.registry.TRAINING`) when :func:`generated_backward_applies`, otherwise the
     backend's forward with the logsumexp and the torch backward. ``dropout_p > 0`` runs on the TORCH and
     TRITON backends, whose kernels draw the same mask; ``dropout_positions`` (a context-parallel
-    shard's pairs drawn at global positions) runs on TORCH (:func:`dropout_backend`).
+    shard's pairs drawn at global positions) runs on TORCH (:func:`dropout_backend`). ``sinks`` that
+    require grad make the call train too.
     """
     backend = dropout_backend(choose_backend(options, query.device), dropout_p, dropout_positions)
     # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
@@ -203,7 +194,8 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     slots = trainable_slots(score_mod)
     if training is None:
         training = torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad or value.requires_grad or bool(slots))
+            query.requires_grad or key.requires_grad or value.requires_grad or bool(slots)
+            or (sinks is not None and sinks.requires_grad))
     generated = registry.TRAINING.get(backend) if training and generated_backward_applies(score_mod) else None
     return CallPlan(backend, training, generated, want_lse, want_max, slots)
 

@@ -4,17 +4,22 @@ but has no value row (gpt-oss and others). flexc's own keyword ``sinks=`` of
 
 With ``s`` the sink logit of a row's head (and batch), the row's probabilities are
 ``exp(score - lse)`` where ``lse = log(exp(s) + sum exp(score))``, and the sink's own share
-``exp(s - lse)`` is dropped. Given the attention without the sink, ``(out0, lse0)``, that is one
-logsumexp merge, the same one that combines two partial attentions:
+``exp(s - lse)`` is dropped. Every path folds the sink into its online softmax: the row's running
+max starts at ``s`` and its denominator at ``exp(s - s) = 1`` (instead of ``-inf`` and 0), as for a
+key already seen that has no value row, so the output's normalisation and the logsumexp include it:
 
-    lse = logaddexp(lse0, s),  out = out0 * exp(lse0 - lse)
+* the CPU row loop and the Triton forward kernel start each row's softmax there (the kernel gets the
+  sink code and argument only for a call with sinks: ``ForwardSpec.sinks``);
+* the split-KV decode kernel's merge (``MergeSpec.sinks``) starts from the sink as from one more
+  split with output 0; context parallelism folds it into each rank's own-blocks part, so once per row;
+* the CPU paths whose softmax ends inside torch's fused kernel join it as that part after it.
 
-Every path computes ``(out0, lse0)`` already (the CPU block-sparse and fused paths, the Triton
-forward and decode kernels, context parallelism's merged result), so the sink is applied here, once,
-as that merge: an elementwise pass over the output. Autograd carries the gradients through it: the
-backends' backward receives ``grad_lse`` as it does for ``return_lse`` (both generate it), and the
-sink's gradient is ``sum over rows of p_sink * (grad_lse - rowsum(out * dO))``. The logsumexp
-returned includes the sink, as Hugging Face transformers' rescaling computes it.
+A -inf sink is no sink; a row with nothing allowed gets output 0 and logsumexp ``s``. The returned
+logsumexp includes the sink, as Hugging Face transformers' rescaling computes it. Gradients: the
+training forward's statistics include the sink, so the backward's probabilities are the sink-aware
+ones (the torch backward's per-row renormalisation counts the sink's share); the sink's own gradient
+is ``sum over rows of p_sink * (grad_lse - rowsum(out * dO))`` (:func:`sink_grad`). Under
+torch.compile the call without sinks is one graph node and the sinks join after it (:func:`with_sinks`).
 """
 from __future__ import annotations
 
@@ -58,3 +63,24 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tup
     keep = torch.where(dead, 0.0, torch.exp(lse_in - merged))
     out = (out.to(work) * keep.unsqueeze(-1)).to(out.dtype)
     return out, torch.where(dead, float("-inf"), merged)
+
+
+def sink_grad(sinks: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
+              grad_lse: torch.Tensor | None) -> torch.Tensor:
+    """The gradient of the sinks ``[B or 1, Hq, 1]`` (:func:`check_sinks`) of a call whose output is
+    ``out`` and logsumexp (sink included) ``lse``, given ``grad_out`` and ``grad_lse`` (None: 0).
+
+    ``d lse / d s = p_sink`` and ``d out / d s = -p_sink * out`` with ``p_sink = exp(s - lse)``, so per
+    row ``p_sink * (grad_lse - rowsum(out * dO))``, summed over the rows and over the batch where the
+    sinks broadcast. Computed eagerly from tensors the backward has anyway: one pass over ``out``."""
+    work = torch.float64 if lse.dtype == torch.float64 else torch.float32
+    lse = lse.to(work)
+    # a row with lse -inf (nothing allowed, a -inf sink) has no sink share: exp(-inf - 0) = 0
+    p_sink = (sinks.detach().to(work) - lse.masked_fill(lse == float("-inf"), 0.0)).exp()
+    delta = (out.to(work) * grad_out.to(work)).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(work)
+    grad = -(p_sink * delta).sum(-1)  # [B, Hq]
+    if sinks.shape[0] == 1:
+        grad = grad.sum(0, keepdim=True)
+    return grad.unsqueeze(-1).to(sinks.dtype)

@@ -21,7 +21,7 @@ from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, names_line, st
 from .header import describe_dims, describe_mods, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
-                    head_check, online_softmax, softmax_state, tile_load, tile_walk, widen_suffix)
+                    head_check, online_softmax, sink_params, softmax_state, tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel, next_power_of_2, padded_head_dim
 
 KERNEL_NAME = "flex_attention_forward"
@@ -55,6 +55,9 @@ class ForwardSpec(AttentionSpec):
     index_dtype: str = "int32"
     # attention dropout (flexc's dropout_p > 0): p @ v sees the kept pairs only (codegen.parts.dropout_keep)
     dropout: bool = False
+    # learned attention sinks (flexc's sinks=): the online softmax starts from each row's sink logit
+    # (codegen.parts.softmax_state); the kernel then takes the sinks after the dropout values
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     if spec.dropout:
         header.append("#   dropout: each (b, h, q_idx, kv_idx) pair kept with probability 1 - p (Philox, keyed by the "
                       "call's seed), kept ones scaled by 1 / (1 - p)")
+    if spec.sinks:
+        header.append("#   sinks: each row's softmax starts from its head's learned sink logit (a key with no value "
+                      "row); the logsumexp includes it")
     header += [
         "# One program per (query tile, head, batch). It visits the BlockMask's partial key blocks",
         "# (score_mod, then mask_mod) and then its full key blocks (score_mod only); empty blocks are",
@@ -219,6 +225,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
         + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
         *names_line(buffers),
         *dropout_params(spec),
+        *sink_params(spec),
     ]
     strides = ["stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kn", "stride_kd",
                "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_ob", "stride_oh", "stride_om", "stride_od"]
@@ -291,7 +298,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
     if spec.has_full_blocks:
         body += ["    # 2. full blocks: score_mod only", *blocks("full", True)]
     body += [
-        "    # a row that saw no allowed key has l_i == 0 and m_i == -inf: its output is 0 and its lse -inf",
+        *_dead_rows_note(spec),
         "    l_safe = tl.where(l_i == 0.0, 1.0, l_i)",
         "    out = acc / l_safe[:, None]",
         "    if Q_LEN_DIVISIBLE:",
@@ -314,6 +321,14 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
             *_row_store("row_sum", "l_safe"),
         ]
     return body
+
+
+def _dead_rows_note(spec: ForwardSpec) -> list[str]:
+    """The comment on rows that allow no key (with sinks, only those whose sink is -inf have l_i == 0)."""
+    if spec.sinks:
+        return ["    # a row that saw no allowed key keeps the sink's state: output 0, lse the sink (l_i == 0 and",
+                "    # m_i == -inf only where the sink is -inf too: output 0, lse -inf)"]
+    return ["    # a row that saw no allowed key has l_i == 0 and m_i == -inf: its output is 0 and its lse -inf"]
 
 
 def _row_store(name: str, value: str) -> list[str]:

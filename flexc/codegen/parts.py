@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import LOG2E
 from .emit import load, pad_check, preamble
 from .printer import RenderedMod
 from .spec import AttentionSpec
@@ -122,11 +123,34 @@ def tile_walk(index_ptr: str, tiles: int, block: str, tile: str, start: str, *, 
 
 
 def softmax_state(spec: AttentionSpec) -> list[str]:
-    """The online softmax's starting state: row max -inf, row sum 0, output accumulator 0."""
+    """The online softmax's starting state: row max -inf, row sum 0, output accumulator 0; for a
+    spec with ``sinks`` (a ``sinks`` field, true) the row's sink logit instead, as a key already seen
+    with no value row (:func:`sink_params`)."""
     acc_dtype = spec.acc_dtype
+    acc = [f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})"]
+    if getattr(spec, "sinks", False):
+        return [
+            "    # the learned attention sink (flexc's sinks=): the softmax starts from it as from a key already",
+            "    # seen, so m_i is its logit (base 2) and l_i its exp2(sink - m_i) = 1; it has no value row, so",
+            "    # acc stays 0. A -inf sink is no sink: m_i -inf, l_i 0. The output's normalisation and the",
+            "    # logsumexp then include the sink, and a row with nothing allowed gets output 0, lse the sink",
+            f"    sink = tl.load(sinks_ptr + b * stride_sink_b + h * stride_sink_h).to({acc_dtype})",
+            f"    m_i = tl.full((BLOCK_M,), 0.0, {acc_dtype}) + sink * {LOG2E}",
+            f"    l_i = tl.where(m_i == float(\"-inf\"), 0.0, 1.0).to({acc_dtype})",
+            *acc]
     return [f"    m_i = tl.full((BLOCK_M,), float(\"-inf\"), {acc_dtype})",
             f"    l_i = tl.full((BLOCK_M,), 0.0, {acc_dtype})",
-            f"    acc = tl.full((BLOCK_M, V_HEAD_DIM_PAD), 0.0, {acc_dtype})"]
+            *acc]
+
+
+# the kernel parameters of the sinks (a [B or 1, Hq] tensor in the accumulator's dtype; its batch
+# stride is 0 when the sinks broadcast over the batch), after the dropout ones
+SINK_PARAMS = "sinks_ptr, stride_sink_b, stride_sink_h,"
+
+
+def sink_params(spec) -> list[str]:
+    """The kernel's parameter line of the sinks, for a spec with ``sinks``; else none."""
+    return [SINK_PARAMS] if getattr(spec, "sinks", False) else []
 
 
 def online_softmax(spec: AttentionSpec, indent: str, v_load: list[str], *, to_base2: str | float | None = None,
@@ -300,5 +324,6 @@ def attention_source(header: list[str], score: RenderedMod | None, mask: Rendere
 
 __all__ = ["DROPOUT_ARGS", "DROPOUT_HELPERS", "DROPOUT_PARAMS", "KEY_TILE", "KV_BASES", "NONFINITE_VALUES", "VALUE_TILE",
            "attention_source", "dot", "dropout_args", "dropout_head", "dropout_keep", "dropout_params", "head_check",
-           "online_softmax", "operand", "row_max", "row_sum", "softmax_state", "tile_load", "tile_walk",
+           "online_softmax", "operand", "row_max", "row_sum", "SINK_PARAMS", "sink_params", "softmax_state", "tile_load",
+           "tile_walk",
            "value_guard_lines", "widen_suffix"]

@@ -306,8 +306,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         with gpu.simulate("sm_90" if args.device == "cuda" else None), torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FallbackWarning)  # (the text says what runs instead)
             source = kernel_source(q, k, v, sinks=sinks, **call)
-            if sinks is not None and source == kernel_source(q, k, v, **{**call, "return_lse": True}):
-                source = _SINKS_NOTE + source
     except IndexRangeError as e:  # the call's lengths are the flags': say which
         raise CliError(f"{str(e).removeprefix('flex_attention: ')}\n(flexc show describes a call of --heads {heads}, --q-len {q_len}, --kv-len {kv_len}: "
                        f"pass the lengths the mods are written for.)") from None
@@ -315,13 +313,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise CliError(str(e).removeprefix("flexc: ").removeprefix("flex_attention: ")) from None
     sys.stdout.write(source)
     return 0
-
-
-# printed before the kernels of a call with sinks when they are the sink-free call's (flexc.call.sinks)
-_SINKS_NOTE = ("# flexc show: the call passes sinks= (one logit per query head). The kernels below are those of the "
-               "call\n# without them, which return the logsumexp; the sinks join after them, in torch "
-               "(flexc.call.sinks.with_sinks:\n# lse = logaddexp(lse0, sink), out = out0 * exp(lse0 - lse)), "
-               "and autograd carries their gradient.\n")
 
 
 def _stand_in_block_mask(mask_mod: Callable, block_size: tuple[int, int], q_len: int, kv_len: int) -> Any:

@@ -129,3 +129,55 @@ def test_bad_sinks_name_the_argument_and_the_fix():
         flexc.flex_attention(q, q, q, sinks=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"sinks must be a tensor"):
         flexc.flex_attention(q, q, q, sinks=[0.0] * 4)
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+@pytest.mark.parametrize("rows", [L, 2])  # the forward kernel (the row loop), and decoding (its merge)
+def test_minus_inf_sinks_are_no_sinks(backend, rows):
+    """A -inf sink weighs nothing: output and lse equal the sink-free call's, dead rows' lse -inf."""
+    q, k, v, _, _, alibi = _problem(7, rows)
+    block_mask = flexc.create_block_mask(_mask, None, None, rows, S, BLOCK_SIZE=(32, 32))
+    call = dict(score_mod=alibi, block_mask=block_mask, enable_gqa=True, return_lse=True,
+                kernel_options={"BACKEND": backend})
+    out, lse = flexc.flex_attention(q, k, v, sinks=torch.full((HQ,), -math.inf), **call)
+    plain_out, plain_lse = flexc.flex_attention(q, k, v, **call)
+    torch.testing.assert_close(out, plain_out, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lse, plain_lse, atol=1e-6, rtol=0)
+
+
+def test_triton_forward_source_folds_the_sinks_only_for_sink_calls():
+    """The forward kernel of a call with sinks starts its softmax from them (and takes them as an
+    argument); a sink-free call's kernel has no sink text at all. Decoding: its merge does."""
+    for rows, needle in ((L, "m_i = tl.full((BLOCK_M,), 0.0, tl.float32) + sink *"), (2, "m = sink")):
+        q, k, v, sinks, _, alibi = _problem(8, rows)
+        block_mask = flexc.create_block_mask(_mask, None, None, rows, S, BLOCK_SIZE=(32, 32))
+        call = dict(score_mod=alibi, block_mask=block_mask, enable_gqa=True, kernel_options={"BACKEND": "TRITON"})
+        with torch.no_grad():  # (inference: short queries run the decode kernel and its merge)
+            with_sinks = flexc.kernel_source(q, k, v, sinks=sinks, **call)
+            assert needle in with_sinks and ("sinks_ptr" in with_sinks or "sinks, stride_nb" in with_sinks)
+            assert "sink" not in flexc.kernel_source(q, k, v, **call)
+            assert "sink" not in flexc.kernel_source(q, k, v, return_lse=True, **call)
+
+
+def test_triton_training_with_sinks_runs_the_generated_backward_and_equals_dense(monkeypatch):
+    """The training forward's statistics include the sinks, so the generated backward's dq, dk, dv
+    (and the captured slopes') are right with no sink code; the sinks' gradient is the call's."""
+    import flexc.call.attention
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the torch row-loop backward ran")
+    monkeypatch.setattr(flexc.call.attention, "torch_backward", forbidden)
+    q, k, v, _, slopes, alibi = _problem(9, 40)
+    sinks = torch.randn(B, HQ, generator=torch.Generator().manual_seed(10)).requires_grad_()  # per batch
+    leaves = [t.requires_grad_() for t in (q, k, v)] + [sinks, slopes]
+    block_mask = flexc.create_block_mask(_mask, None, None, 40, S, BLOCK_SIZE=(32, 32))
+    out, lse = flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, enable_gqa=True,
+                                    return_lse=True, sinks=sinks, kernel_options={"BACKEND": "TRITON"})
+    ref_out, ref_lse = dense_with_sinks(q, k, v, sinks, alibi, _mask)
+    _check(out, lse, ref_out, ref_lse, "TRITON training")
+    g = torch.Generator().manual_seed(11)
+    d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
+    want = torch.autograd.grad((ref_out * d_out.double()).sum() + (ref_lse * d_lse.double()).sum(), leaves)
+    for name, a, b in zip(["q", "k", "v", "sinks", "slopes"], got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=2e-4, msg=lambda m: f"d{name}: {m}")

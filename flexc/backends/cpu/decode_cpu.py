@@ -436,11 +436,24 @@ def _nothing_allowed(query: torch.Tensor, Ev: int, need_max: bool, lse_dtype: to
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
             mask_mod: TracedMod | None, block_mask: Any, scale: float, need_max: bool = False,
-            lse_dtype: torch.dtype = torch.float32, need_lse: bool = True):
+            lse_dtype: torch.dtype = torch.float32, need_lse: bool = True, sinks: torch.Tensor | None = None):
     """``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] in lse_dtype, row maxima or None)``.
 
     ``need_lse=False``: the caller discards the logsumexp (None or unfinished may come back).
+    ``sinks`` (``[B or 1, Hq, 1]``): learned attention sinks, joined to the finished rows' softmax as
+    one more part (:func:`flexc.backends.cpu.fused_cpu.fold_sink`; most rows here end in torch's fused
+    kernel); the row maxima stay the scores' own.
     """
+    if sinks is None:
+        return _forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype, need_lse)
+    out, lse, row_max = _forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype)
+    return (*fused_cpu.fold_sink(out, lse, sinks), row_max)
+
+
+def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+             mask_mod: TracedMod | None, block_mask: Any, scale: float, need_max: bool = False,
+             lse_dtype: torch.dtype = torch.float32, need_lse: bool = True):
+    """:func:`forward` without sinks."""
     B, Hq, L, E = query.shape
     Bkv, Hkv, S, Ev = value.shape
     G = Hq // Hkv

@@ -17,6 +17,9 @@ one tall call (the kernel is faster on tall queries), over a binary tree of the 
 or mask proven on the IR to read positions only through ``kv - q`` is evaluated once per
 difference and passed as a strided (Toeplitz) view instead of an ``r x c`` tile.
 
+Learned attention sinks (flexc's ``sinks=``) join the merge as one more part, with output 0 and
+logsumexp the sink's logit (:func:`fold_sink`): the kernel itself has no softmax state to start from.
+
 Fully masked rows come back from the kernel with logsumexp 0; they are set to -inf. Other
 score_mods, differing value head dims, half precision (the kernel would round each part's
 output) and ``max_scores`` stay on the plain-torch path.
@@ -110,8 +113,10 @@ def group_tasks(tasks: list, n_workers: int) -> tuple[list, list]:
     return grouped, costs
 
 
-def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float) -> None:
-    """Consecutive rows of group ``g``: fused kernel calls merged by logsumexp into out/lse."""
+def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float,
+                 sinks: torch.Tensor | None = None) -> None:
+    """Consecutive rows of group ``g``: fused kernel calls merged by logsumexp into out/lse, with the
+    rows' ``sinks`` (``[B or 1, Hq, 1]``) as one more part of the merge."""
     q0, q1 = rows[0].q0, rows[-1].q1
     Bg, Hqg, E = len(range(out.shape[0])[g.b]), len(range(out.shape[1])[g.qh]), query.shape[-1]
     Hkvg = Hqg // g.G
@@ -150,6 +155,9 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
             _merge(acc, acc_lse, o, l)
         else:
             _merge(acc[..., a - q0:b - q0, :], acc_lse[..., a - q0:b - q0], o, l)
+    if sinks is not None:  # the sink: a part with output 0 and logsumexp its logit
+        sink = group_sinks(sinks, g, Bg, q1 - q0).to(acc_lse.dtype).reshape(acc_lse.shape)
+        _merge(acc, acc_lse, torch.zeros((), dtype=acc.dtype, device=acc.device), sink)
     out[g.b, g.qh, q0:q1] = acc.reshape(Bg, Hqg, q1 - q0, E)  # the kernel returns [b, r, h, E] strides
     # a +inf score (a +inf bias) gives the kernel's logsumexp +inf; the output is NaN, and so is
     # the lse on every other path (exp(inf - inf)), as in torch's kernels
@@ -258,6 +266,30 @@ def fix_dead_rows(l: torch.Tensor, mask: torch.Tensor) -> None:
     if bool(candidates.any()):
         dead = torch.isneginf(mask).all(-1).expand(l.shape)
         l.masked_fill_(candidates & dead, _NEG_INF)
+
+
+def group_sinks(sinks: torch.Tensor, g, Bg: int, r: int) -> torch.Tensor:
+    """The sink logits of group ``g``'s rows, ``[Bg, Hq_g, r]`` (a broadcast view), from the call's
+    ``[B or 1, Hq, 1]`` (:func:`flexc.call.sinks.check_sinks`)."""
+    rows = sinks if sinks.shape[0] == 1 else sinks[g.b]
+    rows = rows[:, g.qh]
+    return rows.expand(Bg, rows.shape[1], r)
+
+
+def fold_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of finished rows (``[B, Hq, L, Ev]``, ``[B, Hq, L]``) with the rows' sink logits
+    ``sinks`` (``[B or 1, Hq, 1]``) joined as one more part of their softmax, with output 0: the fold of
+    the paths whose softmax ends inside torch's fused kernel, which has no state to start from. A -inf
+    sink changes nothing; a row with nothing allowed gets output 0 and lse the sink."""
+    work = lse.dtype
+    sink = sinks.to(work).expand_as(lse)
+    m = torch.maximum(lse, sink)
+    m_safe = m.masked_fill(m == _NEG_INF, 0.0)
+    w_rows, w_sink = (lse - m_safe).exp(), (sink - m_safe).exp()
+    total = w_rows + w_sink
+    keep = w_rows / total.masked_fill(total == 0, 1.0)
+    out = (out.to(work) * keep.unsqueeze(-1)).to(out.dtype)
+    return out, torch.where(total == 0, _NEG_INF, m_safe + total.log())
 
 
 def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:

@@ -14,6 +14,12 @@ Forwards without a score_mod or with a bias-form one (``score +/- X``), in fp32/
 query and value head dims, run on torch's fused CPU flash kernel instead
 (:mod:`flexc.backends.cpu.fused_cpu`); this module's row loop serves the rest and ``max_scores``.
 
+Learned attention sinks (flexc's ``sinks=``) start each row's online softmax: its max is the sink
+logit and its sum 1, as for a key already seen with no value row (the fused and decode paths, which
+end in torch's kernel, join the sink as one more merged part). The logsumexp then includes the sink;
+the backward's probabilities ``exp(s - lse)`` are right as they are, and its per-row renormalisation
+counts the sink's share ``exp(sink - lse)``.
+
 The backward recomputes each row's scores, forms ``dS`` from the saved logsumexp, and lets
 autograd carry ``dS`` through the score_mod to the raw scores and the captured tensors. Large
 jobs spread their rows over single-threaded workers (:mod:`flexc.backends.cpu.workers`).
@@ -213,33 +219,41 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
                   scale: float, kernel_options: dict | None = None, need_lse: bool = True,
-                  dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Block-sparse attention forward: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``."""
+                  dropout: Dropout | None = None, sinks: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention forward: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``;
+    ``sinks`` ``[B or 1, Hq, 1]`` (:func:`flexc.call.sinks.check_sinks`) folded into every row's softmax."""
     out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False,
-                                   need_lse=need_lse, dropout=dropout)
+                                   need_lse=need_lse, dropout=dropout, sinks=sinks)
     return out, (lse if need_lse else None)
 
 
 def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True,
-                     lse_dtype=torch.float32, need_lse=True, dropout: Dropout | None = None):
+                     lse_dtype=torch.float32, need_lse=True, dropout: Dropout | None = None,
+                     sinks: torch.Tensor | None = None):
     """:func:`torch_forward` that also returns the row maxima of the masked, modded scores (or None).
 
     ``lse_dtype`` lets the backward keep a float64 logsumexp for float64 inputs; ``need_lse=False``
     (the caller discards it) lets the decode path skip the logsumexp's fix-ups. With ``dropout``
-    every call takes the row loop (the fused and decode paths cannot drop single pairs).
+    every call takes the row loop (the fused and decode paths cannot drop single pairs). ``sinks``
+    (``[B or 1, Hq, 1]``) start every row's softmax; the row maxima stay the scores' own.
     """
     if dropout is None and decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
         return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype,
-                                  need_lse)
+                                  need_lse, sinks)
     if (dropout is None and block_mask is None and score_mod is None and query.numel() and key.shape[2]
             and fused_cpu.supported(query, value, None, need_max)):  # plain attention: torch's fused kernel
         out, lse = decode_cpu.flash(query, key, value, [], scale)
+        if sinks is not None:  # the kernel's softmax has no state to start from: the sink joins after it
+            out, lse = fused_cpu.fold_sink(out, lse, sinks)
         return out, lse.to(lse_dtype), None
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     work = _work_dtype(query.dtype)
     out = torch.empty(B, Hq, L, Ev, dtype=query.dtype, device=query.device)  # rows are written once
     lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
+    if sinks is not None:  # rows no task writes allow nothing: output 0, lse the sink
+        lse.copy_(sinks.squeeze(-1).expand(B, Hq).unsqueeze(-1).expand(B, Hq, L))
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
     if B * Hq * L == 0:
         return out, lse, row_max
@@ -258,9 +272,9 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     def one_row(task, worker):
         g, mods, row = task
         if fused:
-            fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale)
+            fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale, sinks)
         else:
-            _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite)
+            _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite, sinks)
 
     workers.run(tasks, costs, one_row, n_workers, dynamic=True)  # rows write disjoint slices of out/lse
     return out, lse, row_max
@@ -303,11 +317,11 @@ def _scaled_query_rows(query: torch.Tensor, g: _Group, q0: int, q1: int, scale: 
 
 
 def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods: _Mods, scale: float, work,
-                 finite: bool = True):
+                 finite: bool = True, sinks: torch.Tensor | None = None):
     """One query row range: scores in log2 units (``s * log2(e)``), online softmax over its chunks.
 
     ``finite=False`` (q/k/v may hold NaN or inf) masks by selection and keeps masked keys' values
-    out of the product, so masked pairs contribute exactly 0.
+    out of the product, so masked pairs contribute exactly 0. ``sinks`` start the softmax.
     """
     q0, q1 = row.q0, row.q1
     # unless a general score_mod needs natural-log scores, fold log2(e) into the query so the
@@ -327,7 +341,12 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
     if not direct:
         acc = torch.empty(Bg, Hqg, r, Ev, dtype=work, device=out.device)
         acc3 = acc.view(Bg * Hkvg, Gr, Ev)
-    m = l = None
+    m = l = top = None
+    if sinks is not None:
+        # the sink is a key already seen with no value row: the max starts at its logit (base 2) and
+        # the sum at its exp2(sink - max) = 1 (0 for a -inf sink, which is no sink); acc holds nothing yet
+        m = fused_cpu.group_sinks(sinks, g, Bg, r).to(work).unsqueeze(-1) * LOG2E
+        l = (m != _NEG_INF).to(work)
     first = True
     for chunk in row.chunks:
         kv = chunk_kv_index(chunk, mods.kv_pos)
@@ -350,6 +369,8 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         else:
             _fill(s4, blocked, _NEG_INF)
         m_new = s4.amax(-1, keepdim=True)
+        if row_max is not None and sinks is not None:  # max_scores: the scores' own max, without the sink
+            top = m_new if top is None else torch.maximum(top, m_new)
         if m is not None:
             m_new = torch.maximum(m, m_new)
         m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
@@ -357,12 +378,13 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         p_sum = s4.sum(-1, keepdim=True)
         if mods.dropout is not None:  # the denominator keeps every pair; the values see the kept ones
             s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
-        if m is None:
+        if l is None:
             l = p_sum
         else:
             alpha = (m - m_safe).exp2_()
             l.mul_(alpha).add_(p_sum)
-            acc.mul_(alpha)
+            if not first:  # (the first chunk's product below overwrites acc)
+                acc.mul_(alpha)
         if finite or not blocked:
             # the first chunk overwrites (beta=0 ignores whatever the rows held)
             acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)
@@ -378,18 +400,21 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
     # l is 0 only for rows with nothing allowed; NaN (a NaN or +inf score) stays NaN, as in torch
     lse[g.b, g.qh, q0:q1] = torch.where(l == 0, _NEG_INF, (m_safe + torch.log2(l)) * LN2).squeeze(-1)
     if row_max is not None:
-        row_max[g.b, g.qh, q0:q1] = (m * LN2).squeeze(-1)
+        row_max[g.b, g.qh, q0:q1] = ((m if top is None else top) * LN2).squeeze(-1)
 
 
 # ---- backward ----------------------------------------------------------------------------
 
 def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: TracedMod | None,
                    mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                   grad_slots: Sequence[int] = (), dropout: Dropout | None = None):
+                   grad_slots: Sequence[int] = (), dropout: Dropout | None = None,
+                   sinks: torch.Tensor | None = None):
     """Gradients ``(dq, dk, dv, buffer_grads)`` of block-sparse attention, recomputed per query row.
 
     ``grad_slots`` are the score_mod buffer slots that need gradients; ``buffer_grads`` follows
     their order. ``grad_lse`` may be None. Rows with ``lse == -inf`` (fully masked) get zero gradients.
+    ``sinks`` (``[B or 1, Hq, 1]``): the forward's, whose ``lse`` includes them; the sinks' own
+    gradient is the caller's (:func:`flexc.call.sinks.sink_grad`).
     """
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, _ = value.shape
@@ -420,6 +445,10 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     if not own_delta:
         delta = delta + (grad_out.to(work) * out.to(work)).sum(-1, keepdim=True)
     lse_safe = lse.to(work).masked_fill(lse == _NEG_INF, 0.0).unsqueeze(-1)
+    # each row's sink share exp(sink - lse): its probabilities sum to 1 with it (0 without sinks)
+    sink_share = None
+    if sinks is not None and own_delta:
+        sink_share = (sinks.to(work).unsqueeze(-1) - lse_safe).exp().expand(B, Hq, L, 1)
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
@@ -430,7 +459,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         g, mods, row = task
         dk_w, dv_w, buf_w = sums[worker]
         _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
-                      buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite, own_delta)
+                      buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite, own_delta, sink_share)
 
     workers.run(tasks, costs, one_row, n_workers)
     for dk_w, dv_w, buf_w in sums[1:]:
@@ -490,7 +519,7 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
 
 def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
                   g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool, finite: bool = True,
-                  own_delta: bool = True):
+                  own_delta: bool = True, sink_share: torch.Tensor | None = None):
     q0, q1 = row.q0, row.q1
     qb = _scaled_query_rows(query, g, q0, q1, scale, work)
     Bg, Hkvg, Gr, E = qb.shape
@@ -513,7 +542,9 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
     # 20 seeds: dbias 1.27x -> 1.07x of SDPA's, dq 1.16x -> 1.03x).
     delta_r = delta[g.b, g.qh, q0:q1].clone()
     if own_delta:
-        p_dp, p_sum = torch.zeros_like(delta_r), torch.zeros_like(delta_r)
+        # the row's probabilities sum to 1 with the sink's share (which has no value row, so no dP)
+        p_dp = torch.zeros_like(delta_r)
+        p_sum = sink_share[g.b, g.qh, q0:q1].clone() if sink_share is not None else torch.zeros_like(delta_r)
     kept, budget = [None] * len(row.chunks), _KEEP_ELEMENTS
     for i, chunk in enumerate(row.chunks if own_delta else ()):
         keep = budget >= Bg * Hqg * r * chunk.n_cols

@@ -176,16 +176,19 @@ def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod
 
 
 def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None,
-                         block_mask: Any, scale: float, kernel_options: dict | None, dropout: Dropout | None = None):
+                         block_mask: Any, scale: float, kernel_options: dict | None, dropout: Dropout | None = None,
+                         sinks: torch.Tensor | None = None):
     """The Triton forward that autograd saves for :func:`triton_backward`: ``(out, lse, stats)``, the
     logsumexp (the user's) and ``stats`` ``[2, B, Hq, L]``, each row's base-2 max (+inf where the row
     allows nothing) and its sum of ``exp2(score − max)``: the backward's probabilities come from them,
     so they sum to 1 as the forward's did. Float64 for float64 inputs. Its kernel is
     :func:`flexc.backends.triton.forward.plan_forward`'s with ``training=True``: the forward kernel
-    that writes them, for short queries too (with ``dropout``'s mask drawn)."""
+    that writes them, for short queries too (with ``dropout``'s mask drawn). With ``sinks`` the kernel
+    folds them into the online softmax, so the statistics (and the logsumexp) include them and the
+    backward needs no sink of its own."""
     plan = forward.plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, True,
-                                training=True, dropout=dropout is not None)
-    return forward.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, True, dropout)
+                                training=True, dropout=dropout is not None, sinks=sinks is not None)
+    return forward.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, True, dropout, sinks)
 
 
 def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,

@@ -57,24 +57,26 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
                       warps, stages, has_full, target, config.fp32_precision(target), layout.index_dtype, dropout)
 
 
-def merge_spec(spec: DecodeSpec) -> MergeSpec:
+def merge_spec(spec: DecodeSpec, sinks: bool = False) -> MergeSpec:
     """The merge kernel that follows the decode kernel of ``spec``: its partial results are fp32
-    (fp64 for fp64 inputs), ``spec.block_m`` packed rows of the value head dim per split."""
+    (fp64 for fp64 inputs), ``spec.block_m`` packed rows of the value head dim per split; ``sinks``:
+    it folds in the call's learned attention sinks."""
     work = "float64" if spec.dtype == torch.float64 else "float32"
-    return MergeSpec(work, padded_head_dim(spec.v_head_dim), min(spec.block_m, 16), spec.target)
+    return MergeSpec(work, padded_head_dim(spec.v_head_dim), min(spec.block_m, 16), spec.target, sinks=sinks)
 
 
 def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.Tensor, Hq: int, L: int,
-                 spec: MergeSpec):
+                 spec: MergeSpec, sinks: torch.Tensor | None = None):
     """Merge ``[B, Hkv, splits, M, Ev]`` partial outputs and their logsumexps into ``out [B, Hq, L, Ev]``
     (query's dtype, laid out like the query) and ``lse [B, Hq, L]``, in one launch of the merge kernel
     ``spec`` (:func:`merge_spec` of the decode kernel's; :mod:`flexc.codegen.merge`): each split weighs
-    ``exp(lse_split - lse)``; a row dead in every split gets output 0 and lse ``-inf``."""
+    ``exp(lse_split - lse)``; a row dead in every split gets output 0 and lse ``-inf`` (the sink's
+    logit with ``sinks``, ``[B or 1, Hq, 1]``, which a merge spec with sinks folds in)."""
     B, Hkv, splits, M, Ev = out_split.shape
     out = empty_like_reference((B, Hq, L, Ev), query)
     lse = torch.empty((B, Hq, L), dtype=lse_split.dtype, device=query.device)
     kernel = cache.get_kernel(spec, query.device)
-    args, constants = launcher.merge_arguments(spec, out_split, lse_split, out, lse, L, Hq)
+    args, constants = launcher.merge_arguments(spec, out_split, lse_split, out, lse, L, Hq, sinks)
     gpu.launch(kernel.fn, launcher.merge_grid(spec, out_split, L, Hq), spec, query.device, args, constants)
     return out, lse
 
@@ -82,10 +84,10 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
            num_splits: int | None = None, merge: MergeSpec | None = None,
-           dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           dropout: Dropout | None = None, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the decode kernel and merge its splits (the merge kernel ``merge``, by default
-    :func:`merge_spec`'s): ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32 (float64 for float64 inputs).
-    ``dropout``: the seed and probability of a spec with dropout."""
+    :func:`merge_spec`'s), folding in ``sinks`` there: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
+    (float64 for float64 inputs). ``dropout``: the seed and probability of a spec with dropout."""
     B, Hq, L, _ = query.shape
     launcher.check_dropout(spec, dropout)
     kernel = cache.get_kernel(spec, query.device)
@@ -93,7 +95,8 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
         spec, kernel.generated, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits,
         dropout=dropout)
     gpu.launch(kernel.fn, launcher.decode_grid(out_split), spec, query.device, args, constants)
-    return merge_splits(out_split, lse_split, query, Hq, L, merge if merge is not None else merge_spec(spec))
+    merge = merge if merge is not None else merge_spec(spec, sinks is not None)
+    return merge_splits(out_split, lse_split, query, Hq, L, merge, sinks)
 
 
 def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):

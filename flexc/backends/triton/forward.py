@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ... import device as gpu
+from ...constants import LOG2E
 from ...codegen.decode import DecodeSpec
 from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
 from ...codegen.scalars import lift_for_call
@@ -26,12 +27,12 @@ from . import cache, config, decode, launcher
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
               v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None, target: str,
               need_lse: bool, has_full_blocks: bool = True, index_dtype: str = "int32",
-              training: bool = False, dropout: bool = False) -> ForwardSpec:
+              training: bool = False, dropout: bool = False, sinks: bool = False) -> ForwardSpec:
     """The :class:`ForwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
 
     ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`);
     ``training`` adds the generated backward's statistics to the outputs; ``dropout`` compiles
-    attention dropout in.
+    attention dropout in, ``sinks`` the learned attention sinks.
     """
     if block_size is None:
         block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, v_head_dim,
@@ -46,17 +47,17 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
                        warps, stages, has_full_blocks, need_lse or training, training, target,
                        config.fp32_precision(target),
                        flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype,
-                       dropout)
+                       dropout, sinks)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
                   block_mask: Any, kernel_options: dict | None, need_lse: bool, training: bool = False,
-                  dropout: bool = False) -> ForwardSpec:
+                  dropout: bool = False, sinks: bool = False) -> ForwardSpec:
     """The forward kernel's spec that a flex_attention call with these (validated) arguments runs."""
     layout = config.call_layout(query, value, score_mod, mask_mod, block_mask, kernel_options)
     return make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], layout.block_size,
                      kernel_options, layout.target, need_lse, layout.has_full_blocks, layout.index_dtype, training,
-                     dropout)
+                     dropout, sinks)
 
 
 class ForwardPlan(NamedTuple):
@@ -77,7 +78,7 @@ def launches_nothing(query: torch.Tensor, value: torch.Tensor, need_lse: bool) -
 
 def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                  mask_mod: TracedMod | None, block_mask: Any, kernel_options: dict | None, need_lse: bool,
-                 training: bool = False, dropout: bool = False) -> ForwardPlan:
+                 training: bool = False, dropout: bool = False, sinks: bool = False) -> ForwardPlan:
     """The kernels the ``"TRITON"`` forward launches for these (validated) arguments.
 
     The one rule :func:`triton_forward`, the training forward
@@ -87,25 +88,29 @@ def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     forward kernel's logsumexp and statistics; anything else runs the forward kernel (its logsumexp
     variant when ``need_lse`` or ``training``, which also writes the backward's statistics), or nothing
     when :func:`launches_nothing`. ``dropout`` selects either kernel's dropout variant (both draw
-    the same mask, so inference with dropout decodes as it would without).
+    the same mask, so inference with dropout decodes as it would without). ``sinks``: the call has
+    learned attention sinks, which every kernel that ends a row's softmax folds in (the forward
+    kernel, or the decode kernel's merge).
     """
     score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
     if not training and decode.applies(query, key, block_mask):  # short queries: split-KV decoding
         spec = decode.make_spec(score_mod, mask_mod, query, key, value, block_mask, dropout=dropout)
-        return ForwardPlan(score_mod, mask_mod, (spec, decode.merge_spec(spec)))
+        return ForwardPlan(score_mod, mask_mod, (spec, decode.merge_spec(spec, sinks)))
     need_lse = need_lse or training
     if launches_nothing(query, value, need_lse):
         return ForwardPlan(score_mod, mask_mod, ())
-    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse, training, dropout)
+    spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse, training, dropout,
+                         sinks)
     return ForwardPlan(score_mod, mask_mod, (spec,))
 
 
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-           lse_dtype: torch.dtype = torch.float32, dropout: Dropout | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+           lse_dtype: torch.dtype = torch.float32, dropout: Dropout | None = None,
+           sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the forward kernel for ``spec`` on these tensors; the mods supply the captured-tensor values,
-    ``dropout`` the seed and probability of a spec with dropout: ``(out, lse, stats)``, ``stats`` the
+    ``dropout`` the seed and probability of a spec with dropout, ``sinks`` (``[B or 1, Hq, 1]``) the
+    sink logits of a spec with sinks: ``(out, lse, stats)``, ``stats`` the
     backward's statistics ``[2, B, Hq, L]`` (each row's base-2 max, then its sum of exp2(score - max);
     :mod:`flexc.backends.triton.backward`) where ``spec.output_stats``.
 
@@ -117,16 +122,13 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
     launcher.check_dropout(spec, dropout)
+    launcher.check_sinks(spec, sinks)
     out = launcher.empty_output(query, Ev)
     lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
     stats = torch.empty((2, B, Hq, L), dtype=lse_dtype, device=device) if spec.output_stats else None
     if launches_nothing(query, value, spec.output_lse):  # no rows, or no keys: rows fully masked
         out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        if stats is not None:  # as the kernel writes them for rows that allow nothing
-            stats[0].fill_(float("inf"))
-            stats[1].fill_(1.0)
+        _fill_dead_rows(lse, stats, sinks)
         return out, lse, stats
     if max(B, Hq) > 65535 and spec.target == "cuda":
         raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid limit). "
@@ -138,7 +140,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     while True:
         kernel = cache.get_kernel(spec, device)
         args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod,
-                                          scale, stats, dropout)
+                                          scale, stats, dropout, sinks)
         constants = launcher.forward_constexprs(spec, L, S, args, guard_values)
         from triton.runtime.errors import OutOfResources  # triton is imported only once a kernel runs
 
@@ -159,40 +161,57 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
             spec = smaller
 
 
+def _fill_dead_rows(lse: torch.Tensor | None, stats: torch.Tensor | None, sinks: torch.Tensor | None) -> None:
+    """The logsumexp and statistics the kernel writes for rows that allow nothing: the sink's state
+    (lse the sink, base-2 max the sink's, sum 1), or lse -inf, max +inf and sum 1 where there is no sink."""
+    if lse is not None:
+        lse.copy_(sinks.squeeze(-1).expand(lse.shape)) if sinks is not None else lse.fill_(float("-inf"))
+    if stats is not None:
+        sink2 = sinks.squeeze(-1).to(stats.dtype) * LOG2E if sinks is not None else None
+        stats[0].copy_(sink2.masked_fill(sink2 == float("-inf"), float("inf")).expand(stats[0].shape)
+                       if sink2 is not None else torch.full_like(stats[0], float("inf")))
+        stats[1].fill_(1.0)
+
+
 def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
                 scale: float, kernel_options: dict | None, need_lse: bool,
-                dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run the kernels of ``plan`` (planned with ``dropout=`` whether ``dropout`` is given): ``(out, lse,
+                dropout: Dropout | None = None, sinks: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run the kernels of ``plan`` (planned with ``dropout=`` whether ``dropout`` is given, and ``sinks=``
+    whether ``sinks`` is): ``(out, lse,
     stats)``, lse float64 for float64 inputs, None unless ``need_lse`` or the plan's forward writes it
     (the training forward, which also writes the backward's statistics ``stats``: see :func:`launch`)."""
     if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
         decode_spec, merge = plan.kernels
         out, lse = decode.launch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
-                                 num_splits=config.requested_splits(kernel_options), merge=merge, dropout=dropout)
+                                 num_splits=config.requested_splits(kernel_options), merge=merge, dropout=dropout,
+                                 sinks=sinks)
         return out, (lse if need_lse else None), None
     if plan.kernels:
         (spec,) = plan.kernels
     else:  # the launcher returns the empty or fully masked outputs without a kernel
         spec = spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options, need_lse,
-                             dropout is not None)
+                             dropout is not None, sinks is not None)
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return launch(spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype=lse_dtype,
-                  dropout=dropout)
+                  dropout=dropout, sinks=sinks)
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                    mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
-                   need_lse: bool, dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   need_lse: bool, dropout: Dropout | None = None, sinks: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``"TRITON"`` forward backend: ``(out [B,Hq,L,Ev] in query's dtype, lse [B,Hq,L] fp32 or None)``.
 
     Inputs are validated by :func:`flexc.flex_attention`; this checks only what the kernel adds
     (block sizes against tiles, devices of captured tensors). The kernels are :func:`plan_forward`'s;
-    ``dropout`` (flexc's ``dropout_p``) runs the kernels' variants that draw its mask.
+    ``dropout`` (flexc's ``dropout_p``) runs the kernels' variants that draw its mask; ``sinks``
+    (``[B or 1, Hq, 1]``, :func:`flexc.call.sinks.check_sinks`) the kernels that fold them in.
     """
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
-                        dropout=dropout is not None)
-    return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout)[:2]
+                        dropout=dropout is not None, sinks=sinks is not None)
+    return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)[:2]
 
 
 registry.register("TRITON", triton_forward)

@@ -136,6 +136,23 @@ def dropout_arguments(dropout: Dropout | None, device: torch.device) -> list:
     return [pair, dropout.scale]
 
 
+def check_sinks(spec, sinks: torch.Tensor | None) -> None:
+    """Raise unless a launch of ``spec`` (a forward or merge spec) passes sinks exactly when its kernel folds them."""
+    if spec.sinks != (sinks is not None):
+        raise ValueError(f"flexc: a kernel {'with' if spec.sinks else 'without'} sinks launched with "
+                         f"sinks={'a tensor' if sinks is not None else None}")
+
+
+def sink_arguments(sinks: torch.Tensor | None, dtype: torch.dtype) -> list:
+    """A sink kernel's arguments (after the dropout ones): the sinks ``[B or 1, Hq]`` in ``dtype`` (the
+    kernel's accumulator dtype; from :func:`flexc.call.sinks.check_sinks`'s ``[B or 1, Hq, 1]``), their
+    batch stride (0 when they broadcast over the batch) and head stride; none without sinks."""
+    if sinks is None:
+        return []
+    rows = sinks.detach().reshape(sinks.shape[0], sinks.shape[1]).to(dtype).contiguous()
+    return [rows, rows.stride(0) if rows.shape[0] > 1 else 0, rows.stride(1)]
+
+
 def kernel_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outputs: list, tables: list,
                      buffers: list, scalars: list, output_strides: list) -> list:
     """The positional arguments every attention kernel takes, in its signature's order: q, k, v, the
@@ -171,10 +188,11 @@ def guards_nonfinite_values(spec: ForwardSpec | DecodeSpec, value: torch.Tensor)
 def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor],
                       score_mod: TracedMod | None, mask_mod: TracedMod | None, scale: float,
-                      stats: torch.Tensor | None = None, dropout: Dropout | None = None) -> list:
+                      stats: torch.Tensor | None = None, dropout: Dropout | None = None,
+                      sinks: torch.Tensor | None = None) -> list:
     """The forward kernel's positional arguments, in the order of its signature (constexprs excluded);
     ``stats`` ``[2, B, Hq, L]``: the training forward's backward statistics (laid out as ``lse``);
-    ``dropout`` for a kernel with dropout."""
+    ``dropout`` for a kernel with dropout, ``sinks`` for one with sinks."""
     Hq, L = query.shape[1], query.shape[2]
     Hkv, S = value.shape[1], value.shape[2]
     if generated.needs_positive_scale and not scale > 0:
@@ -189,6 +207,7 @@ def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, va
     if stats is not None:  # both contiguous [B, Hq, L] planes, as lse: they share its strides
         outputs += [stats[0], stats[1]]
     buffers = mod_arguments(generated, score_mod, mask_mod, query.device) + dropout_arguments(dropout, query.device)
+    buffers += sink_arguments(sinks, torch.float64 if query.dtype == torch.float64 else torch.float32)
     return kernel_arguments(query, key, value, outputs, tables, buffers, [float(scale), L, S, Hq // Hkv], output_strides)
 
 
@@ -288,13 +307,16 @@ def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key:
 
 
 def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, L: int, Hq: int) -> tuple[list, dict]:
+                    lse: torch.Tensor, L: int, Hq: int, sinks: torch.Tensor | None = None) -> tuple[list, dict]:
     """The merge kernel's positional and constexpr arguments: ``[B, Hkv, splits, M, Ev]`` partial
-    outputs and their logsumexps into ``out [B, Hq, L, Ev]`` and ``lse [B, Hq, L]``."""
+    outputs and their logsumexps into ``out [B, Hq, L, Ev]`` and ``lse [B, Hq, L]``; ``sinks`` for a
+    merge with sinks."""
     B, Hkv, splits, M, Ev = out_split.shape
     rows = Hq // Hkv * L
+    check_sinks(spec, sinks)
     return ([out_split, lse_split, out, lse, splits, rows, L, Hq // Hkv, Ev, *out_split.stride()[:4],
-             *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1)],
+             *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1),
+             *sink_arguments(sinks, lse_split.dtype)],
             dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad))
 
 
@@ -351,8 +373,9 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
     return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
 
 
-__all__ = ["INT32_OFFSET_LIMIT", "backward_arguments", "backward_grid", "backward_rows_grid", "backward_outputs", "backward_tables",
-           "buffer_arguments", "check_dropout", "check_query_blocks", "decode_arguments", "decode_grid",
+__all__ = ["INT32_OFFSET_LIMIT", "backward_arguments", "backward_grid", "backward_rows_grid", "backward_outputs",
+           "backward_tables", "buffer_arguments", "check_dropout", "check_query_blocks", "check_sinks",
+           "decode_arguments", "decode_grid",
            "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",
            "guards_nonfinite_values", "kernel_arguments", "kv_tables", "merge_arguments", "merge_grid", "mod_arguments",
-           "prologue_arguments", "prologue_grid"]
+           "prologue_arguments", "sink_arguments", "prologue_grid"]

@@ -62,10 +62,10 @@ def calls(monkeypatch):
     count = {"tasks": 0, "tall": 0}
     real = fused_cpu.forward_rows
 
-    def spy(query, key, value, out, lse, g, rows, mods, scale):
+    def spy(query, key, value, out, lse, g, rows, mods, scale, sinks=None):
         count["tasks"] += 1
         count["tall"] += len(rows) > 1
-        return real(query, key, value, out, lse, g, rows, mods, scale)
+        return real(query, key, value, out, lse, g, rows, mods, scale, sinks)
 
     monkeypatch.setattr(fused_cpu, "forward_rows", spy)
     return count

@@ -130,11 +130,15 @@ def test_captured_tensors_that_require_grad_make_the_call_training(launched):
 
 
 @pytest.mark.parametrize("L", [1, 48])
-def test_with_sinks_the_kernels_are_the_sink_free_calls(launched, L):
+def test_with_sinks_the_kernels_fold_them(launched, L):
     q, k, v = random_qkv(B, HQ, HKV, L, S, E, seed=6)
     sinks = torch.tensor([0.5, -1.0])
-    kernels = check_call(launched, q, k, v, sinks=sinks)  # the sinks join through the logsumexp
-    assert len(kernels) == 2 if L == 1 else "logsumexp output: yes" in kernels[0]
+    kernels = check_call(launched, q, k, v, sinks=sinks)  # the forward kernel, or the decode merge, folds them
+    if L == 1:  # the decode kernel is the sink-free one; its merge starts from the sink
+        assert len(kernels) == 2 and "sink" not in kernels[0] and "m = sink" in kernels[1]
+    else:  # no logsumexp asked for: the sink variant of the kernel without it
+        assert "logsumexp output: no" in kernels[0] and "+ sink * " in kernels[0]
+    check_call(launched, q, k, v, sinks=sinks.clone().requires_grad_(), train=True)  # the same backward
 
 
 def test_a_backward_the_generated_kernel_cannot_run_is_named_with_what_runs(launched, monkeypatch):
