@@ -61,7 +61,7 @@ class _FlexAttentionFunction(torch.autograd.Function):
         if ctx.backward_fn is not None:  # the backend's generated backward (its statistics include the sinks)
             dq, dk, dv, buf_grads = ctx.backward_fn(query, key, value, out, saved, grad_out, grad_lse, score_mod,
                                                     mask_mod, block_mask, scale, slots, ctx.options,
-                                                    **_dropout_keyword(ctx.dropout))
+                                                    **_dropout_keyword(ctx.dropout), **_sinks_keyword(sinks))
         else:
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, saved, grad_out, grad_lse, score_mod,
                                                    mask_mod, block_mask, scale, slots, dropout=ctx.dropout,

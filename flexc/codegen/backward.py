@@ -87,8 +87,12 @@ class BackwardSpec(AttentionSpec):
         return self.precise and self.dtype in (torch.float16, torch.bfloat16)
 
     def grad_dtype(self, slot: int) -> torch.dtype:
-        """The dtype captured tensor ``slot``'s gradient is accumulated in (atomics need fp32/fp64)."""
-        return torch.float64 if self.score_mod.buffers[slot].dtype == torch.float64 else torch.float32
+        """The dtype captured tensor ``slot``'s gradient is accumulated in (atomics need fp32/fp64):
+        float64 for a float64 tensor and with ``precise`` (an element's gradient may sum a term
+        from every pair of a diagonal, a head or more: fp32 atomics lose bits the reference's
+        sums keep), else fp32."""
+        wide = self.precise or self.score_mod.buffers[slot].dtype == torch.float64
+        return torch.float64 if wide else torch.float32
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,8 @@ def _gather_lines(spec: BackwardSpec, gathers: list[_GatherCode], indent: str) -
             term = "dsT" if value == 1.0 else f"dsT * {python_literal(value)}"
         else:
             term = f"tl.where(valid, dsT * {mod_call(g.grad, 'score, b, h, q_idx, kv_idx')}, 0.0)"
+        if spec.precise and spec.dtype != torch.float64:  # summed (tile, then atomics) in float64
+            term = f"({term}).to(tl.float64)"
         address = mod_call(g.address, "score, b, h, q_idx, kv_idx")
         if "score" in reads or {"q_idx", "kv_idx"} <= reads:
             out.append(f"{indent}grad = {term}")
@@ -376,6 +382,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     params = [
         "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
         "query_ptr, grad_out_ptr, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
+        *(["row_sum_ptr,"] if spec.precise else []),
         "block_count_ptr, block_index_ptr, scale, Q_LEN,",
         *names_line(buffers),
         *dropout_args(spec),
@@ -396,12 +403,12 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         *tile_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
         f"        qT = {tile_load(spec, q_ptrs, 'q_in_range[None, :]', '[:, None]')}",
         f"        do = {tile_load(spec, do_ptrs, 'q_in_range[:, None]', '[None, :]', value=True)}",
-        "        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0",
+        *_dkdv_row_stats(spec),
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
         f"        score = {dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
         "        valid = kv_in_range[:, None] & q_in_range[None, :]",
         *score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
-        f"        pT = tl.exp2(qk * {LOG2E} - lse[None, :])",
+        *_dkdv_probabilities(spec),
     ]
     if spec.dropout:  # the forward's out = (p * keep) @ v: dv and dp go through the kept pairs
         body += [f"        keepT = {dropout_keep()}  # the forward's mask, drawn again",
@@ -424,6 +431,24 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         ]
     body += [*tail, "    return dk, dv"]
     return body
+
+
+def _dkdv_row_stats(spec: BackwardSpec) -> list[str]:
+    """The dK/dV programs' per-query statistics: the base-2 logsumexp, or with PRECISE_GRADIENTS the
+    row pass's natural-log row max and the reciprocal of its probability sum."""
+    if not spec.precise:
+        return ["        lse = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # base 2; +inf: p = 0"]
+    return ["        m = tl.load(lse_ptr + offs_m, mask=q_in_range, other=float(\"inf\"))  # natural log; +inf: p = 0",
+            "        inv_sum = 1.0 / tl.load(row_sum_ptr + offs_m, mask=q_in_range, other=1.0)"]
+
+
+def _dkdv_probabilities(spec: BackwardSpec) -> list[str]:
+    """``pT`` from the recomputed scores ``qk``: ``exp2(qk·log2 e − lse2)``, or with PRECISE_GRADIENTS
+    ``exp(qk − m) / sum`` with the subtraction first (its rounding then scales with ``|qk − m|``, not
+    ``|qk|``), normalised by the row pass's sum, so each row's p sums to 1 as the row pass's did."""
+    if not spec.precise:
+        return [f"        pT = tl.exp2(qk * {LOG2E} - lse[None, :])"]
+    return [f"        pT = tl.exp2((qk - m[None, :]) * {LOG2E}) * inv_sum[None, :]"]
 
 
 def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
@@ -453,7 +478,9 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
-        f"        p = tl.exp2(qk * {LOG2E} - row_max[:, None])  # not yet divided by the row's sum: dq is, once",
+        (f"        p = tl.exp2((qk - row_max[:, None]) * {LOG2E})  # the row pass's natural max; dq is divided by the sum once"
+         if spec.precise else
+         f"        p = tl.exp2(qk * {LOG2E} - row_max[:, None])  # not yet divided by the row's sum: dq is, once"),
         f"        dp = {dot('do', 'vT', spec)}",
         *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"]
           if spec.dropout else []),
@@ -504,6 +531,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         return call("dk, dv", "dkdv_blocks", [
             "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
             "q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
+            *(["row_sum_base,"] if spec.precise else []),
             f"{kind}_q_counts_ptr + mask_col, {kind}_q_indices_ptr + mask_col * MASK_Q_BLOCKS, scale, Q_LEN,",
             *names_line(buffers),
             *dropout_args(spec),
@@ -548,6 +576,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "            do_base = grad_out_ptr + b * stride_dob + h * stride_doh",
         "            lse_base = lse_ptr + b * stride_lb + h * stride_lh",
         "            delta_base = delta_ptr + b * stride_lb + h * stride_lh",
+        *(["            row_sum_base = row_sum_ptr + b * stride_lb + h * stride_lh"] if spec.precise else []),
         "            # 1. partial query blocks: score_mod and mask_mod",
         *dkdv_call("partial", False),
     ]
@@ -576,7 +605,9 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             f"                     mask={bounds('q_in_range[:, None]', dv_check)}, other=0.0){widen}",
             "        # the forward's row max (base 2; +inf where nothing is allowed: p = 0) and row sum: this",
             "        # program's p = exp2(score - max) sum to the forward's sum, and dq is divided by it at the end",
-            "        row_max = tl.load(row_max_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=float(\"inf\"))",
+            ("        row_max = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, "
+             "other=float(\"inf\"))  # natural log: the row pass's" if spec.precise else
+             "        row_max = tl.load(row_max_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=float(\"inf\"))"),
             "        row_sum = tl.load(row_sum_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=1.0)",
             "        delta = tl.load(delta_ptr + b * stride_lb + h * stride_lh + offs_m, mask=q_in_range, other=0.0)",
             "        mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M2) // Q_BLOCK_SIZE",

@@ -9,16 +9,19 @@ against float64 in fp32.
 
 With ``PRECISE_GRADIENTS`` (the default for fp32 and fp64 inputs) this kernel runs first. One
 program per query tile and head walks the key tables as the dQ programs do, recomputes the
-scores, ``p = exp2(score − row_max)`` with the forward's row max, and ``dp = dO · vᵀ`` (dropped
-pairs through the forward's keep mask), and sums per row
+scores, ``p = exp(score − m)`` with ``m`` the forward's row max in natural log (subtracted before
+the scaling to base 2, so the rounding of ``p`` scales with ``|score − m|`` as in a natural-log
+softmax, not with ``|score|``) and ``dp = dO · vᵀ`` (dropped pairs through the forward's keep
+mask), and sums per row
 
-    psum = Σ p,   delta = Σ p · dp / psum  (− dlse, which the caller stores in ``delta`` first)
+    psum = Σ p,   delta = Σ p · dp / psum
 
-It writes ``delta``, ``lse2 = row_max + log2(psum)`` and ``psum`` in place of the forward's row sum,
-so both kinds of backward program use probabilities that sum to 1 and a delta that matches
-them exactly. A row that allows nothing (row max ``+inf``) keeps ``p = 0``: delta is left as
-given, ``lse2`` is ``+inf`` and the sum 1. It costs two dots per (query, key) pair against the
-backward's seven.
+The caller (:func:`flexc.backends.triton.backward.launch_backward`) stores ``m`` in the logsumexp's
+place, ``−dlse`` in delta's and the sink's share ``exp(sink − m)`` (or 0) in the row sum's; this
+kernel adds to the last two. Both kinds of backward program then take ``p = exp(score − m) / psum``,
+which sums to 1 over each row with the sink, and a delta that matches it. A row that allows nothing
+(``m = +inf``) keeps ``p = 0``, its delta as given and a sum of 1. It costs two dots per (query,
+key) pair beside the backward's seven.
 
 The kernel takes the backward kernel's parameters (:func:`flexc.codegen.backward.kernel_params`),
 so one argument list launches both; its grid is the dQ programs' part of the backward's.
@@ -72,10 +75,11 @@ def _header(spec: BackwardRowsSpec) -> list[str]:
         f"#   tiles: BLOCK_M2={spec.block_m2} x BLOCK_N2={spec.block_n2}; num_warps={spec.num_warps}, "
         f"num_stages={spec.num_stages}; target: {spec.target}",
         *index_note(spec),
-        "# Per query row: psum = sum of p = exp2(score - row_max) and delta = sum of p * dp / psum, from",
-        "# the probabilities the backward itself recomputes, so its dS sums to 0 over each row exactly as",
-        "# far as fp32 rounding allows. Writes delta (added to the -dlse stored there), the base-2",
-        "# logsumexp row_max + log2(psum) and psum (as the row sum the dQ programs divide by).",
+        "# Per query row: psum = sum of p = exp(score - m) and delta = sum of p * dp / psum, from the",
+        "# probabilities the backward itself recomputes (m: the forward's row max in natural log, stored",
+        "# in lse's place), so its dS sums to 0 over each row as far as fp32 rounding allows. Adds to",
+        "# delta (-dlse there) and to the row sum (the sink's share there), which both backward programs",
+        "# then divide p by.",
         *widen_note(spec, "operands are rounded to the input dtype first, as on the GPU."),
     ]
 
@@ -107,7 +111,8 @@ def _row_blocks(spec: BackwardRowsSpec, score, mask, buffers: list[str]) -> list
         f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
-        f"        p = tl.exp2(qk * {LOG2E} - row_max[:, None])",
+        "        # subtracted first: the rounding of p then scales with |qk - m|, as in a natural-log softmax",
+        f"        p = tl.exp2((qk - row_max[:, None]) * {LOG2E})",
         f"        dp = {dot('do', 'vT', spec)}",
         *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"] if spec.dropout else []),
         f"        psum += {row_sum(spec, 'p')}",
@@ -155,9 +160,10 @@ def _kernel(spec: BackwardRowsSpec, buffers: list[str], dq_buffers: list[str]) -
         f"                mask={bounds('q_in_range[:, None]', d_check)}, other=0.0){widen}",
         "    do = tl.load(grad_out_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,",
         f"                 mask={bounds('q_in_range[:, None]', dv_check)}, other=0.0){widen}",
-        "    # the forward's row max (base 2; +inf where nothing is allowed: p = 0)",
-        f"    row_max = tl.load(row_max_ptr + {rows}, mask=q_in_range, other=float(\"inf\"))",
-        f"    psum = tl.full((BLOCK_M2,), 0.0, {acc})",
+        "    # each row's max in natural log (the forward's, converted by the caller; +inf where nothing is",
+        "    # allowed: p = 0), and its sum of p so far (the sink's share, or 0)",
+        f"    row_max = tl.load(lse_ptr + {rows}, mask=q_in_range, other=float(\"inf\"))",
+        f"    psum = tl.load(row_sum_ptr + {rows}, mask=q_in_range, other=0.0)",
         f"    pdp = tl.full((BLOCK_M2,), 0.0, {acc})",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_Q_BLOCKS + (q_tile * BLOCK_M2) // Q_BLOCK_SIZE",
         "    # 1. partial key blocks: score_mod and mask_mod",
@@ -170,7 +176,6 @@ def _kernel(spec: BackwardRowsSpec, buffers: list[str], dq_buffers: list[str]) -
         "    psum_safe = tl.where(live, psum, 1.0)",
         f"    delta = tl.load(delta_ptr + {rows}, mask=q_in_range, other=0.0) + tl.where(live, pdp / psum_safe, 0.0)",
         f"    tl.store(delta_ptr + {rows}, delta, mask=q_in_range)",
-        f"    tl.store(lse_ptr + {rows}, tl.where(live, row_max + tl.log2(psum_safe), float(\"inf\")), mask=q_in_range)",
         f"    tl.store(row_sum_ptr + {rows}, psum_safe, mask=q_in_range)",
     ]
     return body

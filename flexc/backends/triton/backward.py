@@ -20,6 +20,7 @@ from ...codegen.backward import BackwardSpec
 from ...codegen.backward_rows import rows_spec
 from ...codegen.prologue import PrologueSpec
 from ...codegen.scalars import lift_for_call
+from ...constants import LN2
 from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
@@ -87,12 +88,26 @@ def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dty
     return delta, lse2
 
 
+def _row_pass_inputs(stats: torch.Tensor, grad_lse: torch.Tensor | None, sinks: torch.Tensor | None,
+                     acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the row pass (PRECISE_GRADIENTS, :mod:`flexc.codegen.backward_rows`) starts from, ``[B, Hq, L]``
+    each in ``acc``: ``delta = -dlse``; ``m``, each row's max in natural units (the forward's base-2 max
+    times ln 2, ``+inf`` where nothing is allowed), from which both the row pass and the backward take
+    ``p = exp(score - m)``; and the row's sum of ``p`` so far: the sink's share ``exp(sink - m)``
+    (0 without sinks). The row pass adds the keys' ``p`` and ``p * dp`` to the last two."""
+    m = stats[0].to(acc) * LN2
+    delta = (-grad_lse.to(acc)).contiguous() if grad_lse is not None else torch.zeros_like(m)
+    start = torch.exp(sinks.to(acc) - m) if sinks is not None else torch.zeros_like(m)
+    return delta, m, torch.stack([stats[0].to(acc), start.expand_as(m)])
+
+
 def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out, grad_lse,
                     score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                    dropout: Dropout | None = None):
+                    dropout: Dropout | None = None, sinks: torch.Tensor | None = None):
     """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``.
     ``stats`` are :func:`forward_for_training`'s; ``dropout`` is the forward's (its mask is drawn
-    again), for a spec with dropout."""
+    again), for a spec with dropout; ``sinks`` (``[B or 1, Hq, 1]``) the call's, whose share of each
+    row the row pass counts (PRECISE_GRADIENTS; otherwise the statistics include it)."""
     L, S = query.shape[2], value.shape[2]
     device = query.device
     launcher.check_dropout(spec, dropout)
@@ -105,11 +120,7 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out,
     launcher.check_query_blocks(tables, L, spec.q_block_size)
     kernel = cache.get_kernel(spec, device)
     if spec.precise:
-        # the row pass: delta (starting from -dlse) and the probabilities' sum from the backward's own
-        # probabilities, into a copy of the statistics (the forward's row max kept)
-        delta = (-grad_lse.to(acc)).contiguous() if grad_lse is not None else \
-            torch.zeros(stats.shape[1:], dtype=acc, device=device)
-        lse2, stats = torch.empty_like(delta), stats.clone()
+        delta, lse2, stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
     else:
         # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
         delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
@@ -156,7 +167,8 @@ def plan_backward(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
 
 def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod: TracedMod | None,
                     mask_mod: TracedMod | None, block_mask: Any, scale: float, grad_slots: Sequence[int] = (),
-                    kernel_options: dict | None = None, dropout: Dropout | None = None):
+                    kernel_options: dict | None = None, dropout: Dropout | None = None,
+                    sinks: torch.Tensor | None = None):
     """The ``"TRITON"`` backward: ``(dq, dk, dv, buffer_grads)`` like :func:`torch_cpu.torch_backward`.
 
     ``stats`` are :func:`forward_for_training`'s (in place of the logsumexp ``torch_backward`` takes);
@@ -172,7 +184,7 @@ def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod
         spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots),
                              dropout is not None)
     return launch_backward(spec, query, key, value, out, stats, grad_out, grad_lse, score_mod, mask_mod,
-                           block_mask, scale, dropout)
+                           block_mask, scale, dropout, sinks)
 
 
 def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None,
