@@ -15,8 +15,9 @@ from host_reads import counting_host_reads
 from reference import dense_attention, random_qkv
 
 B, HQ, HKV, L, E = 1, 4, 2, 160, 32
-# a spread of the catalogue for the second architecture (the first runs all of it): documents,
-# windows, prefixes, lookups, per-head and per-batch masks, dead rows, and the no-op
+# a spread of the catalogue for the second architecture (the first runs the rest of it, so every
+# mask runs once): documents, windows, prefixes, lookups, per-head and per-batch masks, dead rows,
+# and the no-op
 FORWARD_MASKS = ["causal", "sliding_window_17", "document_causal", "prefix_lm", "chunked_causal_32",
                  "per_head_window", "block_sparse_lookup_4d", "some_rows_fully_masked", "noop",
                  "global_tokens_with_window", "batch_and_head_dependent", "dilated_sliding_window"]
@@ -44,7 +45,8 @@ def test_simulation_takes_the_gpu_decisions():
             pass
 
 
-@pytest.mark.parametrize("arch, names", [("sm_90", sorted(mask_catalogue(B, HQ, L, L))), ("sm_80", FORWARD_MASKS)])
+@pytest.mark.parametrize("arch, names", [("sm_90", sorted(set(mask_catalogue(B, HQ, L, L)) - set(FORWARD_MASKS))),
+                                         ("sm_80", FORWARD_MASKS)])
 def test_catalogue_forward_with_and_without_lse_equals_dense(arch, names):
     q, k, v = random_qkv(B, HQ, HKV, L, L, E, seed=3)
     alibi = lambda s, b, h, qi, kv: s - 0.05 * (h + 1) * (qi - kv).abs()

@@ -192,11 +192,11 @@ def _bias_mods(bias, which):
     }
 
 
-# (not weird_bias on TRITON: its exact gradient is 0, a cancellation the generated backward's delta,
-# rowsum(out * dO) from the bf16 output as in torch's kernels, leaves ~1e-2 from; the TORCH
-# backward sums delta from its own fp32 probabilities)
+# (weird_bias's exact gradient is 0, a cancellation that delta from the bf16 output, rowsum(out * dO)
+# as in torch's kernels, leaves ~1e-2 from: TRITON meets it with PRECISE_GRADIENTS, whose delta comes
+# from its own fp32 probabilities as the TORCH backward's does)
 @pytest.mark.parametrize("backend, name", [("TORCH", "weird_bias"), ("TORCH", "head_relative"),
-                                           ("TRITON", "head_relative")])
+                                           ("TRITON", "weird_bias"), ("TRITON", "head_relative")])
 def test_bf16_captured_tensor_gradients_accumulate_wide_and_round_once(backend, name):
     """A captured tensor's gradient sums many small terms: it is summed in fp32 and rounded to bf16
     once, so it is no further from the exact sum (float64 on the same bf16 inputs) than that one
@@ -211,7 +211,7 @@ def test_bf16_captured_tensor_gradients_accumulate_wide_and_round_once(backend, 
     for label, dtype in (("exact", torch.float64), ("ours", torch.bfloat16)):
         bias = table.to(dtype).clone().requires_grad_()
         leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
-        out = flexc.flex_attention(*leaves, score_mod=_bias_mods(bias, which)[name], kernel_options={"BACKEND": backend})
+        out = flexc.flex_attention(*leaves, score_mod=_bias_mods(bias, which)[name], kernel_options=OPTIONS[backend])
         out.backward(dout.to(dtype))
         grads[label] = bias.grad
     assert grads["ours"].dtype == torch.bfloat16
