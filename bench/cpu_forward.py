@@ -17,6 +17,14 @@ the OS (so growth is real; that setting slows allocation, so timings are taken w
 
     python bench/cpu_forward.py            # full table (a few minutes: torch.compile is slow)
     python bench/cpu_forward.py --quick    # L=1024 only, fewer repetitions, no torch.compile
+    python bench/cpu_forward.py --share    # issue 28's table: flexc / torch.compile and flexc's share of sgemm
+    python bench/cpu_forward.py --share --contended   # also: another process spinning on one core
+
+``--share`` runs L=4096, H=8, D=64 fp32 with the masks causal, sliding window 256, 6 documents +
+causal, ALiBi + causal and soft-cap (tanh) + causal, at one thread and at two. Useful work is 4·D
+FLOPs per allowed (q, kv) pair per head; the share is flexc's FLOP rate over a square sgemm's at
+the same thread count. ``--contended`` adds, with default threads while another process spins on
+one core, flexc/SDPA (dense mask) against its one-thread figure.
 """
 from __future__ import annotations
 
@@ -141,6 +149,8 @@ _COMPILED = []
 
 def _compiled():
     if not _COMPILED:
+        import torch._dynamo
+        torch._dynamo.config.recompile_limit = 64  # a new mask or score_mod is a recompile: one per row
         _COMPILED.append(torch.compile(torch_flex.flex_attention, dynamic=False))
     return _COMPILED[0]
 
@@ -201,6 +211,83 @@ def run(lengths, reps: int, with_compile: bool, with_eager_long: bool) -> None:
                   f"{ratio_t} {ratio_m}", flush=True)
 
 
+SHARE_L, DOCUMENTS, CAP = 4096, 6, 20.0
+
+
+def share_variants(L: int):
+    """name -> (mask_mod, score_mod) of the ``--share`` table."""
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+    doc = torch.arange(L) * DOCUMENTS // L  # six equal documents
+    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, dtype=torch.float32) / H)
+    return {
+        "causal": (causal, None),
+        f"sliding {WINDOW}": (lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW), None),
+        f"document ({DOCUMENTS}) + causal": (lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx),
+                                             None),
+        "ALiBi + causal": (causal, lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)),
+        "soft-cap (tanh) + causal": (causal, lambda score, b, h, q_idx, kv_idx: CAP * torch.tanh(score / CAP)),
+    }
+
+
+def sgemm_rate(reps: int = 5) -> float:
+    """FLOP/s of a square fp32 matmul at the current thread count."""
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n ** 3 / median_time(lambda: a @ b, reps)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def share_table(reps: int, contended: bool, L: int = SHARE_L) -> None:
+    import multiprocessing
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, L, D) for _ in range(3))
+    compiled = _compiled()
+    rows = {}
+    for name, (mask_mod, score_mod) in share_variants(L).items():
+        bm = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu")
+        tbm = torch_flex.create_block_mask(mask_mod, None, None, L, L, device="cpu")
+        allowed = int(flexc.create_mask(mask_mod, 1, 1, L, L).sum())
+        rows[name] = (bm, tbm, score_mod, mask_mod, allowed * H * 4 * D)
+    default_threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}; L={L} H={H} D={D} fp32, B=1; medians of {reps}; useful work 4*D FLOPs "
+          f"per allowed pair per head")
+    print(f"{'mask':<26} {'threads':>7} {'flexc s':>8} {'compiled s':>10} {'flexc/compiled':>14} {'sgemm share':>11}")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        rate = sgemm_rate()
+        for name, (bm, tbm, score_mod, _, flops) in rows.items():
+            ours = median_time(lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm), reps)
+            compiled(q, k, v, score_mod=score_mod, block_mask=tbm)  # compile outside the timing
+            theirs = median_time(lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm), reps)
+            print(f"{name:<26} {threads:>7} {ours:8.3f} {theirs:10.3f} {ours / theirs:14.2f} "
+                  f"{flops / ours / rate:10.0%}", flush=True)
+    torch.set_num_threads(default_threads)
+    if not contended:
+        return
+    print(f"\nflexc / SDPA (dense mask), 1 thread quiet vs {default_threads} threads with a spinning process")
+    spinner = multiprocessing.Process(target=_spin, daemon=True)
+    for name, (bm, _, score_mod, mask_mod, _) in rows.items():
+        dense = flexc.create_mask(mask_mod, 1, 1, L, L)
+        if score_mod is not None:
+            continue  # SDPA takes the mask alone: the mask rows compare like with like
+        figures = []
+        for threads, spin in ((1, False), (default_threads, True)):
+            torch.set_num_threads(threads)
+            if spin and not spinner.is_alive():
+                spinner.start()
+            ours = median_time(lambda: flexc.flex_attention(q, k, v, block_mask=bm), reps)
+            sdpa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), reps)
+            figures.append(ours / sdpa)
+        print(f"{name:<26} quiet 1 thread {figures[0]:5.2f}  contended {figures[1]:5.2f}  "
+              f"({figures[1] / figures[0]:.2f}x)", flush=True)
+    spinner.terminate()
+    torch.set_num_threads(default_threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="L=1024 only, 3 reps, no torch.compile")
@@ -209,7 +296,12 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(flex_attention)")
     parser.add_argument("--no-eager-long", action="store_true", help="skip torch eager flex above L=1024 (slow, ~2 GB)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--share", action="store_true", help="flexc/torch.compile and the sgemm share, 1 and 2 threads")
+    parser.add_argument("--contended", action="store_true", help="with --share: also another process on one core")
     args = parser.parse_args()
+    if args.share:
+        share_table(args.reps or 5, args.contended, (args.lengths or [SHARE_L])[0])
+        return
     lengths = args.lengths or ([1024] if args.quick else [1024, 4096])
     reps = args.reps or (3 if args.quick else 7)
     with_compile = not (args.quick or args.no_compile)
