@@ -118,6 +118,7 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out,
                 [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)])
     tables = launcher.backward_tables(block_mask, spec, L, S, device)
     launcher.check_query_blocks(tables, L, spec.q_block_size)
+    rows = cache.get_kernel(rows_spec(spec), device) if spec.precise else None  # (kernels in launch order)
     kernel = cache.get_kernel(spec, device)
     if spec.precise:
         delta, lse2, stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
@@ -127,8 +128,7 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out,
     args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2, delta,
                                                   stats, dq, dk, dv, tables, grads, score_mod, mask_mod, scale,
                                                   dropout=dropout)
-    if spec.precise:
-        rows = cache.get_kernel(rows_spec(spec), device)
+    if rows is not None:
         gpu.launch(rows.fn, launcher.backward_rows_grid(spec, query, key), spec, device, args, constants)
     gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
     if summed:

@@ -258,7 +258,9 @@ def test_lengths_that_divide_the_tiles_run_without_bounds_checks():
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)
     _check(q, k, v, alibi, mask_catalogue(B, H, 128, 64)["causal"], extra=(slopes,), block=(64, 64))
     source = flexc.kernel_source(q, k, v, score_mod=alibi, backward=True, kernel_options=TRITON)
-    assert source.count("if DIVISIBLE:") == 4
+    rows, backward = source.split("# ======== kernel 2/2: flex_attention_backward ========")
+    assert "flex_attention_backward_rows" in rows  # (float64: PRECISE_GRADIENTS' row pass first)
+    assert rows.count("if DIVISIBLE:") == 2 and backward.count("if DIVISIBLE:") == 4
 
 
 def test_no_block_mask_and_user_tiles():
@@ -289,9 +291,10 @@ def test_training_runs_the_generated_backward_not_the_torch_row_loop(monkeypatch
     q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=11))
     mine = _grads(q, k, v, alibi, MASKS["causal"], extra=(slopes,))
     info = kernel_cache.cache_info()
-    assert info.misses == 3 and info.size == 3  # the forward, the backward's prologue and the backward kernel
+    # the forward, the backward's row pass (float64: PRECISE_GRADIENTS) and the backward kernel
+    assert info.misses == 3 and info.size == 3
     kinds = sorted(type(k.generated).__name__ for k in kernel_cache.cached_kernels())
-    assert kinds == ["GeneratedBackward", "GeneratedForward", "GeneratedPrologue"]
+    assert kinds == ["GeneratedBackward", "GeneratedBackward", "GeneratedForward"]
     ref = _grads(q, k, v, alibi, MASKS["causal"], "DENSE", extra=(slopes,))
     _assert_close(mine, ref, 1e-9, 1e-9)
     _grads(q, k, v, alibi, MASKS["causal"], extra=(slopes,))  # new call, same structure: cache hits
@@ -309,8 +312,8 @@ def test_kernel_source_backward_prints_the_derivative_and_gradient_buffers():
     q, k, v = random_qkv(B, H, H, 64, 64, E)
     bm = flexc.create_block_mask(MASKS["causal"], None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
     text = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=bm, backward=True, kernel_options=TRITON)
-    # two launches: the prologue (delta and the base-2 logsumexp per query row), then the backward kernel
-    assert text.startswith("# flexc: this call launches 2 kernels, in this order: flex_attention_backward_prologue, "
+    # two launches: the row pass (fp32 and fp64: delta and the probability sum per query row), then the backward
+    assert text.startswith("# flexc: this call launches 2 kernels, in this order: flex_attention_backward_rows, "
                            "then flex_attention_backward.")
     source = text[text.index("# flexc backward attention kernel"):]
     assert "#   d score_mod / d score = 1.0" in source

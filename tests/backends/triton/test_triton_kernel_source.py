@@ -70,8 +70,8 @@ def check_call(launched, q, k, v, *, score_mod=None, block_mask=None, return_lse
         launched.clear()
         (result[0] if return_lse else result).sum().backward()
         assert split(flexc.kernel_source(q, k, v, **options, backward=True)) == list(launched)
-        # the prologue (delta and the base-2 logsumexp), then the backward kernel
-        assert len(launched) == 2 and "def flex_attention_backward_prologue(" in launched[0]
+        # the row pass (fp32: PRECISE_GRADIENTS' delta and probability sum), then the backward kernel
+        assert len(launched) == 2 and "def flex_attention_backward_rows(" in launched[0]
         assert "def flex_attention_backward(" in launched[1]
     return forward
 
@@ -120,10 +120,9 @@ def test_captured_tensors_that_require_grad_make_the_call_training(launched):
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)
     launched.clear()
     flexc.flex_attention(q, k, v, score_mod=alibi, kernel_options=TRITON).sum().backward()
-    forward, prologue, backward = launched
+    forward, rows, backward = launched
     assert flexc.kernel_source(q, k, v, score_mod=alibi, kernel_options=TRITON) == forward
-    assert split(flexc.kernel_source(q, k, v, score_mod=alibi, kernel_options=TRITON, backward=True)) == [prologue,
-                                                                                                       backward]
+    assert split(flexc.kernel_source(q, k, v, score_mod=alibi, kernel_options=TRITON, backward=True)) == [rows, backward]
     assert "atomic_add" in backward
     with torch.no_grad():  # no autograd: inference, so 16 rows decode
         assert "flex_decode_split" in flexc.kernel_source(q, k, v, score_mod=alibi, kernel_options=TRITON)
