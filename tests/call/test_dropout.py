@@ -267,7 +267,7 @@ def test_custom_ops_with_a_seed_pass_opcheck():
     mask = flexc.trace(block_mask.mask_mod)
     seed = dropout.seed_tensor(torch.Generator().manual_seed(5))
     args = (q, k, v, tables, [], list(mask.buffers), "", mod_key(mask), [16, 16], [32, 32], 0.3,
-            custom_ops.options_key({"BACKEND": "TORCH"}), False, 0.25, seed)
+            custom_ops.options_key({"BACKEND": "TORCH"}), False, 0.25, seed, None)
     torch.library.opcheck(custom_ops.flex_attention_op, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     out = custom_ops.flex_attention_op(*args)[0]
