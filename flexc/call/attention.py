@@ -20,7 +20,7 @@ from ..masks.empty_entries import without_empty_entries
 from . import validate
 from .plan import (AuxOutput, AuxRequest, CallPlan, FallbackWarning, choose_backend, falls_back,  # noqa: F401
                    generated_backward_fallback, in_dtype_of, lse_dtype, plan_call, prepare_call, warn_fallback)
-from .sinks import check_sinks, sink_grad, with_sinks
+from .sinks import check_sinks, sink_grad
 
 
 class _FlexAttentionFunction(torch.autograd.Function):
@@ -132,20 +132,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         validate.check_flags(enable_gqa, return_lse, return_aux)
         rows = check_sinks(sinks, query)
     dropout_p = dropout.check(dropout_p, generator)
-    if torch.compiler.is_compiling() and rows is not None:
-        # one custom-op node computes the call without sinks; the sinks join its logsumexp after it
-        out, aux = flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                  kernel_options=kernel_options, return_aux=AuxRequest(lse=True, max_scores=bool(
-                                      return_aux is not None and return_aux.max_scores)),
-                                  dropout_p=dropout_p, generator=generator)
-        out, lse = with_sinks(out, aux.lse, rows)
-        if return_aux is not None:
-            return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=aux.max_scores)
-        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():
         seed = (dropout.seed_tensor(None) if generator is None else _generator_seed_outside_the_graph(generator)) if dropout_p else None
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                              return_lse, return_aux, dropout_p, seed)
+                              return_lse, return_aux, dropout_p, seed, rows)
     drop = dropout.draw(dropout_p, generator) if dropout_p else None
     return attend(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
                   return_aux, drop, rows)
@@ -218,9 +208,10 @@ def _warn_generator_breaks_graph() -> None:
 
 
 def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse,
-                   return_aux, dropout_p=0.0, seed=None):
+                   return_aux, dropout_p=0.0, seed=None, sinks=None):
     """flex_attention under torch.compile: the same checks, then one custom-op node (:mod:`flexc.torch_compile.under_compile`);
-    a dropout call's ``seed`` (a 0-d int64 tensor drawn as eager draws it) is an input of that node."""
+    a dropout call's ``seed`` (a 0-d int64 tensor drawn as eager draws it) and the checked ``sinks``
+    (``[B or 1, Hq, 1]``) are inputs of that node, which folds the sinks as eager calls do."""
     validate.check_tensors(query, key, value, enable_gqa)
     validate.check_flags(enable_gqa, return_lse, return_aux)
     validate.check_mod(score_mod)
@@ -237,7 +228,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     from ..torch_compile import under_compile  # (the compile path, imported when a compiled call needs it)
 
     out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, options,
-                                                        want_max, want_lse, dropout_p, seed)
+                                                        want_max, want_lse, dropout_p, seed, sinks)
     out, lse = laid_out_like(out, query), lse.to(lse_dtype(query.dtype))  # as in eager (empty if not wanted)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores if want_max else None)

@@ -12,14 +12,17 @@ key already seen that has no value row, so the output's normalisation and the lo
   sink code and argument only for a call with sinks: ``ForwardSpec.sinks``);
 * the split-KV decode kernel's merge (``MergeSpec.sinks``) starts from the sink as from one more
   split with output 0; context parallelism folds it into each rank's own-blocks part, so once per row;
-* the CPU paths whose softmax ends inside torch's fused kernel join it as that part after it.
+* the CPU paths whose softmax ends inside torch's fused kernel join it as that part after it;
+* under torch.compile the sinks are an input of the call's one custom-op node
+  (:mod:`flexc.torch_compile.custom_ops`), which passes them to the same backends, so compiled and
+  eager calls fold them alike.
 
 A -inf sink is no sink; a row with nothing allowed gets output 0 and logsumexp ``s``. The returned
 logsumexp includes the sink, as Hugging Face transformers' rescaling computes it. Gradients: the
 training forward's statistics include the sink, so the backward's probabilities are the sink-aware
 ones (the torch backward's per-row renormalisation counts the sink's share); the sink's own gradient
-is ``sum over rows of p_sink * (grad_lse - rowsum(out * dO))`` (:func:`sink_grad`). Under
-torch.compile the call without sinks is one graph node and the sinks join after it (:func:`with_sinks`).
+is ``sum over rows of p_sink * (grad_lse - rowsum(out * dO))`` (:func:`sink_grad`), computed by the
+autograd Function's backward in eager calls and by the backward op under torch.compile.
 """
 from __future__ import annotations
 
@@ -47,22 +50,6 @@ def check_sinks(sinks, query: torch.Tensor, where: str = "flex_attention") -> to
                          f"got {list(sinks.shape)}. Fix: pass one logit per query head, e.g. shape [{Hq}].")
     rows = sinks if sinks.dim() == 2 else sinks.view(1, -1) if sinks.dim() == 1 else sinks.view(1, 1)
     return rows.unsqueeze(-1)
-
-
-def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of attention without sinks, merged with each row's sink logit ``sinks``
-    (``[B or 1, Hq, 1]``, from :func:`check_sinks`): the output rescaled by the share the keys keep,
-    the logsumexp including the sink. Differentiable in all three."""
-    work = lse.dtype  # fp32 (float64 for float64 inputs): the merge keeps the logsumexp's precision
-    sink = sinks.to(work).expand_as(lse)
-    # a row with nothing allowed (lse0 -inf) keeps output 0 and takes the sink's logsumexp; with a
-    # -inf sink too it stays -inf (computed on zeros there, so no NaN reaches the gradients)
-    dead = torch.isneginf(lse) & torch.isneginf(sink)
-    lse_in, sink_in = torch.where(dead, 0.0, lse), torch.where(dead, 0.0, sink)
-    merged = torch.logaddexp(lse_in, sink_in)
-    keep = torch.where(dead, 0.0, torch.exp(lse_in - merged))
-    out = (out.to(work) * keep.unsqueeze(-1)).to(out.dtype)
-    return out, torch.where(dead, float("-inf"), merged)
 
 
 def sink_grad(sinks: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,

@@ -1,8 +1,8 @@
 """flexc's attention as torch custom operators, so ``torch.compile`` sees one opaque node per call.
 
 ``flexc::flex_attention`` (forward) and ``flexc::flex_attention_backward`` take only tensors and
-constants: query/key/value, the BlockMask's tables, the tensors each mod captured, and the mods'
-structure as strings (:mod:`flexc.mods.mod_key`). Each has a fake implementation for tracing (shapes,
+constants: query/key/value, the BlockMask's tables, the tensors each mod captured, the mods'
+structure as strings (:mod:`flexc.mods.mod_key`), a dropout call's seed and the call's sinks. Each has a fake implementation for tracing (shapes,
 dtypes and the real one's strides: outputs and gradients laid out as eager calls return them, see
 :mod:`flexc.backends.layout`), and the forward's autograd formula calls the backward op, so compiled
 training runs flexc's own backward and captured tensors that require grad receive gradients.
@@ -26,6 +26,7 @@ from ..masks.empty_entries import without_empty_entries
 from ..backends.layout import empty_like_reference, laid_out_like
 from ..mods.mod_key import traced_from_key
 from ..call.plan import dropout_backend, generated_backward_applies, warn_fallback
+from ..call.sinks import sink_grad
 from ..backends.dropout import Dropout
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
@@ -98,30 +99,32 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
              mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
              block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
-             need_max: bool, dropout_p: float,
-             seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             need_max: bool, dropout_p: float, seed: Optional[torch.Tensor],
+             sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward: ``(out [B,Hq,L,Ev], lse [B,Hq,L], max_scores [B,Hq,L] or empty, stats)``, ``stats`` what
     the generated backward reads (:func:`_saves_stats`: the TRITON training forward's ``[2,B,Hq,L]``), else empty.
 
     ``score_mod``/``mask_mod`` are :func:`flexc.mods.mod_key.mod_key` strings ("" for none);
     ``block_size`` is empty when there is no BlockMask; ``kernel_options`` is :func:`options_key`'s JSON;
-    ``seed`` is a dropout call's 0-d int64 seed (:func:`flexc.backends.dropout.seed_tensor`), None without
-    (required arguments: a graph leaves out arguments equal to their defaults, which the autograd
-    formula could not tell from the inputs it is given).
+    ``seed`` is a dropout call's 0-d int64 seed (:func:`flexc.backends.dropout.seed_tensor`), None without;
+    ``sinks`` the call's ``[B or 1, Hq, 1]`` sink logits (:func:`flexc.call.sinks.check_sinks`), None
+    without, folded into the softmax as eager calls fold them (required arguments: a graph leaves out
+    arguments equal to their defaults, which the autograd formula could not tell from the inputs it is given).
     """
     return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                        seq_lengths, scale, kernel_options, need_max, True, _dropout(dropout_p, seed))
+                        seq_lengths, scale, kernel_options, need_max, True, _dropout(dropout_p, seed), sinks)
 
 
 def _forward_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
                        mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
                        block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
-                       need_max: bool, need_lse: bool, dropout_p: float = 0.0,
-                       seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       need_max: bool, need_lse: bool, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+                       sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_forward` for calls without gradients; the logsumexp is empty unless ``need_lse``."""
     return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                        seq_lengths, scale, kernel_options, need_max, need_lse, _dropout(dropout_p, seed))[:3]
+                        seq_lengths, scale, kernel_options, need_max, need_lse, _dropout(dropout_p, seed),
+                        sinks)[:3]
 
 
 def _dropout(dropout_p: float, seed: Optional[torch.Tensor]) -> Dropout | None:
@@ -136,7 +139,7 @@ def _saves_stats(kernel_options: str, dropout_p: float) -> bool:
 
 
 def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                 seq_lengths, scale, kernel_options, need_max, need_lse, drop=None):
+                 seq_lengths, scale, kernel_options, need_max, need_lse, drop=None, sinks=None):
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
     if block_mask is not None:  # the value checks eager flex_attention makes (dynamo cannot read values)
@@ -150,12 +153,12 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
     row_max = stats = None
     if backend == "TRITON":  # the forward that also serves the generated backward (drawing the dropout mask)
         out, lse, stats = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options,
-                                                         dropout=drop)
+                                                         dropout=drop, sinks=sinks)
     elif need_max or query.dtype == torch.float64 or drop is not None:  # float64: keep the logsumexp in float64
         out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
-                                             lse_dtype=lse_dtype(query), dropout=drop)
+                                             lse_dtype=lse_dtype(query), dropout=drop, sinks=sinks)
     else:
-        out, lse = torch_forward(query, key, value, score, mask, block_mask, scale, options, need_lse)
+        out, lse = torch_forward(query, key, value, score, mask, block_mask, scale, options, need_lse, sinks=sinks)
     if row_max is None:
         row_max = query.new_empty((0,), dtype=torch.float32)
     # laid out as an eager call returns it (the query's dimension order, flexc.backends.layout) whatever a
@@ -171,7 +174,7 @@ flex_attention_op = torch.library.custom_op("flexc::flex_attention", _forward, m
 
 @flex_attention_op.register_fake
 def _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                    seq_lengths, scale, kernel_options, need_max, dropout_p=0.0, seed=None):
+                    seq_lengths, scale, kernel_options, need_max, dropout_p=0.0, seed=None, sinks=None):
     B, Hq, L, _ = query.shape
     Ev = value.shape[-1]
     out = empty_like_reference((B, Hq, L, Ev), query)  # the real implementation's strides
@@ -188,10 +191,13 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
                                tables: list[Optional[torch.Tensor]], score_buffers: list[torch.Tensor],
                                mask_buffers: list[torch.Tensor], score_mod: str, mask_mod: str,
                                block_size: list[int], seq_lengths: list[int], scale: float, kernel_options: str,
-                               grad_slots: list[int], dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots)``; a dropout call's
-    mask regenerated from ``seed``. ``stats`` is the forward's (read by the generated backward)."""
+                               grad_slots: list[int], dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+                               sinks: Optional[torch.Tensor] = None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Backward: ``(dq, dk, dv, gradients of score_buffers[i] for i in grad_slots, d_sinks)``; a dropout
+    call's mask regenerated from ``seed``. ``stats`` is the forward's (read by the generated backward).
+    ``d_sinks`` is :func:`flexc.call.sinks.sink_grad` (shaped like ``sinks``), empty without sinks:
+    computed here, in the op, so it is eager's arithmetic whatever compiles the graph."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask))
     options = _options(kernel_options)
@@ -201,31 +207,34 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     if options["BACKEND"] == "TRITON" and generated_backward_applies(score):  # the generated kernels
         dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, stats, grad_out, grad_lse, score,
                                                           mask, block_mask, scale, tuple(grad_slots), options,
-                                                          dropout=drop)
+                                                          dropout=drop, sinks=sinks)
     else:
         if options["BACKEND"] == "TRITON":  # says so, once per score_mod, as eager calls do
             warn_fallback(score, "TRITON")
         with _autograd_enabled():  # carries dS through the score_mod
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
-                                                   block_mask, scale, tuple(grad_slots), dropout=drop)
+                                                   block_mask, scale, tuple(grad_slots), dropout=drop, sinks=sinks)
+    d_sinks = (sink_grad(sinks, out, grad_out, lse, grad_lse).contiguous() if sinks is not None
+               else query.new_empty((0,)))
     # each gradient laid out like its input, as an eager call's (flexc.backends.layout), and the captured
     # tensors' contiguous: what the fake implementation promises
     return (laid_out_like(dq, query), laid_out_like(dk, key), laid_out_like(dv, value),
-            [g.contiguous() for g in buf_grads])
+            [g.contiguous() for g in buf_grads], d_sinks)
 
 
 @flex_attention_backward_op.register_fake
 def _(query, key, value, out, lse, stats, grad_out, grad_lse, tables, score_buffers, mask_buffers, score_mod,
-      mask_mod, block_size, seq_lengths, scale, kernel_options, grad_slots, dropout_p=0.0, seed=None):
+      mask_mod, block_size, seq_lengths, scale, kernel_options, grad_slots, dropout_p=0.0, seed=None, sinks=None):
     return (empty_like_reference(query.shape, query), empty_like_reference(key.shape, key),
             empty_like_reference(value.shape, value),
-            [score_buffers[i].new_empty(score_buffers[i].shape) for i in grad_slots])
+            [score_buffers[i].new_empty(score_buffers[i].shape) for i in grad_slots],
+            sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty((0,)))
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths,
-     scale, kernel_options, need_max, ctx.dropout_p, seed) = inputs
-    ctx.has_seed = seed is not None
+     scale, kernel_options, need_max, ctx.dropout_p, seed, sinks) = inputs
+    ctx.has_seed, ctx.has_sinks = seed is not None, sinks is not None
     out, lse, _, stats = output
     # captured float tensors that require grad (learnable biases, ALiBi slopes) get gradients
     ctx.grad_slots = [i for i, t in enumerate(score_buffers) if t.is_floating_point() and t.requires_grad]
@@ -235,7 +244,8 @@ def _setup_context(ctx, inputs, output):
     # the gradients mirror the inputs' pytree: a list of ints is a leaf (grad None), an empty list is not
     ctx.int_list_grads = [None if len(x) else [] for x in (block_size, seq_lengths)]
     ctx.save_for_backward(query, key, value, out, lse, stats, *[t for t in tables if t is not None],
-                          *score_buffers, *mask_buffers, *([seed] if ctx.has_seed else []))
+                          *score_buffers, *mask_buffers, *([seed] if ctx.has_seed else []),
+                          *([sinks] if ctx.has_sinks else []))
 
 
 def _backward(ctx, grad_out, grad_lse, grad_max, grad_stats):
@@ -246,17 +256,19 @@ def _backward(ctx, grad_out, grad_lse, grad_max, grad_stats):
     score_buffers = [next(rest) for _ in range(ctx.n_score)]
     mask_buffers = [next(rest) for _ in range(ctx.n_mask)]
     seed = next(rest) if ctx.has_seed else None
+    sinks = next(rest) if ctx.has_sinks else None
     score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options = ctx.constants
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv, buf_grads = flex_attention_backward_op(
+    dq, dk, dv, buf_grads, d_sinks = flex_attention_backward_op(
         query, key, value, out, lse, stats, grad_out.contiguous(), grad_lse, tables, score_buffers, mask_buffers,
-        score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options, ctx.grad_slots, ctx.dropout_p, seed)
+        score_mod, mask_mod, block_size, seq_lengths, scale, kernel_options, ctx.grad_slots, ctx.dropout_p, seed,
+        sinks)
     score_grads: list = [None] * ctx.n_score
     for slot, g in zip(ctx.grad_slots, buf_grads):
         score_grads[slot] = g
     return (dq, dk, dv, [None] * ctx.n_tables, score_grads, [None] * ctx.n_mask, None, None,
-            *ctx.int_list_grads, None, None, None, None, None)
+            *ctx.int_list_grads, None, None, None, None, None, d_sinks if ctx.has_sinks else None)
 
 
 flex_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -272,7 +284,7 @@ _LIBRARY.impl("flex_attention_inference", _forward_inference, "CompositeExplicit
 
 @torch.library.register_fake("flexc::flex_attention_inference", lib=_LIBRARY)
 def _(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size, seq_lengths, scale,
-      kernel_options, need_max, need_lse, dropout_p=0.0, seed=None):
+      kernel_options, need_max, need_lse, dropout_p=0.0, seed=None, sinks=None):
     out, lse, row_max, _ = _forward_shapes(query, key, value, tables, score_buffers, mask_buffers, score_mod,
                                            mask_mod, block_size, seq_lengths, scale, kernel_options, need_max)
     return out, (lse if need_lse else lse.new_empty((0,))), row_max

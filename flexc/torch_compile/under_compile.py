@@ -58,18 +58,20 @@ class CallSpec(NamedTuple):
     options: tuple  # kernel_options' sorted items (JSON is written outside dynamo)
     need_max: bool
     need_lse: bool  # (a call without gradients returns an empty logsumexp otherwise)
-    dropout_p: float  # 0: no dropout; else the seed is the op's last tensor input
+    dropout_p: float  # 0: no dropout; else the seed is the op's tensor input after the tables
+    sinks: bool  # the call has sinks: the op's last tensor input
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
                    block_mask: Any, scale: float, options: dict, need_max: bool, need_lse: bool = True,
-                   dropout_p: float = 0.0, seed: torch.Tensor | None = None):
+                   dropout_p: float = 0.0, seed: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """``(out, lse, max_scores)`` of one call, as one ``flexc::flex_attention`` node of the compiled graph
     (``flexc::flex_attention_inference`` when no gradient is needed).
 
     ``options`` are the checked kernel_options with ``BACKEND`` resolved to "TORCH" or "TRITON";
     ``lse`` is empty unless ``need_lse``. With ``dropout_p > 0``, ``seed`` is the call's 0-d int64
-    seed tensor (drawn in the graph, as eager draws it), an input of the node.
+    seed tensor (drawn in the graph, as eager draws it), an input of the node; so are ``sinks``
+    (``[B or 1, Hq, 1]``, :func:`flexc.call.sinks.check_sinks`), which the node folds into its softmax.
 
     Runs under dynamo: only code that dynamo traces cleanly belongs here (no flexc tracing).
     """
@@ -80,13 +82,14 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         mask_mod = block_mask.mask_mod
         tables = [getattr(block_mask, name, None) for name in custom_ops.TABLE_NAMES]
         block_size = tuple(int(x) for x in block_mask.BLOCK_SIZE)
-    present = [t for t in tables if t is not None] + ([seed] if dropout_p else [])
+    present = [t for t in tables if t is not None] + ([seed] if dropout_p else []) + (
+        [sinks] if sinks is not None else [])
     # torch scores in float32 (float64 for float64 inputs); indices are int32, as in torch
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     spec = CallSpec(_name(score_mod, "score_mod") if score_mod is not None else None,
                     _name(mask_mod, "mask_mod") if mask_mod is not None else None,
                     tuple(t is not None for t in tables), block_size, float(scale),
-                    tuple(sorted(options.items())), need_max, need_lse, float(dropout_p))
+                    tuple(sorted(options.items())), need_max, need_lse, float(dropout_p), sinks is not None)
     # the mods' arguments: 0-d tensors, as the mods see in eager calls (see the module docstring)
     score0 = torch.zeros((), dtype=score_dtype, device=query.device)
     b0, h0, q0, kv0 = [torch.zeros((), dtype=torch.int32, device=query.device) for _ in range(4)]
@@ -217,10 +220,11 @@ _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakK
 def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
     plan = _plans.get(gm)
     if plan is None:
-        plan = _plans[gm] = _read_plan(gm, 5, 3 + sum(spec.tables) + bool(spec.dropout_p))
+        plan = _plans[gm] = _read_plan(gm, 5, 3 + sum(spec.tables) + bool(spec.dropout_p) + spec.sinks)
 
     def run(*inputs):
         query, key, value, *present = (inputs[i] for i in plan.tensors)
+        sinks = present.pop() if spec.sinks else None
         seed = present.pop() if spec.dropout_p else None
         inputs = _with_numbers(gm, plan, inputs, query.device)
         tables = iter(present)
@@ -231,16 +235,17 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         # growing KV cache), so they come from the tensors, not the constant spec
         seq_lengths = [query.shape[-2], key.shape[-2]] if spec.block_size else []
         # (decided while tracing: dynamo guards on grad mode and requires_grad, so it holds for the graph)
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *score_buffers))
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value, *score_buffers, *([sinks] if spec.sinks else [])))
         arguments = (query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key,
                      list(spec.block_size), seq_lengths, spec.scale, custom_ops.options_key(dict(spec.options)),
                      spec.need_max)
         if needs_grad:
-            out, lse, row_max, _ = custom_ops.flex_attention_op(*arguments, spec.dropout_p, seed)
+            out, lse, row_max, _ = custom_ops.flex_attention_op(*arguments, spec.dropout_p, seed, sinks)
             lse = lse if spec.need_lse else lse.new_empty((0,))
         else:
             out, lse, row_max = custom_ops.flex_attention_inference_op(*arguments, spec.need_lse, spec.dropout_p,
-                                                                       seed)
+                                                                       seed, sinks)
         # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
         # the same type, never read
         fill = lambda node: torch.zeros(node.meta["example_value"].shape, dtype=node.meta["example_value"].dtype,

@@ -121,10 +121,10 @@ def test_custom_ops_pass_opcheck():
     tables = [getattr(bm, name) for name in custom_ops.TABLE_NAMES]
     mask = flexc.trace(bm.mask_mod)
     args = (q, k, v, tables, [slopes], list(mask.buffers), mod_key(score), mod_key(mask), [16, 16], [32, 32],
-            0.3, custom_ops.options_key({"BACKEND": "TORCH"}), False, 0.0, None)
+            0.3, custom_ops.options_key({"BACKEND": "TORCH"}), False, 0.0, None, None)
     torch.library.opcheck(custom_ops.flex_attention_op, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[:4]) + ([slopes.detach()],) + args[5:-2]
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args[:4]) + ([slopes.detach()],) + args[5:-3]
     for need_lse in (True, False):
         torch.library.opcheck(custom_ops.flex_attention_inference_op, (*plain, need_lse),
                               test_utils=("test_schema", "test_faketensor"))
@@ -373,7 +373,7 @@ def test_custom_ops_fake_strides_equal_the_real_ones_for_permuted_inputs():
         common = (tables, [slopes.detach()], list(mask.buffers), mod_key(score), mod_key(mask), [16, 16], [32, 32],
                   0.3, custom_ops.options_key({"BACKEND": backend}))
         # the training op's outputs: the logsumexp and the statistics the generated backward reads
-        out, lse, _, stats = custom_ops.flex_attention_op(q, k, v, *common, False, 0.0, None)
+        out, lse, _, stats = custom_ops.flex_attention_op(q, k, v, *common, False, 0.0, None, None)
         grad_out = torch.randn(out.shape, generator=g)
         backward = (q, k, v, out, lse, stats, grad_out, None, *common, [0])
         real = [*custom_ops.flex_attention_inference_op(q, k, v, *common, False, True)[:2],
