@@ -119,7 +119,7 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         "block_index_ptr, first, last, scale, KV_LEN,",
         *names_line(buffer_args(score, mask)),
         *dropout_args(spec),
-        *constexprs(("IS_FULL_BLOCKS", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
+        *constexprs(("IS_FULL_BLOCKS", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
                     ("KV_BLOCK_SIZE", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
     head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N", "start_n", span=("first", "last"))
@@ -129,21 +129,25 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *head,
         "        offs_n = start_n + tl.arange(0, BLOCK_N)",
-        "        kv_in_range = offs_n < KV_LEN",
-        f"        k = {tile_load(spec, KEY_TILE, 'kv_in_range[None, :]', '[:, None]')}",
+        *_key_tile(spec),
         *([f"        qk = {dot('q', 'k', spec)} * scale"] if score is not None else
           [f"        qk = {dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once: no score_mod"]),
-        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
         *score_lines(spec, score, "        "),
     ]
     masked = mask_lines(spec, mask, "            ")
     if masked:
         body += ["        if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
     body += [
-        "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
+        "        if not KV_LEN_DIVISIBLE:",
+        "            qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
         *([f"        qk = qk * {LOG2E}  # to base 2"] if score is not None else []),
     ]
-    v_load = [f"        v = {tile_load(spec, VALUE_TILE, 'kv_in_range[:, None]', '[None, :]', value=True)}"]
+    v_load = [
+        "        if KV_LEN_DIVISIBLE:",
+        f"            v = {tile_load(spec, VALUE_TILE, None, '[None, :]', value=True)}",
+        "        else:",
+        f"            v = {tile_load(spec, VALUE_TILE, 'kv_in_range[:, None]', '[None, :]', value=True)}",
+    ]
     body += online_softmax(spec, "        ", v_load, guard=bool(masked), fold_rescale=True,
                            guard_note="  # compiled in only for CPU calls whose values hold NaN/inf",
                            dropout=spec.dropout)
@@ -153,6 +157,25 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         "    return acc, l_i, m_i",
     ]
     return body
+
+
+def _key_tile(spec: DecodeSpec) -> list[str]:
+    """The lines that load a tile's keys ``k`` and set ``kv_idx``, the key indices the mods see.
+
+    With KV_LEN a multiple of the BlockMask's key blocks (the launcher's KV_LEN_DIVISIBLE) every
+    listed tile is whole, so this variant has no bounds work at all: torch's template has none there
+    either (its static KV_LEN folds the checks into one predicate per tile). Otherwise keys past
+    KV_LEN load as 0, score -inf, and ``kv_idx`` is clamped so captured-tensor lookups stay in bounds.
+    """
+    return [
+        "        if KV_LEN_DIVISIBLE:  # every tile is whole: no bounds checks",
+        f"            k = {tile_load(spec, KEY_TILE, None, '[:, None]')}",
+        "            kv_idx = offs_n[None, :]",
+        "        else:",
+        "            kv_in_range = offs_n < KV_LEN",
+        f"            k = {tile_load(spec, KEY_TILE, 'kv_in_range[None, :]', '[:, None]')}",
+        "            kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
+    ]
 
 
 def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
@@ -168,7 +191,7 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "stride_kb, stride_kh, stride_kn, stride_kd,",
         "stride_vb, stride_vh, stride_vn, stride_vd,",
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
-        *constexprs(("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS, ("GUARD_NONFINITE_VALUES",)),
+        *constexprs(("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS, ("KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES")),
     ]
     unspecialised = ["Q_LEN", "KV_LEN", "NUM_SPLITS"] + [b for b in buffers if not b.endswith("_ptr")]
 
@@ -179,7 +202,7 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
             f"{kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, {first}, {last}, scale, KV_LEN,",
             *names_line(buffers),
             *dropout_args(spec),
-            *keywords((f"IS_FULL_BLOCKS={full}", "GUARD_NONFINITE_VALUES"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"),
+            *keywords((f"IS_FULL_BLOCKS={full}", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"),
                       HEAD_DIMS),
         ], "    ")
 
