@@ -32,7 +32,7 @@ from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
                     head_check, online_softmax, softmax_state, tile_load, tile_walk, widen_suffix)
-from .spec import AttentionSpec, GeneratedKernel
+from .spec import AttentionSpec, GeneratedKernel, padded_head_dim
 
 KERNEL_NAME = "flex_decode_split"
 
@@ -119,7 +119,7 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         "block_index_ptr, first, last, scale, KV_LEN,",
         *names_line(buffer_args(score, mask)),
         *dropout_args(spec),
-        *constexprs(("IS_FULL_BLOCKS", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
+        *constexprs(("IS_FULL_BLOCKS", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
                     ("KV_BLOCK_SIZE", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
     head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N", "start_n", span=("first", "last"))
@@ -127,23 +127,29 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         *jit_def("attend_range", params),
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *_tile_offsets(spec),
         *head,
         "        offs_n = start_n + tl.arange(0, BLOCK_N)",
-        "        kv_in_range = offs_n < KV_LEN",
-        f"        k = {tile_load(spec, KEY_TILE, 'kv_in_range[None, :]', '[:, None]')}",
+        *_tile_pointers(spec),
+        *_key_tile(spec),
         *([f"        qk = {dot('q', 'k', spec)} * scale"] if score is not None else
           [f"        qk = {dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once: no score_mod"]),
-        "        kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
         *score_lines(spec, score, "        "),
     ]
     masked = mask_lines(spec, mask, "            ")
     if masked:
         body += ["        if not IS_FULL_BLOCKS:  # full blocks are known to be all allowed", *masked]
     body += [
-        "        qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
+        "        if not KV_LEN_DIVISIBLE:",
+        "            qk = tl.where(kv_in_range[None, :], qk, float(\"-inf\"))  # keys past KV_LEN",
         *([f"        qk = qk * {LOG2E}  # to base 2"] if score is not None else []),
     ]
-    v_load = [f"        v = {tile_load(spec, VALUE_TILE, 'kv_in_range[:, None]', '[None, :]', value=True)}"]
+    v_load = [
+        "        if KV_LEN_DIVISIBLE:",
+        f"            v = {tile_load(spec, 'v_tile', None, '[None, :]', value=True)}",
+        "        else:",
+        f"            v = {tile_load(spec, 'v_tile', 'kv_in_range[:, None]', '[None, :]', value=True)}",
+    ]
     body += online_softmax(spec, "        ", v_load, guard=bool(masked), fold_rescale=True,
                            guard_note="  # compiled in only for CPU calls whose values hold NaN/inf",
                            dropout=spec.dropout)
@@ -153,6 +159,55 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         "    return acc, l_i, m_i",
     ]
     return body
+
+
+def _hoists_offsets(spec: DecodeSpec) -> bool:
+    """Whether the key loop adds each tile's start to offsets computed once before it (see
+    :func:`_tile_offsets`): where each thread copies at most 16 vectors of 16 bytes per tile, with
+    16-bit inputs. The offsets stay in registers (64-bit each) across the loop; more of them (head
+    dims past 128, fp32) made the sm_90 compile spill."""
+    vectors = spec.block_n * padded_head_dim(max(spec.head_dim, spec.v_head_dim)) * spec.dtype.itemsize
+    return spec.dtype.itemsize == 2 and vectors // (16 * 32 * spec.num_warps) <= 16
+
+
+def _tile_offsets(spec: DecodeSpec) -> list[str]:
+    """Before the key loop, for a spec that :func:`_hoists_offsets`: a tile's key and value offsets."""
+    if not _hoists_offsets(spec):
+        return []
+    return [
+        "    # a tile's keys and values lie at these offsets from its first key's row: the same in every",
+        "    # tile, so they are computed once and each tile adds only its start, a scalar (one 64-bit add",
+        "    # per copied vector instead of a multiply by the runtime stride as well)",
+        "    k_offs = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None] * stride_kd",
+        "    v_offs = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd",
+    ]
+
+
+def _tile_pointers(spec: DecodeSpec) -> list[str]:
+    """In the key loop: the pointers ``k_tile`` (head dim down, keys across) and ``v_tile`` (keys down)."""
+    if _hoists_offsets(spec):
+        return ["        k_tile = key_ptr + start_n * stride_kn + k_offs",
+                "        v_tile = value_ptr + start_n * stride_vn + v_offs"]
+    return [f"        k_tile = {KEY_TILE}", f"        v_tile = {VALUE_TILE}"]
+
+
+def _key_tile(spec: DecodeSpec) -> list[str]:
+    """The lines that load a tile's keys ``k`` and set ``kv_idx``, the key indices the mods see.
+
+    With KV_LEN a multiple of the BlockMask's key blocks (the launcher's KV_LEN_DIVISIBLE) every
+    listed tile is whole, so this variant has no bounds work at all: torch's template has none there
+    either (its static KV_LEN folds the checks into one predicate per tile). Otherwise keys past
+    KV_LEN load as 0, score -inf, and ``kv_idx`` is clamped so captured-tensor lookups stay in bounds.
+    """
+    return [
+        "        if KV_LEN_DIVISIBLE:  # every tile is whole: no bounds checks",
+        f"            k = {tile_load(spec, 'k_tile', None, '[:, None]')}",
+        "            kv_idx = offs_n[None, :]",
+        "        else:",
+        "            kv_in_range = offs_n < KV_LEN",
+        f"            k = {tile_load(spec, 'k_tile', 'kv_in_range[None, :]', '[:, None]')}",
+        "            kv_idx = tl.minimum(offs_n, KV_LEN - 1)[None, :]  # clamped: captured-tensor lookups stay in bounds",
+    ]
 
 
 def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
@@ -168,7 +223,8 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "stride_kb, stride_kh, stride_kn, stride_kd,",
         "stride_vb, stride_vh, stride_vn, stride_vd,",
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
-        *constexprs(("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS, ("GUARD_NONFINITE_VALUES",)),
+        *constexprs(("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS,
+                     ("SINGLE_ROW", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES")),
     ]
     unspecialised = ["Q_LEN", "KV_LEN", "NUM_SPLITS"] + [b for b in buffers if not b.endswith("_ptr")]
 
@@ -179,7 +235,7 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
             f"{kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, {first}, {last}, scale, KV_LEN,",
             *names_line(buffers),
             *dropout_args(spec),
-            *keywords((f"IS_FULL_BLOCKS={full}", "GUARD_NONFINITE_VALUES"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"),
+            *keywords((f"IS_FULL_BLOCKS={full}", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"),
                       HEAD_DIMS),
         ], "    ")
 
@@ -194,8 +250,13 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "    packed = GQA_GROUP * Q_LEN",
         "    row_in_range = rows < packed",
         "    r = tl.minimum(rows, packed - 1)",
-        "    h = (h_kv * GQA_GROUP + r // Q_LEN)[:, None]  # the query head of each row, as the mods see it",
-        "    q_idx = (r % Q_LEN)[:, None]",
+        "    if SINGLE_ROW:  # one query row per head (a decode step): the rows are the heads, q_idx is 0, a",
+        "        # constant the mods fold (a mask_mod of q_idx and kv_idx then varies along the keys only)",
+        "        h = (h_kv * GQA_GROUP + r)[:, None]",
+        "        q_idx = tl.full((BLOCK_M, 1), 0, tl.int32)",
+        "    else:",
+        "        h = (h_kv * GQA_GROUP + r // Q_LEN)[:, None]  # the query head of each row, as the mods see it",
+        "        q_idx = (r % Q_LEN)[:, None]",
         *_dropout_rows(spec),
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",

@@ -302,7 +302,11 @@ def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key:
     constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, KV_BLOCK_SIZE=spec.kv_block_size,
                      HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=padded_head_dim(spec.head_dim),
                      V_HEAD_DIM=spec.v_head_dim, V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim),
-                     GUARD_NONFINITE_VALUES=guard_values)
+                     # whole key blocks only (so whole tiles: the blocks are multiples of BLOCK_N): a
+                     # variant without bounds checks, as the forward's KV_LEN_DIVISIBLE
+                     KV_LEN_DIVISIBLE=S % spec.kv_block_size == 0,
+                     # one query row per head: q_idx is the constant 0 (a second variant)
+                     SINGLE_ROW=L == 1, GUARD_NONFINITE_VALUES=guard_values)
     return args, constants, (out_split, lse_split)
 
 
