@@ -19,9 +19,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) examples/run_all.py
 
+# One pytest worker per core (pytest-xdist), each test file on one worker: most of the suite is
+# single-threaded (Triton's interpreter), and a file's tests share fixtures and kernel caches.
 test: setup
 	$(PY) -m ruff check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # The oldest Triton pyproject allows (triton>=3.6), proven on CPU: the Triton kernel tests in a venv
 # that sees .venv's packages through a .pth line but has its own triton 3.6.0, and numpy < 2.4
