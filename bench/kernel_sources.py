@@ -19,7 +19,8 @@ import warnings
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's flexc (not an installed one) and its catalogue
 
 import flexc  # noqa: E402
 from flexc.device import simulate  # noqa: E402

@@ -451,10 +451,17 @@ def _dkdv_probabilities(spec: BackwardSpec) -> list[str]:
     return [f"        pT = tl.exp2((qk - m[None, :]) * {LOG2E}) * inv_sum[None, :]"]
 
 
-def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
+def key_walk(spec: BackwardSpec, score, mask, buffers: list[str], name: str, state: str, reads: str, doc: str,
+             p_note: str, update: list[str]) -> list[str]:
+    """A ``@triton.jit`` function that walks one query tile over the key tiles of its listed blocks,
+    recomputing each tile's modified scores ``qk``, its probabilities ``p`` (from ``row_max``; the
+    comment ``p_note`` says how they are normalised) and ``dp = dO·vᵀ`` (through the forward's keep
+    mask with dropout), then runs ``update`` (lines at two levels of indent) on the carried ``state``
+    (its first parameters, returned at the end; ``reads``: more per-row inputs, e.g. ``"delta, "``):
+    the dQ programs' ``dq`` and the row pass's sums."""
     tiles = spec.kv_block_size // spec.block_n2
     params = [
-        "dq, q, do, row_max, delta, b, h, q_idx, q_in_range,",
+        f"{state}, q, do, row_max, {reads}b, h, q_idx, q_in_range,",
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
         "block_count_ptr, block_index_ptr, scale, KV_LEN,",
         *names_line(buffers),
@@ -465,9 +472,11 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
     v_ptrs = "value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd"
     head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n", count_ptr="block_count_ptr")
+    probabilities = (f"tl.exp2((qk - row_max[:, None]) * {LOG2E})" if spec.precise  # natural-log max, subtracted first
+                     else f"tl.exp2(qk * {LOG2E} - row_max[:, None])")
     return [
-        *jit_def("dq_blocks", params),
-        "    # One query tile against the key tiles of the listed key blocks.",
+        *jit_def(name, params),
+        f"    # {doc}",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
         *head,
@@ -478,19 +487,26 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
         "        valid = q_in_range[:, None] & kv_in_range[None, :]",
         *score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
-        (f"        p = tl.exp2((qk - row_max[:, None]) * {LOG2E})  # the row pass's natural max; dq is divided by the sum once"
-         if spec.precise else
-         f"        p = tl.exp2(qk * {LOG2E} - row_max[:, None])  # not yet divided by the row's sum: dq is, once"),
+        f"        p = {probabilities}  # {p_note}",
         f"        dp = {dot('do', 'vT', spec)}",
         *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"]
           if spec.dropout else []),
-        "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
-        *_score_grad_lines(d_score, "ds", "        "),
-        *_finite_lines("kT", "        "),
-        *_ds_dot(spec, "ds", "tl.trans(kT)", "dq", "        "),
+        *update,
         *tail,
-        "    return dq",
+        f"    return {state}",
     ]
+
+
+def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
+    note = ("the row pass's natural-log max; dq is divided by the sum once" if spec.precise
+            else "not yet divided by the row's sum: dq is, once")
+    return key_walk(spec, score, mask, buffers, "dq_blocks", "dq", "delta, ", "One query tile against the key tiles "
+                    "of the listed key blocks.", note, [
+                        "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
+                        *_score_grad_lines(d_score, "ds", "        "),
+                        *_finite_lines("kT", "        "),
+                        *_ds_dot(spec, "ds", "tl.trans(kT)", "dq", "        "),
+                    ])
 
 
 def kernel_params(spec: BackwardSpec, buffers: list[str]) -> tuple[list[str], list[str]]:
@@ -627,4 +643,4 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
 
 
 __all__ = ["BackwardSpec", "GeneratedBackward", "KERNEL_NAME", "RenderedBackward", "generate_backward", "kernel_params",
-           "mod_call", "render_backward", "score_mod_lines", "tile_bounds"]
+           "key_walk", "mod_call", "render_backward", "score_mod_lines", "tile_bounds"]

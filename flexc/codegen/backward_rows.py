@@ -30,12 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..constants import LOG2E
-from .backward import BackwardSpec, GeneratedBackward, kernel_params, render_backward, score_mod_lines, tile_bounds
-from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line, preamble
+from .backward import BackwardSpec, GeneratedBackward, kernel_params, key_walk, render_backward, tile_bounds
+from .emit import HEAD_DIMS, bounds, call, jit_def, keywords, names_line, preamble
 from .header import describe_dims, describe_mods, index_note, widen_note
-from .parts import (DROPOUT_HELPERS, KV_BASES, dot, dropout_args, dropout_head, dropout_keep, head_check, row_sum,
-                    tile_load, tile_walk, widen_suffix)
+from .parts import (DROPOUT_HELPERS, KV_BASES, dropout_args, dropout_head, head_check, row_sum,
+                    widen_suffix)
 
 KERNEL_NAME = "flex_attention_backward_rows"
 HEADS = "tl.num_programs(1) * GQA_GROUP"  # Hq: the grid's head axis is the key head
@@ -85,42 +84,13 @@ def _header(spec: BackwardRowsSpec) -> list[str]:
 
 
 def _row_blocks(spec: BackwardRowsSpec, score, mask, buffers: list[str]) -> list[str]:
-    tiles = spec.kv_block_size // spec.block_n2
-    params = [
-        "psum, pdp, q, do, row_max, b, h, q_idx, q_in_range,",
-        "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd,",
-        "block_count_ptr, block_index_ptr, scale, KV_LEN,",
-        *names_line(buffers),
-        *dropout_args(spec),
-        *constexprs(("IS_FULL_BLOCKS", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE"), ("DIVISIBLE", "GUARD_NONFINITE_INPUTS"),
-                    HEAD_DIMS),
-    ]
-    k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
-    v_ptrs = "value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd"
-    head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n", count_ptr="block_count_ptr")
-    return [
-        *jit_def("row_blocks", params),
-        "    # One query tile against the key tiles of the listed key blocks: the row sums of p and p * dp.",
-        "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
-        "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
-        *head,
-        "        offs_n = start_n + tl.arange(0, BLOCK_N2)",
-        *tile_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
-        f"        kT = {tile_load(spec, k_ptrs, 'kv_in_range[None, :]', '[:, None]')}",
-        f"        vT = {tile_load(spec, v_ptrs, 'kv_in_range[None, :]', '[:, None]', value=True)}",
-        f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
-        "        valid = q_in_range[:, None] & kv_in_range[None, :]",
-        *score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
-        "        # subtracted first: the rounding of p then scales with |qk - m|, as in a natural-log softmax",
-        f"        p = tl.exp2((qk - row_max[:, None]) * {LOG2E})",
-        f"        dp = {dot('do', 'vT', spec)}",
-        *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"] if spec.dropout else []),
-        f"        psum += {row_sum(spec, 'p')}",
-        "        # where(valid): a masked pair adds 0 even against a NaN/inf value row",
-        f"        pdp += {row_sum(spec, 'tl.where(valid, p * dp, 0.0)')}",
-        *tail,
-        "    return psum, pdp",
-    ]
+    return key_walk(spec, score, mask, buffers, "row_blocks", "psum, pdp", "", "One query tile against the key "
+                    "tiles of the listed key blocks: the row sums of p and p * dp.",
+                    "subtracted first: its rounding scales with |qk - m|, as in a natural-log softmax", [
+                        f"        psum += {row_sum(spec, 'p')}",
+                        "        # where(valid): a masked pair adds 0 even against a NaN/inf value row",
+                        f"        pdp += {row_sum(spec, 'tl.where(valid, p * dp, 0.0)')}",
+                    ])
 
 
 def _kernel(spec: BackwardRowsSpec, buffers: list[str], dq_buffers: list[str]) -> list[str]:
