@@ -55,6 +55,17 @@ def _check(got_out, got_lse, ref_out, ref_lse, what):
     torch.testing.assert_close(got_lse.double(), ref_lse, atol=3e-5, rtol=0, msg=lambda m: f"{what} lse: {m}")
 
 
+def _check_grads(out, lse, ref_out, ref_lse, leaves, seed: int):
+    """The gradients of q, k, v, the sinks and the slopes (``leaves``) under random dO and dlse equal the
+    dense reference's."""
+    g = torch.Generator().manual_seed(seed)
+    d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
+    want = torch.autograd.grad((ref_out * d_out.double()).sum() + (ref_lse * d_lse.double()).sum(), leaves)
+    for name, a, b in zip(["q", "k", "v", "sinks", "slopes"], got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=2e-4, msg=lambda m: f"d{name}: {m}")
+
+
 @pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
 def test_sinks_forward_lse_and_gradients_equal_dense(backend):
     q, k, v, sinks, slopes, alibi = _problem(1)
@@ -67,12 +78,7 @@ def test_sinks_forward_lse_and_gradients_equal_dense(backend):
     dead = torch.tensor([qi % 9 == 4 for qi in range(L)])
     assert (out[:, :, dead] == 0).all()  # nothing allowed: output 0, lse the sink's logit
     torch.testing.assert_close(lse[:, :, dead], sinks.detach().view(1, HQ, 1).expand(B, HQ, int(dead.sum())))
-    g = torch.Generator().manual_seed(2)
-    d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
-    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
-    want = torch.autograd.grad((ref_out * d_out.double()).sum() + (ref_lse * d_lse.double()).sum(), leaves)
-    for name, a, b in zip(["q", "k", "v", "sinks", "slopes"], got, want):
-        torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=2e-4, msg=lambda m: f"d{name}: {m}")
+    _check_grads(out, lse, ref_out, ref_lse, leaves, seed=2)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -231,9 +237,4 @@ def test_triton_training_with_sinks_runs_the_generated_backward_and_equals_dense
                                     return_lse=True, sinks=sinks, kernel_options={"BACKEND": "TRITON"})
     ref_out, ref_lse = dense_with_sinks(q, k, v, sinks, alibi, _mask)
     _check(out, lse, ref_out, ref_lse, "TRITON training")
-    g = torch.Generator().manual_seed(11)
-    d_out, d_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
-    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), leaves)
-    want = torch.autograd.grad((ref_out * d_out.double()).sum() + (ref_lse * d_lse.double()).sum(), leaves)
-    for name, a, b in zip(["q", "k", "v", "sinks", "slopes"], got, want):
-        torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=2e-4, msg=lambda m: f"d{name}: {m}")
+    _check_grads(out, lse, ref_out, ref_lse, leaves, seed=11)
