@@ -24,8 +24,12 @@ computed just before, by the prologue kernel (:mod:`flexc.codegen.prologue`). Th
 instead take the forward's statistics (each row's base-2 max and sum of ``exp2(score − max)``):
 their probabilities are ``exp2(score − max)`` and the row's dq is divided by the sum once, so each
 row's probabilities sum to 1 as the forward's did (fp32: dq within 1.2x of SDPA's error where the
-logsumexp's rounding, a factor per row, left it at 1.4–1.5x). :class:`BackwardSpec` is everything
-that shapes the source.
+logsumexp's rounding, a factor per row, left it at 1.4–1.5x). With ``precise`` (PRECISE_GRADIENTS)
+a row pass runs instead of the prologue (:mod:`flexc.codegen.backward_rows`): both kinds of program
+then take ``p = exp(score − m)`` over the row pass's sum, ``m`` the row max in natural log, and a
+delta from those probabilities, 16-bit ``dS`` enters the dq/dk dots as two operands, and
+captured-tensor gradients are summed in float64. :class:`BackwardSpec` is everything that shapes
+the source.
 """
 from __future__ import annotations
 

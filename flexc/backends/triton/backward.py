@@ -1,11 +1,13 @@
-"""The generated-Triton backward: its spec, its prologue, and the launch.
+"""The generated-Triton backward: its spec, its prologue or row pass, and the launch.
 
 :func:`triton_backward` is what ``BACKEND: "TRITON"`` runs for ``flex_attention``'s backward (on
 CUDA compiled, on CPU through Triton's interpreter): two launches, no eager pass. The training
 forward (:func:`forward_for_training`) saves, beside the logsumexp the user sees, each row's base-2
 max and sum of ``exp2(score − max)`` (``stats``). The prologue (:mod:`flexc.codegen.prologue`)
-computes ``delta = rowsum(out · dO) − dlse`` and the base-2 logsumexp from them per query row; the
-kernel of :mod:`flexc.codegen.backward` then writes the gradients. Key/value gradients
+computes ``delta = rowsum(out · dO) − dlse`` and the base-2 logsumexp from them per query row, or
+with ``PRECISE_GRADIENTS`` (the default for fp32/fp64 inputs) the row pass
+(:mod:`flexc.codegen.backward_rows`) computes delta and the probabilities' sum from the backward's
+own probabilities; the kernel of :mod:`flexc.codegen.backward` then writes the gradients. Key/value gradients
 of a batch-broadcast key (``Bkv = 1``) are computed per batch and summed afterwards, so no
 program ever adds into another's dk/dv; captured-tensor gradients go through fp32/fp64 atomics.
 """
