@@ -120,6 +120,64 @@ class _Program(NamedTuple):
     buffers: tuple  # (slot, index into the captured tensors)
     steps: tuple  # (slot, run, argument slots)
     root: int
+    # per step: (the torch function with ``out=``, position of the argument it may overwrite) or None
+    # (see _in_place_plan); used only when the caller lets the score be overwritten
+    in_place: tuple
+
+
+# Elementwise ops that may write their result into an argument (``torch.f(..., out=arg)`` computes
+# exactly what ``f`` returns): the arithmetic ops and the unary math functions. Comparisons, casts,
+# gathers, where, min/max and reductions never do.
+_IN_PLACE_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.div}
+_IN_PLACE_UNARY = {op: f for op, f in _UNARY.items() if op not in ("not",)} | {"neg": torch.neg}
+
+
+def _in_place_plan(root: ir.Node, slots: dict[int, int], steps: list) -> tuple:
+    """For each step, ``(f, i)`` when it may compute into its argument ``i``: the argument is the
+    ``score`` input or the result of an earlier in-place-capable step (a tensor the evaluation owns,
+    never a captured tensor or a view of one), and this step is its last use. Whether its shape and
+    dtype are the result's is checked when it runs."""
+    nodes = {slots[id(n)]: n for n in root.walk()}
+    last_use: dict[int, int] = {}
+    for i, (_, _, args) in enumerate(steps):
+        for a in args:
+            last_use[a] = i
+    owned = {slot for slot, n in nodes.items() if n.op == "input" and n.attr == "score"}
+    plan = []
+    for i, (slot, _, args) in enumerate(steps):
+        op = nodes[slot].op
+        f = _IN_PLACE_BINARY.get(op) if len(args) == 2 else _IN_PLACE_UNARY.get(op) if len(args) == 1 else None
+        choice = None
+        if f is not None:
+            # the first argument, or for add/mul either (same result); an argument read twice is not
+            # overwritten (x * x reads it while writing)
+            positions = (0, 1) if op in ("add", "mul") else (0,)
+            for pos in positions:
+                a = args[pos]
+                if a in owned and last_use.get(a) == i and args.count(a) == 1:
+                    choice = (f, pos)
+                    break
+            owned.add(slot)  # its result is a fresh tensor, or the argument it overwrote
+        plan.append(choice)
+    return tuple(plan)
+
+
+def _run_in_place(f: Callable, pos: int, args: list) -> torch.Tensor | None:
+    """``f(*args, out=args[pos])`` when that is what ``f(*args)`` returns (a float tensor whose shape
+    and dtype the result keeps, outside autograd), else None."""
+    target = args[pos]
+    if not isinstance(target, torch.Tensor) or not target.is_floating_point() or target.requires_grad:
+        return None
+    others = [a for j, a in enumerate(args) if j != pos]
+    if any(isinstance(a, torch.Tensor) and (a.requires_grad or a.dim() > target.dim()
+                                            or any(n not in (1, m) for n, m in zip(a.shape[::-1], target.shape[::-1])))
+           for a in others):
+        return None
+    if any(torch.result_type(target, a) != target.dtype for a in others):
+        return None
+    # the target first: a Python number may only come second, and add/mul (the only ops that may
+    # overwrite their second argument) are commutative, bit for bit
+    return f(target, *others, out=target)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -141,7 +199,7 @@ def _program(root: ir.Node) -> _Program:
         else:
             steps.append((slot, _step(node), tuple(slots[id(a)] for a in node.args)))
     return _Program(len(slots), tuple(consts), tuple(inputs), tuple(scalars), tuple(buffers), tuple(steps),
-                    slots[id(root)])
+                    slots[id(root)], _in_place_plan(root, slots, steps))
 
 
 def _broadcast_shape(tensors: list) -> tuple:
@@ -167,11 +225,16 @@ def evaluate(
     q_idx: torch.Tensor | None = None,
     kv_idx: torch.Tensor | None = None,
     buffers: Sequence[torch.Tensor] | None = None,
+    overwrite_score: bool = False,
 ) -> torch.Tensor:
     """Evaluate a traced mod (a :class:`flexc.TracedMod` or a graph root) on broadcastable tensors; the
     result has their broadcast shape.
 
     ``buffers`` replaces the captured tensors (same slots); by default the traced ones are used.
+    ``overwrite_score``: the caller owns ``score`` and lets elementwise steps compute into it and
+    into their own intermediates (``20 * tanh(score / 20)`` then allocates nothing and returns
+    ``score``); the values are the same. A step whose operands require grad allocates as usual, so
+    autograd sees what it would without.
     """
     root = mod if isinstance(mod, ir.Node) else mod.root
     bufs = buffers if buffers is not None else (() if isinstance(mod, ir.Node) else mod.buffers)
@@ -193,8 +256,14 @@ def evaluate(
         values[slot] = mod.scalars[i]
     for slot, i in program.buffers:
         values[slot] = bufs[i]
-    for slot, run, args in program.steps:
-        values[slot] = run(device, ndim, *[values[a] for a in args])
+    if overwrite_score and score is not None:
+        for (slot, run, args), in_place in zip(program.steps, program.in_place):
+            operands = [values[a] for a in args]
+            result = _run_in_place(in_place[0], in_place[1], operands) if in_place is not None else None
+            values[slot] = result if result is not None else run(device, ndim, *operands)
+    else:
+        for slot, run, args in program.steps:
+            values[slot] = run(device, ndim, *[values[a] for a in args])
     out = _tensor(values[program.root], device)
     if given:
         shape = _broadcast_shape(given)

@@ -70,3 +70,24 @@ def test_retracing_a_random_mod_gives_the_same_key(source):
     second = flexc.trace(compile_mod(source, NAMESPACE))
     assert first.key == second.key
     assert str(first) == str(second)
+
+
+@_SETTINGS
+@given(score_sources())
+def test_evaluating_into_the_score_gives_the_same_bits_and_leaves_captured_tensors_alone(source):
+    """``evaluate(..., overwrite_score=True)`` (the CPU forward's in-place score_mod) equals the
+    allocating evaluation bit for bit, for float32 and bfloat16 scores, and never writes into a
+    captured tensor."""
+    traced = flexc.trace(compile_mod(source, NAMESPACE))
+    if traced.kind != "score_mod":
+        return
+    grid = index_grid(B, H, L, S)
+    tables = {name: t.clone() for name, t in NAMESPACE.items() if isinstance(t, torch.Tensor)}
+    for dtype in (torch.float32, torch.bfloat16):
+        score = torch.randn(B, H, L, S, generator=torch.Generator().manual_seed(len(source))).to(dtype)
+        expected = flexc.evaluate(traced, score=score.clone(), **grid)
+        got = flexc.evaluate(traced, score=score, overwrite_score=True, **grid)
+        assert got.dtype == expected.dtype and torch.equal(got.isnan(), expected.isnan()), source
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num()), source
+    for name, before in tables.items():
+        assert torch.equal(NAMESPACE[name], before), (source, name)

@@ -165,12 +165,14 @@ class _Mods:
         values = {"b": self.b, "h": self.h, "q_idx": self.q_pos[q0:q1].view(1, 1, -1, 1), "kv_idx": kv.view(1, 1, 1, -1)}
         return {name: values[name] for name in reads if name in values}
 
-    def score(self, s4: torch.Tensor, q0: int, q1: int, kv: torch.Tensor, buffers: Sequence | None = None) -> torch.Tensor:
-        """The score_mod applied to raw scores ``s4 [b, h, r, c]`` (result may broadcast)."""
+    def score(self, s4: torch.Tensor, q0: int, q1: int, kv: torch.Tensor, buffers: Sequence | None = None,
+              overwrite: bool = False) -> torch.Tensor:
+        """The score_mod applied to raw scores ``s4 [b, h, r, c]`` (result may broadcast); with
+        ``overwrite`` its elementwise steps may compute into ``s4`` (:func:`flexc.mods.evaluate.evaluate`)."""
         args = self._index(self.score_reads, q0, q1, kv)
         if "score" in self.score_reads:
             args["score"] = s4
-        return evaluate(self.score_mod, buffers=buffers, **args)
+        return evaluate(self.score_mod, buffers=buffers, overwrite_score=overwrite, **args)
 
     def bias(self, q0: int, q1: int, kv: torch.Tensor) -> torch.Tensor:
         """``X`` of a ``score +/- X`` score_mod at these positions (broadcastable to the scores)."""
@@ -356,7 +358,9 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         s4 = s.view(Bg, Hqg, r, chunk.n_cols)
         blocked = mods.blocked(chunk, q0, q1, kv)
         if general_mod:
-            modded = mods.score(s4, q0, q1, kv)
+            # s4 is this chunk's own buffer: the mod's elementwise steps compute into it (soft-capping's
+            # divide, tanh and multiply make no temporaries), and whatever they could not is copied in
+            modded = mods.score(s4, q0, q1, kv, overwrite=True)
             if modded is not s4:
                 s4.copy_(modded)  # broadcasts and casts into the buffer we own
             s4.mul_(LOG2E)
