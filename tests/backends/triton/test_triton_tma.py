@@ -83,3 +83,12 @@ def test_choice_follows_the_option_and_the_layout():
     with flexc.device.simulate("sm_90"):
         assert tma.choose(_spec(use_tma=False), k, v, {"USE_TMA": True}).tma
         assert tma.choose(_spec(use_tma=False), k, v, None).tma == tma.by_default(_spec(use_tma=False))
+
+
+def test_static_rule_takes_tma_where_the_metrics_measured_it_no_worse():
+    assert tma.by_default(_spec(use_tma=False))  # bf16, D=64, default tiles: measured no worse
+    assert tma.by_default(_spec(head_dim=128, use_tma=False))
+    assert not tma.by_default(_spec(dtype=torch.float16, use_tma=False))  # not measured
+    assert not tma.by_default(_spec(head_dim=96, use_tma=False))
+    assert not tma.by_default(dataclasses.replace(_spec(use_tma=False), num_stages=2))  # not the default tiles
+    assert not tma.by_default(dataclasses.replace(_spec(use_tma=False), dropout=True))
