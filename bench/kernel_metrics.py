@@ -7,6 +7,7 @@
     python bench/kernel_metrics.py --decode           # the decode kernel beside torch's flex_decode template
     python bench/kernel_metrics.py --decode --warps 2 4   # the decode kernel at each num_warps (guard off)
     python bench/kernel_metrics.py --decode --value-guard # also the decode kernel with its CPU-only NaN/inf guard
+    python bench/kernel_metrics.py --forward --tma    # flexc's forward with plain and with TMA key/value loads
 
 Each kernel is compiled for ``GPUTarget("cuda", 90, 32)`` on the CPU (Triton's front end, LLVM and
 the ptxas bundled with Triton) with its arguments specialised as Triton's launcher specialises a
@@ -199,6 +200,7 @@ _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+`?\(?(\.L_x_\d+)")
 _MMA = re.compile(r"\b(?:HGMMA|HMMA|IMMA|UTC\w*MMA)\b")
 _ASYNC_COPY = re.compile(r"\b(?:LDGSTS|UTMALDG|UBLKCP)\b")
+_EXIT = re.compile(r"\bEXIT\b")
 
 
 def sass(cubin: bytes) -> tuple[list[tuple[str, tuple]], dict[str, int]]:
@@ -290,10 +292,15 @@ def sass_loops(cubin: bytes, backward: bool) -> list[Loop]:
 def loops_in(instructions: list, labels: dict, backward: bool) -> list[Loop]:
     """:func:`sass_loops` of parsed SASS."""
     spans = []
+    exits = [i for i, (text, _) in enumerate(instructions) if _EXIT.search(text)]
     for index, (text, _) in enumerate(instructions):
         branch = _BRANCH.search(text)
         if branch and branch.group(1) in labels and labels[branch.group(1)] < index:
-            spans.append((labels[branch.group(1)], index))
+            first = labels[branch.group(1)]
+            # not a loop: a TMA wait's out-of-line retry (placed after the kernel's EXIT) branching
+            # back into the loop it waits in
+            if not any(first <= i <= index for i in exits):
+                spans.append((first, index))
 
     def has_mma(span):
         return any(_MMA.search(instructions[i][0]) for i in range(span[0], span[1] + 1))
@@ -779,6 +786,60 @@ def run_forward(args, totals: Totals) -> None:
             totals.add("forward", name, worst, ours.report)
 
 
+def compile_flexc_tma(score_mod, mask_mod, dtype, head_dim, L: int, H: int):
+    """flexc's forward compiled with its key/value tiles through tensor descriptors (USE_TMA)."""
+    score, mask = _lifted(dtype, score_mod, mask_mod)
+    block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
+    spec = triton_forward.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
+                                    None, "cuda", False, mask is not None)
+    spec = dataclasses.replace(spec, tma=True)
+    inputs = triton_offline.offline_inputs(spec, BATCH, H, L, L, block_mask)
+    return spec, triton_offline.compile_offline(spec, CAPABILITY, inputs=inputs)
+
+
+def tma_verdict(plain: dict, tma: dict) -> list[str]:
+    """Why the TMA kernel is worse than the plain one (empty: no worse): more instructions per pair in
+    a loop (same tiles, so the plain counts), fewer ring slots, spills, or C7511."""
+    reasons = []
+    mine, theirs = plain["loop_info"], tma["loop_info"]
+    if [loop.kind for loop in mine] != [loop.kind for loop in theirs]:
+        reasons.append("loops differ")
+    for a, b in zip(mine, theirs):
+        if b.size > a.size:
+            reasons.append(f"{b.kind} +{b.size - a.size}")
+        if b.ring < a.ring:
+            reasons.append(f"{b.kind} ring {a.ring}->{b.ring}")
+    if tma["spill_stores"] or tma["spill_loads"]:
+        reasons.append("spills")
+    if tma["c7511"]:
+        reasons.append("C7511")
+    return reasons
+
+
+def run_forward_tma(args, totals: Totals) -> None:
+    """flexc's forward kernel with plain key/value loads and with TMA (USE_TMA) side by side, and
+    whether TMA is no worse (:func:`tma_verdict`), the measure flexc.backends.triton.tma's rule follows."""
+    dtype, L, H = torch.bfloat16, args.length, HEADS
+    cases = make_cases(L, H)
+    print(f"\nforward, plain vs TMA key/value loads, sm_{CAPABILITY}, bf16, B={BATCH}, H={H}, L=S={L}; per kernel: "
+          f"registers, spill stores/loads (B), shared memory, C7511; per key-tile loop: kind, SASS instructions "
+          f"per iteration, ring slots")
+    for head_dim in args.head_dims:
+        for name in args.cases or list(cases):
+            case = cases[name]
+            spec, compiled = compile_flexc(case[0], case[1], dtype, head_dim, L, H)
+            plain = measure(compiled)
+            tma = measure(compile_flexc_tma(case[0], case[1], dtype, head_dim, L, H)[1])
+            tiles = f"{spec.block_m}x{spec.block_n} w{spec.num_warps} s{spec.num_stages}"
+            ratios = ", ".join(f"{b.kind} {b.size / a.size:.3f}" for a, b in zip(plain["loop_info"], tma["loop_info"]))
+            reasons = tma_verdict(plain, tma)
+            print(f"{name} D={head_dim}")
+            print(f"  {'plain':<12} {tiles:<24} {_kernel_cell(plain):<40} {_loops_cell(plain)}")
+            print(f"  {'tma':<12} {tiles:<24} {_kernel_cell(tma):<40} {_loops_cell(tma)}   tma/plain {ratios}   "
+                  f"{'no worse' if not reasons else 'worse: ' + ', '.join(reasons)}", flush=True)
+            totals.add("forward", name, {}, tma)
+
+
 def run_backward(args, totals: Totals) -> None:
     dtype, L, H = torch.bfloat16, args.length, HEADS
     cases = make_cases(L, H)
@@ -896,6 +957,8 @@ def main(argv=None) -> int:
                         "with the NaN/inf value guard CPU calls compile in (CUDA launches never do)")
     parser.add_argument("--warps", nargs="*", type=int, default=None,
                         help="with --decode: compile the decode kernel at each of these num_warps instead")
+    parser.add_argument("--tma", action="store_true", help="with --forward: flexc's forward with plain and with "
+                        "TMA (tensor-descriptor) key/value loads instead of against torch")
     parser.add_argument("--show-torch-source", action="store_true")
     parser.add_argument("--show-flexc-source", action="store_true")
     args = parser.parse_args(argv)
@@ -909,7 +972,8 @@ def main(argv=None) -> int:
     parts = [p for p in ("forward", "backward", "decode") if getattr(args, p)] or ["forward", "backward", "decode"]
     totals = Totals()
     for part in parts:
-        {"forward": run_forward, "backward": run_backward, "decode": run_decode}[part](args, totals)
+        run_forward_part = run_forward_tma if args.tma else run_forward
+        {"forward": run_forward_part, "backward": run_backward, "decode": run_decode}[part](args, totals)
     print()
     print(totals.line())
     return 0

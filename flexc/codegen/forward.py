@@ -23,6 +23,7 @@ from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
                     head_check, online_softmax, sink_params, softmax_state, tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel, next_power_of_2, padded_head_dim
+from . import tma
 
 KERNEL_NAME = "flex_attention_forward"
 NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row covers every query
@@ -58,6 +59,8 @@ class ForwardSpec(AttentionSpec):
     # learned attention sinks (flexc's sinks=): the online softmax starts from each row's sink logit
     # (codegen.parts.softmax_state); the kernel then takes the sinks after the dropout values
     sinks: bool = False
+    # torch's USE_TMA: key and value tiles through tensor descriptors (TMA on sm_90; codegen.tma)
+    tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,8 @@ def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     if spec.sinks:
         header.append("#   sinks: each row's softmax starts from its head's learned sink logit (a key with no value "
                       "row); the logsumexp includes it")
+    if spec.tma:
+        header.append(tma.HEADER)
     header += [
         "# One program per (query tile, head, batch). It visits the BlockMask's partial key blocks",
         "# (score_mod, then mask_mod) and then its full key blocks (score_mod only); empty blocks are",
@@ -171,6 +176,8 @@ def _attend_tile(spec: ForwardSpec, score, mask) -> list[str]:
                         dropout=spec.dropout),
         "    return acc, l_i, m_new",
     ]
+    if spec.tma:
+        body = tma.tile_lines(spec, body)
     return body
 
 
@@ -213,6 +220,8 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
         *tail,
         "    return acc, l_i, m_i",
     ]
+    if spec.tma:
+        body = tma.blocks_lines(body)
     return body
 
 
@@ -320,6 +329,8 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
             *_row_store("row_max", "row_max"),
             *_row_store("row_sum", "l_safe"),
         ]
+    if spec.tma:
+        body = tma.kernel_lines(body)
     return body
 
 

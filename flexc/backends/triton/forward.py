@@ -22,6 +22,7 @@ from ...mods.traced_mod import TracedMod
 from .. import registry
 from ..dropout import Dropout
 from . import cache, config, decode, launcher
+from . import tma
 
 
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
@@ -101,6 +102,7 @@ def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
         return ForwardPlan(score_mod, mask_mod, ())
     spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, need_lse, training, dropout,
                          sinks)
+    spec = tma.choose(spec, key, value, kernel_options)  # USE_TMA: key/value tiles through descriptors
     return ForwardPlan(score_mod, mask_mod, (spec,))
 
 
@@ -144,6 +146,8 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
         constants = launcher.forward_constexprs(spec, L, S, args, guard_values)
         from triton.runtime.errors import OutOfResources  # triton is imported only once a kernel runs
 
+        if spec.tma and not gpu.runs_interpreted(device):  # the descriptors' scratch memory
+            tma.ensure_allocator()
         try:
             gpu.launch(kernel.fn, launcher.forward_grid(spec, query), spec, device, args, constants)
             return out, lse, stats

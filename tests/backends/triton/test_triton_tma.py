@@ -1,0 +1,94 @@
+"""The forward's USE_TMA variant (flexc.codegen.tma): key/value tiles through tensor descriptors.
+
+Its source uses descriptors and the default source does not; it compiles for sm_90 without a GPU;
+Triton's interpreter runs it, matching the dense reference; the launcher's choice follows the
+kernel option and the tensors' layout."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import flexc
+from flexc.backends.triton import cache as kernel_cache, forward as triton_forward, offline as triton_offline, tma
+from reference import dense_attention, random_qkv
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= 40)
+
+
+def soft_cap(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0)
+
+
+def _spec(target="cuda", head_dim=64, dtype=torch.bfloat16, use_tma=True):
+    spec = triton_forward.make_spec(None, flexc.trace(causal), dtype, head_dim, head_dim, (128, 128), None, target,
+                                    True)
+    return dataclasses.replace(spec, tma=use_tma)
+
+
+def test_variant_source_uses_descriptors_and_the_default_does_not():
+    with_tma, plain = kernel_cache.source_for(_spec()), kernel_cache.source_for(_spec(use_tma=False))
+    assert with_tma.count("tl.make_tensor_descriptor(") == 2
+    assert "key_desc.load([start_n, 0])" in with_tma and "value_desc.load([start_n, 0])" in with_tma
+    assert "key_ptr + offs_n" not in with_tma and "value_ptr + offs_n" not in with_tma  # no plain K/V tile loads
+    assert "descriptor" not in plain and "key_ptr + offs_n" in plain
+    assert _spec().key() != _spec(use_tma=False).key()  # a kernel of its own in the cache
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_variant_compiles_for_hopper_with_tma_copies(head_dim):
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend is not installed")
+    compiled = triton_offline.compile_offline(_spec(head_dim=head_dim), capability=90)
+    assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the tiles are TMA copies
+    assert compiled.metadata.global_scratch_size > 0  # the device-side descriptors: the allocator's memory
+
+
+@pytest.mark.parametrize("score_mod, mask_mod, L, S, D", [
+    (None, causal, 200, 200, 64),  # lengths not multiples of the tiles: the last tile reads zeros past KV_LEN
+    (soft_cap, window, 96, 160, 40),  # a padded head dim: the descriptor zero-fills it
+])
+def test_interpreter_runs_the_variant_like_the_dense_reference(score_mod, mask_mod, L, S, D):
+    q, k, v = random_qkv(1, 4, 2, L, S, D)
+    block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, S, device="cpu")
+    options = {"BACKEND": "TRITON", "USE_TMA": True}
+    spec = triton_forward.plan_forward(q, k, v, None, flexc.trace(mask_mod), block_mask, options, True).kernels[0]
+    assert spec.tma
+    out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
+                                    return_lse=True, kernel_options=options)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod, mask_mod)
+    torch.testing.assert_close(out, ref_out.float(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-5, rtol=2e-5)
+
+
+def test_choice_follows_the_option_and_the_layout():
+    q, k, v = random_qkv(1, 2, 2, 64, 64, 64)
+    spec = _spec("interpreter", dtype=torch.float32, use_tma=False)
+    assert not tma.choose(spec, k, v, None).tma  # the interpreter: only when asked
+    assert tma.choose(spec, k, v, {"USE_TMA": True}).tma
+    assert not tma.choose(spec, k, v, {"USE_TMA": True, "fwd_USE_TMA": False}).tma  # fwd_ overrides
+    assert not tma.choose(spec, k[..., ::2], v, {"USE_TMA": True}).tma  # head dim not contiguous
+    assert not tma.choose(spec, k[:, :, :, 1:], v[:, :, :, 1:], {"USE_TMA": True}).tma  # rows not 16-byte aligned
+    with pytest.raises(TypeError, match="USE_TMA"):
+        tma.choose(spec, k, v, {"USE_TMA": "yes"})
+    with flexc.device.simulate("sm_80"):  # no TMA before Hopper, even when asked
+        assert not tma.choose(_spec(use_tma=False), k, v, {"USE_TMA": True}).tma
+    with flexc.device.simulate("sm_90"):
+        assert tma.choose(_spec(use_tma=False), k, v, {"USE_TMA": True}).tma
+        assert tma.choose(_spec(use_tma=False), k, v, None).tma == tma.by_default(_spec(use_tma=False))
+
+
+def test_static_rule_takes_tma_where_the_metrics_measured_it_no_worse():
+    assert tma.by_default(_spec(use_tma=False))  # bf16, D=64, default tiles: measured no worse
+    assert tma.by_default(_spec(head_dim=128, use_tma=False))
+    assert not tma.by_default(_spec(dtype=torch.float16, use_tma=False))  # not measured
+    assert not tma.by_default(_spec(head_dim=96, use_tma=False))
+    assert not tma.by_default(dataclasses.replace(_spec(use_tma=False), num_stages=2))  # not the default tiles
+    assert not tma.by_default(dataclasses.replace(_spec(use_tma=False), dropout=True))
