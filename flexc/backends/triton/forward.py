@@ -8,6 +8,8 @@ run the compiled kernel; CPU tensors run the same source through Triton's interp
 """
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 from typing import Any, NamedTuple
 
@@ -163,6 +165,17 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
                           f"num_stages={smaller.num_stages}.", RuntimeWarning, stacklevel=3)
             cache.remember_fallback(spec, smaller)
             spec = smaller
+        except Exception as e:  # noqa: BLE001 (any compile or launch failure of the descriptor variant)
+            if not spec.tma:
+                raise
+            # TMA's device-side descriptors depend on the Triton version and the driver: where they
+            # fail to compile or launch, the plain loads (the same results) run, said once per kernel
+            plain = dataclasses.replace(spec, tma=False)
+            warnings.warn(f"flexc: the forward kernel with TMA key/value loads (USE_TMA) failed on {device}: "
+                          f"{type(e).__name__}: {e}; running it with plain loads from now on. Fix: pass "
+                          f"kernel_options={{'USE_TMA': False}} to skip the attempt.", RuntimeWarning, stacklevel=3)
+            cache.remember_fallback(spec, plain)
+            spec = plain
 
 
 def _fill_dead_rows(lse: torch.Tensor | None, stats: torch.Tensor | None, sinks: torch.Tensor | None) -> None:
