@@ -260,8 +260,11 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
     return lines
 
 
-def score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, shape: str, indent: str) -> list[str]:
-    """``qk`` (the modified, masked score) from ``score`` (the scaled q·k) and ``valid``."""
+def score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, shape: str, indent: str,
+                    mask_scores: bool = True) -> list[str]:
+    """``qk`` (the modified score) from ``score`` (the scaled q·k), ``valid`` narrowed by the mask_mod,
+    and (``mask_scores``) ``qk`` set to -inf outside ``valid``; without it the caller masks the
+    exponent (:func:`_exponent`)."""
     out = []
     if score is None:
         out.append(f"{indent}qk = score")
@@ -287,8 +290,44 @@ def score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, s
                 # broadcasts it to the tile as int32: valid would be an int32 tile typed int1,
                 # which tl.where takes but an atomic add's mask (the gathers') rejects
                 out.append(f"{indent}    valid = valid != 0  # a bool tile again")
-    out.append(f"{indent}qk = tl.where(valid, qk, float(\"-inf\"))")
+    if mask_scores:
+        out.append(f"{indent}qk = tl.where(valid, qk, float(\"-inf\"))")
     return out
+
+
+def _folds_scale(spec: BackwardSpec, score: RenderedMod | None) -> bool:
+    """Whether ``scale · log2(e)`` joins the exponent's subtraction (one FMA per pair instead of a scale,
+    a change of base and a subtraction): with no score_mod, nothing needs the natural score. The
+    forward computes its max and probabilities from the raw q·k the same way, so p is the forward's.
+    PRECISE_GRADIENTS keeps its subtraction first (see :func:`_dkdv_probabilities`)."""
+    return score is None and not spec.precise
+
+
+def _score_lines(spec: BackwardSpec, score, mask, product: str, valid: str, shape: str) -> list[str]:
+    """The recomputed scores of one tile: ``qk`` (raw q·k where :func:`_folds_scale`, else the scaled
+    and modified score) and ``valid`` (in range and, in partial blocks, allowed by the mask_mod)."""
+    indent = "        "
+    if _folds_scale(spec, score):
+        lines = [f"{indent}qk = {product}  # {shape}, raw: scale * log2(e) is applied in the exponent",
+                 f"{indent}valid = {valid}"]
+        return lines + score_mod_lines(spec, None, mask, shape, indent, mask_scores=False)[1:]
+    return [f"{indent}score = {product} * scale  # {shape}",
+            f"{indent}valid = {valid}",
+            *score_mod_lines(spec, score, mask, shape, indent, mask_scores=spec.precise)]
+
+
+def _exponent(spec: BackwardSpec, score, row_stat: str) -> str:
+    """``qk`` in base 2 minus the row's base-2 statistic ``row_stat``, -inf outside ``valid``: masked
+    after the subtraction, so the change of base and the subtraction fuse into one FMA."""
+    to_base2 = "qk_scale" if _folds_scale(spec, score) else LOG2E
+    return f"tl.where(valid, qk * {to_base2} - {row_stat}, float(\"-inf\"))"
+
+
+def _qk_scale(spec: BackwardSpec, score) -> list[str]:
+    """The folded factor's definition (before a tile loop), where :func:`_folds_scale`."""
+    if not _folds_scale(spec, score):
+        return []
+    return [f"    qk_scale = scale * {LOG2E}  # the scores' scale and the change to base 2, applied at once"]
 
 
 def _score_grad_lines(d_score: RenderedMod | None, ds: str, indent: str) -> list[str]:
@@ -398,6 +437,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         "    # keys, columns are queries, so dv and dk accumulate without transposing p and ds.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *_qk_scale(spec, score),
         *head,
         "        offs_m = start_m + tl.arange(0, BLOCK_M1)",
         *tile_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
@@ -405,10 +445,9 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         f"        do = {tile_load(spec, do_ptrs, 'q_in_range[:, None]', '[None, :]', value=True)}",
         *_dkdv_row_stats(spec),
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
-        f"        score = {dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
-        "        valid = kv_in_range[:, None] & q_in_range[None, :]",
-        *score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
-        *_dkdv_probabilities(spec),
+        *_score_lines(spec, score, mask, dot('k', 'qT', spec), "kv_in_range[:, None] & q_in_range[None, :]",
+                      "(BLOCK_N1, BLOCK_M1)"),
+        *_dkdv_probabilities(spec, score),
     ]
     if spec.dropout:  # the forward's out = (p * keep) @ v: dv and dp go through the kept pairs
         body += [f"        keepT = {dropout_keep()}  # the forward's mask, drawn again",
@@ -442,12 +481,12 @@ def _dkdv_row_stats(spec: BackwardSpec) -> list[str]:
             "        inv_sum = 1.0 / tl.load(row_sum_ptr + offs_m, mask=q_in_range, other=1.0)"]
 
 
-def _dkdv_probabilities(spec: BackwardSpec) -> list[str]:
+def _dkdv_probabilities(spec: BackwardSpec, score) -> list[str]:
     """``pT`` from the recomputed scores ``qk``: ``exp2(qk·log2 e − lse2)``, or with PRECISE_GRADIENTS
     ``exp(qk − m) / sum`` with the subtraction first (its rounding then scales with ``|qk − m|``, not
     ``|qk|``), normalised by the row pass's sum, so each row's p sums to 1 as the row pass's did."""
     if not spec.precise:
-        return [f"        pT = tl.exp2(qk * {LOG2E} - lse[None, :])"]
+        return [f"        pT = tl.exp2({_exponent(spec, score, 'lse[None, :]')})"]
     return [f"        pT = tl.exp2((qk - m[None, :]) * {LOG2E}) * inv_sum[None, :]"]
 
 
@@ -470,17 +509,17 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         "    # One query tile against the key tiles of the listed key blocks.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *_qk_scale(spec, score),
         *head,
         "        offs_n = start_n + tl.arange(0, BLOCK_N2)",
         *tile_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
         f"        kT = {tile_load(spec, k_ptrs, 'kv_in_range[None, :]', '[:, None]')}",
         f"        vT = {tile_load(spec, v_ptrs, 'kv_in_range[None, :]', '[:, None]', value=True)}",
-        f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
-        "        valid = q_in_range[:, None] & kv_in_range[None, :]",
-        *score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
+        *_score_lines(spec, score, mask, dot('q', 'kT', spec), "q_in_range[:, None] & kv_in_range[None, :]",
+                      "(BLOCK_M2, BLOCK_N2)"),
         (f"        p = tl.exp2((qk - row_max[:, None]) * {LOG2E})  # the row pass's natural max; dq is divided by the sum once"
          if spec.precise else
-         f"        p = tl.exp2(qk * {LOG2E} - row_max[:, None])  # not yet divided by the row's sum: dq is, once"),
+         f"        p = tl.exp2({_exponent(spec, score, 'row_max[:, None]')})  # not yet divided by the row's sum: dq is, once"),
         f"        dp = {dot('do', 'vT', spec)}",
         *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"]
           if spec.dropout else []),
