@@ -80,6 +80,9 @@ class BackwardSpec(AttentionSpec):
     # (a row pass before it, flexc.codegen.backward_rows), and 16-bit dS enters the dq/dk dots as
     # two operands (its rounding and the remainder) instead of one
     precise: bool = False
+    # every index below 2**24: index differences the mods read as floats print in float32, exactly
+    # (flexc.codegen.printer, flexc.codegen.index_width.float_indices)
+    float_indices: bool = False
 
     @property
     def splits_ds(self) -> bool:
@@ -162,7 +165,7 @@ def render_backward(spec: BackwardSpec) -> RenderedBackward:
     """The mods, their derivatives and the gradient addresses of ``spec`` as kernel text."""
     score, mask = render_mods(spec, spec.target, spec.index_dtype)  # the forward's mod functions, parameter names and all
     # the derivative functions and gradient addresses print like the mods (libdevice, index width)
-    style = dict(target=spec.target, index_dtype=spec.index_dtype)
+    style = dict(target=spec.target, index_dtype=spec.index_dtype, float_indices=spec.float_indices)
     widen = "float64" if spec.dtype == torch.float64 else None
     derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()

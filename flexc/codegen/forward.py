@@ -58,6 +58,9 @@ class ForwardSpec(AttentionSpec):
     # learned attention sinks (flexc's sinks=): the online softmax starts from each row's sink logit
     # (codegen.parts.softmax_state); the kernel then takes the sinks after the dropout values
     sinks: bool = False
+    # every index below 2**24: index differences the mods read as floats print in float32, exactly
+    # (flexc.codegen.printer, flexc.codegen.index_width.float_indices)
+    float_indices: bool = False
 
 
 @dataclass(frozen=True)
