@@ -346,6 +346,20 @@ def _score_grad_lines(d_score: RenderedMod | None, ds: str, indent: str) -> list
             f"{indent}{ds} = tl.where(valid, {ds} * {mod_call(d_score, 'score, b, h, q_idx, kv_idx')}, 0.0)"]
 
 
+def _folds_score_grad(d_score: RenderedMod | None, gathers) -> bool:
+    """Whether d score_mod / d score multiplies the probabilities as soon as they are formed: a
+    derivative that reads the tile (soft-capping's 1 - tanh^2) would otherwise keep the natural
+    score alive through the dv and dp dots, a tile of registers that made the D=128 programs spill.
+    Gradients of captured tensors take ds before the derivative, so they keep the late product."""
+    return d_score is not None and not d_score.is_constant and not gathers
+
+
+def _p_grad_lines(d_score: RenderedMod | None, p: str, indent: str) -> list[str]:
+    """``{p}_grad = p * d score_mod / d score`` (see :func:`_folds_score_grad`)."""
+    return [f"{indent}# d score_mod / d score: {d_score.expression}; taken now, so the natural score dies here",
+            f"{indent}{p}_grad = {p} * {mod_call(d_score, 'score, b, h, q_idx, kv_idx')}"]
+
+
 def _ignores_score(d_score: RenderedMod | None) -> bool:
     return d_score is not None and d_score.is_constant and float(d_score.literal) == 0.0
 
@@ -452,6 +466,10 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
                       "(BLOCK_N1, BLOCK_M1)"),
         *_dkdv_probabilities(spec, score),
     ]
+    fold = _folds_score_grad(d_score, gathers)
+    p_ds, of_ds = ("pT_grad", "score") if fold else ("pT", "modified score")
+    if fold:
+        body += _p_grad_lines(d_score, "pT", "        ")
     if spec.dropout:  # the forward's out = (p * keep) @ v: dv and dp go through the kept pairs
         body += [f"        keepT = {dropout_keep()}  # the forward's mask, drawn again",
                  f"        dv = {dot(operand(spec, '(pT * keepT)'), 'do', spec, 'dv')}"]
@@ -462,12 +480,12 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         body += [
             f"        dpT = {dot('v', 'tl.trans(do)', spec)}",
             *(["        dpT = dpT * keepT  # d out / d p: dropped pairs reach nothing"] if spec.dropout else []),
-            "        dsT = tl.where(valid, pT * (dpT - delta[None, :]), 0.0)  # d loss / d modified score",
+            f"        dsT = tl.where(valid, {p_ds} * (dpT - delta[None, :]), 0.0)  # d loss / d {of_ds}",
             *_gather_lines(spec, gathers, "        "),
         ]
     if not _ignores_score(d_score):
         body += [
-            *_score_grad_lines(d_score, "dsT", "        "),
+            *([] if fold else _score_grad_lines(d_score, "dsT", "        ")),
             *_finite_lines("qT", "        "),
             *_ds_dot(spec, "dsT", "tl.trans(qT)", "dk", "        "),
         ]
@@ -507,6 +525,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
     v_ptrs = "value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd"
     head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n", count_ptr="block_count_ptr")
+    fold = _folds_score_grad(d_score, ())
     return [
         *jit_def("dq_blocks", params),
         "    # One query tile against the key tiles of the listed key blocks.",
@@ -526,8 +545,9 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
         f"        dp = {dot('do', 'vT', spec)}",
         *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"]
           if spec.dropout else []),
-        "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
-        *_score_grad_lines(d_score, "ds", "        "),
+        *(_p_grad_lines(d_score, "p", "        ") if fold else []),
+        f"        ds = tl.where(valid, {'p_grad' if fold else 'p'} * (dp - delta[:, None]), 0.0)",
+        *([] if fold else _score_grad_lines(d_score, "ds", "        ")),
         *_finite_lines("kT", "        "),
         *_ds_dot(spec, "ds", "tl.trans(kT)", "dq", "        "),
         *tail,
