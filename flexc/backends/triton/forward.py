@@ -143,7 +143,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
         kernel = cache.get_kernel(spec, device)
         args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod,
                                           scale, stats, dropout, sinks)
-        constants = launcher.forward_constexprs(spec, L, S, args, guard_values)
+        constants = launcher.forward_constexprs(spec, L, S, args, guard_values, scale)
         from triton.runtime.errors import OutOfResources  # triton is imported only once a kernel runs
 
         try:
