@@ -74,6 +74,7 @@ sys.path.insert(0, ROOT)
 
 import flexc  # noqa: E402
 from flexc.backends.triton import cache as kernel_cache, forward as triton_forward, offline as triton_offline  # noqa: E402
+from flexc.codegen.index_width import float_indices  # noqa: E402
 from flexc.codegen.scalars import lift_for_call  # noqa: E402
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default (and Inductor's), stated
@@ -401,7 +402,8 @@ def compile_flexc(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=
     score, mask = _lifted(dtype, score_mod, mask_mod)
     block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
     spec = triton_forward.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
-                                    options, "cuda", False, mask is not None)
+                                    options, "cuda", False, mask is not None,
+                                    float_indices=float_indices(BATCH, H, L, L))  # as call_layout decides
     inputs = triton_offline.offline_inputs(spec, BATCH, H, L, L, block_mask)
     return spec, triton_offline.compile_offline(spec, CAPABILITY, inputs=inputs)
 
@@ -412,7 +414,8 @@ def compile_flexc_backward(score_mod, mask_mod, dtype, head_dim, L: int, H: int,
     score, mask = _lifted(dtype, score_mod, mask_mod)
     block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
     spec = triton_backward.make_backward_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
-                                              options, "cuda", (), mask is not None)
+                                              options, "cuda", (), mask is not None,
+                                              float_indices=float_indices(BATCH, H, L, L))
     fwd_spec = triton_forward.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
                                         None, "cuda", False, mask is not None)
     inputs = triton_offline.offline_inputs(fwd_spec, BATCH, H, L, L, block_mask)

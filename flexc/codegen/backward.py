@@ -84,6 +84,9 @@ class BackwardSpec(AttentionSpec):
     # (a row pass before it, flexc.codegen.backward_rows), and 16-bit dS enters the dq/dk dots as
     # two operands (its rounding and the remainder) instead of one
     precise: bool = False
+    # every index below 2**24: index differences the mods read as floats print in float32, exactly
+    # (flexc.codegen.printer, flexc.codegen.index_width.float_indices)
+    float_indices: bool = False
 
     @property
     def splits_ds(self) -> bool:
@@ -166,7 +169,7 @@ def render_backward(spec: BackwardSpec) -> RenderedBackward:
     """The mods, their derivatives and the gradient addresses of ``spec`` as kernel text."""
     score, mask = render_mods(spec, spec.target, spec.index_dtype)  # the forward's mod functions, parameter names and all
     # the derivative functions and gradient addresses print like the mods (libdevice, index width)
-    style = dict(target=spec.target, index_dtype=spec.index_dtype)
+    style = dict(target=spec.target, index_dtype=spec.index_dtype, float_indices=spec.float_indices)
     widen = "float64" if spec.dtype == torch.float64 else None
     derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()
@@ -264,8 +267,11 @@ def _header(spec: BackwardSpec, derivative: ScoreModDerivative | None, gathers: 
     return lines
 
 
-def score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, shape: str, indent: str) -> list[str]:
-    """``qk`` (the modified, masked score) from ``score`` (the scaled q·k) and ``valid``."""
+def score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, shape: str, indent: str,
+                    mask_scores: bool = True) -> list[str]:
+    """``qk`` (the modified score) from ``score`` (the scaled q·k), ``valid`` narrowed by the mask_mod,
+    and (``mask_scores``) ``qk`` set to -inf outside ``valid``; without it the caller masks the
+    exponent (:func:`_exponent`)."""
     out = []
     if score is None:
         out.append(f"{indent}qk = score")
@@ -291,8 +297,44 @@ def score_mod_lines(spec, score: RenderedMod | None, mask: RenderedMod | None, s
                 # broadcasts it to the tile as int32: valid would be an int32 tile typed int1,
                 # which tl.where takes but an atomic add's mask (the gathers') rejects
                 out.append(f"{indent}    valid = valid != 0  # a bool tile again")
-    out.append(f"{indent}qk = tl.where(valid, qk, float(\"-inf\"))")
+    if mask_scores:
+        out.append(f"{indent}qk = tl.where(valid, qk, float(\"-inf\"))")
     return out
+
+
+def _folds_scale(spec: BackwardSpec, score: RenderedMod | None) -> bool:
+    """Whether ``scale · log2(e)`` joins the exponent's subtraction (one FMA per pair instead of a scale,
+    a change of base and a subtraction): with no score_mod, nothing needs the natural score. The
+    forward computes its max and probabilities from the raw q·k the same way, so p is the forward's.
+    PRECISE_GRADIENTS keeps its subtraction first (see :func:`_dkdv_probabilities`)."""
+    return score is None and not spec.precise
+
+
+def _score_lines(spec: BackwardSpec, score, mask, product: str, valid: str, shape: str) -> list[str]:
+    """The recomputed scores of one tile: ``qk`` (raw q·k where :func:`_folds_scale`, else the scaled
+    and modified score) and ``valid`` (in range and, in partial blocks, allowed by the mask_mod)."""
+    indent = "        "
+    if _folds_scale(spec, score):
+        lines = [f"{indent}qk = {product}  # {shape}, raw: scale * log2(e) is applied in the exponent",
+                 f"{indent}valid = {valid}"]
+        return lines + score_mod_lines(spec, None, mask, shape, indent, mask_scores=False)[1:]
+    return [f"{indent}score = {product} * scale  # {shape}",
+            f"{indent}valid = {valid}",
+            *score_mod_lines(spec, score, mask, shape, indent, mask_scores=spec.precise)]
+
+
+def _exponent(spec: BackwardSpec, score, row_stat: str) -> str:
+    """``qk`` in base 2 minus the row's base-2 statistic ``row_stat``, -inf outside ``valid``: masked
+    after the subtraction, so the change of base and the subtraction fuse into one FMA."""
+    to_base2 = "qk_scale" if _folds_scale(spec, score) else LOG2E
+    return f"tl.where(valid, qk * {to_base2} - {row_stat}, float(\"-inf\"))"
+
+
+def _qk_scale(spec: BackwardSpec, score) -> list[str]:
+    """The folded factor's definition (before a tile loop), where :func:`_folds_scale`."""
+    if not _folds_scale(spec, score):
+        return []
+    return [f"    qk_scale = scale * {LOG2E}  # the scores' scale and the change to base 2, applied at once"]
 
 
 def _score_grad_lines(d_score: RenderedMod | None, ds: str, indent: str) -> list[str]:
@@ -306,6 +348,20 @@ def _score_grad_lines(d_score: RenderedMod | None, ds: str, indent: str) -> list
         return [f"{indent}{ds} = {ds} * {python_literal(value)}  # d score_mod / d score: {d_score.expression}"]
     return [f"{indent}# d score_mod / d score: {d_score.expression}",
             f"{indent}{ds} = tl.where(valid, {ds} * {mod_call(d_score, 'score, b, h, q_idx, kv_idx')}, 0.0)"]
+
+
+def _folds_score_grad(d_score: RenderedMod | None, gathers) -> bool:
+    """Whether d score_mod / d score multiplies the probabilities as soon as they are formed: a
+    derivative that reads the tile (soft-capping's 1 - tanh^2) would otherwise keep the natural
+    score alive through the dv and dp dots, a tile of registers that made the D=128 programs spill.
+    Gradients of captured tensors take ds before the derivative, so they keep the late product."""
+    return d_score is not None and not d_score.is_constant and not gathers
+
+
+def _p_grad_lines(d_score: RenderedMod | None, p: str, indent: str) -> list[str]:
+    """``{p}_grad = p * d score_mod / d score`` (see :func:`_folds_score_grad`)."""
+    return [f"{indent}# d score_mod / d score: {d_score.expression}; taken now, so the natural score dies here",
+            f"{indent}{p}_grad = {p} * {mod_call(d_score, 'score, b, h, q_idx, kv_idx')}"]
 
 
 def _ignores_score(d_score: RenderedMod | None) -> bool:
@@ -402,6 +458,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         "    # keys, columns are queries, so dv and dk accumulate without transposing p and ds.",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *_qk_scale(spec, score),
         *head,
         "        offs_m = start_m + tl.arange(0, BLOCK_M1)",
         *tile_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M1", "[None, :]"),
@@ -409,11 +466,14 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         f"        do = {tile_load(spec, do_ptrs, 'q_in_range[:, None]', '[None, :]', value=True)}",
         *_dkdv_row_stats(spec),
         "        delta = tl.load(delta_ptr + offs_m, mask=q_in_range, other=0.0)",
-        f"        score = {dot('k', 'qT', spec)} * scale  # [BLOCK_N1, BLOCK_M1]",
-        "        valid = kv_in_range[:, None] & q_in_range[None, :]",
-        *score_mod_lines(spec, score, mask, "(BLOCK_N1, BLOCK_M1)", "        "),
-        *_dkdv_probabilities(spec),
+        *_score_lines(spec, score, mask, dot('k', 'qT', spec), "kv_in_range[:, None] & q_in_range[None, :]",
+                      "(BLOCK_N1, BLOCK_M1)"),
+        *_dkdv_probabilities(spec, score),
     ]
+    fold = _folds_score_grad(d_score, gathers)
+    p_ds, of_ds = ("pT_grad", "score") if fold else ("pT", "modified score")
+    if fold:
+        body += _p_grad_lines(d_score, "pT", "        ")
     if spec.dropout:  # the forward's out = (p * keep) @ v: dv and dp go through the kept pairs
         body += [f"        keepT = {dropout_keep()}  # the forward's mask, drawn again",
                  f"        dv = {dot(operand(spec, '(pT * keepT)'), 'do', spec, 'dv')}"]
@@ -424,12 +484,12 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         body += [
             f"        dpT = {dot('v', 'tl.trans(do)', spec)}",
             *(["        dpT = dpT * keepT  # d out / d p: dropped pairs reach nothing"] if spec.dropout else []),
-            "        dsT = tl.where(valid, pT * (dpT - delta[None, :]), 0.0)  # d loss / d modified score",
+            f"        dsT = tl.where(valid, {p_ds} * (dpT - delta[None, :]), 0.0)  # d loss / d {of_ds}",
             *_gather_lines(spec, gathers, "        "),
         ]
     if not _ignores_score(d_score):
         body += [
-            *_score_grad_lines(d_score, "dsT", "        "),
+            *([] if fold else _score_grad_lines(d_score, "dsT", "        ")),
             *_finite_lines("qT", "        "),
             *_ds_dot(spec, "dsT", "tl.trans(qT)", "dk", "        "),
         ]
@@ -446,12 +506,12 @@ def _dkdv_row_stats(spec: BackwardSpec) -> list[str]:
             "        inv_sum = 1.0 / tl.load(row_sum_ptr + offs_m, mask=q_in_range, other=1.0)"]
 
 
-def _dkdv_probabilities(spec: BackwardSpec) -> list[str]:
+def _dkdv_probabilities(spec: BackwardSpec, score) -> list[str]:
     """``pT`` from the recomputed scores ``qk``: ``exp2(qk·log2 e − lse2)``, or with PRECISE_GRADIENTS
     ``exp(qk − m) / sum`` with the subtraction first (its rounding then scales with ``|qk − m|``, not
     ``|qk|``), normalised by the row pass's sum, so each row's p sums to 1 as the row pass's did."""
     if not spec.precise:
-        return [f"        pT = tl.exp2(qk * {LOG2E} - lse[None, :])"]
+        return [f"        pT = tl.exp2({_exponent(spec, score, 'lse[None, :]')})"]
     return [f"        pT = tl.exp2((qk - m[None, :]) * {LOG2E}) * inv_sum[None, :]"]
 
 
@@ -477,20 +537,20 @@ def key_walk(spec: BackwardSpec, score, mask, buffers: list[str], name: str, sta
     v_ptrs = "value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd"
     head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n", count_ptr="block_count_ptr")
     probabilities = (f"tl.exp2((qk - row_max[:, None]) * {LOG2E})" if spec.precise  # natural-log max, subtracted first
-                     else f"tl.exp2(qk * {LOG2E} - row_max[:, None])")
+                     else f"tl.exp2({_exponent(spec, score, 'row_max[:, None]')})")
     return [
         *jit_def(name, params),
         f"    # {doc}",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *_qk_scale(spec, score),
         *head,
         "        offs_n = start_n + tl.arange(0, BLOCK_N2)",
         *tile_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
         f"        kT = {tile_load(spec, k_ptrs, 'kv_in_range[None, :]', '[:, None]')}",
         f"        vT = {tile_load(spec, v_ptrs, 'kv_in_range[None, :]', '[:, None]', value=True)}",
-        f"        score = {dot('q', 'kT', spec)} * scale  # [BLOCK_M2, BLOCK_N2]",
-        "        valid = q_in_range[:, None] & kv_in_range[None, :]",
-        *score_mod_lines(spec, score, mask, "(BLOCK_M2, BLOCK_N2)", "        "),
+        *_score_lines(spec, score, mask, dot('q', 'kT', spec), "q_in_range[:, None] & kv_in_range[None, :]",
+                      "(BLOCK_M2, BLOCK_N2)"),
         f"        p = {probabilities}  # {p_note}",
         f"        dp = {dot('do', 'vT', spec)}",
         *([f"        dp = dp * {dropout_keep()}  # the forward's mask, drawn again"]
@@ -504,10 +564,12 @@ def key_walk(spec: BackwardSpec, score, mask, buffers: list[str], name: str, sta
 def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     note = ("the row pass's natural-log max; dq is divided by the sum once" if spec.precise
             else "not yet divided by the row's sum: dq is, once")
+    fold = _folds_score_grad(d_score, ())
     return key_walk(spec, score, mask, buffers, "dq_blocks", "dq", "delta, ", "One query tile against the key tiles "
                     "of the listed key blocks.", note, [
-                        "        ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)",
-                        *_score_grad_lines(d_score, "ds", "        "),
+                        *(_p_grad_lines(d_score, "p", "        ") if fold else []),
+                        f"        ds = tl.where(valid, {'p_grad' if fold else 'p'} * (dp - delta[:, None]), 0.0)",
+                        *([] if fold else _score_grad_lines(d_score, "ds", "        ")),
                         *_finite_lines("kT", "        "),
                         *_ds_dot(spec, "ds", "tl.trans(kT)", "dq", "        "),
                     ])

@@ -61,6 +61,9 @@ class ForwardSpec(AttentionSpec):
     sinks: bool = False
     # torch's USE_TMA: key and value tiles through tensor descriptors (TMA on sm_90; codegen.tma)
     tma: bool = False
+    # every index below 2**24: index differences the mods read as floats print in float32, exactly
+    # (flexc.codegen.printer, flexc.codegen.index_width.float_indices)
+    float_indices: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,14 +129,17 @@ def _attend_tile(spec: ForwardSpec, score, mask) -> list[str]:
         "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
         *names_line(buffer_args(score, mask)),
         *dropout_args(spec),
-        *constexprs(("IS_FULL_BLOCKS", "CHECK_KV", "ROWS_GUARANTEED_SAFE"), ("GUARD_NONFINITE_VALUES",),
+        *constexprs(("IS_FULL_BLOCKS", "CHECK_KV", "ROWS_GUARANTEED_SAFE"), ("GUARD_NONFINITE_VALUES", "POW2_SCALE"),
                     ("BLOCK_M", "BLOCK_N", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
     prescaled = spec.prescale_qk
     if prescaled:
         scores = [f"        qk = {dot('q', 'k', spec)}  # q was scaled by scale * log2(e): already base 2"]
     elif score is not None:
-        scores = [f"        qk = {dot('q', 'k', spec)} * scale  # the score_mod sees the scaled score"]
+        scores = ["        if POW2_SCALE:",
+                  f"            qk = {dot('q', 'k', spec)}  # the scaled score: q carries the scale (see the kernel)",
+                  "        else:",
+                  f"            qk = {dot('q', 'k', spec)} * scale  # the score_mod sees the scaled score"]
     elif spec.dtype == torch.float64:  # nothing to gain from the fold; keep fp64 scores exact
         scores = [f"        qk = {dot('q', 'k', spec)} * (scale * {LOG2E})  # scaled and in base 2 at once"]
     else:
@@ -190,7 +196,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
         *buffers,
         *dropout_args(spec),
         *constexprs(("IS_FULL_BLOCKS", "KV_LEN_DIVISIBLE"),
-                    ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "GUARD_NONFINITE_VALUES"),
+                    ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS"), ("GUARD_NONFINITE_VALUES", "POW2_SCALE"),
                     ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS),
     ]
 
@@ -200,7 +206,8 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
             "key_ptr, value_ptr, stride_kn, stride_kd, stride_vn, stride_vd, scale, KV_LEN,",
             *buffers,
             *dropout_args(spec),
-            *keywords(("IS_FULL_BLOCKS", f"CHECK_KV={check}"), ("ROWS_GUARANTEED_SAFE", "GUARD_NONFINITE_VALUES"),
+            *keywords(("IS_FULL_BLOCKS", f"CHECK_KV={check}"),
+                      ("ROWS_GUARANTEED_SAFE", "GUARD_NONFINITE_VALUES", "POW2_SCALE"),
                       ("BLOCK_M", "BLOCK_N"), HEAD_DIMS),
         ], indent)
 
@@ -249,7 +256,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         *constexprs(("BLOCK_M", "BLOCK_N", "Q_BLOCK_SIZE", "KV_BLOCK_SIZE"), HEAD_DIMS,
                     ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "GUARD_NONFINITE_VALUES"),
-                    ("Q_LEN_DIVISIBLE", "KV_LEN_DIVISIBLE", "INT64_OFFSETS")),
+                    ("Q_LEN_DIVISIBLE", "KV_LEN_DIVISIBLE", "INT64_OFFSETS"), ("POW2_SCALE",)),
     ]
     buffer_strides = [b for b in buffers if "_stride_" in b]
     # Lengths and captured-tensor sizes/strides change with the input; Triton must not specialise
@@ -268,7 +275,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
             *names_line(buffers),
             *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={full}", "KV_LEN_DIVISIBLE"), ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS"),
-                      ("GUARD_NONFINITE_VALUES",), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS),
+                      ("GUARD_NONFINITE_VALUES", "POW2_SCALE"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS),
         ], "    ")
 
     widened = strides + buffer_strides + ["MASK_KV_BLOCKS"]
@@ -292,6 +299,11 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
         f"        q = {tile_load(spec, q_ptrs, 'q_in_range[:, None]', '[None, :]')}",
         "        q_idx = tl.minimum(offs_m, Q_LEN - 1)[:, None]  # clamped: captured-tensor lookups stay in bounds",
     ]
+    if score is not None and not spec.prescale_qk:
+        body += ["    if POW2_SCALE:",
+                 "        # the scale is a power of two (the launcher's check): q * scale is exact in q's dtype, and",
+                 "        # so is q.k then, so q carries the scale once instead of every score paying a multiply",
+                 "        q = (q * scale).to(q.dtype)"]
     if spec.prescale_qk:
         body += ["    # PRESCALE_QK: scale and log2(e) applied to q once (torch's option: the score_mod sees",
                  "    # scores in base 2), not to every tile of scores",

@@ -32,6 +32,13 @@ def index_dtype(mods: tuple[TracedMod | None, ...], B: int, H: int, L: int, S: i
     return "int32"
 
 
+def float_indices(B: int, H: int, L: int, S: int) -> bool:
+    """Whether every index (``b``, ``h``, ``q_idx``, ``kv_idx``) is below 2**24 for these extents: then
+    an index, and the difference of two, is exact in float32, and the kernels may subtract indices
+    in float where the mods read the difference as a float (flexc.codegen.printer)."""
+    return max(B, H, L, S) <= 2 ** 24
+
+
 def _overflows(traced: TracedMod, B: int, H: int, L: int, S: int) -> bool:
     key = (traced.key, B, H, L, S)
     with _cache_lock:

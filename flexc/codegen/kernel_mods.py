@@ -36,16 +36,18 @@ def param_stems(traced: TracedMod | None, taken: set[str], suffix: str) -> dict[
 
 def render_mods(spec, target: str | None = None, index_dtype: str = "int32"
                 ) -> tuple[RenderedMod | None, RenderedMod | None]:
-    """The spec's mods as device functions (``target``/``index_dtype`` as in :func:`render_mod`);
-    None for a mod that does nothing (absent, the identity score_mod, a mask allowing everything)."""
+    """The spec's mods as device functions (``target``/``index_dtype`` as in :func:`render_mod`, and
+    the spec's ``float_indices`` where it has one); None for a mod that does nothing (absent, the
+    identity score_mod, a mask allowing everything)."""
+    float_indices = getattr(spec, "float_indices", False)
     taken: set[str] = set()
     score = mask = None
     if spec.score_mod is not None:
         score = render_mod(spec.score_mod, "score_mod", param_stems(spec.score_mod, taken, "score"),
-                           target=target, index_dtype=index_dtype)
+                           target=target, index_dtype=index_dtype, float_indices=float_indices)
     if spec.mask_mod is not None:
         mask = render_mod(spec.mask_mod, "mask_mod", param_stems(spec.mask_mod, taken, "mask"),
-                          target=target, index_dtype=index_dtype)
+                          target=target, index_dtype=index_dtype, float_indices=float_indices)
         if mask.is_constant and mask.literal is True:
             mask = None  # allows everything: nothing to apply
     if score is not None and spec.score_mod.root.op == "input":

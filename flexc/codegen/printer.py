@@ -161,7 +161,8 @@ def _safe_name(name: str, slot: int) -> str:
 
 class _Printer:
     def __init__(self, traced: TracedMod, buffer_prefix: dict[int, str], fn_name: str = "mod",
-                 target: str | None = None, scalar_prefix: str | None = None, fast_math: bool | None = None):
+                 target: str | None = None, scalar_prefix: str | None = None, fast_math: bool | None = None,
+                 float_indices: bool = False):
         self.traced = traced
         self.fn_name = fn_name
         self.scalar_prefix = scalar_prefix or fn_name
@@ -178,6 +179,9 @@ class _Printer:
         self.text: dict[int, tuple[str, int]] = {}  # id(node) -> (source, precedence)
         self.literal: dict[int, object] = {}
         self.dtype: dict[int, str | None] = {}
+        # every index below 2**24 (exact in float32): index differences read as floats print in float
+        self.float_indices = float_indices
+        self.float_differences: set[int] = set()  # id(node) of those differences (find_float_differences)
 
     # -- analysis --------------------------------------------------------------------------
     def fold_constants(self, nodes: list[ir.Node]) -> None:
@@ -217,6 +221,45 @@ class _Printer:
                     else:
                         d = "float32"
             self.dtype[id(n)] = d
+
+    def find_float_differences(self, nodes: list[ir.Node]) -> None:
+        """With ``float_indices``, the index differences ``x - y`` (x, y index inputs or small constants)
+        whose every reader takes them as a float (``slopes[h] * (kv_idx - q_idx)``: ALiBi, relative
+        position biases): they print as ``x.to(tl.float32) - y.to(tl.float32)``. Each index converts
+        once per row or column of the tile instead of the difference once per score, and the tile pays
+        one float subtraction instead of an integer subtraction and a conversion. Exact: both operands
+        and their difference are integers below 2**24 in magnitude, which float32 holds exactly."""
+        if not self.float_indices:
+            return
+        readers: dict[int, list[ir.Node]] = {}
+        for n in nodes:
+            for a in n.args:
+                readers.setdefault(id(a), []).append(n)
+
+        def small_index(a: ir.Node) -> bool:
+            if id(a) in self.literal:
+                value = self.literal[id(a)]
+                return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 24
+            return a.op == "input" and a.attr in _INDEX_INPUTS
+
+        def reads_as_float(r: ir.Node) -> bool:
+            if r.op == "cast":
+                return r.attr in ("float16", "bfloat16", "float32", "float64")
+            return r.kind == ir.FLOAT and r.op in ("add", "sub", "mul")
+
+        for n in nodes:
+            if (n.op == "sub" and n.kind == ir.INT and id(n) not in self.literal and n is not self.traced.root
+                    and all(small_index(a) for a in n.args) and readers.get(id(n))
+                    and all(reads_as_float(r) for r in readers[id(n)])):
+                self.float_differences.add(id(n))
+
+    def render_float_difference(self, n: ir.Node) -> tuple[str, int]:
+        """An index difference of :meth:`find_float_differences`, in float32."""
+        def leaf(a: ir.Node) -> str:
+            if id(a) in self.literal:
+                return python_literal(float(self.literal[id(a)]))
+            return f"{a.attr}.to(tl.float32)"
+        return f"{leaf(n.args[0])} - {leaf(n.args[1])}", _ADD
 
     # -- parameters ------------------------------------------------------------------------
     def param(self, slot: int, what: str, dim: int = -1) -> str:
@@ -263,6 +306,8 @@ class _Printer:
             return text, _UNARY if negative else _ATOM
         if op == "input":
             return n.attr, _ATOM
+        if id(n) in self.float_differences:
+            return self.render_float_difference(n)
         if op == "scalar":
             return self.scalar_param(n), _ATOM
         if op == "load":
@@ -468,7 +513,8 @@ def _pow_repeats(n: ir.Node, literal: dict) -> int:
 
 def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None,
                address: bool = False, *, target: str | None = None, index_dtype: str = "int32",
-               scalar_prefix: str | None = None, fast_math: bool | None = None) -> RenderedMod:
+               scalar_prefix: str | None = None, fast_math: bool | None = None,
+               float_indices: bool = False) -> RenderedMod:
     """Print ``traced`` as the Triton device function ``fn_name``.
 
     ``buffer_stems`` names each captured tensor's parameters (slot -> stem); by default the mod's
@@ -486,6 +532,8 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     in int64). Captured numbers (``scalar`` nodes) become parameters ``<scalar_prefix>_<name>``,
     ``fn_name`` by default; functions derived from one mod (its derivatives) pass that mod's
     function name, so each captured number is one kernel argument however many functions read it.
+    ``float_indices`` says every index is below 2**24 (the call's extents): index differences read
+    as floats then print in float32, exactly (:meth:`_Printer.find_float_differences`).
     """
     if index_dtype not in ("int32", "int64"):
         raise ValueError(f"render_mod: index_dtype must be 'int32' or 'int64', got {index_dtype!r}. "
@@ -496,10 +544,11 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         traced = replace(traced, root=scalar_form(traced.root))
     if buffer_stems is None:
         buffer_stems = {i: _safe_name(name, i) for i, name in enumerate(traced.buffer_names)}
-    p = _Printer(traced, buffer_stems, fn_name, target, scalar_prefix, fast_math)
+    p = _Printer(traced, buffer_stems, fn_name, target, scalar_prefix, fast_math, float_indices)
     nodes = list(traced.root.walk())
     p.fold_constants(nodes)
     p.infer_dtypes(nodes)
+    p.find_float_differences(nodes)
     reads = frozenset(n.attr for n in nodes if n.op == "input")
     expression = str(traced)
     if id(traced.root) in p.literal:

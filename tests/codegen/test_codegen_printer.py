@@ -45,9 +45,9 @@ def evaluate_grid(out_ptr, score_ptr, {params}B, H, L, S, BLOCK_L: tl.constexpr,
 '''
 
 
-def run_in_triton(traced: TracedMod, score: torch.Tensor) -> torch.Tensor:
+def run_in_triton(traced: TracedMod, score: torch.Tensor, float_indices: bool = False) -> torch.Tensor:
     """The mod's value at every grid position, computed by its printed Triton function."""
-    rendered = render_mod(traced, traced.kind)
+    rendered = render_mod(traced, traced.kind, float_indices=float_indices)
     kind = traced.root.kind
     out_dtype, torch_out = {"bool": ("tl.int8", torch.int8), "int": ("tl.int64", torch.int64),
                             "float": ("tl.float64", torch.float64)}[kind]
@@ -78,10 +78,10 @@ def reference(traced: TracedMod, score: torch.Tensor) -> torch.Tensor:
     return evaluate(traced, **grid).expand(B, H, L, S)
 
 
-def assert_same(traced: TracedMod, score: torch.Tensor | None = None) -> None:
+def assert_same(traced: TracedMod, score: torch.Tensor | None = None, float_indices: bool = False) -> None:
     if score is None:
         score = torch.randn(B, H, L, S, generator=torch.Generator().manual_seed(0)) * 3
-    got, want = run_in_triton(traced, score), reference(traced, score)
+    got, want = run_in_triton(traced, score, float_indices), reference(traced, score)
     if traced.root.kind == "bool":
         assert torch.equal(got.bool(), want.bool()), f"{traced}: mismatch at {(got.bool() != want.bool()).nonzero()[:5].tolist()}"
     else:
@@ -97,6 +97,28 @@ def test_score_mod_printed_like_torch(name):
 @pytest.mark.parametrize("name", sorted(MASK_MODS))
 def test_mask_mod_printed_like_torch(name):
     assert_same(trace(MASK_MODS[name]))
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+def test_score_mod_with_float_indices_printed_like_torch(name):
+    # the kernels' choice for extents below 2**24: index differences read as floats print in float
+    assert_same(trace(SCORE_MODS[name]), float_indices=True)
+
+
+def test_index_differences_read_as_floats_print_in_float():
+    slopes = torch.rand(H)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def doubled(score, b, h, q_idx, kv_idx):  # the difference is read by an integer product: stays int
+        return score + (q_idx - kv_idx) * 2
+
+    printed = render_mod(trace(alibi), "score_mod", float_indices=True).source
+    assert "(kv_idx.to(tl.float32) - q_idx.to(tl.float32))" in printed
+    assert "(kv_idx - q_idx)" in render_mod(trace(alibi), "score_mod").source  # extents unknown: int
+    assert "q_idx - kv_idx" in render_mod(trace(doubled), "score_mod", float_indices=True).source
+    assert_same(trace(alibi), float_indices=True)
 
 
 def test_printed_function_names_its_captured_tensor_parameters():

@@ -19,16 +19,16 @@ class _Mod:
 def test_the_key_is_the_kind_then_every_field_in_order_with_mods_by_structure():
     score, mask = _Mod(("score",)), _Mod(("mask",))
     fwd = ForwardSpec(score, None, torch.float16, 64, 48, 128, 128, 64, 32, 4, 2, True, False, True, "cuda", "tf32",
-                      True, False, True, "int64", True, True, True)
+                      True, False, True, "int64", True, True, True, True)
     assert fwd.key() == (("score",), None, torch.float16, 64, 48, 128, 128, 64, 32, 4, 2, True, False, True, "cuda",
-                         "tf32", True, False, True, "int64", True, True, True)
+                         "tf32", True, False, True, "int64", True, True, True, True)
     dec = DecodeSpec(None, mask, torch.float32, 64, 64, 128, 16, 32, 2, 2, False, "interpreter", "ieee", "int32", True)
     assert dec.key() == ("decode", None, ("mask",), torch.float32, 64, 64, 128, 16, 32, 2, 2, False, "interpreter",
                          "ieee", "int32", True)
     bwd = BackwardSpec(score, mask, torch.bfloat16, 64, 64, 128, 128, 32, 64, 64, 32, 4, 1, True, (0,), "cuda",
-                       "ieee", "int32", True, True)
+                       "ieee", "int32", True, True, True)
     assert bwd.key() == ("backward", ("score",), ("mask",), torch.bfloat16, 64, 64, 128, 128, 32, 64, 64, 32, 4, 1,
-                         True, (0,), "cuda", "ieee", "int32", True, True)
+                         True, (0,), "cuda", "ieee", "int32", True, True, True)
     assert MergeSpec("float32", 64, 16).key() == ("merge", "float32", 64, 16, "cuda", 4, 1, False)
     assert MergeSpec("float32", 64, 16, sinks=True).key() == ("merge", "float32", 64, 16, "cuda", 4, 1, True)
 

@@ -34,10 +34,11 @@ from .sources import sources_text
 def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
                        v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None,
                        target: str, grad_slots: Sequence[int] = (), has_full_blocks: bool = True,
-                       index_dtype: str = "int32", dropout: bool = False) -> BackwardSpec:
+                       index_dtype: str = "int32", dropout: bool = False, float_indices: bool = False) -> BackwardSpec:
     """The :class:`BackwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
     ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`); ``dropout``
-    compiles the forward's attention dropout in."""
+    compiles the forward's attention dropout in; ``float_indices``: every index below 2**24
+    (:func:`flexc.codegen.index_width.float_indices`)."""
     if block_size is None:
         # no BlockMask: every block is full; blocks as large as the largest tile
         m1, n1, m2, n2, warps, stages = config.resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
@@ -49,7 +50,7 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
                                                                        q_block, kv_block, target)
     return BackwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, m1, n1, m2, n2,
                         warps, stages, has_full_blocks, tuple(grad_slots), target, config.fp32_precision(target),
-                        index_dtype, dropout, precise_gradients(kernel_options, dtype))
+                        index_dtype, dropout, precise_gradients(kernel_options, dtype), float_indices)
 
 
 def precise_gradients(kernel_options: dict | None, dtype: torch.dtype) -> bool:
@@ -69,7 +70,7 @@ def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
     layout = config.call_layout(query, value, score_mod, mask_mod, block_mask, kernel_options)
     return make_backward_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], layout.block_size,
                               kernel_options, layout.target, grad_slots, layout.has_full_blocks, layout.index_dtype,
-                              dropout)
+                              dropout, layout.float_indices)
 
 
 def prologue_spec(spec: BackwardSpec) -> PrologueSpec:

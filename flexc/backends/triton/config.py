@@ -15,7 +15,7 @@ import torch
 from ... import device as gpu
 from ...analysis.tiles import cdiv
 from ...codegen.forward import ForwardSpec
-from ...codegen.index_width import index_dtype
+from ...codegen.index_width import float_indices, index_dtype
 from ...codegen.spec import next_power_of_2, padded_head_dim
 from ...mods.traced_mod import TracedMod
 
@@ -294,6 +294,7 @@ class CallLayout(NamedTuple):
     has_full_blocks: bool  # the BlockMask keeps full blocks apart
     index_dtype: str  # the mods' integer index type (flexc.codegen.index_width)
     target: str  # "cuda" or "interpreter" (flexc.device.target)
+    float_indices: bool = False  # every index below 2**24 (flexc.codegen.index_width.float_indices)
 
 
 def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
@@ -304,7 +305,7 @@ def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod |
     B, Hq, L, _ = query.shape
     # int64 index arithmetic where int32 could wrap (torch computes in int64)
     width = index_dtype((score_mod, mask_mod), B, Hq, L, value.shape[-2])
-    return CallLayout(size, has_full, width, gpu.target(query.device))
+    return CallLayout(size, has_full, width, gpu.target(query.device), float_indices(B, Hq, L, value.shape[-2]))
 
 
 __all__ = ["BACKWARD_OPTIONS", "CallLayout", "FLAG_OPTIONS", "FORWARD_OPTIONS", "block_sizes", "call_layout",

@@ -30,12 +30,14 @@ from . import tma
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: torch.dtype, head_dim: int,
               v_head_dim: int, block_size: tuple[int, int] | None, kernel_options: dict | None, target: str,
               need_lse: bool, has_full_blocks: bool = True, index_dtype: str = "int32",
-              training: bool = False, dropout: bool = False, sinks: bool = False) -> ForwardSpec:
+              training: bool = False, dropout: bool = False, sinks: bool = False,
+              float_indices: bool = False) -> ForwardSpec:
     """The :class:`ForwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
 
     ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`);
     ``training`` adds the generated backward's statistics to the outputs; ``dropout`` compiles
-    attention dropout in, ``sinks`` the learned attention sinks.
+    attention dropout in, ``sinks`` the learned attention sinks; ``float_indices``: every index below
+    2**24 (:func:`flexc.codegen.index_width.float_indices`).
     """
     if block_size is None:
         block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, v_head_dim,
@@ -50,7 +52,7 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
                        warps, stages, has_full_blocks, need_lse or training, training, target,
                        config.fp32_precision(target),
                        flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype,
-                       dropout, sinks)
+                       dropout, sinks, float_indices)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
@@ -60,7 +62,7 @@ def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
     layout = config.call_layout(query, value, score_mod, mask_mod, block_mask, kernel_options)
     return make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], layout.block_size,
                      kernel_options, layout.target, need_lse, layout.has_full_blocks, layout.index_dtype, training,
-                     dropout, sinks)
+                     dropout, sinks, layout.float_indices)
 
 
 class ForwardPlan(NamedTuple):
@@ -145,7 +147,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
         kernel = cache.get_kernel(spec, device)
         args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod,
                                           scale, stats, dropout, sinks)
-        constants = launcher.forward_constexprs(spec, L, S, args, guard_values)
+        constants = launcher.forward_constexprs(spec, L, S, args, guard_values, scale)
         from triton.runtime.errors import OutOfResources  # triton is imported only once a kernel runs
 
         if spec.tma and not gpu.runs_interpreted(device):  # the descriptors' scratch memory

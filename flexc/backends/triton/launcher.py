@@ -8,6 +8,7 @@ with the same arguments, so an offline cubin is specialised as a real launch is.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -211,11 +212,25 @@ def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, va
     return kernel_arguments(query, key, value, outputs, tables, buffers, [float(scale), L, S, Hq // Hkv], output_strides)
 
 
-def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: bool = False) -> dict[str, int]:
-    """The forward kernel's compile-time arguments for ``spec`` and one call's lengths and tensors.
+def exact_in_query(spec: ForwardSpec, scale: float | None) -> bool:
+    """Whether the forward kernel may fold ``scale`` into q (POW2_SCALE): where a score_mod needs the
+    scaled score (without one, the scale joins the exponent anyway), and the scale is a power of
+    two from 2**-20 to 1 (the default 1/sqrt(D) for D = 1, 4, 16, 64, 256...) and the inputs have
+    float32's exponent range (not float16's): then q * scale and q.k * scale are exact (short of
+    inputs below ~1e-32), and q.(scale * k) == (q.k) * scale."""
+    if scale is None or spec.score_mod is None or spec.prescale_qk or spec.dtype == torch.float16:
+        return False
+    mantissa, exponent = math.frexp(float(scale))
+    return mantissa == 0.5 and -19 <= exponent <= 1
 
-    Whole tiles (lengths multiples of BLOCK_M, and of the key block, so of BLOCK_N), int64 offsets and the non-finite values
-    guard select variants that Triton compiles once each; other lengths reuse them.
+
+def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: bool = False,
+                       scale: float | None = None) -> dict[str, int]:
+    """The forward kernel's compile-time arguments for ``spec`` and one call's lengths, tensors and scale.
+
+    Whole tiles (lengths multiples of BLOCK_M, and of the key block, so of BLOCK_N), int64 offsets, the non-finite values
+    guard and a power-of-two scale (:func:`exact_in_query`) select variants that Triton compiles once each; other
+    lengths reuse them.
     """
     largest = max((t.numel() for t in tensors if isinstance(t, torch.Tensor)), default=0)
     return dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
@@ -227,7 +242,7 @@ def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_v
                 # has whole tiles past it even when BLOCK_N divides KV_LEN (kv_block_size is a multiple
                 # of BLOCK_N, so this implies it)
                 KV_LEN_DIVISIBLE=S % spec.kv_block_size == 0, INT64_OFFSETS=largest >= INT32_OFFSET_LIMIT,
-                GUARD_NONFINITE_VALUES=guard_values)
+                GUARD_NONFINITE_VALUES=guard_values, POW2_SCALE=exact_in_query(spec, scale))
 
 
 def backward_outputs(spec: BackwardSpec, query, key, value, score_mod) -> tuple:

@@ -95,7 +95,7 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
     tables = launcher.kv_tables(block_mask, spec, S, query.device)
     args = launcher.forward_arguments(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
                                       scale, stats, drop)
-    return args, launcher.forward_constexprs(spec, L, S, args, guard_values)
+    return args, launcher.forward_constexprs(spec, L, S, args, guard_values, scale)
 
 
 def compile_offline(spec: ForwardSpec | BackwardSpec | DecodeSpec, capability: int = 90, warp_size: int = 32,

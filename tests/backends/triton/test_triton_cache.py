@@ -91,7 +91,8 @@ def test_kernel_source_is_the_cached_file_that_runs():
     source = flexc.kernel_source(q, k, v, score_mod=alibi, block_mask=block_mask, kernel_options=TRITON)
     assert flexc.cache_info().misses == 1  # kernel_source compiled nothing new
     spec = triton_forward.make_spec(flexc.trace(alibi), flexc.trace(same_document), torch.float32, 16, 16,
-                                    (32, 32), None, "interpreter", False)
+                                    (32, 32), None, "interpreter", False,
+                                    float_indices=True)  # as the call's layout decides for its extents
     with open(kernel_cache.get_kernel(spec).path) as f:
         assert f.read() == source
     assert source.startswith("# flexc forward attention kernel")

@@ -1,16 +1,18 @@
 """The forward kernel's specialised paths, run through Triton's interpreter against a float64 dense
 reference and the TORCH backend: the divisible fast path and the checked last tile (lengths on both
 sides of a tile multiple), int64 index arithmetic where int32 would wrap, int64 offsets, the
-positive-scale FMA fold with negative and zero scales, and torch's PRESCALE_QK,
+positive-scale FMA fold with negative and zero scales, a power-of-two scale carried by q, and torch's PRESCALE_QK,
 ROWS_GUARANTEED_SAFE and BLOCKS_ARE_CONTIGUOUS options."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import flexc
 from flexc.mods import ir
-from flexc.backends.triton import launcher as triton_launcher
+from flexc.backends.triton import forward as triton_forward, launcher as triton_launcher
 from flexc.codegen.index_width import index_dtype, may_overflow_int32
 from reference import dense_attention, random_qkv
 
@@ -94,6 +96,23 @@ def test_int64_offsets_path(monkeypatch):
 def test_non_positive_scale_without_score_mod(scale):
     q, k, v = random_qkv(1, 1, 1, 64, 64, 16, seed=6)
     check(q, k, v, mask_mod=causal, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0.25, -0.5, 0.3])
+def test_power_of_two_scale_rides_in_q(scale):
+    # a power-of-two scale folds into q exactly (POW2_SCALE); others multiply the scores
+    q, k, v = random_qkv(1, 2, 2, 48, 48, 16, seed=8)
+    check(q, k, v, soft_cap, causal, scale=scale)
+    check(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), soft_cap, causal, scale=scale, atol=2e-2)
+
+
+def test_power_of_two_scale_is_folded_only_where_exact():
+    spec = triton_forward.make_spec(flexc.trace(soft_cap), None, torch.bfloat16, 64, 64, None, None,
+                                     "interpreter", False)
+    assert triton_launcher.exact_in_query(spec, 0.125) and triton_launcher.exact_in_query(spec, 1.0)
+    assert not triton_launcher.exact_in_query(spec, 0.088) and not triton_launcher.exact_in_query(spec, 2.0 ** -30)
+    assert not triton_launcher.exact_in_query(dataclasses.replace(spec, dtype=torch.float16), 0.125)  # narrow exponent
+    assert not triton_launcher.exact_in_query(dataclasses.replace(spec, score_mod=None), 0.125)  # scale in the exponent
 
 
 def test_prescale_and_rows_guaranteed_safe():
