@@ -92,3 +92,33 @@ def test_static_rule_takes_tma_where_the_metrics_measured_it_no_worse():
     assert not tma.by_default(_spec(head_dim=96, use_tma=False))
     assert not tma.by_default(dataclasses.replace(_spec(use_tma=False), num_stages=2))  # not the default tiles
     assert not tma.by_default(dataclasses.replace(_spec(use_tma=False), dropout=True))
+
+
+def test_a_tma_kernel_that_fails_warns_once_and_runs_with_plain_loads(monkeypatch):
+    """Under a simulated sm_90 the default rule takes TMA for bf16 D=64; a descriptor kernel that
+    fails to compile or launch (a Triton or driver without it) is replaced by the plain loads for
+    good, with one RuntimeWarning, and the result is still right."""
+    from flexc import device as gpu
+
+    launch = gpu.launch
+    tried = []
+
+    def failing_tma(fn, grid, spec, device, args, constants):
+        if getattr(spec, "tma", False):
+            tried.append(spec)
+            raise RuntimeError("no tensor descriptors here")
+        return launch(fn, grid, spec, device, args, constants)
+
+    monkeypatch.setattr(gpu, "launch", failing_tma)
+    kernel_cache.cache_clear()
+    q, k, v = (t.to(torch.bfloat16) for t in random_qkv(1, 2, 2, 128, 128, 64, seed=3))
+    block_mask = flexc.create_block_mask(causal, None, None, 128, 128)
+    with flexc.device.simulate("sm_90"):
+        with pytest.warns(RuntimeWarning, match=r"USE_TMA.*failed.*plain loads"):
+            out = flexc.flex_attention(q, k, v, block_mask=block_mask)
+        again = flexc.flex_attention(q, k, v, block_mask=block_mask)  # remembered: no second attempt
+    assert len(tried) == 1
+    ref = dense_attention(q, k, v, mask_mod=causal)[0]
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+    assert torch.equal(out, again)
+    kernel_cache.cache_clear()
