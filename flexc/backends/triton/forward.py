@@ -52,7 +52,7 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
                        warps, stages, has_full_blocks, need_lse or training, training, target,
                        config.fp32_precision(target),
                        flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype,
-                       dropout, sinks, float_indices)
+                       dropout, sinks, float_indices=float_indices)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,

@@ -122,3 +122,12 @@ def test_a_tma_kernel_that_fails_warns_once_and_runs_with_plain_loads(monkeypatc
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
     assert torch.equal(out, again)
     kernel_cache.cache_clear()
+
+
+def test_the_call_spec_takes_tma_only_where_chosen():
+    """A plain CPU call's spec has no TMA (the flag is set by the choice alone, never by a positional
+    mix-up with the fields after it: short lengths set float_indices, not tma)."""
+    q, k, v = random_qkv(1, 2, 2, 64, 64, 16, seed=1)
+    spec = triton_forward.spec_for_call(q, v, None, flexc.trace(causal), None, None, False)
+    assert spec.float_indices and not spec.tma
+    assert not triton_forward.plan_forward(q, k, v, None, flexc.trace(causal), None, None, False).kernels[0].tma
