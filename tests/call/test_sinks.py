@@ -238,3 +238,20 @@ def test_triton_training_with_sinks_runs_the_generated_backward_and_equals_dense
     ref_out, ref_lse = dense_with_sinks(q, k, v, sinks, alibi, _mask)
     _check(out, lse, ref_out, ref_lse, "TRITON training")
     _check_grads(out, lse, ref_out, ref_lse, leaves, seed=11)
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_with_no_keys_every_row_is_the_sink_alone(backend):
+    """No keys (nothing launched on TRITON): output 0, lse the sink's logit, and the sink's gradient
+    its rows' dlse (each row's whole probability is the sink's); with dropout too."""
+    q = torch.randn(2, HQ, 5, E, requires_grad=True)
+    k, v = torch.randn(2, HKV, 0, E), torch.randn(2, HKV, 0, E)
+    sinks = torch.randn(HQ, requires_grad=True)
+    for dropout_p in (0.0, 0.3):
+        sinks.grad = None
+        out, lse = flexc.flex_attention(q, k, v, enable_gqa=True, sinks=sinks, return_lse=True, dropout_p=dropout_p,
+                                        kernel_options={"BACKEND": backend})
+        (out.sum() + lse.sum()).backward()
+        assert (out == 0).all()
+        torch.testing.assert_close(lse, sinks.detach().view(1, HQ, 1).expand(2, HQ, 5))
+        torch.testing.assert_close(sinks.grad, torch.full((HQ,), 10.0))

@@ -203,7 +203,8 @@ def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mo
     backward needs no sink of its own."""
     plan = forward.plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, True,
                                 training=True, dropout=dropout is not None, sinks=sinks is not None)
-    return forward.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, True, dropout, sinks)
+    return forward.launch_plan(plan, query, key, value, block_mask, scale, kernel_options, True, dropout, sinks,
+                               training=True)
 
 
 def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,

@@ -184,9 +184,9 @@ def _fill_dead_rows(lse: torch.Tensor | None, stats: torch.Tensor | None, sinks:
     """The logsumexp and statistics the kernel writes for rows that allow nothing: the sink's state
     (lse the sink, base-2 max the sink's, sum 1), or lse -inf, max +inf and sum 1 where there is no sink."""
     if lse is not None:
-        lse.copy_(sinks.squeeze(-1).expand(lse.shape)) if sinks is not None else lse.fill_(float("-inf"))
+        lse.copy_(sinks.expand(lse.shape)) if sinks is not None else lse.fill_(float("-inf"))
     if stats is not None:
-        sink2 = sinks.squeeze(-1).to(stats.dtype) * LOG2E if sinks is not None else None
+        sink2 = sinks.to(stats.dtype) * LOG2E if sinks is not None else None
         stats[0].copy_(sink2.masked_fill(sink2 == float("-inf"), float("inf")).expand(stats[0].shape)
                        if sink2 is not None else torch.full_like(stats[0], float("inf")))
         stats[1].fill_(1.0)
@@ -194,10 +194,10 @@ def _fill_dead_rows(lse: torch.Tensor | None, stats: torch.Tensor | None, sinks:
 
 def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
                 scale: float, kernel_options: dict | None, need_lse: bool,
-                dropout: Dropout | None = None, sinks: torch.Tensor | None = None
+                dropout: Dropout | None = None, sinks: torch.Tensor | None = None, training: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the kernels of ``plan`` (planned with ``dropout=`` whether ``dropout`` is given, and ``sinks=``
-    whether ``sinks`` is): ``(out, lse,
+    whether ``sinks`` is, and ``training=`` as ``training``): ``(out, lse,
     stats)``, lse float64 for float64 inputs, None unless ``need_lse`` or the plan's forward writes it
     (the training forward, which also writes the backward's statistics ``stats``: see :func:`launch`)."""
     if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
@@ -210,7 +210,7 @@ def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value
         (spec,) = plan.kernels
     else:  # the launcher returns the empty or fully masked outputs without a kernel
         spec = spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options, need_lse,
-                             dropout is not None, sinks is not None)
+                             training=training, dropout=dropout is not None, sinks=sinks is not None)
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return launch(spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype=lse_dtype,
