@@ -278,18 +278,13 @@ def group_sinks(sinks: torch.Tensor, g, Bg: int, r: int) -> torch.Tensor:
 
 def fold_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of finished rows (``[B, Hq, L, Ev]``, ``[B, Hq, L]``) with the rows' sink logits
-    ``sinks`` (``[B or 1, Hq, 1]``) joined as one more part of their softmax, with output 0: the fold of
-    the paths whose softmax ends inside torch's fused kernel, which has no state to start from. A -inf
-    sink changes nothing; a row with nothing allowed gets output 0 and lse the sink."""
-    work = lse.dtype
-    sink = sinks.to(work).expand_as(lse)
-    m = torch.maximum(lse, sink)
-    m_safe = m.masked_fill(m == _NEG_INF, 0.0)
-    w_rows, w_sink = (lse - m_safe).exp(), (sink - m_safe).exp()
-    total = w_rows + w_sink
-    keep = w_rows / total.masked_fill(total == 0, 1.0)
-    out = (out.to(work) * keep.unsqueeze(-1)).to(out.dtype)
-    return out, torch.where(total == 0, _NEG_INF, m_safe + total.log())
+    ``sinks`` (``[B or 1, Hq, 1]``) joined as one more part of their softmax, with output 0 (the
+    merge :func:`_merge` of the rows' parts): the fold of the paths whose softmax ends inside
+    torch's fused kernel, which has no state to start from. A -inf sink changes nothing; a row with
+    nothing allowed gets output 0 and lse the sink."""
+    acc, acc_lse = out.to(lse.dtype, copy=True), lse.clone()
+    _merge(acc, acc_lse, torch.zeros((), dtype=acc.dtype, device=acc.device), sinks.to(lse.dtype).expand_as(lse))
+    return acc.to(out.dtype), acc_lse
 
 
 def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
