@@ -139,6 +139,31 @@ def test_fully_masked_rows_have_zero_gradients_and_no_nan():
     assert dq[:, :, 1:5].abs().sum() > 0
 
 
+def _minus_inf_on_every_third_pair(score, b, h, q_idx, kv_idx):
+    return torch.where((q_idx + 2 * kv_idx) % 3 == 0, -float("inf"), score)
+
+
+def _nan_on_blocked_pairs(score, b, h, q_idx, kv_idx):
+    return score + torch.sqrt((q_idx - kv_idx).float()) * 0.1  # NaN above the diagonal, which is blocked
+
+
+@pytest.mark.parametrize("score_mod", [None, _minus_inf_on_every_third_pair, _nan_on_blocked_pairs])
+def test_underflowing_probabilities_and_blocked_pairs_give_float64_gradients(score_mod):
+    """Scores 40x larger than usual, so most probabilities underflow in fp32 (the backward floors
+    exp's argument to stay on its fast path), -inf and NaN post-mod scores, and keys no query may
+    see: fp32 gradients equal the float64 reference's, and the unseen keys' are exactly 0."""
+    q64, k64, v64 = _inputs(seed=11)
+    q64 = (q64.detach() * 40).requires_grad_()
+    unseen = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (kv_idx % 7 != 3)
+    q, k, v = (t.detach().float().requires_grad_() for t in (q64, k64, v64))
+    mine, _ = _flexc_and_reference_grads(q, k, v, score_mod, unseen)
+    _, ref = _flexc_and_reference_grads(q64, k64, v64, score_mod, unseen)
+    for a, b in zip(mine, ref):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=1e-3)
+    assert torch.all(mine[1][:, :, 3::7] == 0) and torch.all(mine[2][:, :, 3::7] == 0)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 0.15), (torch.float16, 2e-2)])
 def test_low_precision_gradients_are_close_to_float64(dtype, atol):
     q64, k64, v64 = _inputs(seed=8)
@@ -150,9 +175,10 @@ def test_low_precision_gradients_are_close_to_float64(dtype, atol):
         torch.testing.assert_close(a.double(), b, atol=atol, rtol=5e-2)
 
 
-def test_key_value_batch_broadcast_sums_their_gradients_over_the_batch():
+@pytest.mark.parametrize("score_name", ["soft_capping_tanh", None])
+def test_key_value_batch_broadcast_sums_their_gradients_over_the_batch(score_name):
     q, k, v = _inputs(Bkv=1, Ev=12, seed=9)
-    mine, ref = _flexc_and_reference_grads(q, k, v, SCORES["soft_capping_tanh"], MASKS["prefix_lm"])
+    mine, ref = _flexc_and_reference_grads(q, k, v, SCORES.get(score_name), MASKS["prefix_lm"])
     _assert_grads_close(mine, ref)
     assert mine[1].shape == (1, HKV, S, E)
 
@@ -175,12 +201,13 @@ def test_gradcheck_at_tiny_sizes():
     assert torch.autograd.gradcheck(fn, (q, k, v, bias, scalar), eps=1e-6, atol=1e-7)
 
 
-def test_transposed_blhe_inputs_and_non_contiguous_grad_output():
+@pytest.mark.parametrize("score_name,kv_heads", [("relative_position", HKV), (None, HQ)])
+def test_transposed_blhe_inputs_and_non_contiguous_grad_output(score_name, kv_heads):
     """Inputs laid out [B, L, H, E] and transposed (the usual projection output) work both ways."""
     g = torch.Generator().manual_seed(11)
     make = lambda n, h, e: torch.randn(B, n, h, e, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
-    q, k, v = make(L, HQ, E), make(S, HKV, E), make(S, HKV, 6)
-    mask_mod, score_mod = MASKS["sliding_window_17"], SCORES["relative_position"]
+    q, k, v = make(L, HQ, E), make(S, kv_heads, E), make(S, kv_heads, 6)
+    mask_mod, score_mod = MASKS["sliding_window_17"], SCORES.get(score_name)
     bm = flexc.create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
     out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
     ref, _, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
@@ -197,13 +224,14 @@ def test_random_shapes_gradients_match_float64_reference(b, hkv, group, q_len, k
     q, k, v = _inputs(B=b, Hq=hkv * group, Hkv=hkv, L=q_len, S=kv_len, E=4, seed=seed)
     bias = torch.randn(q_len + kv_len, dtype=torch.float64, requires_grad=True)
     mask_mod = lambda b_, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= window
-    score_mod = lambda s, b_, h, q_idx, kv_idx: s + bias[q_idx - kv_idx + kv_len]
+    # with a bias, and without a score_mod (the backward's mask-only chunks)
+    score_mod = (lambda s, b_, h, q_idx, kv_idx: s + bias[q_idx - kv_idx + kv_len]) if seed % 2 else None
     bm = flexc.create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=(q_block, kv_block))
     out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
     ref, _, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
     grad_out = torch.randn_like(ref)
-    _assert_grads_close(torch.autograd.grad(out, (q, k, v, bias), grad_out),
-                        torch.autograd.grad(ref, (q, k, v, bias), grad_out))
+    wrt = (q, k, v, bias) if score_mod is not None else (q, k, v)
+    _assert_grads_close(torch.autograd.grad(out, wrt, grad_out), torch.autograd.grad(ref, wrt, grad_out))
 
 
 def test_row_workers_give_the_reference_result_deterministically(monkeypatch):
@@ -226,6 +254,37 @@ def test_row_workers_give_the_reference_result_deterministically(monkeypatch):
     ref = dense_attention(q, k, v, score_mod=score_mod, mask_mod=MASKS["document_causal"])[0]
     torch.testing.assert_close(first[0], ref, atol=1e-12, rtol=0)
     _assert_grads_close(first[1:], torch.autograd.grad(ref.square().sum(), (q, k, v, bias)))
+
+
+@pytest.mark.parametrize("bkv,per_head_mask,with_bias", [(None, False, False), (1, False, True), (None, True, False)])
+def test_small_backward_cut_along_batches_and_heads_gives_the_reference(monkeypatch, bkv, per_head_mask, with_bias):
+    """A backward worth two workers but with fewer rows than that cuts its groups along batches and
+    key heads (GQA kept whole): the gradients are the float64 reference's, and the cut happened (a
+    per-head mask has a group per head already: rows enough)."""
+    from flexc.backends.cpu import torch_cpu
+
+    cuts = []
+    split = torch_cpu._split_groups
+    monkeypatch.setattr(torch_cpu, "_split_groups", lambda *a: cuts.append(a[-1]) or split(*a))
+    monkeypatch.setattr(torch_cpu, "BACKWARD_MIN_COST_PER_WORKER", 1.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = _inputs(Bkv=bkv, seed=13)
+        bias = torch.randn(L + S, dtype=torch.float64, requires_grad=True)
+        score_mod = (lambda s, b, h, q_idx, kv_idx: s + bias[q_idx - kv_idx + S]) if with_bias else None
+        mask_mod = ((lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (h == 1)) if per_head_mask
+                    else MASKS["document_causal"])
+        bm = flexc.create_block_mask(mask_mod, None, HQ if per_head_mask else None, L, S, device="cpu",
+                                     BLOCK_SIZE=(64, 64))
+        out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
+        wrt = (q, k, v, bias) if with_bias else (q, k, v)
+        grad_out = torch.randn_like(out)
+        ref = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
+        _assert_grads_close(torch.autograd.grad(out, wrt, grad_out), torch.autograd.grad(ref, wrt, grad_out))
+    finally:
+        torch.set_num_threads(threads)
+    assert (cuts and cuts[0] > 1) if not per_head_mask else not cuts
 
 
 def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypatch):

@@ -26,6 +26,8 @@ jobs spread their rows over single-threaded workers (:mod:`flexc.backends.cpu.wo
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,7 +40,7 @@ from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from . import decode_cpu, fused_cpu, workers
 from ..nonfinite import all_finite, matmul_skipping_zeros
-from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row_plan
+from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, memo_by_tables, read_tables, row_plan
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
 # cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
@@ -46,9 +48,21 @@ from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, read_tables, row
 # memory stays a fraction of the output's.
 CHUNK_ELEMENTS = 1 << 19
 MAX_ROWS = 128
+# Scores per backward worker below which one thread is as fast: the backward's rows are many small
+# ops whose Python overhead a second worker overlaps (B=2, H=4, L=256 causal already gains at 2)
+BACKWARD_MIN_COST_PER_WORKER = 1e5
 # Above this many partial spans in one chunk the mask is evaluated once over the whole chunk.
 _MAX_PARTIAL_SPANS = 4
 _NEG_INF = float("-inf")
+# exp's argument floor per work dtype: exp of it is still a normal number (see _chunk_probs)
+_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
+
+
+@functools.lru_cache(maxsize=None)
+def _exp_floor(dtype: torch.dtype) -> tuple[float, float]:
+    """``(floor, exp(floor))`` for ``dtype``, exp taken by the same vectorised kernel as the scores'."""
+    floor = _EXP_FLOOR[dtype]
+    return floor, torch.full((64,), floor, dtype=dtype).exp_()[0].item()
 # Softmax runs in base 2: torch's exp2 on CPU is several times faster than exp, and exp is ~30x
 # slower still on inputs below -88 (masked and far-away scores), which exp2 handles at full speed.
 
@@ -87,28 +101,70 @@ def _groups(B: int, Bkv: int, Hq: int, Hkv: int, Bm: int, Hm: int) -> list[_Grou
 
 
 def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, score_mod, mask_mod,
-           dropout: Dropout | None = None):
-    """Every (group, mods, row) to compute, their estimated costs, how many workers to use, and the groups."""
+           dropout: Dropout | None = None, min_cost_per_worker: float = 16e6):
+    """Every (group, mods, row) to compute, their estimated costs, how many workers to use, and the groups.
+
+    A job worth more workers than it has rows to balance over them is cut finer, along batches
+    and key heads (:func:`_split_groups`), so small jobs run as one parallel region of
+    single-threaded workers instead of as many small torch ops each split over the threads."""
     B, Hq, L, _ = query.shape
     Bkv, _, S, Ev = value.shape
-    tasks, costs, groups = [], [], []
-    for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev):
-        groups.append(g)
-        mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device, dropout)
-        heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
-        for row in rows:
-            tasks.append((g, mods, row))
-            costs.append(float(heads * (row.q1 - row.q0) * sum(c.n_cols for c in row.chunks)))
-    return tasks, costs, workers.worker_count(len(tasks), sum(costs)), groups
+    parts = 1
+    while True:
+        tasks, costs, groups = [], [], []
+        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev, parts):
+            groups.append(g)
+            mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device, dropout)
+            heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
+            for row in rows:
+                tasks.append((g, mods, row))
+                costs.append(float(heads * (row.q1 - row.q0) * sum(c.n_cols for c in row.chunks)))
+        wanted = min(torch.get_num_threads(), max(1, int(sum(costs) // min_cost_per_worker)))
+        if parts > 1 or wanted == 1 or len(tasks) >= 4 * wanted:
+            break
+        parts = 4 * wanted
+    return tasks, costs, workers.worker_count(len(tasks), sum(costs), min_cost_per_worker), groups
 
 
-def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
+def _split_groups(groups: list[_Group], B: int, Bkv: int, parts: int) -> list[_Group]:
+    """``groups`` cut into about ``parts`` groups: into single batches first, then into runs of key
+    heads (with their query heads). Every group still reads one block-mask entry."""
+    out = []
+    for g in groups:
+        pieces = [g]
+        if len(range(B)[g.b]) > 1:
+            pieces = [dataclasses.replace(g, b=slice(i, i + 1), kb=slice(0, 1) if Bkv == 1 else slice(i, i + 1))
+                      for i in range(B)[g.b]]
+        kv_heads = range(g.kvh.stop)[g.kvh]
+        per_piece = -(-parts // (len(pieces) * len(groups)))
+        cuts = min(per_piece, len(kv_heads))
+        if cuts > 1:
+            bounds = [kv_heads[0] + len(kv_heads) * i // cuts for i in range(cuts + 1)]
+            pieces = [dataclasses.replace(p, kvh=slice(a, b), qh=slice(a * p.G, b * p.G))
+                      for p in pieces for a, b in zip(bounds, bounds[1:])]
+        out.extend(pieces)
+    return out
+
+
+def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int,
+          parts: int = 1) -> list[tuple[_Group, list[Row]]]:
+    """Each group of heads and its rows of chunks (remembered per block mask and call shape);
+    ``parts`` > 1 cuts the groups finer (:func:`_split_groups`)."""
+    key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads(), parts)
+    return memo_by_tables(block_mask, key, lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev, parts))
+
+
+def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int,
+              parts: int) -> list[tuple[_Group, list[Row]]]:
     tables = read_tables(block_mask, L, S)
     plans = []
     cache: dict[tuple, list[Row]] = {}
     budget = min(CHUNK_ELEMENTS, max(CHUNK_ELEMENTS // 4, B * Hq * L * Ev // 4))
     budget //= max(1, torch.get_num_threads())  # each worker thread holds its own chunk
-    for g in _groups(B, Bkv, Hq, Hkv, tables.batch, tables.heads):
+    groups = _groups(B, Bkv, Hq, Hkv, tables.batch, tables.heads)
+    if parts > 1:
+        groups = _split_groups(groups, B, Bkv, parts)
+    for g in groups:
         n_heads = len(range(Hq)[g.qh]) * len(range(B)[g.b])
         rows = min(MAX_ROWS, max(tables.block_size[0], 1))
         # at least one key block's worth of columns, even for many heads
@@ -203,6 +259,16 @@ class _Mods:
 def _fill(t: torch.Tensor, blocked: list, value: float) -> None:
     for off, n, not_allowed in blocked:
         t[..., off:off + n].masked_fill_(not_allowed, value)
+
+
+def _zero_blocked(t: torch.Tensor, blocked: list) -> None:
+    """Zero the blocked pairs of ``t``: a product with a 0/1 tile (a broadcast masked_fill_ is ~10x
+    slower), then, only if that left a NaN (NaN or inf times 0), the exact fill."""
+    for off, n, not_allowed in blocked:
+        part = t[..., off:off + n]
+        part.mul_(torch.logical_not(not_allowed).to(t.dtype))
+        if bool(part.isnan().any()):
+            part.masked_fill_(not_allowed, 0.0)
 
 
 def _add_minus_inf(t: torch.Tensor, blocked: list) -> None:
@@ -453,7 +519,8 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     sink_share = None
     if sinks is not None and own_delta:
         sink_share = (sinks.to(work).unsqueeze(-1) - lse_safe).exp().expand(B, Hq, L, 1)
-    tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
+    tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout,
+                                        BACKWARD_MIN_COST_PER_WORKER)
     finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
     sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
@@ -508,9 +575,13 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
         p = torch.empty_like(s4).copy_(post.detach())
     else:
         p = s4
-    _fill(p, blocked, _NEG_INF)
-    # natural exp, as the softmax of the reference: exp2 of (s - lse) * log2(e) adds one rounding
-    p.sub_(lse_r).exp_()
+    # natural exp, as the softmax of the reference (exp2 of (s - lse) * log2(e) adds one rounding).
+    # torch's CPU exp takes a slow path on -inf (~5x) and on underflow (~100x below -87 in fp32), so
+    # the exponent is floored where exp is still a normal number, and exp(floor) taken off again:
+    # pairs at or below the floor give exactly 0, and every p above ~2^-100 is unchanged
+    floor, at_floor = _exp_floor(p.dtype)
+    p.sub_(lse_r).clamp_(min=floor).exp_().sub_(at_floor)
+    _zero_blocked(p, blocked)
     dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
     if not finite:
         _fill(dp, blocked, 0.0)
@@ -519,6 +590,44 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
         kept = mods.kept(q0, q1, kv, dp.dtype)
         dp.mul_(kept)
     return kc, s4, post, p, dp, blocked, kept
+
+
+def _mask_only_chunk(qb, k_g, v_g, dob_g, lse_r, delta_r, dq_r, dk_g, dv_g, chunk: Chunk, mods: _Mods,
+                     q0: int, q1: int, scale: float, work, sum_kv_batch: bool) -> None:
+    """One chunk's share of dq, dk and dv for a backward with neither score_mod nor dropout, on
+    finite inputs, in few passes: ``s - lse`` and ``dP - delta`` come out of the products (each
+    started from its broadcast row term), blocked pairs enter as ``-inf`` (so ``p`` is exactly 0
+    there), and the three gradients accumulate inside their products."""
+    Bg, Hkvg, Gr, E = qb.shape
+    r, c = q1 - q0, chunk.n_cols
+    batch = Bg * Hkvg
+    kv = chunk_kv_index(chunk, mods.kv_pos)
+    kc = _batched(chunk_rows(k_g, chunk).to(work), Bg, batch)
+    vc = _batched(chunk_rows(v_g, chunk).to(work), Bg, batch)
+    q3, do3 = qb.reshape(batch, Gr, E), dob_g.reshape(batch, Gr, -1)
+    p = torch.baddbmm(lse_r.reshape(batch, Gr, 1).neg().expand(batch, Gr, c), q3, kc.transpose(-1, -2))
+    _add_minus_inf(p.view(Bg, -1, r, c), mods.blocked(chunk, q0, q1, kv))
+    floor, at_floor = _exp_floor(work)
+    p.clamp_(min=floor).exp_().sub_(at_floor)  # as in _chunk_probs
+    ds = torch.baddbmm(delta_r.reshape(batch, Gr, 1).neg().expand(batch, Gr, c), do3, vc.transpose(-1, -2))
+    ds.mul_(p)  # dS = P * (dP - delta)
+    dq_r.view(batch, Gr, E).baddbmm_(ds, kc, alpha=scale)
+    for grad, lhs, rhs in ((dk_g, ds, q3), (dv_g, p, do3)):
+        _add_product(grad, chunk, lhs.transpose(-1, -2), rhs, Bg, sum_kv_batch)
+
+
+def _add_product(grad_g: torch.Tensor, chunk: Chunk, lhs: torch.Tensor, rhs: torch.Tensor, Bg: int,
+                 sum_kv_batch: bool) -> None:
+    """``grad_g[..., chunk rows, :] += lhs @ rhs`` (``[batch, c, *]`` products of a group's key
+    heads), accumulated inside the product where the rows are one span of a batched view."""
+    if len(chunk.spans) == 1 and not sum_kv_batch:
+        start, end = chunk.spans[0]
+        rows = _batched_view(grad_g[..., start:end, :], (lhs.shape[0], end - start, grad_g.shape[-1]))
+        if rows is not None:
+            rows.baddbmm_(lhs, rhs)
+            return
+    update = torch.bmm(lhs, rhs).view(Bg, -1, chunk.n_cols, grad_g.shape[-1])
+    _add_rows(grad_g, chunk, update.sum(0, keepdim=True) if sum_kv_batch else update)
 
 
 def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
@@ -545,6 +654,12 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
     # probabilities sum to 1 in this pass's own arithmetic (fp32 rmse vs float64, L=256, worst of
     # 20 seeds: dbias 1.27x -> 1.07x of SDPA's, dq 1.16x -> 1.03x).
     delta_r = delta[g.b, g.qh, q0:q1].clone()
+    if not own_delta and mods.dropout is None and finite:
+        for chunk in row.chunks:
+            _mask_only_chunk(qb, k_g, v_g, dob_g, lse_r, delta_r, dq_r, dk_g, dv_g, chunk, mods, q0, q1, scale, work,
+                             sum_kv_batch)
+        dq[g.b, g.qh, q0:q1] = dq_r.view(Bg, Hqg, r, E)
+        return
     if own_delta:
         # the row's probabilities sum to 1 with the sink's share (which has no value row, so no dP)
         p_dp = torch.zeros_like(delta_r)
@@ -577,7 +692,8 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
             ds = grads[0] if s4.requires_grad else None
         if ds is not None:
             ds = ds.contiguous()
-            _fill(ds, blocked, 0.0)  # masked entries never reach the output, whatever the mod's slope
+            if post is not None or not finite:  # (else p, so dS, is 0 there already)
+                _zero_blocked(ds, blocked)  # masked entries never reach the output, whatever the mod's slope
             ds_g = ds.view(Bg, Hkvg, Gr, -1)
             # a masked pair (dS = 0) must not bring a NaN or inf key into dq, or such a query into dk
             matmul = torch.matmul if finite or not blocked else matmul_skipping_zeros
