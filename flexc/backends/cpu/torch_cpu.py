@@ -595,9 +595,9 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
 def _mask_only_chunk(qb, k_g, v_g, dob_g, lse_r, delta_r, dq_r, dk_g, dv_g, chunk: Chunk, mods: _Mods,
                      q0: int, q1: int, scale: float, work, sum_kv_batch: bool) -> None:
     """One chunk's share of dq, dk and dv for a backward with neither score_mod nor dropout, on
-    finite inputs, in few passes: ``s - lse`` and ``dP - delta`` come out of the products (each
-    started from its broadcast row term), blocked pairs enter as ``-inf`` (so ``p`` is exactly 0
-    there), and the three gradients accumulate inside their products."""
+    finite inputs, in few passes: blocked pairs enter ``s - lse`` as ``-inf`` (so ``p`` is exactly
+    0 there, with no zeroing pass) and ``dS = P * (dP - delta)`` is formed in place. (``baddbmm``
+    from the broadcast row terms was no faster: torch copies the broadcast input first.)"""
     Bg, Hkvg, Gr, E = qb.shape
     r, c = q1 - q0, chunk.n_cols
     batch = Bg * Hkvg
@@ -605,27 +605,21 @@ def _mask_only_chunk(qb, k_g, v_g, dob_g, lse_r, delta_r, dq_r, dk_g, dv_g, chun
     kc = _batched(chunk_rows(k_g, chunk).to(work), Bg, batch)
     vc = _batched(chunk_rows(v_g, chunk).to(work), Bg, batch)
     q3, do3 = qb.reshape(batch, Gr, E), dob_g.reshape(batch, Gr, -1)
-    p = torch.baddbmm(lse_r.reshape(batch, Gr, 1).neg().expand(batch, Gr, c), q3, kc.transpose(-1, -2))
+    p = torch.bmm(q3, kc.transpose(-1, -2)).sub_(lse_r.reshape(batch, Gr, 1))
     _add_minus_inf(p.view(Bg, -1, r, c), mods.blocked(chunk, q0, q1, kv))
     floor, at_floor = _exp_floor(work)
     p.clamp_(min=floor).exp_().sub_(at_floor)  # as in _chunk_probs
-    ds = torch.baddbmm(delta_r.reshape(batch, Gr, 1).neg().expand(batch, Gr, c), do3, vc.transpose(-1, -2))
-    ds.mul_(p)  # dS = P * (dP - delta)
-    dq_r.view(batch, Gr, E).baddbmm_(ds, kc, alpha=scale)
+    ds = torch.bmm(do3, vc.transpose(-1, -2)).sub_(delta_r.reshape(batch, Gr, 1)).mul_(p)  # P * (dP - delta)
+    dq_r.view(batch, Gr, E).add_(torch.bmm(ds, kc), alpha=scale)
     for grad, lhs, rhs in ((dk_g, ds, q3), (dv_g, p, do3)):
         _add_product(grad, chunk, lhs.transpose(-1, -2), rhs, Bg, sum_kv_batch)
 
 
 def _add_product(grad_g: torch.Tensor, chunk: Chunk, lhs: torch.Tensor, rhs: torch.Tensor, Bg: int,
                  sum_kv_batch: bool) -> None:
-    """``grad_g[..., chunk rows, :] += lhs @ rhs`` (``[batch, c, *]`` products of a group's key
-    heads), accumulated inside the product where the rows are one span of a batched view."""
-    if len(chunk.spans) == 1 and not sum_kv_batch:
-        start, end = chunk.spans[0]
-        rows = _batched_view(grad_g[..., start:end, :], (lhs.shape[0], end - start, grad_g.shape[-1]))
-        if rows is not None:
-            rows.baddbmm_(lhs, rhs)
-            return
+    """``grad_g[..., chunk rows, :] += lhs @ rhs`` (``[batch, c, *]`` products of a group's key heads).
+    A product into the rows' strided view would run batch by batch (torch splits a baddbmm_ whose
+    output batches are not evenly strided into one addmm_ each), so it is formed apart and added."""
     update = torch.bmm(lhs, rhs).view(Bg, -1, chunk.n_cols, grad_g.shape[-1])
     _add_rows(grad_g, chunk, update.sum(0, keepdim=True) if sum_kv_batch else update)
 
