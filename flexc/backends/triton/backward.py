@@ -37,7 +37,7 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
                        index_dtype: str = "int32", dropout: bool = False, float_indices: bool = False) -> BackwardSpec:
     """The :class:`BackwardSpec` for these mods and shapes; ``block_size=None`` means no BlockMask.
     ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`); ``dropout``
-    compiles the forward's attention dropout in; ``float_indices``: every index below 2**24
+    compiles the forward's attention dropout in; ``float_indices``: every index below 2**23
     (:func:`flexc.codegen.index_width.float_indices`)."""
     if block_size is None:
         # no BlockMask: every block is full; blocks as large as the largest tile

@@ -294,7 +294,7 @@ class CallLayout(NamedTuple):
     has_full_blocks: bool  # the BlockMask keeps full blocks apart
     index_dtype: str  # the mods' integer index type (flexc.codegen.index_width)
     target: str  # "cuda" or "interpreter" (flexc.device.target)
-    float_indices: bool = False  # every index below 2**24 (flexc.codegen.index_width.float_indices)
+    float_indices: bool = False  # every index below 2**23 (flexc.codegen.index_width.float_indices)
 
 
 def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
