@@ -84,7 +84,7 @@ class BackwardSpec(AttentionSpec):
     # (a row pass before it, flexc.codegen.backward_rows), and 16-bit dS enters the dq/dk dots as
     # two operands (its rounding and the remainder) instead of one
     precise: bool = False
-    # every index below 2**24: index differences the mods read as floats print in float32, exactly
+    # every index below 2**23: index differences the mods read as floats print in float32, exactly
     # (flexc.codegen.printer, flexc.codegen.index_width.float_indices)
     float_indices: bool = False
 
@@ -364,6 +364,19 @@ def _p_grad_lines(d_score: RenderedMod | None, p: str, indent: str) -> list[str]
             f"{indent}{p}_grad = {p} * {mod_call(d_score, 'score, b, h, q_idx, kv_idx')}"]
 
 
+def _masked_ds(spec: BackwardSpec, p: str, dp_minus_delta: str) -> str:
+    """``ds = p * (dp - delta)``, exactly 0 outside ``valid`` even where ``dp`` is NaN or inf (a masked
+    key's value row). Where ``p`` is the probability tile itself (not ``p_grad``) and the exponent was
+    masked to -inf (so ``p`` is exactly 0 outside ``valid``), the select takes the fp32 difference
+    before the product: selected after it, the compiler moves it past the rounding to the dot's
+    16-bit operand, where each select unpacks and repacks a pair of halves (on sm_90 the dQ partial
+    loop's 625 SASS instructions per tile were 581 this way). Otherwise (``p_grad``, whose derivative
+    may be non-finite on a masked pair, and PRECISE_GRADIENTS) it selects the product."""
+    if p in ("p", "pT") and not spec.precise:
+        return f"{p} * tl.where(valid, {dp_minus_delta}, 0.0)"
+    return f"tl.where(valid, {p} * ({dp_minus_delta}), 0.0)"
+
+
 def _ignores_score(d_score: RenderedMod | None) -> bool:
     return d_score is not None and d_score.is_constant and float(d_score.literal) == 0.0
 
@@ -437,6 +450,16 @@ def _ds_dot(spec: BackwardSpec, ds: str, other: str, acc: str, indent: str) -> l
             f"{indent}{acc} = {dot(operand(spec, f'({ds} - {ds}_hi.to({spec.acc_dtype}))'), other, spec, acc)}"]
 
 
+def _in_tile(block: str, what: str) -> list[str]:
+    """``in_tile``, a row's offset within its tile, for the tile loads of a walk: each load's address
+    is the tile's first row (``start * stride``, one scalar per tile) plus the thread's offsets within
+    the tile, which do not change from tile to tile. Written as one product ``offs * stride`` the
+    addresses cost a multiply and a 64-bit add each per tile (on sm_90 the D=128 dQ loop of ALiBi
+    issued 8 more instructions per tile)."""
+    return [f"    in_tile = tl.arange(0, {block})  # a {what}'s offset within its tile: loads address a tile "
+            f"as its first row plus these"]
+
+
 def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     tiles = spec.q_block_size // spec.block_m1
     params = [
@@ -484,7 +507,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         body += [
             f"        dpT = {dot('v', 'tl.trans(do)', spec)}",
             *(["        dpT = dpT * keepT  # d out / d p: dropped pairs reach nothing"] if spec.dropout else []),
-            f"        dsT = tl.where(valid, {p_ds} * (dpT - delta[None, :]), 0.0)  # d loss / d {of_ds}",
+            f"        dsT = {_masked_ds(spec, p_ds, 'dpT - delta[None, :]')}  # d loss / d {of_ds}",
             *_gather_lines(spec, gathers, "        "),
         ]
     if not _ignores_score(d_score):
@@ -533,8 +556,8 @@ def key_walk(spec: BackwardSpec, score, mask, buffers: list[str], name: str, sta
         *constexprs(("IS_FULL_BLOCKS", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE"), ("DIVISIBLE", "GUARD_NONFINITE_INPUTS"),
                     HEAD_DIMS),
     ]
-    k_ptrs = "key_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd"
-    v_ptrs = "value_ptr + offs_n[None, :] * stride_vn + offs_dv[:, None] * stride_vd"
+    k_ptrs = "key_ptr + start_n * stride_kn + (in_tile[None, :] * stride_kn + offs_d[:, None] * stride_kd)"
+    v_ptrs = "value_ptr + start_n * stride_vn + (in_tile[None, :] * stride_vn + offs_dv[:, None] * stride_vd)"
     head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N2", "start_n", count_ptr="block_count_ptr")
     probabilities = (f"tl.exp2((qk - row_max[:, None]) * {LOG2E})" if spec.precise  # natural-log max, subtracted first
                      else f"tl.exp2({_exponent(spec, score, 'row_max[:, None]')})")
@@ -543,9 +566,10 @@ def key_walk(spec: BackwardSpec, score, mask, buffers: list[str], name: str, sta
         f"    # {doc}",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",
+        *_in_tile("BLOCK_N2", "key"),
         *_qk_scale(spec, score),
         *head,
-        "        offs_n = start_n + tl.arange(0, BLOCK_N2)",
+        "        offs_n = start_n + in_tile",
         *tile_bounds("        ", "kv_in_range", "kv_idx", "offs_n", "KV_LEN", "BLOCK_N2", "[None, :]"),
         f"        kT = {tile_load(spec, k_ptrs, 'kv_in_range[None, :]', '[:, None]')}",
         f"        vT = {tile_load(spec, v_ptrs, 'kv_in_range[None, :]', '[:, None]', value=True)}",
@@ -568,7 +592,7 @@ def _dq_blocks(spec, score, mask, d_score, buffers) -> list[str]:
     return key_walk(spec, score, mask, buffers, "dq_blocks", "dq", "delta, ", "One query tile against the key tiles "
                     "of the listed key blocks.", note, [
                         *(_p_grad_lines(d_score, "p", "        ") if fold else []),
-                        f"        ds = tl.where(valid, {'p_grad' if fold else 'p'} * (dp - delta[:, None]), 0.0)",
+                        f"        ds = {_masked_ds(spec, 'p_grad' if fold else 'p', 'dp - delta[:, None]')}",
                         *([] if fold else _score_grad_lines(d_score, "ds", "        ")),
                         *_finite_lines("kT", "        "),
                         *_ds_dot(spec, "ds", "tl.trans(kT)", "dq", "        "),

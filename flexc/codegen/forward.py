@@ -61,7 +61,7 @@ class ForwardSpec(AttentionSpec):
     sinks: bool = False
     # torch's USE_TMA: key and value tiles through tensor descriptors (TMA on sm_90; codegen.tma)
     tma: bool = False
-    # every index below 2**24: index differences the mods read as floats print in float32, exactly
+    # every index below 2**23: index differences the mods read as floats print in float32, exactly
     # (flexc.codegen.printer, flexc.codegen.index_width.float_indices)
     float_indices: bool = False
 

@@ -33,10 +33,10 @@ def index_dtype(mods: tuple[TracedMod | None, ...], B: int, H: int, L: int, S: i
 
 
 def float_indices(B: int, H: int, L: int, S: int) -> bool:
-    """Whether every index (``b``, ``h``, ``q_idx``, ``kv_idx``) is below 2**24 for these extents: then
-    an index, and the difference of two, is exact in float32, and the kernels may subtract indices
-    in float where the mods read the difference as a float (flexc.codegen.printer)."""
-    return max(B, H, L, S) <= 2 ** 24
+    """Whether every index (``b``, ``h``, ``q_idx``, ``kv_idx``) is below 2**23 for these extents: then
+    an index offset by 2**23, and the difference of two, is exact in float32, and the kernels may
+    subtract indices in float where the mods read the difference as a float (flexc.codegen.printer)."""
+    return max(B, H, L, S) <= 2 ** 23
 
 
 def _overflows(traced: TracedMod, B: int, H: int, L: int, S: int) -> bool:

@@ -89,6 +89,14 @@ def tanh(x):
     series = x * (1.0 - x2 * (0.3333333333333333 - x2 * (0.13333333333333333 - x2 * 0.05396825396825397)))
     return tl.where(tl.abs(x) < 0.1, series, t)
 ''',
+    "biased_float": '''\
+@triton.jit
+def biased_float(index):
+    # 2**23 + index in float32, exact for 0 <= index < 2**23: the bits of 2**23 (0x4B000000) plus the
+    # index, one integer add where a conversion would be one more instruction per row or column. The
+    # difference of two is the exact difference of the indices
+    return (index.to(tl.int32) + 0x4B000000).to(tl.float32, bitcast=True)
+''',
     "sign": '''\
 @triton.jit
 def sign(x):
@@ -179,7 +187,8 @@ class _Printer:
         self.text: dict[int, tuple[str, int]] = {}  # id(node) -> (source, precedence)
         self.literal: dict[int, object] = {}
         self.dtype: dict[int, str | None] = {}
-        # every index below 2**24 (exact in float32): index differences read as floats print in float
+        # every index below 2**23 (exact in float32, offset by 2**23 too): index differences read as
+        # floats print in float
         self.float_indices = float_indices
         self.float_differences: set[int] = set()  # id(node) of those differences (find_float_differences)
 
@@ -225,10 +234,12 @@ class _Printer:
     def find_float_differences(self, nodes: list[ir.Node]) -> None:
         """With ``float_indices``, the index differences ``x - y`` (x, y index inputs or small constants)
         whose every reader takes them as a float (``slopes[h] * (kv_idx - q_idx)``: ALiBi, relative
-        position biases): they print as ``x.to(tl.float32) - y.to(tl.float32)``. Each index converts
-        once per row or column of the tile instead of the difference once per score, and the tile pays
-        one float subtraction instead of an integer subtraction and a conversion. Exact: both operands
-        and their difference are integers below 2**24 in magnitude, which float32 holds exactly."""
+        position biases): they print as ``biased_float(x) - biased_float(y)``, each operand ``2**23 + x``
+        in float32 made by an integer add on its bits (a literal prints as that float). Each index
+        becomes a float once per row or column of the tile instead of the difference once per score,
+        with no conversion instruction, and the tile pays one float subtraction instead of an integer
+        subtraction and a conversion. Exact: indices and literals are integers in [0, 2**23), so both
+        operands are integers in [2**23, 2**24), which float32 holds exactly, and so is their difference."""
         if not self.float_indices:
             return
         readers: dict[int, list[ir.Node]] = {}
@@ -239,7 +250,7 @@ class _Printer:
         def small_index(a: ir.Node) -> bool:
             if id(a) in self.literal:
                 value = self.literal[id(a)]
-                return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 24
+                return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 23
             return a.op == "input" and a.attr in _INDEX_INPUTS
 
         def reads_as_float(r: ir.Node) -> bool:
@@ -257,8 +268,9 @@ class _Printer:
         """An index difference of :meth:`find_float_differences`, in float32."""
         def leaf(a: ir.Node) -> str:
             if id(a) in self.literal:
-                return python_literal(float(self.literal[id(a)]))
-            return f"{a.attr}.to(tl.float32)"
+                return python_literal(float(2 ** 23 + self.literal[id(a)]))
+            self.helpers.add("biased_float")
+            return f"biased_float({a.attr})"
         return f"{leaf(n.args[0])} - {leaf(n.args[1])}", _ADD
 
     # -- parameters ------------------------------------------------------------------------
@@ -532,7 +544,7 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     in int64). Captured numbers (``scalar`` nodes) become parameters ``<scalar_prefix>_<name>``,
     ``fn_name`` by default; functions derived from one mod (its derivatives) pass that mod's
     function name, so each captured number is one kernel argument however many functions read it.
-    ``float_indices`` says every index is below 2**24 (the call's extents): index differences read
+    ``float_indices`` says every index is below 2**23 (the call's extents): index differences read
     as floats then print in float32, exactly (:meth:`_Printer.find_float_differences`).
     """
     if index_dtype not in ("int32", "int64"):

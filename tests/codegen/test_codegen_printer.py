@@ -101,7 +101,7 @@ def test_mask_mod_printed_like_torch(name):
 
 @pytest.mark.parametrize("name", sorted(SCORE_MODS))
 def test_score_mod_with_float_indices_printed_like_torch(name):
-    # the kernels' choice for extents below 2**24: index differences read as floats print in float
+    # the kernels' choice for extents below 2**23: index differences read as floats print in float
     assert_same(trace(SCORE_MODS[name]), float_indices=True)
 
 
@@ -115,10 +115,31 @@ def test_index_differences_read_as_floats_print_in_float():
         return score + (q_idx - kv_idx) * 2
 
     printed = render_mod(trace(alibi), "score_mod", float_indices=True).source
-    assert "(kv_idx.to(tl.float32) - q_idx.to(tl.float32))" in printed
+    assert "(biased_float(kv_idx) - biased_float(q_idx))" in printed
     assert "(kv_idx - q_idx)" in render_mod(trace(alibi), "score_mod").source  # extents unknown: int
     assert "q_idx - kv_idx" in render_mod(trace(doubled), "score_mod", float_indices=True).source
     assert_same(trace(alibi), float_indices=True)
+
+
+def test_biased_float_is_exact_over_the_float_index_range():
+    # the kernels' float index differences: 2**23 + i from the bits, exact for every index below 2**23
+    source = "\n".join(["import triton", "import triton.language as tl", "", HELPERS["biased_float"], "",
+                        "@triton.jit",
+                        "def kernel(i_ptr, j_ptr, out_ptr, N: tl.constexpr):",
+                        "    offs = tl.arange(0, N)",
+                        "    i = tl.load(i_ptr + offs)",
+                        "    j = tl.load(j_ptr + offs)",
+                        "    tl.store(out_ptr + offs, biased_float(i) - biased_float(j))", ""])
+    module, _ = import_source(source, "interpreter")
+    top = 2 ** 23 - 1
+    i = torch.tensor([0, 1, 5, top, top, 0, top - 1, 4096, 1 << 22, 7, 0, top, 3, 2 ** 20, 9, 12], dtype=torch.int32)
+    j = torch.tensor([0, 0, 9, 0, top, top, top, 4095, (1 << 22) + 1, 7, 1, 1, 3, 2 ** 20 + 5, 2, 0], dtype=torch.int32)
+    out = torch.empty(16, dtype=torch.float32)
+    module.kernel[(1,)](i, j, out, N=16)
+    assert torch.equal(out.double(), (i - j).double())
+    i64 = i.to(torch.int64)  # indices widened to int64 for the mods' integer arithmetic
+    module.kernel[(1,)](i64, j.to(torch.int64), out, N=16)
+    assert torch.equal(out.double(), (i - j).double())
 
 
 def test_printed_function_names_its_captured_tensor_parameters():

@@ -44,7 +44,8 @@ def default_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: s
     return (128, 128, 8, 3) if d <= 64 else (128, 64, 8, 3) if d <= 128 else (64, 32, 4, 3)
 
 
-def default_backward_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: str) -> tuple[int, ...]:
+def default_backward_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: str,
+                            score_grad_tile: bool = False) -> tuple[int, ...]:
     """``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` for a dtype and head dims.
 
     torch's names: dK/dV programs own ``BLOCK_N1`` keys and step over ``BLOCK_M1`` queries; dQ
@@ -53,6 +54,13 @@ def default_backward_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, 
     On CUDA, torch's Hopper choices for 16-bit inputs; fp32/fp64 use smaller tiles (their
     operands take twice or four times the shared memory). Under the interpreter each tile step
     costs a fixed overhead, so 64 x 64 tiles (as the forward) take the fewest steps.
+
+    ``score_grad_tile``: d score_mod / d score is not a constant (soft-capping's 1 - tanh²), so each
+    dK/dV step keeps a tile of it (or of the scores) alive through its two dots, beside the dK and dV
+    accumulators. At 16-bit head dims above 64 that spilled (soft-capping, D=128 on sm_90: 80/128
+    bytes of spill stores/loads in the dK/dV loops, ``bench/kernel_metrics.py``); half the query
+    tile, ``BLOCK_M1 = 32``, fits in 243 registers with no spills, at 0.73 of torch's default
+    kernel's instructions per (query, key) pair (0.69 with the spilling tile).
     """
     if target == "interpreter":
         return 64, 64, 64, 64, 4, 1
@@ -62,7 +70,7 @@ def default_backward_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, 
     if d < 64:
         return 64, 64, 64, 64, 4, 3
     if d <= 128:
-        return 64, 128, 128, 64, 8, 3
+        return 32 if score_grad_tile and d > 64 else 64, 128, 128, 64, 8, 3
     return 64, 64, 64, 64, 4, 2
 
 
@@ -197,10 +205,12 @@ def resolve_config(kernel_options: dict | None, dtype: torch.dtype, head_dim: in
 
 
 def resolve_backward_config(kernel_options: dict | None, dtype: torch.dtype, head_dim: int, v_head_dim: int,
-                            q_block_size: int, kv_block_size: int, target: str) -> tuple[int, ...]:
+                            q_block_size: int, kv_block_size: int, target: str,
+                            score_grad_tile: bool = False) -> tuple[int, ...]:
     """The backward's ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)``: the user's
     ``kernel_options`` over :func:`default_backward_config`, fitted by :func:`resolve_tiles`."""
-    defaults = dict(zip(BACKWARD_OPTIONS, default_backward_config(dtype, head_dim, v_head_dim, target)))
+    defaults = dict(zip(BACKWARD_OPTIONS, default_backward_config(dtype, head_dim, v_head_dim, target,
+                                                                  score_grad_tile)))
     config = resolve_tiles(pass_options(kernel_options, BACKWARD_OPTIONS, "bwd_"), defaults, q_block_size,
                            kv_block_size, "backward")
     return tuple(config[name] for name in BACKWARD_OPTIONS)
@@ -294,7 +304,7 @@ class CallLayout(NamedTuple):
     has_full_blocks: bool  # the BlockMask keeps full blocks apart
     index_dtype: str  # the mods' integer index type (flexc.codegen.index_width)
     target: str  # "cuda" or "interpreter" (flexc.device.target)
-    float_indices: bool = False  # every index below 2**24 (flexc.codegen.index_width.float_indices)
+    float_indices: bool = False  # every index below 2**23 (flexc.codegen.index_width.float_indices)
 
 
 def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,

@@ -37,7 +37,7 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
     ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`);
     ``training`` adds the generated backward's statistics to the outputs; ``dropout`` compiles
     attention dropout in, ``sinks`` the learned attention sinks; ``float_indices``: every index below
-    2**24 (:func:`flexc.codegen.index_width.float_indices`).
+    2**23 (:func:`flexc.codegen.index_width.float_indices`).
     """
     if block_size is None:
         block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, v_head_dim,

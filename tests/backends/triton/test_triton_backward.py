@@ -345,7 +345,28 @@ def test_cli_show_backward(tmp_path, capsys):
     assert "# flexc backward attention kernel" in out
     assert "d score_mod / d score = 1.0 - tanh(score) * tanh(score)" in out
     assert "d / d table[kv_idx] = 1.0" in out and "summed over the queries" in out
-    assert "dQ programs BLOCK_M2=128 x BLOCK_N2=64, dK/dV programs BLOCK_M1=64 x BLOCK_N1=128" in out
+    # tanh's derivative is a tile the dK/dV steps carry through their dots: half torch's query tile at D=128
+    assert "dQ programs BLOCK_M2=128 x BLOCK_N2=64, dK/dV programs BLOCK_M1=32 x BLOCK_N1=128" in out
+
+
+def test_backward_query_tile_halves_for_a_score_derivative_tile_at_head_dim_128():
+    from flexc.backends.triton.backward import make_backward_spec
+
+    def soft_cap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + 0.5 * (kv_idx - q_idx)
+
+    def tiles(mod, head_dim, options=None):
+        spec = make_backward_spec(flexc.trace(mod), None, torch.bfloat16, head_dim, head_dim, (128, 128), options,
+                                  "cuda")
+        return spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2
+
+    assert tiles(soft_cap, 128) == (32, 128, 128, 64)
+    assert tiles(soft_cap, 64) == (64, 128, 128, 64)  # fits without spilling
+    assert tiles(alibi, 128) == (64, 128, 128, 64)  # d score_mod / d score = 1: torch's tile
+    assert tiles(soft_cap, 128, {"BLOCK_M1": 64}) == (64, 128, 128, 64)  # the user's choice stands
 
 
 # ---- the CUDA variant compiles for Hopper without a GPU ----------------------------------------
