@@ -22,7 +22,8 @@ MOVED = {
     "backends.triton_backend": "backends.triton",  # the package re-exports its public names
     "backends.triton_backward": "backends.triton.backward",
     "backends.triton_decode": "backends.triton.decode",
-    "backends.workers": "backends.cpu.workers",
+    "backends.cpu.workers": "workers",
+    "backends.workers": "workers",
     "block_mask": "masks.block_mask",
     "block_mask_pytree": "masks.block_mask_pytree",
     "block_tables": "analysis.block_tables",

@@ -17,7 +17,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "flexc"
 # The call and its compiled path are one stage (flex_attention hands a compiled call to
 # torch_compile, which plans it with the call's own rules).
 STAGES = [
-    ("flexc._version", "flexc.errors", "flexc.constants", "flexc.versions", "flexc.device"),
+    ("flexc._version", "flexc.errors", "flexc.constants", "flexc.versions", "flexc.device",
+     "flexc.workers"),
     ("flexc.mods",),
     ("flexc.analysis",),
     ("flexc.masks",),

@@ -236,7 +236,7 @@ def test_random_shapes_gradients_match_float64_reference(b, hkv, group, q_len, k
 
 def test_row_workers_give_the_reference_result_deterministically(monkeypatch):
     """Force several worker threads on a small problem: same result on every run, and correct."""
-    import flexc.backends.cpu.workers as workers
+    import flexc.workers as workers
 
     monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, *a: min(3, n_tasks))
     q, k, v = _inputs(seed=12)
@@ -290,7 +290,7 @@ def test_small_backward_cut_along_batches_and_heads_gives_the_reference(monkeypa
 def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypatch):
     import threading
 
-    import flexc.backends.cpu.workers as workers
+    import flexc.workers as workers
 
     before = torch.get_num_threads()
     monkeypatch.setattr(workers, "_pools", {})  # make the call start a fresh pool
@@ -310,7 +310,7 @@ def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypa
 
 
 def test_row_workers_run_under_the_callers_inference_mode(monkeypatch):
-    import flexc.backends.cpu.workers as workers
+    import flexc.workers as workers
 
     monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, *a: min(2, n_tasks))
     q, k, v = (t.detach() for t in _inputs(seed=14))

@@ -22,7 +22,7 @@ counts the sink's share ``exp(sink - lse)``.
 
 The backward recomputes each row's scores, forms ``dS`` from the saved logsumexp, and lets
 autograd carry ``dS`` through the score_mod to the raw scores and the captured tensors. Large
-jobs spread their rows over single-threaded workers (:mod:`flexc.backends.cpu.workers`).
+jobs spread their rows over single-threaded workers (:mod:`flexc.workers`).
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ from ...constants import LN2, LOG2E
 from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
-from . import decode_cpu, fused_cpu, workers
+from ... import workers
+from . import decode_cpu, fused_cpu
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, memo_by_tables, read_tables, row_plan
 
