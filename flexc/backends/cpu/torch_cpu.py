@@ -196,6 +196,49 @@ def _log2_form(root: ir.Node) -> tuple[ir.Node, float, bool]:
     return _substitute(root, mapping), pre, folded
 
 
+# A score_mod whose values provably lie within this many natural-log units takes a fixed softmax
+# offset instead of a running row max: exp(s - hi) stays above e^-64 (a normal float32 or float64)
+FIXED_MAX_SPAN = 64.0
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds(node: ir.Node) -> tuple[float, float] | None:
+    """``(lo, hi)`` enclosing every non-NaN value of a float ``node`` whatever its inputs (tanh and
+    sigmoid bound anything; constants, negation, sums, differences, products, division by a constant
+    and ``where`` combine bounds), or None."""
+    op, args = node.op, node.args
+    if op == "const":
+        value = node.attr
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return float(value), float(value)
+    if op == "tanh":
+        return -1.0, 1.0
+    if op == "sigmoid":
+        return 0.0, 1.0
+    if op == "neg":
+        b = _bounds(args[0])
+        return None if b is None else (-b[1], -b[0])
+    if op == "where":
+        x, y = _bounds(args[1]), _bounds(args[2])
+        return None if x is None or y is None else (min(x[0], y[0]), max(x[1], y[1]))
+    if op not in ("add", "sub", "mul", "truediv"):
+        return None
+    x, y = _bounds(args[0]), _bounds(args[1])
+    if x is None or y is None:
+        return None
+    if op == "add":
+        return x[0] + y[0], x[1] + y[1]
+    if op == "sub":
+        return x[0] - y[1], x[1] - y[0]
+    if op == "truediv":
+        if y[0] != y[1] or y[0] == 0:
+            return None  # only by a constant
+        y = (1.0 / y[0], 1.0 / y[0])
+    products = [a * b for a in x for b in y]
+    return min(products), max(products)
+
+
 def _substitute(root: ir.Node, mapping: dict) -> ir.Node:
     """``root`` with the nodes whose ids ``mapping`` holds replaced by their values."""
     new: dict[int, ir.Node] = {}
@@ -227,6 +270,11 @@ class _Mods:
         if score_mod is not None and self.bias_node is None:
             root, self.pre_scale, self.log2_folded = _log2_form(score_mod.root)
             self.log2_mod = dataclasses.replace(score_mod, root=root)
+        # a bounded score_mod (soft-capping): the softmax offset is its bound, base 2 (see _forward_row)
+        self.fixed_max = None
+        bounds = _bounds(score_mod.root) if self.log2_mod is not None else None
+        if bounds is not None and bounds[1] - bounds[0] <= FIXED_MAX_SPAN:
+            self.fixed_max = bounds[1] * LOG2E
         self.mask_reads = ir.inputs_read(self.mask_mod.root) if self.mask_mod is not None else frozenset()
         self.b = torch.arange(B, device=device)[g.b].view(-1, 1, 1, 1)
         self.h = torch.arange(Hq, device=device)[g.qh].view(1, -1, 1, 1)
@@ -421,6 +469,10 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         # the sum at its exp2(sink - max) = 1 (0 for a -inf sink, which is no sink); acc holds nothing yet
         m = fused_cpu.group_sinks(sinks, g, Bg, r).to(work).unsqueeze(-1) * LOG2E
         l = (m != _NEG_INF).to(work)
+    # bounded general score_mods: a fixed offset (not with sinks, which start the max, nor max_scores)
+    fixed = mods.fixed_max if general_mod and sinks is None and row_max is None else None
+    if fixed is not None:
+        m = torch.full((Bg, Hqg, r, 1), fixed, dtype=work, device=out.device)
     first = True
     for chunk in row.chunks:
         kv = chunk_kv_index(chunk, mods.kv_pos)
@@ -445,23 +497,33 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
             _add_minus_inf(s4, blocked)
         else:
             _fill(s4, blocked, _NEG_INF)
-        m_new = s4.amax(-1, keepdim=True)
-        if row_max is not None and sinks is not None:  # max_scores: the scores' own max, without the sink
-            top = m_new if top is None else torch.maximum(top, m_new)
-        if m is not None:
-            m_new = torch.maximum(m, m_new)
-        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
-        s4.sub_(m_safe).exp2_()
-        p_sum = s4.sum(-1, keepdim=True)
-        if mods.dropout is not None:  # the denominator keeps every pair; the values see the kept ones
-            s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
-        if l is None:
-            l = p_sum
+        if fixed is not None:
+            # every score is within FIXED_MAX_SPAN below the mod's bound: exp2(s - bound) neither
+            # overflows nor underflows, the offset never changes, and no rescaling follows
+            s4.sub_(fixed).exp2_()
+            p_sum = s4.sum(-1, keepdim=True)
+            if mods.dropout is not None:
+                s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
+            l = p_sum if l is None else l.add_(p_sum)
+            m_new = m
         else:
-            alpha = (m - m_safe).exp2_()
-            l.mul_(alpha).add_(p_sum)
-            if not first:  # (the first chunk's product below overwrites acc)
-                acc.mul_(alpha)
+            m_new = s4.amax(-1, keepdim=True)
+            if row_max is not None and sinks is not None:  # max_scores: the scores' own max, without the sink
+                top = m_new if top is None else torch.maximum(top, m_new)
+            if m is not None:
+                m_new = torch.maximum(m, m_new)
+            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
+            s4.sub_(m_safe).exp2_()
+            p_sum = s4.sum(-1, keepdim=True)
+            if mods.dropout is not None:  # the denominator keeps every pair; the values see the kept ones
+                s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
+            if l is None:
+                l = p_sum
+            else:
+                alpha = (m - m_safe).exp2_()
+                l.mul_(alpha).add_(p_sum)
+                if not first:  # (the first chunk's product below overwrites acc)
+                    acc.mul_(alpha)
         if finite or not blocked:
             # the first chunk overwrites (beta=0 ignores whatever the rows held)
             acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)

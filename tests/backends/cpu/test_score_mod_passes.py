@@ -1,8 +1,9 @@
 """The plain-torch CPU forward rewrites a general score_mod for base-2 scores in fewer passes
 (flexc/backends/cpu/torch_cpu.py, _log2_form): a constant factor on every read of ``score`` moves
-into the query's scale, and log2(e) joins a trailing product with a constant. Each rewrite must
-be taken where it applies, refused where it does not, and give the float64 dense reference's
-output, lse and max_scores."""
+into the query's scale, and log2(e) joins a trailing product with a constant; a mod whose values
+are provably bounded (_bounds) takes its bound as a fixed softmax offset instead of a running row
+max. Each must be taken where it applies, refused where it does not, and give the float64 dense
+reference's output, lse and max_scores."""
 import math
 
 import pytest
@@ -50,8 +51,26 @@ CASES = [(_softcap, 1 / 20.0, True), (_scaled_tanh, 0.3, True), (_div_then_mul, 
          (_positional, 1 / 5.0, False)]
 
 
-def _window(b, h, q, kv):
-    return (q >= kv) & (q - kv <= 90)
+def _window(b, h, q, kv):  # rows below 12 see no key at all
+    return (q >= kv) & (q - kv <= 90) & (q >= 12)
+
+
+def _sigmoid_gate(score, b, h, q, kv):  # bounded: [-4, 6]
+    return 10.0 * torch.sigmoid(score) - 4.0
+
+
+def _capped_or_negated(score, b, h, q, kv):  # bounded through where and neg: [-30, 30]
+    return torch.where(kv > q - 50, 30.0 * torch.tanh(score / 30.0), -(7.0 * torch.tanh(score)))
+
+
+def _wide_cap(score, b, h, q, kv):  # bounded, but too widely for a fixed offset: [-50, 50]
+    return 50.0 * torch.tanh(score / 50.0)
+
+
+BOUNDS = [(_softcap, (-20.0, 20.0), True), (_sigmoid_gate, (-4.0, 6.0), True),
+          (_capped_or_negated, (-30.0, 30.0), True), (_wide_cap, (-50.0, 50.0), False),
+          (_scaled_tanh, (-4.0, 4.0), True), (_mixed_reads, None, False), (_positional, None, False),
+          (_div_then_mul, None, False)]
 
 
 @pytest.mark.parametrize("score_mod, pre, folded", CASES)
@@ -67,18 +86,42 @@ def test_rewrite_is_taken_exactly_where_it_applies(score_mod, pre, folded):
     torch.testing.assert_close(evaluate(root, score=s * got_pre, **idx), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("score_mod, pre, folded", CASES)
+@pytest.mark.parametrize("score_mod, bounds, fixed", BOUNDS)
+def test_bounds_and_fixed_offset_are_taken_exactly_where_they_apply(score_mod, bounds, fixed):
+    traced = trace(score_mod, "score_mod")
+    assert torch_cpu._bounds(traced.root) == (None if bounds is None else pytest.approx(bounds))
+    mods = torch_cpu._Mods(traced, None, torch_cpu._groups(1, 1, 1, 1, 1, 1)[0], 1, 1, 4, 4, torch.device("cpu"))
+    assert (mods.fixed_max is not None) is fixed
+    if bounds is not None and fixed:  # every value of the mod at most the offset (base 2)
+        s = torch.linspace(-1e4, 1e4, 20001, dtype=torch.float64).view(1, 1, 1, -1)
+        from flexc.mods.evaluate import evaluate
+        values = evaluate(traced, score=s, b=torch.zeros(1, 1, 1, 1), h=torch.zeros(1, 1, 1, 1),
+                          q_idx=torch.zeros(1, 1, 1, 1), kv_idx=torch.arange(20001).view(1, 1, 1, -1) % 100)
+        assert (values * LOG2E <= mods.fixed_max + 1e-9).all()
+
+
+@pytest.mark.parametrize("score_mod", [case[0] for case in CASES] + [_sigmoid_gate, _capped_or_negated, _wide_cap])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.float64, 1e-11)])
-def test_forward_with_rewritten_mods_matches_dense_reference(score_mod, pre, folded, masked, dtype, atol):
+@pytest.mark.parametrize("with_max", [False, True])
+@pytest.mark.parametrize("small_chunks", [False, True])
+def test_forward_with_rewritten_mods_matches_dense_reference(monkeypatch, score_mod, masked, dtype, atol, with_max,
+                                                             small_chunks):
+    if small_chunks:  # many key chunks per row: the softmax state carries across them
+        monkeypatch.setattr(torch_cpu, "CHUNK_ELEMENTS", 1 << 12)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, H, n, E, generator=g, dtype=torch.float64).to(dtype) for n in (L, S, S))
     mask_mod = _window if masked else None
     bm = flexc.create_block_mask(mask_mod, B, 1, L, S, device="cpu", BLOCK_SIZE=(32, 32)) if masked else None
+    # (max_scores needs the running max: the fixed offset is taken without it only)
     out, aux = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
-                                    return_aux=flexc.AuxRequest(lse=True, max_scores=True))
+                                    return_aux=flexc.AuxRequest(lse=True, max_scores=with_max))
     ref_out, ref_lse, ref_max = dense_attention(q, k, v, score_mod, mask_mod)
     torch.testing.assert_close(out.double(), ref_out.double(), atol=atol, rtol=0)
     torch.testing.assert_close(aux.lse.double(), ref_lse.double(), atol=atol * 10, rtol=0)
+    if masked:  # rows that allow nothing: output 0, lse -inf
+        assert (out[:, :, :12] == 0).all() and torch.isneginf(aux.lse[:, :, :12]).all()
+    if not with_max:
+        return
     # max_scores is float32 whatever the inputs
     torch.testing.assert_close(aux.max_scores.double(), ref_max.double(), atol=max(atol * 10, 1e-5), rtol=0)
