@@ -26,6 +26,11 @@ FLOPs per allowed (q, kv) pair per head; the share is flexc's FLOP rate over a s
 the same thread count, timed in the same rounds: each round calls flexc, torch.compile and the
 sgemm once, so load from other processes shifts all three alike (the table prints the sgemm rate and
 the 1-minute load average of each row; on a shared box compare rows within a run, not across runs).
+torch.compile's side is its own C++ flex template (torch 2.13): in fp32 it computes ``q @ k^T`` with a
+micro-GEMM blocked 1 x 16 (one vector accumulator per row, so one FMA chain: about 19 GFLOP/s measured
+for that part against 60-70 for sgemm on this box; perf puts ~46% of its causal time there), whatever
+BLOCK_SIZE (64/128/256 gave 0.94/1.05/1.08 s causal, 0.090/0.113/0.161 s sliding at 1 thread; the
+table uses the default 128, as flexc does). There are no graph breaks and no recompiles inside the timing.
 ``--contended`` adds, with default threads while another process spins on
 one core, flexc/SDPA (dense mask) against its one-thread figure.
 """
