@@ -23,7 +23,15 @@ the OS (so growth is real; that setting slows allocation, so timings are taken w
 ``--share`` runs L=4096, H=8, D=64 fp32 with the masks causal, sliding window 256, 6 documents +
 causal, ALiBi + causal and soft-cap (tanh) + causal, at one thread and at two. Useful work is 4·D
 FLOPs per allowed (q, kv) pair per head; the share is flexc's FLOP rate over a square sgemm's at
-the same thread count. ``--contended`` adds, with default threads while another process spins on
+the same thread count, timed in the same rounds: each round calls flexc, torch.compile and the
+sgemm once, so load from other processes shifts all three alike (the table prints the sgemm rate and
+the 1-minute load average of each row; on a shared box compare rows within a run, not across runs).
+torch.compile's side is its own C++ flex template (torch 2.13): in fp32 it computes ``q @ k^T`` with a
+micro-GEMM blocked 1 x 16 (one vector accumulator per row, so one FMA chain: about 19 GFLOP/s measured
+for that part against 60-70 for sgemm on this box; perf puts ~46% of its causal time there), whatever
+BLOCK_SIZE (64/128/256 gave 0.94/1.05/1.08 s causal, 0.090/0.113/0.161 s sliding at 1 thread; the
+table uses the default 128, as flexc does). There are no graph breaks and no recompiles inside the timing.
+``--contended`` adds, with default threads while another process spins on
 one core, flexc/SDPA (dense mask) against its one-thread figure.
 """
 from __future__ import annotations
@@ -229,11 +237,24 @@ def share_variants(L: int):
     }
 
 
-def sgemm_rate(reps: int = 5) -> float:
-    """FLOP/s of a square fp32 matmul at the current thread count."""
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n ** 3 / median_time(lambda: a @ b, reps)
+_SGEMM_N = 2048
+
+
+def _sgemm_call():
+    """A zero-argument square fp32 matmul (2 * _SGEMM_N**3 FLOPs) at the current thread count."""
+    a, b = torch.randn(_SGEMM_N, _SGEMM_N), torch.randn(_SGEMM_N, _SGEMM_N)
+    return lambda: a @ b
+
+
+def interleaved(fns, reps: int) -> list[float]:
+    """Median seconds of each of ``fns``, called in turn ``reps`` times (one call of each per round)."""
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - start)
+    return [statistics.median(ts) for ts in times]
 
 
 def _spin() -> None:
@@ -255,16 +276,23 @@ def share_table(reps: int, contended: bool, L: int = SHARE_L) -> None:
     default_threads = torch.get_num_threads()
     print(f"torch {torch.__version__}; L={L} H={H} D={D} fp32, B=1; medians of {reps}; useful work 4*D FLOPs "
           f"per allowed pair per head")
-    print(f"{'mask':<26} {'threads':>7} {'flexc s':>8} {'compiled s':>10} {'flexc/compiled':>14} {'sgemm share':>11}")
+    print(f"{'mask':<26} {'threads':>7} {'flexc s':>8} {'compiled s':>10} {'flexc/compiled':>14} {'sgemm share':>11} "
+          f"{'GFLOP/s':>7} {'load':>5}")
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        rate = sgemm_rate()
         for name, (bm, tbm, score_mod, _, flops) in rows.items():
-            ours = median_time(lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm), reps)
-            compiled(q, k, v, score_mod=score_mod, block_mask=tbm)  # compile outside the timing
-            theirs = median_time(lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm), reps)
+            # compile (or recompile: the generated kernel is specialised on the thread count, and
+            # dynamo guards on it) and warm both up outside the timing
+            compiled(q, k, v, score_mod=score_mod, block_mask=tbm)
+            flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+            # flexc, torch.compile and the sgemm alternate within each repetition, so a burst of
+            # load from another process lands on all three rather than on one side's block of calls
+            ours, theirs, gemm = interleaved(
+                [lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
+                 lambda: compiled(q, k, v, score_mod=score_mod, block_mask=tbm), _sgemm_call()], reps)
+            rate = 2 * _SGEMM_N ** 3 / gemm
             print(f"{name:<26} {threads:>7} {ours:8.3f} {theirs:10.3f} {ours / theirs:14.2f} "
-                  f"{flops / ours / rate:10.0%}", flush=True)
+                  f"{flops / ours / rate:10.0%} {rate / 1e9:7.0f} {os.getloadavg()[0]:5.1f}", flush=True)
     torch.set_num_threads(default_threads)
     if not contended:
         return

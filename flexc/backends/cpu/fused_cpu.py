@@ -165,14 +165,22 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
     lse[g.b, g.qh, q0:q1] = acc_lse.masked_fill(acc_lse.isposinf(), float("nan"))
 
 
+# A relative call's tile is copied out (no row flips) when its elements are at most this many times
+# the query's (the flip path copies the query rows and the output, r x E each per head)
+TILE_COPY_RATIO = 2.0
+
+
 def _relative_call(q, k, v, mods, q0: int, q1: int, piece: Chunk, scale: float, bias: bool):
     """One kernel call over the contiguous key span of ``piece`` when its additive mask (the bias,
     and the mask_mod on its partial columns) depends on positions only through ``kv - q``.
 
-    The mask is evaluated once per difference (``r + c - 1`` values, not ``r * c``), and the
-    ``[r, c]`` tile is a strided view of that vector: with the query rows reversed, entry
-    ``(i, j)`` is ``vector[i + j]``. The kernel runs on the reversed rows; its output is flipped back.
-    Only a piece that mixes full and partial blocks needs the tile copied, to unmask its full columns.
+    The mask is evaluated once per difference (``r + c - 1`` values, not ``r * c``). Entry ``(i, j)``
+    of the ``[r, c]`` tile is then ``vector[r - 1 - i + j]``: with the query rows reversed it is
+    ``vector[i + j]``, a strided view of the vector, and the kernel runs on the reversed rows (its
+    output flipped back). When the tile is no bigger than the query rows and the output (a short,
+    wide call: a sliding window), or must be copied anyway to unmask the full columns of a piece that
+    mixes full and partial blocks, it is instead copied out in the right row order (a window view of
+    the vector, rows reversed) and the rows stay as they are: one copy instead of two flips.
     """
     start, end = piece.spans[0]
     r, c = q1 - q0, end - start
@@ -190,14 +198,18 @@ def _relative_call(q, k, v, mods, q0: int, q1: int, piece: Chunk, scale: float, 
         vec = torch.where(allowed, vec, _NEG_INF)
     vec = vec.reshape((1,) * (4 - vec.dim()) + tuple(vec.shape))
     n = r + c - 1
-    vec = vec.expand(vec.shape[0], vec.shape[1], 1, n).contiguous()
+    vec = vec.expand(vec.shape[0], vec.shape[1], 1, n)
+    full = _full_columns(piece) if piece.partial and mods.mask_mod is not None and not bias else []
+    if full or vec.shape[0] * vec.shape[1] * c <= TILE_COPY_RATIO * q.shape[0] * q.shape[1] * q.shape[-1]:
+        # row i of the tile is the window vector[r - 1 - i : r - 1 - i + c]; flip copies
+        tile = vec.unfold(-1, c, 1).squeeze(2).flip(-2)
+        for off, length in full:  # full blocks are allowed whatever the mask_mod says
+            tile[..., off:off + length] = 0.0
+        o, l = FLASH(q, k, v, attn_mask=tile, scale=scale)
+        fix_dead_rows(l, tile)
+        return o, l
+    vec = vec.contiguous()
     tile = vec.as_strided((vec.shape[0], vec.shape[1], r, c), (vec.shape[1] * n, n, 1, 1))
-    if piece.partial and mods.mask_mod is not None and not bias:  # (relative pieces never mix)
-        full = _full_columns(piece)
-        if full:
-            tile = tile.contiguous()
-            for off, length in full:  # full blocks are allowed whatever the mask_mod says
-                tile[..., off:off + length] = 0.0
     o, l = FLASH(q.flip(-2), k, v, attn_mask=tile, scale=scale)
     fix_dead_rows(l, tile)
     return o.flip(-2), l.flip(-1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -201,6 +202,113 @@ def _score_bias(mod: TracedMod | None):
     return None, 0
 
 
+def _number(node: ir.Node) -> float | None:
+    """The value of a finite, nonzero numeric constant node, else None."""
+    if node.op != "const" or isinstance(node.attr, bool) or not isinstance(node.attr, (int, float)):
+        return None
+    value = float(node.attr)
+    return value if value != 0 and math.isfinite(value) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _log2_form(root: ir.Node) -> tuple[ir.Node, float, bool]:
+    """``(root', pre, folded)`` with ``root'(score * pre) == root(score)``, times ``log2(e)`` if
+    ``folded``: the forward's general score_mods in as few passes over a score tile as their graph allows.
+
+    * every read of ``score`` is ``score / K`` or ``score * K`` with one constant factor: the
+      factor moves into the query's scale (soft-capping's ``score / cap``), a pass saved;
+    * the mod ends in a product with a constant: ``log2(e)``, which the base-2 softmax needs, joins
+      that constant (soft-capping's ``cap * ...``), another pass saved.
+
+    Values agree up to rounding (one product of constants instead of two products of tensors).
+    """
+    score = ir.input_("score")
+    users = [n for n in root.walk() if any(a is score for a in n.args)]
+    factors = set()
+    for n in users:
+        x, y = (n.args + (None,))[:2]
+        if n.op == "truediv" and x is score and _number(y) is not None:
+            factors.add(1.0 / _number(y))
+        elif n.op == "mul" and x is score and _number(y) is not None:
+            factors.add(_number(y))
+        elif n.op == "mul" and y is score and _number(x) is not None:
+            factors.add(_number(x))
+        else:
+            factors.add(None)
+    pre, mapping = 1.0, {}
+    if len(factors) == 1 and None not in factors and root is not score:
+        pre = factors.pop()
+        mapping = {id(n): score for n in users}
+    folded = False
+    if root.op == "mul" and root.kind == ir.FLOAT and id(root) not in mapping:
+        x, y = root.args
+        if _number(x) is not None:
+            mapping[id(root)] = ir.binary("mul", ir.const(_number(x) * LOG2E), _substitute(y, mapping))
+            folded = True
+        elif _number(y) is not None:
+            mapping[id(root)] = ir.binary("mul", _substitute(x, mapping), ir.const(_number(y) * LOG2E))
+            folded = True
+    return _substitute(root, mapping), pre, folded
+
+
+# A score_mod whose values provably lie within this many natural-log units takes a fixed softmax
+# offset instead of a running row max: exp(s - hi) stays above e^-64 (a normal float32 or float64)
+FIXED_MAX_SPAN = 64.0
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds(node: ir.Node) -> tuple[float, float] | None:
+    """``(lo, hi)`` enclosing every non-NaN value of a float ``node`` whatever its inputs (tanh and
+    sigmoid bound anything; constants, negation, sums, differences, products, division by a constant
+    and ``where`` combine bounds), or None."""
+    op, args = node.op, node.args
+    if op == "const":
+        value = node.attr
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return float(value), float(value)
+    if op == "tanh":
+        return -1.0, 1.0
+    if op == "sigmoid":
+        return 0.0, 1.0
+    if op == "neg":
+        b = _bounds(args[0])
+        return None if b is None else (-b[1], -b[0])
+    if op == "where":
+        x, y = _bounds(args[1]), _bounds(args[2])
+        return None if x is None or y is None else (min(x[0], y[0]), max(x[1], y[1]))
+    if op not in ("add", "sub", "mul", "truediv"):
+        return None
+    x, y = _bounds(args[0]), _bounds(args[1])
+    if x is None or y is None:
+        return None
+    if op == "add":
+        return x[0] + y[0], x[1] + y[1]
+    if op == "sub":
+        return x[0] - y[1], x[1] - y[0]
+    if op == "truediv":
+        if y[0] != y[1] or y[0] == 0:
+            return None  # only by a constant
+        y = (1.0 / y[0], 1.0 / y[0])
+    products = [a * b for a in x for b in y]
+    return min(products), max(products)
+
+
+def _substitute(root: ir.Node, mapping: dict) -> ir.Node:
+    """``root`` with the nodes whose ids ``mapping`` holds replaced by their values."""
+    new: dict[int, ir.Node] = {}
+    for n in root.walk():
+        if id(n) in mapping:
+            new[id(n)] = mapping[id(n)]
+        elif n.args:
+            args = tuple(new[id(a)] for a in n.args)
+            same = all(a is b for a, b in zip(args, n.args))
+            new[id(n)] = n if same else ir.make(n.op, args, n.attr, n.kind)
+        else:
+            new[id(n)] = n
+    return new[id(root)]
+
+
 class _Mods:
     """Evaluates the traced mods for one group on index tensors of exactly the visited positions."""
 
@@ -212,6 +320,16 @@ class _Mods:
         self.score_reads = ir.inputs_read(score_mod.root) if score_mod is not None else frozenset()
         self.bias_node, self.bias_sign = _score_bias(score_mod)
         self.bias_reads = ir.inputs_read(self.bias_node) if self.bias_node is not None else frozenset()
+        # the forward's general score_mod, rewritten for base-2 scores (see _log2_form)
+        self.log2_mod, self.pre_scale, self.log2_folded = None, 1.0, False
+        if score_mod is not None and self.bias_node is None:
+            root, self.pre_scale, self.log2_folded = _log2_form(score_mod.root)
+            self.log2_mod = dataclasses.replace(score_mod, root=root)
+        # a bounded score_mod (soft-capping): the softmax offset is its bound, base 2 (see _forward_row)
+        self.fixed_max = None
+        bounds = _bounds(score_mod.root) if self.log2_mod is not None else None
+        if bounds is not None and bounds[1] - bounds[0] <= FIXED_MAX_SPAN:
+            self.fixed_max = bounds[1] * LOG2E
         self.mask_reads = ir.inputs_read(self.mask_mod.root) if self.mask_mod is not None else frozenset()
         self.b = torch.arange(B, device=device)[g.b].view(-1, 1, 1, 1)
         self.h = torch.arange(Hq, device=device)[g.qh].view(1, -1, 1, 1)
@@ -223,13 +341,13 @@ class _Mods:
         return {name: values[name] for name in reads if name in values}
 
     def score(self, s4: torch.Tensor, q0: int, q1: int, kv: torch.Tensor, buffers: Sequence | None = None,
-              overwrite: bool = False) -> torch.Tensor:
+              overwrite: bool = False, mod: TracedMod | None = None) -> torch.Tensor:
         """The score_mod applied to raw scores ``s4 [b, h, r, c]`` (result may broadcast); with
         ``overwrite`` its elementwise steps may compute into ``s4`` (:func:`flexc.mods.evaluate.evaluate`)."""
         args = self._index(self.score_reads, q0, q1, kv)
         if "score" in self.score_reads:
             args["score"] = s4
-        return evaluate(self.score_mod, buffers=buffers, overwrite_score=overwrite, **args)
+        return evaluate(mod or self.score_mod, buffers=buffers, overwrite_score=overwrite, **args)
 
     def bias(self, q0: int, q1: int, kv: torch.Tensor) -> torch.Tensor:
         """``X`` of a ``score +/- X`` score_mod at these positions (broadcastable to the scores)."""
@@ -397,7 +515,7 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
     # matmul yields base-2 scores directly
     bias_mod = mods.bias_node is not None
     general_mod = mods.score_mod is not None and not bias_mod
-    qb = _scaled_query_rows(query, g, q0, q1, scale if general_mod else scale * LOG2E, work)
+    qb = _scaled_query_rows(query, g, q0, q1, scale * mods.pre_scale if general_mod else scale * LOG2E, work)
     Bg, Hkvg, Gr, _ = qb.shape
     Hqg, r = Hkvg * g.G, q1 - q0
     k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
@@ -416,6 +534,10 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         # the sum at its exp2(sink - max) = 1 (0 for a -inf sink, which is no sink); acc holds nothing yet
         m = fused_cpu.group_sinks(sinks, g, Bg, r).to(work).unsqueeze(-1) * LOG2E
         l = (m != _NEG_INF).to(work)
+    # bounded general score_mods: a fixed offset (not with sinks, which start the max, nor max_scores)
+    fixed = mods.fixed_max if general_mod and sinks is None and row_max is None else None
+    if fixed is not None:
+        m = torch.full((Bg, Hqg, r, 1), fixed, dtype=work, device=out.device)
     first = True
     for chunk in row.chunks:
         kv = chunk_kv_index(chunk, mods.kv_pos)
@@ -427,10 +549,11 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
         if general_mod:
             # s4 is this chunk's own buffer: the mod's elementwise steps compute into it (soft-capping's
             # divide, tanh and multiply make no temporaries), and whatever they could not is copied in
-            modded = mods.score(s4, q0, q1, kv, overwrite=True)
+            modded = mods.score(s4, q0, q1, kv, overwrite=True, mod=mods.log2_mod)
             if modded is not s4:
                 s4.copy_(modded)  # broadcasts and casts into the buffer we own
-            s4.mul_(LOG2E)
+            if not mods.log2_folded:
+                s4.mul_(LOG2E)
             _fill(s4, blocked, _NEG_INF)
         elif bias_mod:
             s4.add_(mods.bias(q0, q1, kv), alpha=mods.bias_sign * LOG2E)
@@ -439,23 +562,33 @@ def _forward_row(query, key, value, out, lse, row_max, g: _Group, row: Row, mods
             _add_minus_inf(s4, blocked)
         else:
             _fill(s4, blocked, _NEG_INF)
-        m_new = s4.amax(-1, keepdim=True)
-        if row_max is not None and sinks is not None:  # max_scores: the scores' own max, without the sink
-            top = m_new if top is None else torch.maximum(top, m_new)
-        if m is not None:
-            m_new = torch.maximum(m, m_new)
-        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
-        s4.sub_(m_safe).exp2_()
-        p_sum = s4.sum(-1, keepdim=True)
-        if mods.dropout is not None:  # the denominator keeps every pair; the values see the kept ones
-            s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
-        if l is None:
-            l = p_sum
+        if fixed is not None:
+            # every score is within FIXED_MAX_SPAN below the mod's bound: exp2(s - bound) neither
+            # overflows nor underflows, the offset never changes, and no rescaling follows
+            s4.sub_(fixed).exp2_()
+            p_sum = s4.sum(-1, keepdim=True)
+            if mods.dropout is not None:
+                s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
+            l = p_sum if l is None else l.add_(p_sum)
+            m_new = m
         else:
-            alpha = (m - m_safe).exp2_()
-            l.mul_(alpha).add_(p_sum)
-            if not first:  # (the first chunk's product below overwrites acc)
-                acc.mul_(alpha)
+            m_new = s4.amax(-1, keepdim=True)
+            if row_max is not None and sinks is not None:  # max_scores: the scores' own max, without the sink
+                top = m_new if top is None else torch.maximum(top, m_new)
+            if m is not None:
+                m_new = torch.maximum(m, m_new)
+            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # a row masked so far: exp2(-inf - 0) = 0
+            s4.sub_(m_safe).exp2_()
+            p_sum = s4.sum(-1, keepdim=True)
+            if mods.dropout is not None:  # the denominator keeps every pair; the values see the kept ones
+                s4.mul_(mods.kept(q0, q1, kv, s4.dtype))
+            if l is None:
+                l = p_sum
+            else:
+                alpha = (m - m_safe).exp2_()
+                l.mul_(alpha).add_(p_sum)
+                if not first:  # (the first chunk's product below overwrites acc)
+                    acc.mul_(alpha)
         if finite or not blocked:
             # the first chunk overwrites (beta=0 ignores whatever the rows held)
             acc3.baddbmm_(s.view(Bg * Hkvg, Gr, -1), _batched(vc, Bg, Bg * Hkvg), beta=0.0 if first else 1.0)

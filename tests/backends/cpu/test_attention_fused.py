@@ -168,3 +168,29 @@ def test_blocks_listed_full_between_partial_ones_skip_the_mask_mod(calls):
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
     assert calls["tasks"] > 0
+
+
+@pytest.mark.parametrize("copy_ratio", [0.0, math.inf])
+@pytest.mark.parametrize("mask_mod, score_mod", [(_window, None), (_window_per_head, None), (_causal, _alibi),
+                                                  (_window, _minus_distance), (_window_per_head, _alibi)])
+@pytest.mark.parametrize("block", [BLOCK, (16, 16)])
+def test_relative_tiles_copied_or_viewed_match_dense_reference(calls, monkeypatch, copy_ratio, mask_mod, score_mod,
+                                                               block):
+    # a kv - q tile is either a strided view of its vector over reversed query rows, or a copy in row
+    # order (always where full columns must be unmasked); force each, and check which the kernel got
+    monkeypatch.setattr(fused_cpu, "TILE_COPY_RATIO", copy_ratio)
+    seen = {"view": 0, "copy": 0}
+    real = fused_cpu.FLASH
+
+    def spy(q, k, v, attn_mask=None, scale=None):
+        if attn_mask is not None and attn_mask.shape[-1] > 1 and attn_mask.shape[-2] > 1:
+            seen["view" if attn_mask.stride(-2) == attn_mask.stride(-1) == 1 else "copy"] += 1
+        return real(q, k, v, attn_mask=attn_mask, scale=scale)
+
+    monkeypatch.setattr(fused_cpu, "FLASH", spy)
+    _check(*_qkv(), mask_mod, score_mod, block=block)
+    assert calls["tasks"] > 0
+    if copy_ratio == 0.0:
+        assert seen["view"] > 0
+    else:
+        assert seen["copy"] > 0 and seen["view"] == 0
