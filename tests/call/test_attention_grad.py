@@ -256,37 +256,6 @@ def test_row_workers_give_the_reference_result_deterministically(monkeypatch):
     _assert_grads_close(first[1:], torch.autograd.grad(ref.square().sum(), (q, k, v, bias)))
 
 
-@pytest.mark.parametrize("bkv,per_head_mask,with_bias", [(None, False, False), (1, False, True), (None, True, False)])
-def test_small_backward_cut_along_batches_and_heads_gives_the_reference(monkeypatch, bkv, per_head_mask, with_bias):
-    """A backward worth two workers but with fewer rows than that cuts its groups along batches and
-    key heads (GQA kept whole): the gradients are the float64 reference's, and the cut happened (a
-    per-head mask has a group per head already: rows enough)."""
-    from flexc.backends.cpu import torch_cpu
-
-    cuts = []
-    split = torch_cpu._split_groups
-    monkeypatch.setattr(torch_cpu, "_split_groups", lambda *a: cuts.append(a[-1]) or split(*a))
-    monkeypatch.setattr(torch_cpu, "BACKWARD_MIN_COST_PER_WORKER", 1.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        q, k, v = _inputs(Bkv=bkv, seed=13)
-        bias = torch.randn(L + S, dtype=torch.float64, requires_grad=True)
-        score_mod = (lambda s, b, h, q_idx, kv_idx: s + bias[q_idx - kv_idx + S]) if with_bias else None
-        mask_mod = ((lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (h == 1)) if per_head_mask
-                    else MASKS["document_causal"])
-        bm = flexc.create_block_mask(mask_mod, None, HQ if per_head_mask else None, L, S, device="cpu",
-                                     BLOCK_SIZE=(64, 64))
-        out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
-        wrt = (q, k, v, bias) if with_bias else (q, k, v)
-        grad_out = torch.randn_like(out)
-        ref = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
-        _assert_grads_close(torch.autograd.grad(out, wrt, grad_out), torch.autograd.grad(ref, wrt, grad_out))
-    finally:
-        torch.set_num_threads(threads)
-    assert (cuts and cuts[0] > 1) if not per_head_mask else not cuts
-
-
 def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypatch):
     import threading
 

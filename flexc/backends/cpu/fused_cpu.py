@@ -38,6 +38,8 @@ from .block_plan import Chunk, chunk_kv_index, chunk_rows, fused_pieces, shared_
 # decoding pays every token, and the overload's boxed call still a few
 FLASH = (getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
           or getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None))
+FLASH_BACKWARD = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+                         "default", None)
 _NEG_INF = float("-inf")
 # An additive mask holds at most this many elements (2 MiB in fp32) per call
 MASK_ELEMENTS = 1 << 19
@@ -124,7 +126,7 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
     if k_g.shape[0] != Bg:  # one key batch for all query batches: the kernel takes the stride-0 view
         k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
     mode = _mode(g, mods)
-    # masks of kv - q alone are built from one value per difference (see _relative_call)
+    # masks of kv - q alone are built from one value per difference (see _relative_tile)
     relative_mask = (g.G == 1 and mode != "bias"
                      and (mods.mask_mod is None or _relative_only(mods.mask_mod.root)))
     # masks are [r, c] unless the mods read b or h; keep each call's mask within MASK_ELEMENTS
@@ -141,14 +143,12 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
     for a, b, piece in calls:
         q = query[g.b, g.qh, a:b].reshape(Bg, Hkvg, g.G * (b - a), E)  # GQA: a key head's query heads as rows
         kc, vc = chunk_rows(k_g, piece), chunk_rows(v_g, piece)
-        if relative_mask and len(piece.spans) == 1 and (piece.partial or mode == "relative"):
-            o, l = _relative_call(q, kc, vc, mods, a, b, piece, scale, mode == "relative")
-        else:
-            kv = chunk_kv_index(piece, mods.kv_pos)
-            mask = _mask(piece, mods, a, b, kv, mode != "mask", q.dtype, g.G)
-            o, l = FLASH(q, kc, vc, attn_mask=mask, scale=scale)
-            if mask is not None:
-                fix_dead_rows(l, mask)
+        mask, reversed_rows = _call_mask(q, mods, a, b, piece, mode, relative_mask, g.G)
+        o, l = FLASH(q.flip(-2) if reversed_rows else q, kc, vc, attn_mask=mask, scale=scale)
+        if mask is not None:
+            fix_dead_rows(l, mask)  # (rows in the mask's order)
+        if reversed_rows:  # the tile is a strided view laid out for the query rows in reverse
+            o, l = o.flip(-2), l.flip(-1)
         if acc is None:
             acc, acc_lse = o, l
         elif len(rows) == 1:  # every call covers all the rows (stacked G*r of them with GQA)
@@ -165,14 +165,70 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
     lse[g.b, g.qh, q0:q1] = acc_lse.masked_fill(acc_lse.isposinf(), float("nan"))
 
 
+def backward_supported(query, value, mods, grad_lse, grad_slots) -> bool:
+    """Whether :func:`backward_row` gives this backward: the forward's fused case (no dropout; a
+    score_mod only as a bias, with no captured tensor wanting a gradient) and no gradient into the
+    logsumexp (torch's fused backward takes ``delta = rowsum(dO * out)`` alone). Finite inputs and
+    a present backward op are the caller's and this module's checks."""
+    return (FLASH_BACKWARD is not None and supported(query, value, mods, False) and mods.dropout is None
+            and not grad_slots and (grad_lse is None or not bool(grad_lse.any())))
+
+
+def backward_row(query, key, value, out, lse, grad_out, dq, dk, dv, g, row, mods, scale: float) -> None:
+    """The gradients of one row task of group ``g``, added into ``dq``, ``dk`` and ``dv`` (fp32 or
+    fp64, the inputs' layout): torch's fused backward over each of the forward's kernel calls, with
+    the same additive masks, the rows' final output and logsumexp (the calls' gradients then add up
+    as their shares of the softmax do). ``lse`` is the saved one with -inf (rows that allow nothing)
+    made +inf, so their probabilities, and gradients, are 0."""
+    Bg, Hqg, E = len(range(out.shape[0])[g.b]), len(range(out.shape[1])[g.qh]), query.shape[-1]
+    Hkvg, q0, q1 = Hqg // g.G, row.q0, row.q1
+    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    dk_g, dv_g = dk[g.kb, g.kvh], dv[g.kb, g.kvh]
+    broadcast_kv = k_g.shape[0] != Bg
+    if broadcast_kv:
+        k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
+    mode = _mode(g, mods)
+    relative_mask = (g.G == 1 and mode != "bias"
+                     and (mods.mask_mod is None or _relative_only(mods.mask_mod.root)))
+    per_col = (q1 - q0) * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
+    stacked = lambda t: t[g.b, g.qh, q0:q1].reshape(Bg, Hkvg, g.G * (q1 - q0), *t.shape[3:])
+    q, o, go, l = stacked(query), stacked(out), stacked(grad_out), stacked(lse)
+    dq_rows = torch.zeros(q.shape, dtype=dq.dtype, device=dq.device)
+    for piece in _pieces(row.segments, max(MASK_ELEMENTS // per_col, 128), mode):
+        kc, vc = chunk_rows(k_g, piece), chunk_rows(v_g, piece)
+        mask, reversed_rows = _call_mask(q, mods, q0, q1, piece, mode, relative_mask, g.G)
+        if reversed_rows:
+            mask = mask.flip(-2)  # (a copy of the tile in row order)
+        gq, gk, gv = FLASH_BACKWARD(go, q, kc, vc, o, l, 0.0, False, attn_mask=mask, scale=scale)
+        dq_rows += gq
+        for grad_g, part in ((dk_g, gk), (dv_g, gv)):
+            part = part.sum(0, keepdim=True) if broadcast_kv else part
+            offset = 0
+            for start, end in piece.spans:
+                grad_g[..., start:end, :] += part[..., offset:offset + end - start, :]
+                offset += end - start
+    dq[g.b, g.qh, q0:q1] += dq_rows.view(Bg, Hqg, q1 - q0, E)
+
+
 # A relative call's tile is copied out (no row flips) when its elements are at most this many times
 # the query's (the flip path copies the query rows and the output, r x E each per head)
 TILE_COPY_RATIO = 2.0
 
 
-def _relative_call(q, k, v, mods, q0: int, q1: int, piece: Chunk, scale: float, bias: bool):
-    """One kernel call over the contiguous key span of ``piece`` when its additive mask (the bias,
-    and the mask_mod on its partial columns) depends on positions only through ``kv - q``.
+def _call_mask(q, mods, q0: int, q1: int, piece: Chunk, mode: str, relative_mask: bool, G: int):
+    """``(mask, reversed_rows)``: the additive mask of one kernel call over ``piece`` for query rows
+    ``[q0, q1)`` (``q`` their stacked rows), or None; ``reversed_rows`` when it is laid out for
+    the rows in reverse order (:func:`_relative_tile`)."""
+    if relative_mask and len(piece.spans) == 1 and (piece.partial or mode == "relative"):
+        return _relative_tile(q, mods, q0, q1, piece, mode == "relative")
+    kv = chunk_kv_index(piece, mods.kv_pos)
+    return _mask(piece, mods, q0, q1, kv, mode != "mask", q.dtype, G), False
+
+
+def _relative_tile(q, mods, q0: int, q1: int, piece: Chunk, bias: bool) -> tuple[torch.Tensor, bool]:
+    """The additive mask of one kernel call over the contiguous key span of ``piece`` when it (the
+    bias, and the mask_mod on its partial columns) depends on positions only through ``kv - q``,
+    and whether it is laid out for the query rows in reverse.
 
     The mask is evaluated once per difference (``r + c - 1`` values, not ``r * c``). Entry ``(i, j)``
     of the ``[r, c]`` tile is then ``vector[r - 1 - i + j]``: with the query rows reversed it is
@@ -205,14 +261,9 @@ def _relative_call(q, k, v, mods, q0: int, q1: int, piece: Chunk, scale: float, 
         tile = vec.unfold(-1, c, 1).squeeze(2).flip(-2)
         for off, length in full:  # full blocks are allowed whatever the mask_mod says
             tile[..., off:off + length] = 0.0
-        o, l = FLASH(q, k, v, attn_mask=tile, scale=scale)
-        fix_dead_rows(l, tile)
-        return o, l
+        return tile, False
     vec = vec.contiguous()
-    tile = vec.as_strided((vec.shape[0], vec.shape[1], r, c), (vec.shape[1] * n, n, 1, 1))
-    o, l = FLASH(q.flip(-2), k, v, attn_mask=tile, scale=scale)
-    fix_dead_rows(l, tile)
-    return o.flip(-2), l.flip(-1)
+    return vec.as_strided((vec.shape[0], vec.shape[1], r, c), (vec.shape[1] * n, n, 1, 1)), True
 
 
 def _full_columns(piece: Chunk) -> list[tuple[int, int]]:

@@ -50,9 +50,6 @@ from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, memo_by_tables, 
 # memory stays a fraction of the output's.
 CHUNK_ELEMENTS = 1 << 19
 MAX_ROWS = 128
-# Scores per backward worker below which one thread is as fast: the backward's rows are many small
-# ops whose Python overhead a second worker overlaps (B=2, H=4, L=256 causal already gains at 2)
-BACKWARD_MIN_COST_PER_WORKER = 1e5
 # Above this many partial spans in one chunk the mask is evaluated once over the whole chunk.
 _MAX_PARTIAL_SPANS = 4
 _NEG_INF = float("-inf")
@@ -103,70 +100,34 @@ def _groups(B: int, Bkv: int, Hq: int, Hkv: int, Bm: int, Hm: int) -> list[_Grou
 
 
 def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, score_mod, mask_mod,
-           dropout: Dropout | None = None, min_cost_per_worker: float = 16e6):
-    """Every (group, mods, row) to compute, their estimated costs, how many workers to use, and the groups.
-
-    A job worth more workers than it has rows to balance over them is cut finer, along batches
-    and key heads (:func:`_split_groups`), so small jobs run as one parallel region of
-    single-threaded workers instead of as many small torch ops each split over the threads."""
+           dropout: Dropout | None = None):
+    """Every (group, mods, row) to compute, their estimated costs, how many workers to use, and the groups."""
     B, Hq, L, _ = query.shape
     Bkv, _, S, Ev = value.shape
-    parts = 1
-    while True:
-        tasks, costs, groups = [], [], []
-        for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev, parts):
-            groups.append(g)
-            mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device, dropout)
-            heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
-            for row in rows:
-                tasks.append((g, mods, row))
-                costs.append(float(heads * (row.q1 - row.q0) * sum(c.n_cols for c in row.chunks)))
-        wanted = min(torch.get_num_threads(), max(1, int(sum(costs) // min_cost_per_worker)))
-        if parts > 1 or wanted == 1 or len(tasks) >= 4 * wanted:
-            break
-        parts = 4 * wanted
-    return tasks, costs, workers.worker_count(len(tasks), sum(costs), min_cost_per_worker), groups
+    tasks, costs, groups = [], [], []
+    for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev):
+        groups.append(g)
+        mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device, dropout)
+        heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
+        for row in rows:
+            tasks.append((g, mods, row))
+            costs.append(float(heads * (row.q1 - row.q0) * sum(c.n_cols for c in row.chunks)))
+    return tasks, costs, workers.worker_count(len(tasks), sum(costs)), groups
 
 
-def _split_groups(groups: list[_Group], B: int, Bkv: int, parts: int) -> list[_Group]:
-    """``groups`` cut into about ``parts`` groups: into single batches first, then into runs of key
-    heads (with their query heads). Every group still reads one block-mask entry."""
-    out = []
-    for g in groups:
-        pieces = [g]
-        if len(range(B)[g.b]) > 1:
-            pieces = [dataclasses.replace(g, b=slice(i, i + 1), kb=slice(0, 1) if Bkv == 1 else slice(i, i + 1))
-                      for i in range(B)[g.b]]
-        kv_heads = range(g.kvh.stop)[g.kvh]
-        per_piece = -(-parts // (len(pieces) * len(groups)))
-        cuts = min(per_piece, len(kv_heads))
-        if cuts > 1:
-            bounds = [kv_heads[0] + len(kv_heads) * i // cuts for i in range(cuts + 1)]
-            pieces = [dataclasses.replace(p, kvh=slice(a, b), qh=slice(a * p.G, b * p.G))
-                      for p in pieces for a, b in zip(bounds, bounds[1:])]
-        out.extend(pieces)
-    return out
+def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
+    """Each group of heads and its rows of chunks (remembered per block mask and call shape)."""
+    key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads())
+    return memo_by_tables(block_mask, key, lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev))
 
 
-def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int,
-          parts: int = 1) -> list[tuple[_Group, list[Row]]]:
-    """Each group of heads and its rows of chunks (remembered per block mask and call shape);
-    ``parts`` > 1 cuts the groups finer (:func:`_split_groups`)."""
-    key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads(), parts)
-    return memo_by_tables(block_mask, key, lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev, parts))
-
-
-def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int,
-              parts: int) -> list[tuple[_Group, list[Row]]]:
+def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
     tables = read_tables(block_mask, L, S)
     plans = []
     cache: dict[tuple, list[Row]] = {}
     budget = min(CHUNK_ELEMENTS, max(CHUNK_ELEMENTS // 4, B * Hq * L * Ev // 4))
     budget //= max(1, torch.get_num_threads())  # each worker thread holds its own chunk
-    groups = _groups(B, Bkv, Hq, Hkv, tables.batch, tables.heads)
-    if parts > 1:
-        groups = _split_groups(groups, B, Bkv, parts)
-    for g in groups:
+    for g in _groups(B, Bkv, Hq, Hkv, tables.batch, tables.heads):
         n_heads = len(range(Hq)[g.qh]) * len(range(B)[g.b])
         rows = min(MAX_ROWS, max(tables.block_size[0], 1))
         # at least one key block's worth of columns, even for many heads
@@ -639,6 +600,23 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     buf_grads = [torch.zeros_like(t) for t in leaves]
     if B * Hq * L == 0:
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), [g.to(d) for g, d in zip(buf_grads, dtypes)]
+    tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
+    finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
+    # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
+    sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
+                                    for _ in range(n_workers - 1)]
+    if finite and tasks and fused_cpu.backward_supported(query, value, tasks[0][1], grad_lse, grad_slots):
+        # the forward's own fused kernel calls, backward: a few large C++ calls per row instead of
+        # the row loop's dozens of torch ops (fused_cpu.backward_row)
+        lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
+        q_, k_, v_, o_, go_ = (fused_cpu.unit_last_stride(t) for t in (query, key, value, out, grad_out))
+
+        def fused_row(task, worker):
+            g, mods, row = task
+            fused_cpu.backward_row(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, row, mods,
+                                   scale)
+        workers.run(tasks, costs, fused_row, n_workers)
+        return _summed(query, key, value, dq, sums, buf_grads, dtypes)
     # the softmax Jacobian's correction delta = rowsum(dO * P * dP) - dLSE. With a score_mod,
     # _backward_row sums its dO part from its own probabilities (see there); without one, the
     # flash identity rowsum(dO * out) is as accurate (fp32 rmse within 1.2x of SDPA's) and saves
@@ -653,12 +631,6 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     sink_share = None
     if sinks is not None and own_delta:
         sink_share = (sinks.to(work).unsqueeze(-1) - lse_safe).exp().expand(B, Hq, L, 1)
-    tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout,
-                                        BACKWARD_MIN_COST_PER_WORKER)
-    finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
-    # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
-    sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
-                                    for _ in range(n_workers - 1)]
 
     def one_row(task, worker):
         g, mods, row = task
@@ -667,6 +639,12 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
                       buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite, own_delta, sink_share)
 
     workers.run(tasks, costs, one_row, n_workers)
+    return _summed(query, key, value, dq, sums, buf_grads, dtypes)
+
+
+def _summed(query, key, value, dq, sums, buf_grads, dtypes):
+    """``(dq, dk, dv, buffer_grads)`` in the inputs' dtypes, the workers' dk, dv and buffer sums added up."""
+    dk, dv, _ = sums[0]
     for dk_w, dv_w, buf_w in sums[1:]:
         dk += dk_w
         dv += dv_w
