@@ -194,3 +194,51 @@ def test_relative_tiles_copied_or_viewed_match_dense_reference(calls, monkeypatc
         assert seen["view"] > 0
     else:
         assert seen["copy"] > 0 and seen["view"] == 0
+
+
+# ---- the fused backward (fused_cpu.backward_row) ---------------------------------------------
+
+@pytest.mark.parametrize("mask_mod, score_mod, kv_heads, kv_batch, with_sinks", [
+    (_per_head, None, H, B, False),  # rows that see no key: zero gradients, no NaN
+    (_window_per_head, _alibi, H, B, False),  # a relative tile laid out for reversed rows
+    (_documents, _absolute_positions, 2, 1, False),  # a general bias, GQA, one key batch for all
+    (_causal, None, H, B, True),  # sinks: part of lse, not of out
+])
+def test_fused_backward_takes_the_forwards_calls_and_matches_float64(monkeypatch, mask_mod, score_mod, kv_heads,
+                                                                     kv_batch, with_sinks):
+    rows = []
+    real = fused_cpu.backward_row
+    monkeypatch.setattr(fused_cpu, "backward_row", lambda *a: rows.append(1) or real(*a))
+    q, k, v = (t.requires_grad_() for t in _qkv(Hq=H, Hkv=kv_heads, Bkv=kv_batch, dtype=torch.float64, seed=3))
+    sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64, requires_grad=True) if with_sinks else None
+    bm = flexc.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True,
+                               **({"sinks": sinks} if with_sinks else {}))
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    wrt = (q, k, v) + ((sinks,) if with_sinks else ())
+    mine = torch.autograd.grad(out, wrt, grad_out)
+    assert rows, "the fused backward was not taken"
+    ref = _dense_with_sinks(q, k, v, score_mod, mask_mod, sinks)
+    for a, b in zip(mine, torch.autograd.grad(ref, wrt, grad_out)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+def _dense_with_sinks(q, k, v, score_mod, mask_mod, sinks):
+    """The dense float64 output, with each head's sink logit as one more key of value 0."""
+    if sinks is None:
+        return dense_attention(q, k, v, score_mod, mask_mod)[0]
+    out, lse, _ = dense_attention(q, k, v, score_mod, mask_mod)
+    total = torch.logaddexp(lse, sinks.view(1, -1, 1).expand_as(lse))
+    return out * torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1)
+
+
+def test_a_gradient_into_the_logsumexp_takes_the_row_loop(monkeypatch):
+    monkeypatch.setattr(fused_cpu, "backward_row", lambda *a: pytest.fail("fused backward with a gradient into lse"))
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float64, seed=5))
+    bm = flexc.create_block_mask(_window, B, H, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    mine = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+    ref_out, ref_lse, _ = dense_attention(q, k, v, None, _window)
+    for a, b in zip(mine, torch.autograd.grad(ref_out.sum() + ref_lse.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
