@@ -53,12 +53,11 @@ class CallSpec(NamedTuple):
     score_name: str | None  # None: no score_mod
     mask_name: str | None  # None: no mask_mod
     tables: tuple[bool, ...]  # which BlockMask tables are present
-    block_size: tuple[int, ...]  # () without a BlockMask (its seq_lengths are the inputs' (L, S), checked)
-    scale: float
+    block_dims: int  # len(BLOCK_SIZE): 0 without a BlockMask (its seq_lengths are the inputs' (L, S), checked)
     options: tuple  # kernel_options' sorted items (JSON is written outside dynamo)
     need_max: bool
     need_lse: bool  # (a call without gradients returns an empty logsumexp otherwise)
-    dropout_p: float  # 0: no dropout; else the seed is the op's tensor input after the tables
+    dropout: bool  # dropout_p > 0: the seed is the op's tensor input after the tables
     sinks: bool  # the call has sinks: the op's last tensor input
 
 
@@ -82,14 +81,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         mask_mod = block_mask.mask_mod
         tables = [getattr(block_mask, name, None) for name in custom_ops.TABLE_NAMES]
         block_size = tuple(int(x) for x in block_mask.BLOCK_SIZE)
-    present = [t for t in tables if t is not None] + ([seed] if dropout_p else []) + (
+    dropout = True if dropout_p else False  # (a branch: dynamo guards on it, so a symbolic dropout_p gives a constant)
+    present = [t for t in tables if t is not None] + ([seed] if dropout else []) + (
         [sinks] if sinks is not None else [])
     # torch scores in float32 (float64 for float64 inputs); indices are int32, as in torch
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     spec = CallSpec(_name(score_mod, "score_mod") if score_mod is not None else None,
                     _name(mask_mod, "mask_mod") if mask_mod is not None else None,
-                    tuple(t is not None for t in tables), block_size, float(scale),
-                    tuple(sorted(options.items())), need_max, need_lse, float(dropout_p), sinks is not None)
+                    tuple(t is not None for t in tables), len(block_size),
+                    tuple(sorted(options.items())), need_max, need_lse, dropout, sinks is not None)
     # the mods' arguments: 0-d tensors, as the mods see in eager calls (see the module docstring)
     score0 = torch.zeros((), dtype=score_dtype, device=query.device)
     b0, h0, q0, kv0 = [torch.zeros((), dtype=torch.int32, device=query.device) for _ in range(4)]
@@ -100,6 +100,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         # one node per tensor argument, in order, for the same reason
         for t in (query, key, value, *tables):
             t.detach()
+        # the call's numbers, one node each: constants of the graph, or inputs of this subgraph where
+        # dynamo made them symbolic (dynamic=True, or a scale that changed between calls); the
+        # wrapper reads them from these nodes' arguments (a spec constant cannot be symbolic)
+        for number in (scale, dropout_p, *block_size):
+            torch.full((), number, dtype=torch.float64)
         score_out = score
         if score_mod is not None:
             # requiring grad, the score makes dynamo record a Function the mod calls with its backward
@@ -212,6 +217,7 @@ class _Plan(NamedTuple):
     traced: dict  # kind -> (mod_key, input positions of its buffers) once traced
     numbers: dict  # "nodes" -> the subgraph's number nodes (see _with_numbers), found on the first call
     functions: dict  # autograd_function_apply node -> its Function class (see _graph_function)
+    call_numbers: tuple = ()  # a call's scale, dropout_p and block size: each a constant or its subgraph node
 
 
 _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakKeyDictionary()
@@ -220,12 +226,13 @@ _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakK
 def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
     plan = _plans.get(gm)
     if plan is None:
-        plan = _plans[gm] = _read_plan(gm, 5, 3 + sum(spec.tables) + bool(spec.dropout_p) + spec.sinks)
+        plan = _plans[gm] = _read_plan(gm, 5, 3 + sum(spec.tables) + spec.dropout + spec.sinks, 2 + spec.block_dims)
 
     def run(*inputs):
         query, key, value, *present = (inputs[i] for i in plan.tensors)
         sinks = present.pop() if spec.sinks else None
-        seed = present.pop() if spec.dropout_p else None
+        seed = present.pop() if spec.dropout else None
+        scale, dropout_p, *block_size = (_number_value(gm, arg, inputs) for arg in plan.call_numbers)
         inputs = _with_numbers(gm, plan, inputs, query.device)
         tables = iter(present)
         tables = [next(tables) if p else None for p in spec.tables]
@@ -233,18 +240,18 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         mask_key, mask_buffers = _mod(gm, plan, inputs, MASK_MOD, spec.mask_name)
         # the BlockMask's lengths are the inputs' (checked before): symbolic under dynamic shapes (a
         # growing KV cache), so they come from the tensors, not the constant spec
-        seq_lengths = [query.shape[-2], key.shape[-2]] if spec.block_size else []
+        seq_lengths = [query.shape[-2], key.shape[-2]] if spec.block_dims else []
         # (decided while tracing: dynamo guards on grad mode and requires_grad, so it holds for the graph)
         needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (query, key, value, *score_buffers, *([sinks] if spec.sinks else [])))
         arguments = (query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key,
-                     list(spec.block_size), seq_lengths, spec.scale, custom_ops.options_key(dict(spec.options)),
+                     block_size, seq_lengths, scale, custom_ops.options_key(dict(spec.options)),
                      spec.need_max)
         if needs_grad:
-            out, lse, row_max, _ = custom_ops.flex_attention_op(*arguments, spec.dropout_p, seed, sinks)
+            out, lse, row_max, _ = custom_ops.flex_attention_op(*arguments, dropout_p, seed, sinks)
             lse = lse if spec.need_lse else lse.new_empty((0,))
         else:
-            out, lse, row_max = custom_ops.flex_attention_inference_op(*arguments, spec.need_lse, spec.dropout_p,
+            out, lse, row_max = custom_ops.flex_attention_inference_op(*arguments, spec.need_lse, dropout_p,
                                                                        seed, sinks)
         # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
         # the same type, never read
@@ -320,7 +327,22 @@ def _mod(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, kind: str, name: 
     return key, list(traced.buffers)
 
 
-def _read_plan(gm: torch.fx.GraphModule, n_mod_args: int, n_tensors: int) -> _Plan:
+def _number_value(gm: torch.fx.GraphModule, arg: Any, inputs: tuple) -> Any:
+    """A call number read off its node's argument: a constant as it is, else this call's value of
+    the subgraph node (an input, or number arithmetic on inputs): a float, or a SymFloat while AOT
+    autograd traces, which the custom op takes as it is."""
+    if not isinstance(arg, torch.fx.Node):
+        return arg
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(placeholders, inputs))
+    needed = _ancestors(arg)
+    for node in gm.graph.nodes:
+        if node in needed and node.op != "placeholder":
+            env[node] = _run_node(gm, node, env)
+    return env[arg]
+
+
+def _read_plan(gm: torch.fx.GraphModule, n_mod_args: int, n_tensors: int, n_numbers: int = 0) -> _Plan:
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
@@ -333,10 +355,15 @@ def _read_plan(gm: torch.fx.GraphModule, n_mod_args: int, n_tensors: int) -> _Pl
     if any(n.op != "call_method" or n.target != "detach" for n in detaches):
         raise RuntimeError(f"flexc: unexpected subgraph from torch.compile; expected {n_tensors} detach nodes "
                            f"after the torch.stack:\n{gm.code}")
+    # (number arithmetic dynamo recorded, e.g. a tensorified float's item(), may come before them)
+    fulls = [n for n in body[1 + n_tensors:] if n.target is torch.full][:n_numbers]
+    if len(fulls) < n_numbers:
+        raise RuntimeError(f"flexc: unexpected subgraph from torch.compile; expected {n_numbers} torch.full nodes "
+                           f"after the detach nodes:\n{gm.code}")
     output = nodes[-1].args[0]  # (op outputs..., score_mod value (a call only), mask_mod value)
     outs = {MASK_MOD: output[-1], SCORE_MOD: output[-2] if n_mod_args == 5 else None}
     return _Plan(tuple(position[a] for a in stack.args[0]), tuple(position[n.args[0]] for n in detaches), outs,
-                 {}, {}, {})
+                 {}, {}, {}, tuple(n.args[1] for n in fulls))
 
 
 def _trace_output(gm: torch.fx.GraphModule, plan: _Plan, root: torch.fx.Node, inputs: tuple, kind: str, name: str):

@@ -221,6 +221,33 @@ def test_new_lengths_compile_once_more_with_symbolic_sizes():
     assert counter.frame_count == 2  # the second length recompiles with symbolic sizes; the third reuses it
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_symbolic_floats_dynamic_true_and_a_changing_scale_train_like_eager(dropout_p):
+    """Python floats that dynamo makes symbolic (all of them with dynamic=True, a scale that changes
+    between calls otherwise) reach the op as this call's values: outputs and gradients equal the
+    eager call's, with the same dropout draw, over new lengths, head dims and scales."""
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(2, generator=g)
+
+    def f(q, k, v, bm, scale):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h] * (qi - ki),
+                                    block_mask=bm, scale=scale, dropout_p=dropout_p)
+
+    for dynamic in (True, None):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="aot_eager", dynamic=dynamic)
+        for n, e, scale in ((32, 8, None), (48, 8, 0.3), (40, 16, 0.7)):
+            q, k, v = (torch.randn(1, 2, n, e, generator=g, requires_grad=True) for _ in range(3))
+            bm = flexc.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, BLOCK_SIZE=16)
+            results = []
+            for fn in (compiled, f):
+                torch.manual_seed(3)  # the dropout seed is drawn from the default generator, as eager draws it
+                out = fn(q, k, v, bm, scale)
+                results.append([out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v))])
+            for a, b in zip(*results):
+                torch.testing.assert_close(a, b)
+
+
 def test_triton_backend_under_compile_trains_like_eager():
     """BACKEND="TRITON" (the generated kernels, here on Triton's CPU interpreter): forward and the
     generated backward through the custom ops equal the eager Triton call."""
