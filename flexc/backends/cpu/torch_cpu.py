@@ -53,8 +53,10 @@ MAX_ROWS = 128
 # Above this many partial spans in one chunk the mask is evaluated once over the whole chunk.
 _MAX_PARTIAL_SPANS = 4
 _NEG_INF = float("-inf")
-# exp's argument floor per work dtype: exp of it is still a normal number (see _chunk_probs)
-_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
+# Softmax runs in base 2: torch's exp2 on CPU is several times faster than exp, and exp is ~30x
+# slower still on inputs below -88 (masked and far-away scores), which exp2 handles at full speed.
+# The backward's natural exp keeps its argument above a floor instead (_exp_floored_).
+_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}  # exp of each is still a normal number
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,8 +64,15 @@ def _exp_floor(dtype: torch.dtype) -> tuple[float, float]:
     """``(floor, exp(floor))`` for ``dtype``, exp taken by the same vectorised kernel as the scores'."""
     floor = _EXP_FLOOR[dtype]
     return floor, torch.full((64,), floor, dtype=dtype).exp_()[0].item()
-# Softmax runs in base 2: torch's exp2 on CPU is several times faster than exp, and exp is ~30x
-# slower still on inputs below -88 (masked and far-away scores), which exp2 handles at full speed.
+
+
+def _exp_floored_(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` in place, off the slow path torch's CPU exp takes on -inf (~5x) and on underflow
+    (~100x below -87 in fp32): the argument is floored where exp is still a normal number and
+    exp(floor) taken off again, so arguments at or below the floor give exactly 0 and every result
+    above ~2^-100 is bit-identical to exp's."""
+    floor, at_floor = _exp_floor(x.dtype)
+    return x.clamp_(min=floor).exp_().sub_(at_floor)
 
 
 # ---- groups of heads that share one block-mask table -------------------------------------
@@ -687,12 +696,8 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
         p = torch.empty_like(s4).copy_(post.detach())
     else:
         p = s4
-    # natural exp, as the softmax of the reference (exp2 of (s - lse) * log2(e) adds one rounding).
-    # torch's CPU exp takes a slow path on -inf (~5x) and on underflow (~100x below -87 in fp32), so
-    # the exponent is floored where exp is still a normal number, and exp(floor) taken off again:
-    # pairs at or below the floor give exactly 0, and every p above ~2^-100 is unchanged
-    floor, at_floor = _exp_floor(p.dtype)
-    p.sub_(lse_r).clamp_(min=floor).exp_().sub_(at_floor)
+    # natural exp, as the softmax of the reference (exp2 of (s - lse) * log2(e) adds one rounding)
+    _exp_floored_(p.sub_(lse_r))
     _zero_blocked(p, blocked)
     dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
     if not finite:
@@ -719,8 +724,7 @@ def _mask_only_chunk(qb, k_g, v_g, dob_g, lse_r, delta_r, dq_r, dk_g, dv_g, chun
     q3, do3 = qb.reshape(batch, Gr, E), dob_g.reshape(batch, Gr, -1)
     p = torch.bmm(q3, kc.transpose(-1, -2)).sub_(lse_r.reshape(batch, Gr, 1))
     _add_minus_inf(p.view(Bg, -1, r, c), mods.blocked(chunk, q0, q1, kv))
-    floor, at_floor = _exp_floor(work)
-    p.clamp_(min=floor).exp_().sub_(at_floor)  # as in _chunk_probs
+    _exp_floored_(p)
     ds = torch.bmm(do3, vc.transpose(-1, -2)).sub_(delta_r.reshape(batch, Gr, 1)).mul_(p)  # P * (dP - delta)
     dq_r.view(batch, Gr, E).add_(torch.bmm(ds, kc), alpha=scale)
     for grad, lhs, rhs in ((dk_g, ds, q3), (dv_g, p, do3)):
