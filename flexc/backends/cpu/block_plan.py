@@ -241,6 +241,17 @@ def chunk_rows(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     return torch.cat([t[..., start:end, :] for start, end in chunk.spans], dim=-2)
 
 
+def add_chunk_rows(t: torch.Tensor, chunk: Chunk, update: torch.Tensor, sum_batch: bool = False) -> None:
+    """``t[..., chunk's key positions, :] += update`` (the inverse of :func:`chunk_rows`); with
+    ``sum_batch``, ``update`` is first summed over dim 0 (rows whose batch ``t`` broadcasts)."""
+    if sum_batch:
+        update = update.sum(0, keepdim=True)
+    off = 0
+    for start, end in chunk.spans:
+        t[..., start:end, :] += update[..., off:off + end - start, :]
+        off += end - start
+
+
 _TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 # plans of the most recently used (block mask, call shape) pairs: a training step plans its
 # forward and its backward alike, and a model's layers share one block mask

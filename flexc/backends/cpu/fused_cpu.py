@@ -31,7 +31,7 @@ import functools
 import torch
 
 from ...mods.evaluate import evaluate
-from .block_plan import Chunk, chunk_kv_index, chunk_rows, fused_pieces, shared_full_columns, tree_calls
+from .block_plan import Chunk, add_chunk_rows, chunk_kv_index, chunk_rows, fused_pieces, shared_full_columns, tree_calls
 
 # guarded: older or trimmed torch builds may lack the op. Its Python binding (an unboxed call), else
 # the overload itself, not its packet: the packet's Python dispatch cost ~20 us a call, which
@@ -115,6 +115,22 @@ def group_tasks(tasks: list, n_workers: int) -> tuple[list, list]:
     return grouped, costs
 
 
+def _group_calls(key, value, g, mods, Bg: int, Hqg: int, r: int) -> tuple:
+    """``(k_g, v_g, mode, relative_mask, max_cols)`` for the kernel calls of group ``g`` over ``r``
+    query rows: its keys and values (a key batch broadcast over the query batches as the kernel's
+    stride-0 view), how bias and mask reach the kernel (:func:`_mode`), whether the mask is built
+    from ``kv - q`` alone (:func:`_relative_tile`), and the widest call's column count."""
+    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    if k_g.shape[0] != Bg:
+        k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
+    mode = _mode(g, mods)
+    relative_mask = (g.G == 1 and mode != "bias"
+                     and (mods.mask_mod is None or _relative_only(mods.mask_mod.root)))
+    # masks are [r, c] unless the mods read b or h; keep each call's mask within MASK_ELEMENTS
+    per_col = r * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
+    return k_g, v_g, mode, relative_mask, max(MASK_ELEMENTS // per_col, 128)
+
+
 def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float,
                  sinks: torch.Tensor | None = None) -> None:
     """Consecutive rows of group ``g``: fused kernel calls merged by logsumexp into out/lse, with the
@@ -122,16 +138,7 @@ def forward_rows(query, key, value, out, lse, g, rows: tuple, mods, scale: float
     q0, q1 = rows[0].q0, rows[-1].q1
     Bg, Hqg, E = len(range(out.shape[0])[g.b]), len(range(out.shape[1])[g.qh]), query.shape[-1]
     Hkvg = Hqg // g.G
-    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
-    if k_g.shape[0] != Bg:  # one key batch for all query batches: the kernel takes the stride-0 view
-        k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
-    mode = _mode(g, mods)
-    # masks of kv - q alone are built from one value per difference (see _relative_tile)
-    relative_mask = (g.G == 1 and mode != "bias"
-                     and (mods.mask_mod is None or _relative_only(mods.mask_mod.root)))
-    # masks are [r, c] unless the mods read b or h; keep each call's mask within MASK_ELEMENTS
-    per_col = (rows[0].q1 - rows[0].q0) * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
-    max_cols = max(MASK_ELEMENTS // per_col, 128)
+    k_g, v_g, mode, relative_mask, max_cols = _group_calls(key, value, g, mods, Bg, Hqg, rows[0].q1 - rows[0].q0)
     if len(rows) == 1:
         calls = [(q0, q1, piece) for piece in _pieces(rows[0].segments, max_cols, mode)]
     else:  # G == 1 here, so rows of the group are rows of the stacked layout
@@ -182,31 +189,21 @@ def backward_row(query, key, value, out, lse, grad_out, dq, dk, dv, g, row, mods
     made +inf, so their probabilities, and gradients, are 0."""
     Bg, Hqg, E = len(range(out.shape[0])[g.b]), len(range(out.shape[1])[g.qh]), query.shape[-1]
     Hkvg, q0, q1 = Hqg // g.G, row.q0, row.q1
-    k_g, v_g = key[g.kb, g.kvh], value[g.kb, g.kvh]
+    k_g, v_g, mode, relative_mask, max_cols = _group_calls(key, value, g, mods, Bg, Hqg, q1 - q0)
     dk_g, dv_g = dk[g.kb, g.kvh], dv[g.kb, g.kvh]
-    broadcast_kv = k_g.shape[0] != Bg
-    if broadcast_kv:
-        k_g, v_g = k_g.expand(Bg, *k_g.shape[1:]), v_g.expand(Bg, *v_g.shape[1:])
-    mode = _mode(g, mods)
-    relative_mask = (g.G == 1 and mode != "bias"
-                     and (mods.mask_mod is None or _relative_only(mods.mask_mod.root)))
-    per_col = (q1 - q0) * ((Bg * Hqg) if (mods.bias_reads | mods.mask_reads) & {"b", "h"} else 1)
+    broadcast_kv = dk_g.shape[0] != Bg  # (k_g is the broadcast view then: its gradients sum over batch)
     stacked = lambda t: t[g.b, g.qh, q0:q1].reshape(Bg, Hkvg, g.G * (q1 - q0), *t.shape[3:])
     q, o, go, l = stacked(query), stacked(out), stacked(grad_out), stacked(lse)
     dq_rows = torch.zeros(q.shape, dtype=dq.dtype, device=dq.device)
-    for piece in _pieces(row.segments, max(MASK_ELEMENTS // per_col, 128), mode):
+    for piece in _pieces(row.segments, max_cols, mode):
         kc, vc = chunk_rows(k_g, piece), chunk_rows(v_g, piece)
         mask, reversed_rows = _call_mask(q, mods, q0, q1, piece, mode, relative_mask, g.G)
         if reversed_rows:
             mask = mask.flip(-2)  # (a copy of the tile in row order)
         gq, gk, gv = FLASH_BACKWARD(go, q, kc, vc, o, l, 0.0, False, attn_mask=mask, scale=scale)
         dq_rows += gq
-        for grad_g, part in ((dk_g, gk), (dv_g, gv)):
-            part = part.sum(0, keepdim=True) if broadcast_kv else part
-            offset = 0
-            for start, end in piece.spans:
-                grad_g[..., start:end, :] += part[..., offset:offset + end - start, :]
-                offset += end - start
+        add_chunk_rows(dk_g, piece, gk, broadcast_kv)
+        add_chunk_rows(dv_g, piece, gv, broadcast_kv)
     dq[g.b, g.qh, q0:q1] += dq_rows.view(Bg, Hqg, q1 - q0, E)
 
 

@@ -42,7 +42,8 @@ from ...mods.trace import TracedMod
 from ... import workers
 from . import decode_cpu, fused_cpu
 from ..nonfinite import all_finite, matmul_skipping_zeros
-from .block_plan import Chunk, Row, chunk_kv_index, chunk_rows, memo_by_tables, read_tables, row_plan
+from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, read_tables,
+                         row_plan)
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
 # cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
@@ -663,14 +664,6 @@ def _summed(query, key, value, dq, sums, buf_grads, dtypes):
             [g.to(d) for g, d in zip(buf_grads, dtypes)])
 
 
-def _add_rows(acc_rows: torch.Tensor, chunk: Chunk, update: torch.Tensor) -> None:
-    """``acc_rows[..., chunk positions, :] += update`` for a chunk that may span several ranges."""
-    off = 0
-    for start, end in chunk.spans:
-        acc_rows[..., start:end, :] += update[..., off:off + end - start, :]
-        off += end - start
-
-
 # Probabilities and dO @ V^T kept from the first pass of a row for its second pass, up to this
 # many elements per row task (beyond it the second pass recomputes them).
 _KEEP_ELEMENTS = 1 << 22
@@ -737,7 +730,7 @@ def _add_product(grad_g: torch.Tensor, chunk: Chunk, lhs: torch.Tensor, rhs: tor
     A product into the rows' strided view would run batch by batch (torch splits a baddbmm_ whose
     output batches are not evenly strided into one addmm_ each), so it is formed apart and added."""
     update = torch.bmm(lhs, rhs).view(Bg, -1, chunk.n_cols, grad_g.shape[-1])
-    _add_rows(grad_g, chunk, update.sum(0, keepdim=True) if sum_kv_batch else update)
+    add_chunk_rows(grad_g, chunk, update, sum_kv_batch)
 
 
 def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buffers, leaves, buf_grads,
@@ -809,6 +802,6 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
             matmul = torch.matmul if finite or not blocked else matmul_skipping_zeros
             dq_r.add_(matmul(ds_g, kc), alpha=scale)
             dk_c = matmul(ds_g.transpose(-1, -2), qb)
-            _add_rows(dk_g, chunk, dk_c.sum(0, keepdim=True) if sum_kv_batch else dk_c)
-        _add_rows(dv_g, chunk, dv_c.sum(0, keepdim=True) if sum_kv_batch else dv_c)
+            add_chunk_rows(dk_g, chunk, dk_c, sum_kv_batch)
+        add_chunk_rows(dv_g, chunk, dv_c, sum_kv_batch)
     dq[g.b, g.qh, q0:q1] = dq_r.view(Bg, Hqg, r, E)
