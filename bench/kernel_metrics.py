@@ -398,12 +398,15 @@ def _lifted(dtype, score_mod, mask_mod):
     return lift_for_call(torch.empty(0, dtype=dtype), score, mask)
 
 
-def compile_flexc(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=None):
+def compile_flexc(score_mod, mask_mod, dtype, head_dim, L: int, H: int, options=None, tma: bool = False):
+    """flexc's forward as a call would launch it; ``tma``: with its key/value tiles through tensor
+    descriptors (USE_TMA)."""
     score, mask = _lifted(dtype, score_mod, mask_mod)
     block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
     spec = triton_forward.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
                                     options, "cuda", False, mask is not None,
                                     float_indices=float_indices(BATCH, H, L, L))  # as call_layout decides
+    spec = dataclasses.replace(spec, tma=tma)
     inputs = triton_offline.offline_inputs(spec, BATCH, H, L, L, block_mask)
     return spec, triton_offline.compile_offline(spec, CAPABILITY, inputs=inputs)
 
@@ -789,17 +792,6 @@ def run_forward(args, totals: Totals) -> None:
             totals.add("forward", name, worst, ours.report)
 
 
-def compile_flexc_tma(score_mod, mask_mod, dtype, head_dim, L: int, H: int):
-    """flexc's forward compiled with its key/value tiles through tensor descriptors (USE_TMA)."""
-    score, mask = _lifted(dtype, score_mod, mask_mod)
-    block_mask = flexc.create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
-    spec = triton_forward.make_spec(score, mask, dtype, head_dim, head_dim, (128, 128) if mask else None,
-                                    None, "cuda", False, mask is not None)
-    spec = dataclasses.replace(spec, tma=True)
-    inputs = triton_offline.offline_inputs(spec, BATCH, H, L, L, block_mask)
-    return spec, triton_offline.compile_offline(spec, CAPABILITY, inputs=inputs)
-
-
 def tma_verdict(plain: dict, tma: dict) -> list[str]:
     """Why the TMA kernel is worse than the plain one (empty: no worse): more instructions per pair in
     a loop (same tiles, so the plain counts), fewer ring slots, spills, or C7511."""
@@ -832,7 +824,7 @@ def run_forward_tma(args, totals: Totals) -> None:
             case = cases[name]
             spec, compiled = compile_flexc(case[0], case[1], dtype, head_dim, L, H)
             plain = measure(compiled)
-            tma = measure(compile_flexc_tma(case[0], case[1], dtype, head_dim, L, H)[1])
+            tma = measure(compile_flexc(case[0], case[1], dtype, head_dim, L, H, tma=True)[1])
             tiles = f"{spec.block_m}x{spec.block_n} w{spec.num_warps} s{spec.num_stages}"
             ratios = ", ".join(f"{b.kind} {b.size / a.size:.3f}" for a, b in zip(plain["loop_info"], tma["loop_info"]))
             reasons = tma_verdict(plain, tma)
