@@ -722,6 +722,21 @@ def compare(flexc_side: Side, torch_sides: list[Side]) -> tuple[list[str], dict[
     return lines, worst
 
 
+def torch_sides(configs: list, compile_one, describe, show_source: bool, backward: bool = False) -> list[Side]:
+    """One :class:`Side` per torch configuration: the first is torch's default ("torch"), a second
+    torch at flexc's tile ("torch@flexc"). ``compile_one(config)`` gives ``(source, compiled, _)``;
+    ``describe(config)`` gives ``(tiles label, num_warps, pairs per loop kind)``."""
+    sides = []
+    for i, config in enumerate(configs):
+        source, compiled, _ = compile_one(config)
+        if show_source:
+            print(source)
+        tiles, warps, pairs = describe(config)
+        sides.append(Side("torch" if i == 0 else "torch@flexc", tiles, measure(compiled, backward=backward), warps,
+                          pairs))
+    return sides
+
+
 @dataclasses.dataclass
 class Totals:
     """What the summary line collects."""
@@ -777,14 +792,11 @@ def run_forward(args, totals: Totals) -> None:
             configs = [TORCH_H100_CONFIG[(dtype, head_dim)]]
             if (spec.block_m, spec.block_n, spec.num_stages, spec.num_warps) != configs[0]:
                 configs.append((spec.block_m, spec.block_n, spec.num_stages, spec.num_warps))
-            sides = []
-            for i, config in enumerate(configs):
-                source, torch_compiled, _ = compile_torch(case, dtype, head_dim, L, H, config)
-                if args.show_torch_source:
-                    print(source)
+            def describe(config):
                 bm, bn, stages, warps = config
-                sides.append(Side("torch" if i == 0 else "torch@flexc", f"{bm}x{bn} w{warps} s{stages}",
-                                  measure(torch_compiled), warps, {"": bm * bn}))
+                return f"{bm}x{bn} w{warps} s{stages}", warps, {"": bm * bn}
+            sides = torch_sides(configs, lambda c: compile_torch(case, dtype, head_dim, L, H, c), describe,
+                                args.show_torch_source)
             if args.show_flexc_source:
                 print(kernel_cache.source_for(spec))
             lines, worst = compare(ours, sides)
@@ -849,14 +861,11 @@ def run_backward(args, totals: Totals) -> None:
                         {"dK/dV": spec.block_m1 * spec.block_n1, "dQ": spec.block_m2 * spec.block_n2})
             mine = (spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2, spec.num_stages, spec.num_warps)
             configs = [TORCH_H100_BWD_CONFIG[head_dim]] + ([mine] if mine != TORCH_H100_BWD_CONFIG[head_dim] else [])
-            sides = []
-            for i, config in enumerate(configs):
-                source, torch_compiled, _ = compile_torch_backward(name, case, dtype, head_dim, L, H, config)
-                if args.show_torch_source:
-                    print(source)
+            def describe(config):
                 m1, n1, m2, n2, stages, warps = config
-                sides.append(Side("torch" if i == 0 else "torch@flexc", f"{m1},{n1},{m2},{n2} w{warps} s{stages}",
-                                  measure(torch_compiled, backward=True), warps, {"dK/dV": m1 * n1, "dQ": m2 * n2}))
+                return f"{m1},{n1},{m2},{n2} w{warps} s{stages}", warps, {"dK/dV": m1 * n1, "dQ": m2 * n2}
+            sides = torch_sides(configs, lambda c: compile_torch_backward(name, case, dtype, head_dim, L, H, c),
+                                describe, args.show_torch_source, backward=True)
             if args.show_flexc_source:
                 print(kernel_cache.source_for(spec))
             lines, worst = compare(ours, sides)
@@ -881,14 +890,11 @@ def run_decode(args, totals: Totals) -> None:
             configs = [TORCH_H100_DECODE_CONFIG]
             if (spec.block_n, spec.num_stages, spec.num_warps) != configs[0]:
                 configs.append((spec.block_n, spec.num_stages, spec.num_warps))
-            sides = []
-            for i, config in enumerate(configs):
-                source, torch_compiled, _ = compile_torch_decode(case, dtype, head_dim, L, config)
-                if args.show_torch_source:
-                    print(source)
+            def describe(config):
                 bn, stages, warps = config
-                sides.append(Side("torch" if i == 0 else "torch@flexc", f"{torch_m}x{bn} w{warps} s{stages}",
-                                  measure(torch_compiled), warps, {"": torch_m * bn}))
+                return f"{torch_m}x{bn} w{warps} s{stages}", warps, {"": torch_m * bn}
+            sides = torch_sides(configs, lambda c: compile_torch_decode(case, dtype, head_dim, L, c), describe,
+                                args.show_torch_source)
             if args.show_flexc_source:
                 print(kernel_cache.source_for(spec))
             lines, worst = compare(ours, sides)
