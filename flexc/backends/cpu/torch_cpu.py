@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -41,6 +40,7 @@ from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
 from . import decode_cpu, fused_cpu
+from .score_mod_passes import FIXED_MAX_SPAN, log2_form, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, read_tables,
                          row_plan)
@@ -173,113 +173,6 @@ def _score_bias(mod: TracedMod | None):
     return None, 0
 
 
-def _number(node: ir.Node) -> float | None:
-    """The value of a finite, nonzero numeric constant node, else None."""
-    if node.op != "const" or isinstance(node.attr, bool) or not isinstance(node.attr, (int, float)):
-        return None
-    value = float(node.attr)
-    return value if value != 0 and math.isfinite(value) else None
-
-
-@functools.lru_cache(maxsize=256)
-def _log2_form(root: ir.Node) -> tuple[ir.Node, float, bool]:
-    """``(root', pre, folded)`` with ``root'(score * pre) == root(score)``, times ``log2(e)`` if
-    ``folded``: the forward's general score_mods in as few passes over a score tile as their graph allows.
-
-    * every read of ``score`` is ``score / K`` or ``score * K`` with one constant factor: the
-      factor moves into the query's scale (soft-capping's ``score / cap``), a pass saved;
-    * the mod ends in a product with a constant: ``log2(e)``, which the base-2 softmax needs, joins
-      that constant (soft-capping's ``cap * ...``), another pass saved.
-
-    Values agree up to rounding (one product of constants instead of two products of tensors).
-    """
-    score = ir.input_("score")
-    users = [n for n in root.walk() if any(a is score for a in n.args)]
-    factors = set()
-    for n in users:
-        x, y = (n.args + (None,))[:2]
-        if n.op == "truediv" and x is score and _number(y) is not None:
-            factors.add(1.0 / _number(y))
-        elif n.op == "mul" and x is score and _number(y) is not None:
-            factors.add(_number(y))
-        elif n.op == "mul" and y is score and _number(x) is not None:
-            factors.add(_number(x))
-        else:
-            factors.add(None)
-    pre, mapping = 1.0, {}
-    if len(factors) == 1 and None not in factors and root is not score:
-        pre = factors.pop()
-        mapping = {id(n): score for n in users}
-    folded = False
-    if root.op == "mul" and root.kind == ir.FLOAT and id(root) not in mapping:
-        x, y = root.args
-        if _number(x) is not None:
-            mapping[id(root)] = ir.binary("mul", ir.const(_number(x) * LOG2E), _substitute(y, mapping))
-            folded = True
-        elif _number(y) is not None:
-            mapping[id(root)] = ir.binary("mul", _substitute(x, mapping), ir.const(_number(y) * LOG2E))
-            folded = True
-    return _substitute(root, mapping), pre, folded
-
-
-# A score_mod whose values provably lie within this many natural-log units takes a fixed softmax
-# offset instead of a running row max: exp(s - hi) stays above e^-64 (a normal float32 or float64)
-FIXED_MAX_SPAN = 64.0
-
-
-@functools.lru_cache(maxsize=256)
-def _bounds(node: ir.Node) -> tuple[float, float] | None:
-    """``(lo, hi)`` enclosing every non-NaN value of a float ``node`` whatever its inputs (tanh and
-    sigmoid bound anything; constants, negation, sums, differences, products, division by a constant
-    and ``where`` combine bounds), or None."""
-    op, args = node.op, node.args
-    if op == "const":
-        value = node.attr
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None
-        return float(value), float(value)
-    if op == "tanh":
-        return -1.0, 1.0
-    if op == "sigmoid":
-        return 0.0, 1.0
-    if op == "neg":
-        b = _bounds(args[0])
-        return None if b is None else (-b[1], -b[0])
-    if op == "where":
-        x, y = _bounds(args[1]), _bounds(args[2])
-        return None if x is None or y is None else (min(x[0], y[0]), max(x[1], y[1]))
-    if op not in ("add", "sub", "mul", "truediv"):
-        return None
-    x, y = _bounds(args[0]), _bounds(args[1])
-    if x is None or y is None:
-        return None
-    if op == "add":
-        return x[0] + y[0], x[1] + y[1]
-    if op == "sub":
-        return x[0] - y[1], x[1] - y[0]
-    if op == "truediv":
-        if y[0] != y[1] or y[0] == 0:
-            return None  # only by a constant
-        y = (1.0 / y[0], 1.0 / y[0])
-    products = [a * b for a in x for b in y]
-    return min(products), max(products)
-
-
-def _substitute(root: ir.Node, mapping: dict) -> ir.Node:
-    """``root`` with the nodes whose ids ``mapping`` holds replaced by their values."""
-    new: dict[int, ir.Node] = {}
-    for n in root.walk():
-        if id(n) in mapping:
-            new[id(n)] = mapping[id(n)]
-        elif n.args:
-            args = tuple(new[id(a)] for a in n.args)
-            same = all(a is b for a, b in zip(args, n.args))
-            new[id(n)] = n if same else ir.make(n.op, args, n.attr, n.kind)
-        else:
-            new[id(n)] = n
-    return new[id(root)]
-
-
 class _Mods:
     """Evaluates the traced mods for one group on index tensors of exactly the visited positions."""
 
@@ -291,14 +184,14 @@ class _Mods:
         self.score_reads = ir.inputs_read(score_mod.root) if score_mod is not None else frozenset()
         self.bias_node, self.bias_sign = _score_bias(score_mod)
         self.bias_reads = ir.inputs_read(self.bias_node) if self.bias_node is not None else frozenset()
-        # the forward's general score_mod, rewritten for base-2 scores (see _log2_form)
+        # the forward's general score_mod, rewritten for base-2 scores (see score_mod_passes.log2_form)
         self.log2_mod, self.pre_scale, self.log2_folded = None, 1.0, False
         if score_mod is not None and self.bias_node is None:
-            root, self.pre_scale, self.log2_folded = _log2_form(score_mod.root)
+            root, self.pre_scale, self.log2_folded = log2_form(score_mod.root)
             self.log2_mod = dataclasses.replace(score_mod, root=root)
         # a bounded score_mod (soft-capping): the softmax offset is its bound, base 2 (see _forward_row)
         self.fixed_max = None
-        bounds = _bounds(score_mod.root) if self.log2_mod is not None else None
+        bounds = value_bounds(score_mod.root) if self.log2_mod is not None else None
         if bounds is not None and bounds[1] - bounds[0] <= FIXED_MAX_SPAN:
             self.fixed_max = bounds[1] * LOG2E
         self.mask_reads = ir.inputs_read(self.mask_mod.root) if self.mask_mod is not None else frozenset()

@@ -1,7 +1,7 @@
 """The plain-torch CPU forward rewrites a general score_mod for base-2 scores in fewer passes
-(flexc/backends/cpu/torch_cpu.py, _log2_form): a constant factor on every read of ``score`` moves
+(flexc/backends/cpu/score_mod_passes.py, log2_form): a constant factor on every read of ``score`` moves
 into the query's scale, and log2(e) joins a trailing product with a constant; a mod whose values
-are provably bounded (_bounds) takes its bound as a fixed softmax offset instead of a running row
+are provably bounded (value_bounds) takes its bound as a fixed softmax offset instead of a running row
 max. Each must be taken where it applies, refused where it does not, and give the float64 dense
 reference's output, lse and max_scores."""
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import torch_cpu
+from flexc.backends.cpu import score_mod_passes, torch_cpu
 from flexc.mods.trace import trace
 from reference import dense_attention
 
@@ -75,7 +75,7 @@ BOUNDS = [(_softcap, (-20.0, 20.0), True), (_sigmoid_gate, (-4.0, 6.0), True),
 
 @pytest.mark.parametrize("score_mod, pre, folded", CASES)
 def test_rewrite_is_taken_exactly_where_it_applies(score_mod, pre, folded):
-    root, got_pre, got_folded = torch_cpu._log2_form(trace(score_mod, "score_mod").root)
+    root, got_pre, got_folded = score_mod_passes.log2_form(trace(score_mod, "score_mod").root)
     assert got_pre == pytest.approx(pre, rel=1e-15) and got_folded is folded
     # the rewritten graph on scores * pre is the original (times log2 e when folded)
     s = torch.randn(4, 7, dtype=torch.float64) * 10
@@ -89,7 +89,7 @@ def test_rewrite_is_taken_exactly_where_it_applies(score_mod, pre, folded):
 @pytest.mark.parametrize("score_mod, bounds, fixed", BOUNDS)
 def test_bounds_and_fixed_offset_are_taken_exactly_where_they_apply(score_mod, bounds, fixed):
     traced = trace(score_mod, "score_mod")
-    assert torch_cpu._bounds(traced.root) == (None if bounds is None else pytest.approx(bounds))
+    assert score_mod_passes.value_bounds(traced.root) == (None if bounds is None else pytest.approx(bounds))
     mods = torch_cpu._Mods(traced, None, torch_cpu._groups(1, 1, 1, 1, 1, 1)[0], 1, 1, 4, 4, torch.device("cpu"))
     assert (mods.fixed_max is not None) is fixed
     if bounds is not None and fixed:  # every value of the mod at most the offset (base 2)
