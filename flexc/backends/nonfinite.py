@@ -10,14 +10,44 @@ its *value* row. :func:`matmul_skipping_zeros` is the product without that. The 
 """
 from __future__ import annotations
 
+import math
+import threading
+import weakref
+from collections import OrderedDict
+
 import torch
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every element is finite: one sum per tensor (NaN and inf survive a sum). A sum that
-    overflows reports False, which only costs the slower NaN-safe path."""
-    return all(bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)))
-               for t in tensors)
+    """Whether every element is finite: one sum per tensor (NaN and inf survive a sum), read as a
+    Python float (a tensor isfinite costs as much again as the sum of a small tensor). A sum that
+    overflows reports False, which only costs the slower NaN-safe path. A tensor's answer is
+    remembered while it is unmodified (its identity and version counter): a training step's
+    backward asks again about the inputs its forward saved."""
+    return all(_finite(t) for t in tensors)
+
+
+# id(tensor) -> (weak reference, version counter, verdict) of recently checked tensors
+_VERDICTS: OrderedDict = OrderedDict()
+_VERDICTS_SIZE = 64
+_VERDICTS_LOCK = threading.Lock()
+
+
+def _finite(t: torch.Tensor) -> bool:
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor tracks no version: checked every time
+        version = None
+    entry = _VERDICTS.get(id(t))
+    if version is not None and entry is not None and entry[0]() is t and entry[1] == version:
+        return entry[2]
+    verdict = math.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item())
+    if version is not None:
+        with _VERDICTS_LOCK:
+            _VERDICTS[id(t)] = (weakref.ref(t), version, verdict)
+            while len(_VERDICTS) > _VERDICTS_SIZE:
+                _VERDICTS.popitem(last=False)
+    return verdict
 
 
 def matmul_skipping_zeros(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ class _FlexAttentionFunction(torch.autograd.Function):
         if fallback is not None:
             warn_fallback(score_mod, fallback)
         ctx.options, ctx.dropout = options, drop
+        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no zeros made and read back
         extra = _dropout_keyword(drop) | _sinks_keyword(sinks)
         stats = None
         if training is not None:

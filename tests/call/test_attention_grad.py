@@ -265,7 +265,8 @@ def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypa
     monkeypatch.setattr(workers, "_pools", {})  # make the call start a fresh pool
     monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, *a: min(2, n_tasks))
     q, k, v = _inputs(seed=13)
-    bm = flexc.create_block_mask(MASKS["causal"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    # (a causal mask is one kernel call, without row workers)
+    bm = flexc.create_block_mask(MASKS["document_causal"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
     flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True).sum().backward()
     assert len(workers._pools) == 1
     seen = []
@@ -283,9 +284,10 @@ def test_row_workers_run_under_the_callers_inference_mode(monkeypatch):
 
     monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, *a: min(2, n_tasks))
     q, k, v = (t.detach() for t in _inputs(seed=14))
-    bm = flexc.create_block_mask(MASKS["causal"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    # (a causal mask is one kernel call, without row workers)
+    bm = flexc.create_block_mask(MASKS["document_causal"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
     with torch.inference_mode():
         out = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     assert out.is_inference()
-    ref, _, _ = dense_attention(q, k, v, mask_mod=MASKS["causal"])
+    ref, _, _ = dense_attention(q, k, v, mask_mod=MASKS["document_causal"])
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)

@@ -39,7 +39,7 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
-from . import decode_cpu, fused_cpu
+from . import causal_call, decode_cpu, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, read_tables,
@@ -298,6 +298,13 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         if sinks is not None:  # the kernel's softmax has no state to start from: the sink joins after it
             out, lse = fused_cpu.fold_sink(out, lse, sinks)
         return out, lse.to(lse_dtype), None
+    starts = (causal_call.applies(query, key, value, mask_mod, block_mask)
+              if dropout is None and score_mod is None and not need_max else None)
+    if starts is not None and all_finite(query, key, value):  # causal sequences: the kernel's causal mode
+        out, lse = causal_call.forward(query, key, value, scale, starts)
+        if sinks is not None:
+            out, lse = fused_cpu.fold_sink(out, lse, sinks)
+        return out, lse.to(lse_dtype), None
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     work = _work_dtype(query.dtype)
@@ -486,6 +493,11 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     """
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, _ = value.shape
+    starts = (causal_call.applies(query, key, value, mask_mod, block_mask)
+              if score_mod is None and dropout is None and (grad_lse is None or not bool(grad_lse.any())) else None)
+    if starts is not None and all_finite(query, key, value):  # as the forward ran
+        dq, dk, dv = causal_call.backward(query, key, value, out, lse, grad_out, scale, starts)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), []
     work = _work_dtype(query.dtype)
     dq = torch.zeros(query.shape, dtype=work, device=query.device)
     dk = torch.zeros(key.shape, dtype=work, device=query.device)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import fused_cpu
+from flexc.backends.cpu import causal_call, fused_cpu
 from reference import dense_attention
 
 B, H, L, S, E = 2, 4, 300, 260, 16  # ragged: neither length a multiple of the blocks
@@ -58,9 +58,11 @@ def _absolute_positions(score, b, h, q, kv):  # a bias, but not of kv - q alone
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Count fused tasks (and those covering several rows), so each test knows which path ran."""
+    """Count fused tasks (and those covering several rows), so each test knows which path ran.
+    Causal masks run here on the block calls too, not as one causal call (test_causal_call.py)."""
     count = {"tasks": 0, "tall": 0}
     real = fused_cpu.forward_rows
+    monkeypatch.setattr(causal_call, "applies", lambda *args: None)
 
     def spy(query, key, value, out, lse, g, rows, mods, scale, sinks=None):
         count["tasks"] += 1
@@ -208,6 +210,7 @@ def test_fused_backward_takes_the_forwards_calls_and_matches_float64(monkeypatch
                                                                      kv_batch, with_sinks):
     rows = []
     real = fused_cpu.backward_row
+    monkeypatch.setattr(causal_call, "applies", lambda *args: None)
     monkeypatch.setattr(fused_cpu, "backward_row", lambda *a: rows.append(1) or real(*a))
     q, k, v = (t.requires_grad_() for t in _qkv(Hq=H, Hkv=kv_heads, Bkv=kv_batch, dtype=torch.float64, seed=3))
     sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64, requires_grad=True) if with_sinks else None

@@ -1,0 +1,210 @@
+"""Causal masks, and causal sequences packed one after another (documents), as calls of torch's
+fused CPU kernel in its causal mode (flexc/backends/cpu/causal_call.py): recognised exactly (the
+block tables and the mask_mod's verdicts, however the mask is written), never for a mask that
+differs anywhere, decided again when a captured tensor changes, and equal to a float64 dense
+reference forward and backward."""
+import pytest
+import torch
+
+import flexc
+from flexc.backends.cpu import causal_call
+from flexc.mods.trace import trace
+from reference import dense_attention, random_qkv
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _causal_written_otherwise(b, h, q, kv):
+    return ~(kv > q) & (q - kv >= 0)
+
+
+def _causal_and_every_batch(b, h, q, kv):  # reads b, but allows every batch of the call
+    return (q >= kv) & (b < 100)
+
+
+def _window(b, h, q, kv):
+    return (q >= kv) & (q - kv < 40)
+
+
+def _shifted(b, h, q, kv):  # one more key per row: not torch's causal mode
+    return q + 1 >= kv
+
+
+def _causal_but_one_pair(b, h, q, kv):  # differs from causal at a single pair of head 1
+    return (q >= kv) & ~((h == 1) & (q == 77) & (kv == 5))
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """How many forward and backward calls ran as one causal call."""
+    count = {"forward": 0, "backward": 0}
+    for name in count:
+        real = getattr(causal_call, name)
+
+        def spy(*args, _real=real, _name=name):
+            count[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(causal_call, name, spy)
+    return count
+
+
+def _decide(mask_mod, B=2, H=3, L=200, S=200, block=(64, 32)):
+    bm = flexc.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+    return causal_call.sequence_starts(bm, trace(mask_mod), B, H, L, S)
+
+
+_DOCS = torch.tensor([0] * 70 + [1] * 45 + [2] * 85)  # three documents over 200 positions
+_DOCS_PER_BATCH = torch.stack([_DOCS, torch.tensor([0] * 120 + [1] * 80)])
+
+
+def _documents(b, h, q, kv):
+    return (_DOCS[q] == _DOCS[kv]) & (q >= kv)
+
+
+def _documents_per_batch(b, h, q, kv):
+    return (_DOCS_PER_BATCH[b, q] == _DOCS_PER_BATCH[b, kv]) & (q >= kv)
+
+
+def _documents_both_ways(b, h, q, kv):  # no causal order inside a document
+    return _DOCS[q] == _DOCS[kv]
+
+
+def _documents_per_head(b, h, q, kv):  # heads disagree: one call per sequence cannot serve them all
+    return (_DOCS[q] == _DOCS[kv]) & (q >= kv) | ((h == 2) & (q >= kv))
+
+
+def _tiny_documents(b, h, q, kv):  # sequences of 8 rows: left to the block path
+    return (q // 8 == kv // 8) & (q >= kv)
+
+
+@pytest.mark.parametrize("mask_mod, L, S, block, expected", [
+    (_causal, 200, 200, (64, 32), ((0,),)),
+    (_causal, 256, 256, 128, ((0,),)),
+    (_causal, 130, 300, (32, 64), ((0,),)),  # more keys than queries (top-left: rows see kv <= q)
+    (_causal, 300, 130, 64, ((0,),)),  # more queries than keys: the last rows see every key
+    (_causal_written_otherwise, 200, 200, (64, 32), ((0,),)),
+    (_causal_and_every_batch, 200, 200, (64, 32), ((0,),)),
+    (_documents, 200, 200, (64, 32), ((0, 70, 115),)),
+    (_documents_per_batch, 200, 200, (64, 32), ((0, 70, 115), (0, 120))),
+    (_window, 200, 200, (64, 32), None),
+    (_shifted, 200, 200, (64, 32), None),
+    (_causal_but_one_pair, 200, 200, (64, 32), None),
+    (_documents_both_ways, 200, 200, (64, 32), None),
+    (_documents_per_head, 200, 200, (64, 32), None),
+    (_tiny_documents, 200, 200, (64, 32), None),
+])
+def test_causal_sequences_are_recognised_exactly(mask_mod, L, S, block, expected):
+    assert _decide(mask_mod, L=L, S=S, block=block) == expected
+
+
+def test_tables_that_drop_a_causal_block_are_not_causal():
+    bm = flexc.create_block_mask(_causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    full_num = bm.full_kv_num_blocks.clone()
+    full_num[0, 0, 3] -= 1  # the last query block forgets one of its full key blocks
+    dropped = flexc.BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, full_num, bm.full_kv_indices,
+                                             BLOCK_SIZE=64, mask_mod=_causal, seq_lengths=(256, 256))
+    assert causal_call.sequence_starts(bm, trace(_causal), 1, 1, 256, 256) == ((0,),)
+    assert causal_call.sequence_starts(dropped, trace(_causal), 1, 1, 256, 256) is None
+
+
+def test_a_captured_tensor_changed_in_place_is_decided_again(taken):
+    # one document: causal. Two documents afterwards, with the same tables: no longer causal, and
+    # the result must be the new mask's over the tables' blocks, not a remembered verdict's
+    L = 192
+    doc = torch.zeros(L, dtype=torch.long)
+
+    def same_document_causal(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    q, k, v = random_qkv(1, 2, 2, L, L, 16, dtype=torch.float64)
+    bm = flexc.create_block_mask(same_document_causal, 1, 2, L, L, device="cpu", BLOCK_SIZE=64)
+    flexc.flex_attention(q, k, v, block_mask=bm)
+    assert taken["forward"] == 1
+    doc[100:] = 1  # the tables are unchanged; the mask_mod now cuts pairs of the diagonal blocks
+    out = flexc.flex_attention(q, k, v, block_mask=bm)
+    assert taken["forward"] == 1
+
+    def as_the_tables_apply_it(b, h, q, kv):  # full blocks below the diagonal, the mask_mod on it
+        return (kv // 64 < q // 64) | ((kv // 64 == q // 64) & same_document_causal(b, h, q, kv))
+    ref = dense_attention(q, k, v, None, as_the_tables_apply_it)[0]
+    assert not torch.allclose(ref, dense_attention(q, k, v, None, _causal)[0])
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("mask_mod, B, Bkv, Hq, Hkv, L, S, layout, dtype", [
+    (_causal, 2, 2, 4, 4, 200, 200, "row-major", torch.float64),
+    (_causal, 2, 1, 4, 2, 130, 170, "row-major", torch.float64),  # GQA, one key batch for every query batch
+    (_causal, 2, 2, 4, 4, 170, 130, "BLHE", torch.float64),  # transposed from [B, L, H, E], as models call it
+    (_causal, 1, 1, 2, 2, 256, 256, "row-major", torch.float32),
+    (_documents, 2, 2, 3, 3, 200, 200, "row-major", torch.float64),
+    (_documents_per_batch, 2, 1, 4, 2, 200, 200, "row-major", torch.float64),
+    (_documents_per_batch, 2, 2, 3, 3, 200, 200, "BLHE", torch.float32),
+])
+def test_causal_sequence_calls_match_float64_forward_and_backward(taken, mask_mod, B, Bkv, Hq, Hkv, L, S, layout,
+                                                                  dtype):
+    q, k, v = random_qkv(B, Hq, Hkv, L, S, 16, dtype=dtype, Bkv=Bkv, seed=1)
+    if layout == "BLHE":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    bm = flexc.create_block_mask(mask_mod, B, None, L, S, device="cpu", BLOCK_SIZE=64)
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    mine = torch.autograd.grad(out, (q, k, v), grad)
+    assert taken == {"forward": 1, "backward": 1}
+    ref_out, ref_lse, _ = dense_attention(q, k, v, None, mask_mod)
+    refs = torch.autograd.grad(ref_out, (q, k, v), grad.double())
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=0)
+    assert out.stride() == q.stride() and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    for a, b, t in zip(mine, refs, (q, k, v)):
+        assert a.shape == t.shape and a.stride() == t.stride()
+        torch.testing.assert_close(a.double(), b.double(), atol=10 * tol, rtol=0)
+
+
+def test_sinks_join_the_one_causal_call(taken):
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 96, 96, 16, dtype=torch.float64, seed=3))
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    bm = flexc.create_block_mask(_causal, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+    out = flexc.flex_attention(q, k, v, block_mask=bm, sinks=sinks)
+    mine = torch.autograd.grad(out.sum(), (q, k, v, sinks))
+    assert taken == {"forward": 1, "backward": 1}
+    ref_out, ref_lse, _ = dense_attention(q, k, v, None, _causal)
+    total = torch.logaddexp(ref_lse, sinks.view(1, -1, 1).expand_as(ref_lse))
+    ref = ref_out * torch.exp(ref_lse - total).unsqueeze(-1)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for a, b in zip(mine, torch.autograd.grad(ref.sum(), (q, k, v, sinks))):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_a_nan_value_row_past_the_diagonal_stays_out_of_earlier_rows(taken):
+    # the kernel's causal tiles multiply masked probabilities (0) by value rows: 0 * NaN. Such
+    # inputs take the block path, where a key no row before it may see leaves those rows finite
+    q, k, v = random_qkv(1, 1, 1, 64, 64, 8, dtype=torch.float64, seed=4)
+    v[0, 0, 40] = float("nan")
+    bm = flexc.create_block_mask(_causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    out = flexc.flex_attention(q, k, v, block_mask=bm)
+    assert taken["forward"] == 0
+    assert torch.isfinite(out[0, 0, :40]).all() and torch.isnan(out[0, 0, 40:]).all()
+
+
+@pytest.mark.parametrize("case", ["score_mod", "gradient into lse", "max_scores"])
+def test_calls_beyond_plain_causal_attention_take_the_block_path(taken, case):
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 96, 96, 16, dtype=torch.float64, seed=5))
+    bm = flexc.create_block_mask(_causal, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+    score_mod = (lambda s, b, h, qi, kv: s * 0.5) if case == "score_mod" else None
+    if case == "max_scores":  # (without autograd: a training call's max_scores is a second forward)
+        with torch.no_grad():
+            out, aux = flexc.flex_attention(q, k, v, block_mask=bm, return_aux=flexc.AuxRequest(max_scores=True))
+        ref_max = dense_attention(q, k, v, None, _causal)[2]
+        torch.testing.assert_close(aux.max_scores.double(), ref_max, atol=1e-6, rtol=0)
+        assert taken["forward"] == 0
+        return
+    out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+    mine = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+    ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod, _causal)
+    for a, b in zip(mine, torch.autograd.grad(ref_out.sum() + ref_lse.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    assert taken["backward"] == 0 and taken["forward"] == (case != "score_mod")
