@@ -23,7 +23,7 @@ the pattern. The answer is remembered with the tables and the mask_mod's capture
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,13 +31,15 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from . import fused_cpu
-from .block_plan import memo_by_tables, read_tables, row_plan
+from .block_plan import memo_by_tables
 
 # partial-block elements the mask_mod is evaluated on to decide (a causal mask's diagonal blocks
 # are L x BLOCK_SIZE per table entry); past it the block path runs
 MAX_CHECKED_ELEMENTS = 1 << 26
 # sequences shorter than this on average are left to the block path (one kernel call each)
 MIN_MEAN_ROWS = 32
+# query blocks checked together, at most (groups grow 1, 2, 4, ... blocks)
+MAX_GROUP_BLOCKS = 64
 
 Starts = tuple  # per batch (or one entry for every batch): the query rows where a sequence starts
 
@@ -67,17 +69,32 @@ def sequence_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: in
 
 
 def _find_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: int, S: int) -> Starts | None:
-    tables = read_tables(block_mask, L, S)
+    block = block_mask.BLOCK_SIZE
+    q_block, kv_block = (int(block), int(block)) if isinstance(block, int) else (int(block[0]), int(block[1]))
+    tables = [getattr(block_mask, name, None) for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                                                          "full_kv_indices")]
+    tables = [t if t is None else t.cpu() for t in tables]
+    n_rows = -(-L // q_block)
+    if tables[0].shape[-1] < n_rows:
+        return None
     reads = ir.inputs_read(mask_mod.root)
     budget = [MAX_CHECKED_ELEMENTS]
     per_batch: list = [None] * B
-    for bm in range(tables.batch):
-        for hm in range(tables.heads):
-            batches, heads = range(B)[bm::tables.batch], range(Hq)[hm::tables.heads]
-            index = {"b": torch.tensor(batches).view(-1, 1, 1, 1) if "b" in reads else torch.zeros(1, 1, 1, 1, dtype=torch.long),
-                     "h": torch.tensor(heads).view(1, -1, 1, 1) if "h" in reads else torch.zeros(1, 1, 1, 1, dtype=torch.long)}
-            rows = row_plan(tables, bm, hm, L, S, max(tables.block_size[0], 1), S)
-            new = _sequence_rows(rows, mask_mod, reads, index, L, S, budget)
+    Bt, Ht = tables[0].shape[:2]
+    for bm in range(Bt):
+        for hm in range(Ht):
+            batches, heads = range(B)[bm::Bt], range(Hq)[hm::Ht]
+            if not batches or not heads:
+                continue
+            entry = _Entry(q_block, kv_block, L, S,
+                           _listed(tables[0][bm, hm], tables[1][bm, hm], n_rows, kv_block, S),
+                           None if tables[2] is None else _listed(tables[2][bm, hm], tables[3][bm, hm], n_rows,
+                                                                  kv_block, S))
+            if _lists_a_block_twice(entry):
+                return None  # (a malformed mask: a key counted twice is not one the sums can read)
+            index = {"b": torch.tensor(batches).view(1, -1, 1, 1, 1) if "b" in reads else torch.zeros(1, 1, 1, 1, 1, dtype=torch.long),
+                     "h": torch.tensor(heads).view(1, 1, -1, 1, 1) if "h" in reads else torch.zeros(1, 1, 1, 1, 1, dtype=torch.long)}
+            new = _sequence_rows(entry, mask_mod, reads, index, budget)
             if new is None:
                 return None
             for i, b in enumerate(batches):  # every head of a batch must agree
@@ -93,51 +110,146 @@ def _find_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: int, 
     return tuple(per_batch)
 
 
-def _sequence_rows(rows: list, mask_mod: TracedMod, reads: frozenset, index: dict, L: int, S: int,
+def _listed(num: torch.Tensor, indices: torch.Tensor, n_rows: int, kv_block: int, S: int) -> tuple:
+    """``(query block, key block)`` of every entry one table lists for the first ``n_rows`` query
+    blocks (inside each row's count, at a key block that starts before ``S``), as two tensors."""
+    num, indices = num[:n_rows].long(), indices[:n_rows].long()
+    listed = ((torch.arange(indices.shape[-1]) < num[:, None]) & (indices >= 0)
+              & (indices * kv_block < S))
+    rows, cols = listed.nonzero(as_tuple=True)
+    return rows, indices[rows, cols]
+
+
+def _lists_a_block_twice(entry: "_Entry") -> bool:
+    pairs = [entry.partial] + ([entry.full] if entry.full is not None else [])
+    keys = torch.cat([rows * (1 << 31) + cols for rows, cols in pairs])
+    return keys.numel() != torch.unique(keys).numel()
+
+
+class _Entry(NamedTuple):
+    """One block-mask entry's listed blocks: ``partial`` and ``full`` as (query block, key block)
+    tensors (``full`` None when the mask has no full tables), with the block sizes and lengths."""
+
+    q_block: int
+    kv_block: int
+    L: int
+    S: int
+    partial: tuple
+    full: tuple | None
+
+
+def _sequence_rows(entry: _Entry, mask_mod: TracedMod, reads: frozenset, index: dict,
                    budget: list) -> torch.Tensor | None:
-    """``[b, h, L]`` booleans, True where a causal sequence starts, for one table entry's ``rows``
-    (``b``/``h`` of size 1 unless the mask reads them); None at the first row that sees anything
-    but ``[start, q]`` with ``start`` its own index or its predecessor's, or past the budget."""
-    nb, nh = index["b"].shape[0], index["h"].shape[1]
+    """``[b, h, L]`` booleans, True where a causal sequence starts, for one block-mask entry
+    (``b``/``h`` of size 1 unless the mask reads them); None when some row sees anything but
+    ``[start, q]`` with ``start`` its own index or its predecessor's, or past the budget.
+
+    A row is read by three sums over the keys it sees (:func:`_key_sums`), taken relative to its
+    last allowed key ``top = min(q, S - 1)`` as ``d = kv - top``: the count ``m``, ``sum d`` and
+    ``sum d^2``. Its keys are exactly ``[top - m + 1, top]`` if and only if both sums equal that
+    range's: ``m`` distinct integers with the range's mean and its variance (the least any ``m``
+    distinct integers have, reached only by consecutive ones) are that range. Query blocks are
+    checked in groups of 1, 2, 4, ... blocks: a mask that breaks the pattern early (a sliding
+    window) costs little, and one that keeps it is evaluated in few batched calls."""
+    nb, nh = index["b"].shape[1], index["h"].shape[2]
+    L, S, q_block = entry.L, entry.S, entry.q_block
     new = torch.zeros(nb, nh, L, dtype=torch.bool)
     previous = torch.full((nb, nh, 1), -1)  # (row 0 must start a sequence)
-    covered = 0
-    for row in rows:
-        q0, q1 = row.q0, row.q1
-        if q0 != covered:
-            return None  # a query block that lists no key
-        covered = q1
-        r = q1 - q0
-        lo = torch.full((nb, nh, r), S)
-        hi = torch.full((nb, nh, r), -1)
-        n = torch.zeros((nb, nh, r), dtype=torch.long)
-        for start, end, partial in row.segments:
-            if not partial:
-                lo.clamp_(max=start)
-                hi.clamp_(min=end - 1)
-                n += end - start
-                continue
-            budget[0] -= nb * nh * r * (end - start)
-            if budget[0] < 0:
-                return None
-            index["q_idx"] = torch.arange(q0, q1).view(1, 1, -1, 1)
-            index["kv_idx"] = torch.arange(start, end).view(1, 1, 1, -1)
-            allowed = torch.broadcast_to(evaluate(mask_mod, **{name: index[name] for name in reads}),
-                                         (nb, nh, r, end - start)).to(torch.uint8)
-            count = allowed.sum(-1)
-            seen = count > 0
-            lo = torch.where(seen, torch.minimum(lo, start + allowed.argmax(-1)), lo)
-            hi = torch.where(seen, torch.maximum(hi, end - 1 - allowed.flip(-1).argmax(-1)), hi)
-            n += count
-        q = torch.arange(q0, q1)
-        if not (bool((hi == q.clamp(max=S - 1)).all()) and bool((n == hi - lo + 1).all())):
-            return None  # a row sees keys after itself, or a gap
+    block0, size, n_blocks = 0, 1, -(-L // q_block)
+    while block0 < n_blocks:
+        block1 = min(block0 + size, n_blocks)
+        q = torch.arange(block0 * q_block, min(block1 * q_block, L))
+        sums = _key_sums(entry, block0, block1, mask_mod, reads, index, budget)
+        if sums is None:
+            return None
+        m, k1, k2 = sums
+        top = q.clamp(max=S - 1)
+        sum_d, sum_d2 = k1 - m * top, k2 - 2 * top * k1 + m * top * top
+        if not (bool((m > 0).all()) and bool((sum_d == -(m * (m - 1) // 2)).all())
+                and bool((sum_d2 == (m - 1) * m * (2 * m - 1) // 6).all())):
+            return None  # a row sees keys after itself, a gap, or nothing
+        lo = top - m + 1
         starts_here = lo == q
         if not bool((starts_here | (lo == torch.cat([previous, lo[..., :-1]], -1))).all()):
             return None  # a row's first key is neither itself nor its predecessor's
-        new[..., q0:q1] = starts_here
+        new[..., q[0]:q[-1] + 1] = starts_here
         previous = lo[..., -1:]
-    return new if covered == L else None
+        block0, size = block1, min(2 * size, MAX_GROUP_BLOCKS)
+    return new
+
+
+def _key_sums(entry: _Entry, block0: int, block1: int, mask_mod: TracedMod, reads: frozenset, index: dict,
+              budget: list) -> tuple | None:
+    """``(count, sum kv, sum kv^2)`` over the keys each row of query blocks ``[block0, block1)``
+    sees, ``[b, h, rows]`` int64: full blocks in closed form, partial ones from the mask_mod
+    evaluated once over all their tiles (indices past the lengths clamped into them, those keys
+    then not seen) and summed by one matrix product (:func:`_offset_sums`)."""
+    q_block, kv_block, L, S = entry.q_block, entry.kv_block, entry.L, entry.S
+    nb, nh = index["b"].shape[1], index["h"].shape[2]
+    q0, q1 = block0 * q_block, min(block1 * q_block, L)
+    rows_per_block = torch.tensor([min(q_block, L - i * q_block) for i in range(block0, block1)])
+    per_block = [torch.zeros(block1 - block0, dtype=torch.long) for _ in range(3)]
+    if entry.full is not None:  # full blocks: every row of the query block sees all their keys
+        rows, cols = entry.full
+        pick = (rows >= block0) & (rows < block1)
+        rows, cols = rows[pick] - block0, cols[pick]
+        first, last = cols * kv_block, ((cols + 1) * kv_block).clamp(max=S) - 1
+        for total, value in zip(per_block, _closed_sums(first, last)):
+            total.scatter_add_(0, rows, value)
+    sums = [t.repeat_interleave(rows_per_block).expand(nb, nh, -1).clone() for t in per_block]
+    rows, cols = entry.partial
+    pick = (rows >= block0) & (rows < block1)
+    rows, cols = rows[pick], cols[pick]
+    if rows.numel():
+        budget[0] -= rows.numel() * q_block * kv_block * nb * nh
+        if budget[0] < 0:
+            return None
+        q = rows[:, None] * q_block + torch.arange(q_block)  # [tiles, rows]
+        kv = cols[:, None] * kv_block + torch.arange(kv_block)  # [tiles, keys]
+        values = {**index, "q_idx": q.clamp(max=L - 1).view(-1, 1, 1, q_block, 1),
+                  "kv_idx": kv.clamp(max=S - 1).view(-1, 1, 1, 1, kv_block)}
+        allowed = torch.broadcast_to(evaluate(mask_mod, **{name: values[name] for name in reads}),
+                                     (len(rows), nb, nh, q_block, kv_block))
+        if bool((kv >= S).any()):
+            allowed = allowed & (kv < S).view(-1, 1, 1, 1, kv_block)
+        c0, c1, c2 = _offset_sums(allowed.contiguous().view(-1, kv_block)).view(3, *allowed.shape[:-1]).unbind(0)
+        start = (cols * kv_block).view(-1, 1, 1, 1)
+        tile_sums = (c0, start * c0 + c1, start * start * c0 + 2 * start * c1 + c2)
+        at = (q - q0).clamp(max=q1 - q0).view(-1, 1, 1, q_block).expand(-1, nb, nh, -1)
+        flat = lambda t: t.permute(1, 2, 0, 3).reshape(nb, nh, -1)
+        for total, value in zip(sums, tile_sums):  # rows past L land in one slot more, then dropped
+            grown = torch.cat([total, torch.zeros(nb, nh, 1, dtype=torch.long)], -1)
+            total.copy_(grown.scatter_add_(-1, flat(at), flat(value))[..., :-1])
+    return tuple(sums)
+
+
+def _offset_sums(allowed: torch.Tensor) -> torch.Tensor:
+    """``[3, rows]`` int64: the count, ``sum j`` and ``sum j^2`` of the allowed offsets ``j`` in each
+    row of the boolean ``[rows, c]``. One int8 product (exact in int32) with ``1`` and the 7-bit
+    digits of ``j`` and ``j^2`` as columns, where the kernel exists and ``c`` allows; else a
+    float64 product (exact: every sum is far below 2^53). The int8 product reads the booleans as
+    they are; converting them to float costs several times the product."""
+    c = allowed.shape[-1]
+    j = torch.arange(c)
+    if c % 8 == 0 and c <= 1 << 14 and allowed.shape[0] > 16:
+        digits = lambda x, n: [(x >> (7 * i)) & 127 for i in range(n)]
+        columns = torch.stack([torch.ones_like(j), *digits(j, 2), *digits(j * j, 4), torch.zeros_like(j)], 1)
+        try:
+            d = torch._int_mm(allowed.view(torch.int8), columns.to(torch.int8)).long()
+        except (RuntimeError, AttributeError):  # (a torch without the CPU kernel)
+            pass
+        else:
+            return torch.stack([d[:, 0], d[:, 1] + (d[:, 2] << 7),
+                                d[:, 3] + (d[:, 4] << 7) + (d[:, 5] << 14) + (d[:, 6] << 21)])
+    jf = j.to(torch.float64)
+    return (allowed.to(torch.float64) @ torch.stack([torch.ones_like(jf), jf, jf * jf], 1)).round_().long().T
+
+
+def _closed_sums(first: torch.Tensor, last: torch.Tensor) -> tuple:
+    """``(count, sum kv, sum kv^2)`` of the key ranges ``[first, last]`` (``0 <= first <= last``)."""
+    s1 = lambda x: x * (x + 1) // 2
+    s2 = lambda x: x * (x + 1) * (2 * x + 1) // 6
+    return last - first + 1, s1(last) - s1(first - 1), s2(last) - s2(first - 1)
 
 
 @functools.lru_cache(maxsize=1)
