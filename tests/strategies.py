@@ -298,3 +298,52 @@ DIFFERENTIABLE = Grammar(
     atoms={},
     depth=3,
 )
+
+
+# ---- packed causal sequences: causal attention inside runs of a per-batch sequence id ----------
+
+DISTURBANCES = ("none", "drop a pair", "add a later key", "add an earlier sequence's key", "window", "shifted diagonal",
+                "spread a row")
+
+
+@st.composite
+def packed_causal_masks(draw):
+    """``(mask_mod, B, L, S, BLOCK_SIZE, disturbance)``: each batch's positions cut into up to three
+    sequences at random boundaries (captured ``[B, max(L, S)]`` ids), causal attention inside each, then perhaps
+    one of :data:`DISTURBANCES`: a mask close to, but not of, that form."""
+    B = draw(st.integers(1, 2))
+    # long enough for sequences of MIN_MEAN_ROWS (causal_call) rows, the row disturbed past the first
+    L, S = draw(st.integers(48, 160)), draw(st.integers(48, 160))
+    block = draw(st.sampled_from([16, 32, (16, 32), (32, 16)]))
+    n = max(L, S)
+    ids = torch.zeros(B, n, dtype=torch.long)
+    for b in range(B):
+        for boundary in draw(st.lists(st.integers(1, n - 1), max_size=2)):
+            ids[b, boundary:] += 1
+    kind = draw(st.sampled_from(DISTURBANCES))
+    q0 = draw(st.integers(L // 3, L - 1))
+    k0 = draw(st.integers(0, S - 1))
+    width = draw(st.integers(1, 40))
+
+    # (the row q0 of each batch, its sequence's start s: keys s + 1 and q0 - 1 swapped for s - 1 and
+    # q0 + 1, which keeps the row's key count and key sum)
+    first = torch.tensor([int((ids[b] == ids[b, q0]).nonzero()[0]) for b in range(B)])
+
+    def mask_mod(b, h, q, kv):
+        base = (ids[b, q] == ids[b, kv]) & (q >= kv)
+        if kind == "spread a row":
+            s = first[b]
+            at = q == q0
+            return (base & ~(at & ((kv == s + 1) | (kv == q0 - 1)))) | (at & ((kv == s - 1) | (kv == q0 + 1)))
+        if kind == "drop a pair":
+            return base & ~((q == q0) & (kv == min(k0, q0)))
+        if kind == "add a later key":
+            return base | ((q == q0) & (kv == min(q0 + 1 + k0 % 3, S - 1)))
+        if kind == "add an earlier sequence's key":
+            return base | ((q == q0) & (kv == k0 % (q0 + 1)))
+        if kind == "window":
+            return base & (q - kv < width)
+        if kind == "shifted diagonal":
+            return (ids[b, q] == ids[b, kv]) & (q + 1 >= kv)
+        return base
+    return mask_mod, B, L, S, block, kind

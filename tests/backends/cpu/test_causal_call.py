@@ -5,6 +5,9 @@ differs anywhere, decided again when a captured tensor changes, and equal to a f
 reference forward and backward."""
 import pytest
 import torch
+from hypothesis import event, given
+
+import strategies
 
 import flexc
 from flexc.backends.cpu import causal_call
@@ -75,6 +78,12 @@ def _documents_per_head(b, h, q, kv):  # heads disagree: one call per sequence c
     return (_DOCS[q] == _DOCS[kv]) & (q >= kv) | ((h == 2) & (q >= kv))
 
 
+def _spread_row(b, h, q, kv):  # row 150 (keys 115..150) swaps 116 and 149 for 114 and 151: same count and sum
+    at = q == 150
+    return ((_documents(b, h, q, kv) & ~(at & ((kv == 116) | (kv == 149))))
+            | (at & ((kv == 114) | (kv == 151))))
+
+
 def _tiny_documents(b, h, q, kv):  # sequences of 8 rows: left to the block path
     return (q // 8 == kv // 8) & (q >= kv)
 
@@ -93,6 +102,7 @@ def _tiny_documents(b, h, q, kv):  # sequences of 8 rows: left to the block path
     (_causal_but_one_pair, 200, 200, (64, 32), None),
     (_documents_both_ways, 200, 200, (64, 32), None),
     (_documents_per_head, 200, 200, (64, 32), None),
+    (_spread_row, 200, 200, (64, 32), None),
     (_tiny_documents, 200, 200, (64, 32), None),
 ])
 def test_causal_sequences_are_recognised_exactly(mask_mod, L, S, block, expected):
@@ -208,3 +218,39 @@ def test_calls_beyond_plain_causal_attention_take_the_block_path(taken, case):
     for a, b in zip(mine, torch.autograd.grad(ref_out.sum() + ref_lse.sum(), (q, k, v))):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     assert taken["backward"] == 0 and taken["forward"] == (case != "score_mod")
+
+
+def _starts_by_brute_force(mask_mod, B, L, S):
+    """The rows where sequences start, read row by row off the dense mask (None where a row sees
+    anything but ``[start, min(q, S - 1)]``), with the same rules on batches and lengths."""
+    dense = torch.broadcast_to(mask_mod(torch.arange(B).view(-1, 1, 1), torch.zeros(1, 1, 1, dtype=torch.long),
+                                        torch.arange(L).view(1, -1, 1), torch.arange(S).view(1, 1, -1)), (B, L, S))
+    per_batch = []
+    for b in range(B):
+        starts, previous = [], None
+        for q in range(L):
+            seen = dense[b, q].nonzero().flatten().tolist()
+            if not seen or seen != list(range(seen[0], min(q, S - 1) + 1)):
+                return None
+            if seen[0] == q:
+                starts.append(q)
+            elif seen[0] != previous:
+                return None
+            previous = seen[0]
+        per_batch.append(tuple(starts))
+    if len(set(per_batch)) == 1:
+        per_batch = per_batch[:1]
+    if sum(len(s) for s in per_batch) * causal_call.MIN_MEAN_ROWS > len(per_batch) * L:
+        return None
+    return tuple(per_batch)
+
+
+@strategies.examples(80, slow=True)
+@given(strategies.packed_causal_masks())
+def test_sequence_starts_equal_a_row_by_row_reading_of_the_dense_mask(case):
+    mask_mod, B, L, S, block, kind = case
+    event(kind)
+    bm = flexc.create_block_mask(mask_mod, B, 1, L, S, device="cpu", BLOCK_SIZE=block)
+    expected = _starts_by_brute_force(mask_mod, B, L, S)
+    event("causal sequences" if expected else "not")
+    assert causal_call.sequence_starts(bm, trace(mask_mod), B, 2, L, S) == expected
