@@ -480,7 +480,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     tiles = spec.q_block_size // spec.block_m1
     params = [
         "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
-        "query_ptr, grad_out_ptr, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
+        "query_ptr, grad_out_ptr, q_head, do_head, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
         *(["row_sum_ptr,"] if spec.precise else []),
         "block_count_ptr, block_index_ptr, scale, Q_LEN,",
         *names_line(buffers),
@@ -488,8 +488,9 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         *constexprs(("IS_FULL_BLOCKS", "BLOCK_M1", "BLOCK_N1", "Q_BLOCK_SIZE"), ("DIVISIBLE", "GUARD_NONFINITE_INPUTS"),
                     HEAD_DIMS),
     ]
-    q_ptrs = "query_ptr + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd"
-    do_ptrs = "grad_out_ptr + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod"
+    # the head's offset plus the tile's, from the kernel's own pointers (see the kernel's q_head)
+    q_ptrs = "query_ptr + (q_head + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd)"
+    do_ptrs = "grad_out_ptr + (do_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod)"
     head, tail = tile_walk("block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m", count_ptr="block_count_ptr")
     body = [
         *jit_def("dkdv_blocks", params),
@@ -637,7 +638,7 @@ def kernel_params(spec: BackwardSpec, buffers: list[str]) -> tuple[list[str], li
         "stride_dvb, stride_dvh, stride_dvn, stride_dvd,",
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         *constexprs(("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), ("Q_BLOCK_SIZE", "KV_BLOCK_SIZE", "DIVISIBLE"),
-                    ("GUARD_NONFINITE_INPUTS",), HEAD_DIMS),
+                    ("GUARD_NONFINITE_INPUTS", "INT64_OFFSETS"), HEAD_DIMS),
     ]
     return params, ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
 
@@ -652,7 +653,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, r: RenderedBackward
     def dkdv_call(kind: str, is_full: bool) -> list[str]:
         return call("dk, dv", "dkdv_blocks", [
             "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
-            "q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
+            "query_ptr, grad_out_ptr, q_head, do_head, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
             *(["row_sum_base,"] if spec.precise else []),
             f"{kind}_q_counts_ptr + mask_col, {kind}_q_indices_ptr + mask_col * MASK_Q_BLOCKS, scale, Q_LEN,",
             *names_line(r.args),
@@ -695,8 +696,15 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, r: RenderedBackward
         *hoisted_lines(r.mods, "            "),
         "            # this tile's column of the BlockMask's query tables; batch and heads broadcast by modulo",
         "            mask_col = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_KV_BLOCKS + (pid * BLOCK_N1) // KV_BLOCK_SIZE",
-        "            q_base = query_ptr + b * stride_qb + h * stride_qh",
-        "            do_base = grad_out_ptr + b * stride_dob + h * stride_doh",
+        "            # this head's query and grad_out rows as element offsets, which the loops add to the tile's",
+        "            # and then to the kernel's pointers: a per-head base pointer kept across the loops would",
+        "            # take a 64-bit register pair each (ALiBi D=128 spilled on sm_90)",
+        "            if INT64_OFFSETS:  # a tensor holds 2**31 elements or more",
+        "                q_head = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh",
+        "                do_head = b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh",
+        "            else:",
+        "                q_head = b * stride_qb + h * stride_qh",
+        "                do_head = b * stride_dob + h * stride_doh",
         "            lse_base = lse_ptr + b * stride_lb + h * stride_lh",
         "            delta_base = delta_ptr + b * stride_lb + h * stride_lh",
         *(["            row_sum_base = row_sum_ptr + b * stride_lb + h * stride_lh"] if spec.precise else []),
