@@ -74,6 +74,7 @@ sys.path.insert(0, ROOT)
 
 import flexc  # noqa: E402
 from flexc.backends.triton import cache as kernel_cache, forward as triton_forward, offline as triton_offline  # noqa: E402
+from flexc.backends.triton import tma as triton_tma  # noqa: E402
 from flexc.codegen.index_width import float_indices  # noqa: E402
 from flexc.codegen.scalars import lift_for_call  # noqa: E402
 
@@ -824,8 +825,10 @@ def tma_verdict(plain: dict, tma: dict) -> list[str]:
 
 
 def run_forward_tma(args, totals: Totals) -> None:
-    """flexc's forward kernel with plain key/value loads and with TMA (USE_TMA) side by side, and
-    whether TMA is no worse (:func:`tma_verdict`), the measure flexc.backends.triton.tma's rule follows."""
+    """flexc's forward kernel with plain key/value loads and with TMA (USE_TMA) side by side, whether
+    TMA is no worse (:func:`tma_verdict`), the measure flexc.backends.triton.tma's rule follows, and
+    what that rule (``by_default``) picks for the case: a pick that disagrees with the verdict is
+    flagged."""
     dtype, L, H = torch.bfloat16, args.length, HEADS
     cases = make_cases(L, H)
     print(f"\nforward, plain vs TMA key/value loads, sm_{CAPABILITY}, bf16, B={BATCH}, H={H}, L=S={L}; per kernel: "
@@ -840,10 +843,12 @@ def run_forward_tma(args, totals: Totals) -> None:
             tiles = f"{spec.block_m}x{spec.block_n} w{spec.num_warps} s{spec.num_stages}"
             ratios = ", ".join(f"{b.kind} {b.size / a.size:.3f}" for a, b in zip(plain["loop_info"], tma["loop_info"]))
             reasons = tma_verdict(plain, tma)
+            rule = triton_tma.by_default(spec)
+            pick = f"rule: {'TMA' if rule else 'plain'}" + ("" if rule == (not reasons) else " (DISAGREES)")
             print(f"{name} D={head_dim}")
             print(f"  {'plain':<12} {tiles:<24} {_kernel_cell(plain):<40} {_loops_cell(plain)}")
             print(f"  {'tma':<12} {tiles:<24} {_kernel_cell(tma):<40} {_loops_cell(tma)}   tma/plain {ratios}   "
-                  f"{'no worse' if not reasons else 'worse: ' + ', '.join(reasons)}", flush=True)
+                  f"{'no worse' if not reasons else 'worse: ' + ', '.join(reasons)}; {pick}", flush=True)
             totals.add("forward", name, {}, tma)
 
 

@@ -43,7 +43,7 @@ from ..mods.derivative import ScoreModDerivative, differentiate
 from ..constants import LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line, preamble, store
 from .header import describe_dims, describe_mods, index_note, widen_note
-from .kernel_mods import param_stems, render_mods
+from .kernel_mods import hoisted_lines, param_stems, render_mods
 from .parts import (DROPOUT_HELPERS, KV_BASES, dot, dropout_args, dropout_head, dropout_keep, dropout_params, head_check,
                     operand, row_sum, tile_load, tile_walk, widen_suffix)
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
@@ -139,7 +139,7 @@ def mod_call(r: RenderedMod, args: str) -> str:
     """A rendered mod applied to ``args`` in the kernel: its function call, or its value if constant."""
     if r.is_constant:
         return python_literal(float(r.literal))
-    return f"{r.fn_name}({', '.join([args] + [p.name for p in r.params])})"
+    return f"{r.fn_name}({', '.join([args, *r.call_args])})"
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,15 @@ class RenderedBackward:
     grad_params: list[BufferParam]  # addresses into the gradient accumulators (slots n_buf + slot)
     buffers: list[str]  # every captured-value parameter name, in the kernels' order
     n_buf: int
+    # what the block loops pass on to the mod functions (RenderedMod.call_args): the dK/dV
+    # programs' (the gradient addresses last) and the dQ programs' and row pass's (without them)
+    args: list[str]
+    dq_args: list[str]
+
+    @property
+    def mods(self) -> list[RenderedMod]:
+        """The functions whose lookups the kernel may hoist (:func:`hoisted_lines`)."""
+        return [m for m in (self.score, self.mask, self.d_score) if m is not None] + [g.grad for g in self.gathers]
 
     def generated(self, source: str, kernel_name: str) -> GeneratedBackward:
         grad_params = tuple(BufferParam(p.name, p.slot - self.n_buf, p.what, p.dim) for p in self.grad_params)
@@ -167,9 +176,11 @@ class RenderedBackward:
 
 def render_backward(spec: BackwardSpec) -> RenderedBackward:
     """The mods, their derivatives and the gradient addresses of ``spec`` as kernel text."""
-    score, mask = render_mods(spec, spec.target, spec.index_dtype)  # the forward's mod functions, parameter names and all
+    # the forward's mod functions, parameter names and all; lookups indexed by b and h only are
+    # values the kernel loads once per program (per head in the dK/dV programs' loop over heads)
+    score, mask = render_mods(spec, spec.target, spec.index_dtype, hoist=True)
     # the derivative functions and gradient addresses print like the mods (libdevice, index width)
-    style = dict(target=spec.target, index_dtype=spec.index_dtype, float_indices=spec.float_indices)
+    style = dict(target=spec.target, index_dtype=spec.index_dtype, float_indices=spec.float_indices, hoist=True)
     widen = "float64" if spec.dtype == torch.float64 else None
     derivative = differentiate(spec.score_mod, spec.grad_slots, widen) if spec.score_mod is not None else None
     taken: set[str] = set()
@@ -213,25 +224,30 @@ def render_backward(spec: BackwardSpec) -> RenderedBackward:
     mask_params = tuple(mask.params) if mask is not None else ()
     grad_params = _unique([p for g in gathers for p in g.address.params if _accumulates(p, n_buf)])
     buffers = [p.name for p in score_params] + [p.name for p in mask_params] + [p.name for p in grad_params]
+    accumulators = {p.name for p in grad_params}
+    dq_args = []
+    for r in [m for m in (score, d_score) if m is not None] + [g.grad for g in gathers] + [g.address for g in gathers] \
+            + ([mask] if mask is not None else []):
+        dq_args += [name for name in r.call_args if name not in dq_args and name not in accumulators]
+    args = dq_args + [p.name for p in grad_params]
     return RenderedBackward(score, mask, d_score, gathers, derivative, tuple(score_params), mask_params, grad_params,
-                            buffers, n_buf)
+                            buffers, n_buf, args, dq_args)
 
 
 def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     """The Triton source of the backward kernel described by ``spec``."""
     r = render_backward(spec)
-    score, mask, d_score, gathers, buffers = r.score, r.mask, r.d_score, r.gathers, r.buffers
+    score, mask, d_score, gathers = r.score, r.mask, r.d_score, r.gathers
     mods = [m for m in (score, mask, d_score) if m is not None] + [m for g in gathers for m in (g.grad, g.address)]
     # a constant mod is printed as its value where it is used: no function
     lines = preamble(_header(spec, r.derivative, gathers), [m for m in mods if not m.is_constant])
     if spec.dropout:
         lines += [DROPOUT_HELPERS, ""]
-    lines += _dkdv_blocks(spec, score, mask, d_score, gathers, buffers)
+    lines += _dkdv_blocks(spec, score, mask, d_score, gathers, r.args)
     lines += ["", ""]
-    dq_buffers = buffers[:len(buffers) - len(r.grad_params)]  # dQ programs add no captured-tensor gradients
-    lines += _dq_blocks(spec, score, mask, d_score, dq_buffers)
+    lines += _dq_blocks(spec, score, mask, d_score, r.dq_args)  # dQ programs add no captured-tensor gradients
     lines += ["", ""]
-    lines += _kernel(spec, d_score, buffers, dq_buffers)
+    lines += _kernel(spec, d_score, r)
     return r.generated("\n".join(lines).rstrip() + "\n", KERNEL_NAME)
 
 
@@ -464,7 +480,7 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
     tiles = spec.q_block_size // spec.block_m1
     params = [
         "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
-        "query_ptr, grad_out_ptr, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
+        "query_ptr, grad_out_ptr, q_head, do_head, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,",
         *(["row_sum_ptr,"] if spec.precise else []),
         "block_count_ptr, block_index_ptr, scale, Q_LEN,",
         *names_line(buffers),
@@ -472,8 +488,9 @@ def _dkdv_blocks(spec, score, mask, d_score, gathers, buffers) -> list[str]:
         *constexprs(("IS_FULL_BLOCKS", "BLOCK_M1", "BLOCK_N1", "Q_BLOCK_SIZE"), ("DIVISIBLE", "GUARD_NONFINITE_INPUTS"),
                     HEAD_DIMS),
     ]
-    q_ptrs = "query_ptr + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd"
-    do_ptrs = "grad_out_ptr + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod"
+    # the head's offset plus the tile's, from the kernel's own pointers (see the kernel's q_head)
+    q_ptrs = "query_ptr + (q_head + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd)"
+    do_ptrs = "grad_out_ptr + (do_head + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod)"
     head, tail = tile_walk("block_index_ptr", tiles, "Q_BLOCK_SIZE", "BLOCK_M1", "start_m", count_ptr="block_count_ptr")
     body = [
         *jit_def("dkdv_blocks", params),
@@ -621,25 +638,25 @@ def kernel_params(spec: BackwardSpec, buffers: list[str]) -> tuple[list[str], li
         "stride_dvb, stride_dvh, stride_dvn, stride_dvd,",
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         *constexprs(("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), ("Q_BLOCK_SIZE", "KV_BLOCK_SIZE", "DIVISIBLE"),
-                    ("GUARD_NONFINITE_INPUTS",), HEAD_DIMS),
+                    ("GUARD_NONFINITE_INPUTS", "INT64_OFFSETS"), HEAD_DIMS),
     ]
     return params, ["Q_LEN", "KV_LEN"] + [b for b in buffers if not b.endswith("_ptr")]
 
 
-def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str], dq_buffers: list[str]) -> list[str]:
+def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, r: RenderedBackward) -> list[str]:
     acc = spec.acc_dtype
     widen = widen_suffix(spec)
     full = spec.has_full_blocks
-    params, unspecialised = kernel_params(spec, buffers)
+    params, unspecialised = kernel_params(spec, r.buffers)
     dims = ("GUARD_NONFINITE_INPUTS", *HEAD_DIMS)
 
     def dkdv_call(kind: str, is_full: bool) -> list[str]:
         return call("dk, dv", "dkdv_blocks", [
             "dk, dv, k, v, b, h, kv_idx, kv_in_range,",
-            "q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
+            "query_ptr, grad_out_ptr, q_head, do_head, lse_base, delta_base, stride_qm, stride_qd, stride_dom, stride_dod,",
             *(["row_sum_base,"] if spec.precise else []),
             f"{kind}_q_counts_ptr + mask_col, {kind}_q_indices_ptr + mask_col * MASK_Q_BLOCKS, scale, Q_LEN,",
-            *names_line(buffers),
+            *names_line(r.args),
             *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={is_full}", "BLOCK_M1", "BLOCK_N1", "Q_BLOCK_SIZE", "DIVISIBLE"), dims),
         ], "            ")
@@ -649,7 +666,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
             "dq, q, do, row_max, delta, b, h, q_idx, q_in_range,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_kv_counts_ptr + mask_row, {kind}_kv_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
-            *names_line(dq_buffers),
+            *names_line(r.dq_args),
             *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={is_full}", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE", "DIVISIBLE"), dims),
         ], "        ")
@@ -676,10 +693,18 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "        for g in range(GQA_GROUP):",
         "            h = h_kv * GQA_GROUP + g  # the query head the mods see",
         *dropout_head(spec, "            ", HEADS),
+        *hoisted_lines(r.mods, "            "),
         "            # this tile's column of the BlockMask's query tables; batch and heads broadcast by modulo",
         "            mask_col = ((b % MASK_BATCH) * MASK_HEADS + h % MASK_HEADS) * MASK_KV_BLOCKS + (pid * BLOCK_N1) // KV_BLOCK_SIZE",
-        "            q_base = query_ptr + b * stride_qb + h * stride_qh",
-        "            do_base = grad_out_ptr + b * stride_dob + h * stride_doh",
+        "            # this head's query and grad_out rows as element offsets, which the loops add to the tile's",
+        "            # and then to the kernel's pointers: a per-head base pointer kept across the loops would",
+        "            # take a 64-bit register pair each (ALiBi D=128 spilled on sm_90)",
+        "            if INT64_OFFSETS:  # a tensor holds 2**31 elements or more",
+        "                q_head = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh",
+        "                do_head = b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh",
+        "            else:",
+        "                q_head = b * stride_qb + h * stride_qh",
+        "                do_head = b * stride_dob + h * stride_doh",
         "            lse_base = lse_ptr + b * stride_lb + h * stride_lh",
         "            delta_base = delta_ptr + b * stride_lb + h * stride_lh",
         *(["            row_sum_base = row_sum_ptr + b * stride_lb + h * stride_lh"] if spec.precise else []),
@@ -698,6 +723,7 @@ def _kernel(spec: BackwardSpec, d_score: RenderedMod | None, buffers: list[str],
         "        tile = pid - NUM_KV_TILES",
         "        h = h_kv * GQA_GROUP + tile // NUM_Q_TILES  # the query head the mods see",
         *dropout_head(spec, "        ", HEADS),
+        *hoisted_lines(r.mods, "        "),
         "        q_tile = tile % NUM_Q_TILES",
         "        offs_m = q_tile * BLOCK_M2 + tl.arange(0, BLOCK_M2)",
         *tile_bounds("        ", "q_in_range", "q_idx", "offs_m", "Q_LEN", "BLOCK_M2", "[:, None]"),

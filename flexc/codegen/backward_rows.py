@@ -30,7 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .backward import BackwardSpec, GeneratedBackward, kernel_params, key_walk, render_backward, tile_bounds
+from .backward import (BackwardSpec, GeneratedBackward, RenderedBackward, kernel_params, key_walk, render_backward,
+                       tile_bounds)
+from .kernel_mods import hoisted_lines
 from .emit import HEAD_DIMS, bounds, call, jit_def, keywords, names_line, preamble
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .parts import (DROPOUT_HELPERS, KV_BASES, dropout_args, dropout_head, head_check, row_sum,
@@ -55,13 +57,12 @@ def rows_spec(spec: BackwardSpec) -> BackwardRowsSpec:
 def generate_backward_rows(spec: BackwardRowsSpec) -> GeneratedBackward:
     """The Triton source of the row pass described by ``spec``."""
     r = render_backward(spec)
-    dq_buffers = r.buffers[:len(r.buffers) - len(r.grad_params)]  # the row pass adds no gradients
     lines = preamble(_header(spec), [m for m in (r.score, r.mask) if m is not None and not m.is_constant])
     if spec.dropout:
         lines += [DROPOUT_HELPERS, ""]
-    lines += _row_blocks(spec, r.score, r.mask, dq_buffers)
+    lines += _row_blocks(spec, r.score, r.mask, r.dq_args)  # the row pass adds no gradients
     lines += ["", ""]
-    lines += _kernel(spec, r.buffers, dq_buffers)
+    lines += _kernel(spec, r)
     return r.generated("\n".join(lines).rstrip() + "\n", KERNEL_NAME)
 
 
@@ -93,10 +94,10 @@ def _row_blocks(spec: BackwardRowsSpec, score, mask, buffers: list[str]) -> list
                     ])
 
 
-def _kernel(spec: BackwardRowsSpec, buffers: list[str], dq_buffers: list[str]) -> list[str]:
+def _kernel(spec: BackwardRowsSpec, r: RenderedBackward) -> list[str]:
     acc = spec.acc_dtype
     widen = widen_suffix(spec)
-    params, unspecialised = kernel_params(spec, buffers)
+    params, unspecialised = kernel_params(spec, r.buffers)
     dims = ("GUARD_NONFINITE_INPUTS", *HEAD_DIMS)
 
     def blocks_call(kind: str, is_full: bool) -> list[str]:
@@ -104,7 +105,7 @@ def _kernel(spec: BackwardRowsSpec, buffers: list[str], dq_buffers: list[str]) -
             "psum, pdp, q, do, row_max, b, h, q_idx, q_in_range,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_kv_counts_ptr + mask_row, {kind}_kv_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
-            *names_line(dq_buffers),
+            *names_line(r.dq_args),
             *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={is_full}", "BLOCK_M2", "BLOCK_N2", "KV_BLOCK_SIZE", "DIVISIBLE"), dims),
         ], "    ")
@@ -121,6 +122,7 @@ def _kernel(spec: BackwardRowsSpec, buffers: list[str], dq_buffers: list[str]) -
         *KV_BASES,
         "    h = h_kv * GQA_GROUP + pid // NUM_Q_TILES  # the query head the mods see",
         *dropout_head(spec, "    ", HEADS),
+        *hoisted_lines(r.mods, "    "),
         "    q_tile = pid % NUM_Q_TILES",
         "    offs_m = q_tile * BLOCK_M2 + tl.arange(0, BLOCK_M2)",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",

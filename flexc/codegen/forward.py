@@ -19,7 +19,7 @@ import torch
 from ..constants import LN2, LOG2E
 from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, names_line, store
 from .header import describe_dims, describe_mods, widen_note
-from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
+from .kernel_mods import buffer_args, buffer_params, hoisted_lines, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
                     head_check, online_softmax, sink_params, softmax_state, tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel, next_power_of_2, padded_head_dim
@@ -77,7 +77,7 @@ class GeneratedForward(GeneratedKernel):
 
 def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     """The Triton source of the forward kernel described by ``spec``."""
-    score, mask = render_mods(spec, spec.target, spec.index_dtype)
+    score, mask = render_mods(spec, spec.target, spec.index_dtype, hoist=True)
     score_params = score.params if score is not None else ()
     mask_params = mask.params if mask is not None else ()
 
@@ -233,7 +233,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
 
 
 def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
-    buffers = buffer_args(score, mask)
+    buffers = buffer_params(score, mask)
     params = [
         "query_ptr, key_ptr, value_ptr, out_ptr," + (" lse_ptr," if spec.output_lse else "")
         + (" row_max_ptr, row_sum_ptr," if spec.output_stats else ""),
@@ -272,7 +272,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
             "acc, l_i, m_i, q, b, h, q_idx,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
             f"{kind}_block_counts_ptr + mask_row, {kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, scale, KV_LEN,",
-            *names_line(buffers),
+            *names_line(buffer_args(score, mask)),
             *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={full}", "KV_LEN_DIVISIBLE"), ("ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS"),
                       ("GUARD_NONFINITE_VALUES", "POW2_SCALE"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS),
@@ -288,6 +288,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
         *(f"        {name} = tl.cast({name}, tl.int64)" for name in widened),
         "    h_kv = h // GQA_GROUP  # grouped-query attention: GQA_GROUP query heads share a key head",
         *dropout_head(spec, "    "),
+        *hoisted_lines((score, mask), "    "),
         "    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)",
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",
         "    offs_dv = tl.arange(0, V_HEAD_DIM_PAD)",

@@ -34,20 +34,20 @@ def param_stems(traced: TracedMod | None, taken: set[str], suffix: str) -> dict[
     return stems
 
 
-def render_mods(spec, target: str | None = None, index_dtype: str = "int32"
+def render_mods(spec, target: str | None = None, index_dtype: str = "int32", hoist: bool = False
                 ) -> tuple[RenderedMod | None, RenderedMod | None]:
-    """The spec's mods as device functions (``target``/``index_dtype`` as in :func:`render_mod`, and
-    the spec's ``float_indices`` where it has one); None for a mod that does nothing (absent, the
-    identity score_mod, a mask allowing everything)."""
+    """The spec's mods as device functions (``target``/``index_dtype``/``hoist`` as in
+    :func:`render_mod`, and the spec's ``float_indices`` where it has one); None for a mod that does
+    nothing (absent, the identity score_mod, a mask allowing everything)."""
     float_indices = getattr(spec, "float_indices", False)
     taken: set[str] = set()
     score = mask = None
     if spec.score_mod is not None:
         score = render_mod(spec.score_mod, "score_mod", param_stems(spec.score_mod, taken, "score"),
-                           target=target, index_dtype=index_dtype, float_indices=float_indices)
+                           target=target, index_dtype=index_dtype, float_indices=float_indices, hoist=hoist)
     if spec.mask_mod is not None:
         mask = render_mod(spec.mask_mod, "mask_mod", param_stems(spec.mask_mod, taken, "mask"),
-                          target=target, index_dtype=index_dtype, float_indices=float_indices)
+                          target=target, index_dtype=index_dtype, float_indices=float_indices, hoist=hoist)
         if mask.is_constant and mask.literal is True:
             mask = None  # allows everything: nothing to apply
     if score is not None and spec.score_mod.root.op == "input":
@@ -55,13 +55,37 @@ def render_mods(spec, target: str | None = None, index_dtype: str = "int32"
     return score, mask
 
 
-def buffer_args(score: RenderedMod | None, mask: RenderedMod | None) -> list[str]:
-    """The captured-tensor parameter names of both mods, score_mod's first."""
+def buffer_params(score: RenderedMod | None, mask: RenderedMod | None) -> list[str]:
+    """The captured-value parameter names of both mods, score_mod's first: the kernel's parameters."""
     names = []
     for r in (score, mask):
         if r is not None:
             names += [p.name for p in r.params]
     return names
+
+
+def buffer_args(score: RenderedMod | None, mask: RenderedMod | None) -> list[str]:
+    """What the kernel's block loops pass on to both mods, score_mod's first: their hoisted values
+    and the captured-value parameters their bodies read (:attr:`RenderedMod.call_args`)."""
+    names: list[str] = []
+    for r in (score, mask):
+        if r is not None:
+            names += [name for name in r.call_args if name not in names]
+    return names
+
+
+def hoisted_lines(mods, indent: str) -> list[str]:
+    """The lookups the ``mods`` take as values (:attr:`RenderedMod.hoisted`), each computed once where
+    ``b`` and ``h`` are known, before the block loops; none if no mod has one."""
+    seen: dict[str, str] = {}
+    for r in mods:
+        if r is not None:
+            for name, text in r.hoisted:
+                seen.setdefault(name, text)
+    if not seen:
+        return []
+    return [f"{indent}# the mods' lookups indexed only by batch and head: loaded once here, not per key tile",
+            *(f"{indent}{name} = {text}" for name, text in seen.items())]
 
 
 def score_lines(spec, score: RenderedMod | None, indent: str) -> list[str]:
@@ -72,7 +96,7 @@ def score_lines(spec, score: RenderedMod | None, indent: str) -> list[str]:
     if score.is_constant:
         out.append(f"{indent}qk = tl.full((BLOCK_M, BLOCK_N), {python_literal(float(score.literal))}, qk.dtype)")
         return out
-    args = ", ".join(["qk", "b", "h", "q_idx", "kv_idx"] + [p.name for p in score.params])
+    args = ", ".join(["qk", "b", "h", "q_idx", "kv_idx", *score.call_args])
     call = f"score_mod({args})"
     full_tile = "score" in score.reads or {"q_idx", "kv_idx"} <= score.reads
     if full_tile:
@@ -90,9 +114,9 @@ def mask_lines(spec, mask: RenderedMod | None, indent: str) -> list[str]:
     if mask.is_constant:  # always False here (always True was dropped)
         out.append(f"{indent}qk = tl.full((BLOCK_M, BLOCK_N), float(\"-inf\"), qk.dtype)")
         return out
-    args = ", ".join(["b", "h", "q_idx", "kv_idx"] + [p.name for p in mask.params])
+    args = ", ".join(["b", "h", "q_idx", "kv_idx", *mask.call_args])
     out.append(f"{indent}qk = tl.where(mask_mod({args}), qk, float(\"-inf\"))")
     return out
 
 
-__all__ = ["RESERVED", "buffer_args", "mask_lines", "param_stems", "render_mods", "score_lines"]
+__all__ = ["RESERVED", "buffer_args", "buffer_params", "hoisted_lines", "mask_lines", "param_stems", "render_mods", "score_lines"]

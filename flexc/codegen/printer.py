@@ -144,6 +144,12 @@ class RenderedMod:
     literal: object = None
     expression: str = ""
     uses_libdevice: bool = False  # the source calls triton.language.extra.libdevice (CUDA only)
+    # lookups computed by the kernel once per program instead of once per tile (``hoist``): (name,
+    # expression) pairs, the expression over b, h and the kernel parameters in ``params``
+    hoisted: tuple[tuple[str, str], ...] = ()
+    # the function's parameters after the mod's own arguments: the hoisted values, then the
+    # captured-value parameters its body reads (``params`` when nothing is hoisted)
+    call_args: tuple[str, ...] = ()
 
     @property
     def is_constant(self) -> bool:
@@ -191,6 +197,9 @@ class _Printer:
         # floats print in float
         self.float_indices = float_indices
         self.float_differences: set[int] = set()  # id(node) of those differences (find_float_differences)
+        self.hoisted: dict[int, str] = {}  # id(load node) -> the name of its per-program value (find_hoisted)
+        self.hoisted_text: dict[str, str] = {}  # that name -> the load's expression
+        self.hoisted_params: dict[tuple, BufferParam] = {}  # the parameters those expressions read
 
     # -- analysis --------------------------------------------------------------------------
     def fold_constants(self, nodes: list[ir.Node]) -> None:
@@ -264,6 +273,38 @@ class _Printer:
                     and all(reads_as_float(r) for r in readers[id(n)])):
                 self.float_differences.add(id(n))
 
+    def find_hoisted(self, nodes: list[ir.Node], skip: ir.Node | None = None) -> None:
+        """The captured-tensor lookups whose every index is ``b``, ``h`` or a non-negative literal
+        (``slopes[h]``, ``bias[b, h]``, ``table[0, h]``): the same value for every score a program
+        computes. They print as a parameter (``slopes_at_h``) that the kernel computes once per program
+        (per head in a loop over heads), not a load per key tile: Triton does not move loads out of
+        loops, and a value kept across them costs one register where a pointer kept for the load
+        costs two. ``skip``: a lookup that stays (an address function's root)."""
+        for n in nodes:
+            if n.op != "load" or n is skip or id(n) in self.literal:
+                continue
+            parts = []
+            for index in n.args[1:]:
+                value = self.literal.get(id(index))
+                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                    parts.append(str(value))
+                elif index.op == "input" and index.attr in ("b", "h"):
+                    parts.append(index.attr)
+                else:
+                    break
+            else:
+                self.hoisted[id(n)] = f"{self.prefix[n.args[0].attr[0]]}_at_{'_'.join(parts)}"
+
+    def render_hoisted(self, n: ir.Node) -> str:
+        """A lookup of :meth:`find_hoisted`: its name, its expression recorded for the kernel."""
+        name = self.hoisted[id(n)]
+        body_params, self.params = self.params, self.hoisted_params
+        try:
+            self.hoisted_text[name] = self.render_load(n)
+        finally:
+            self.params = body_params
+        return name
+
     def render_float_difference(self, n: ir.Node) -> tuple[str, int]:
         """An index difference of :meth:`find_float_differences`, in float32."""
         def leaf(a: ir.Node) -> str:
@@ -323,7 +364,7 @@ class _Printer:
         if op == "scalar":
             return self.scalar_param(n), _ATOM
         if op == "load":
-            return self.render_load(n), _ATOM
+            return (self.render_hoisted(n) if id(n) in self.hoisted else self.render_load(n)), _ATOM
         if op == "cast":
             return f"{self.operand(args[0], _ATOM)}.to({_TL_DTYPES[n.attr]})", _ATOM
         if op == "where":
@@ -526,7 +567,7 @@ def _pow_repeats(n: ir.Node, literal: dict) -> int:
 def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | None = None,
                address: bool = False, *, target: str | None = None, index_dtype: str = "int32",
                scalar_prefix: str | None = None, fast_math: bool | None = None,
-               float_indices: bool = False) -> RenderedMod:
+               float_indices: bool = False, hoist: bool = False) -> RenderedMod:
     """Print ``traced`` as the Triton device function ``fn_name``.
 
     ``buffer_stems`` names each captured tensor's parameters (slot -> stem); by default the mod's
@@ -546,6 +587,10 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     function name, so each captured number is one kernel argument however many functions read it.
     ``float_indices`` says every index is below 2**23 (the call's extents): index differences read
     as floats then print in float32, exactly (:meth:`_Printer.find_float_differences`).
+    ``hoist``: lookups indexed only by ``b``, ``h`` and literals become parameters the kernel computes
+    once per program (:meth:`_Printer.find_hoisted`): ``RenderedMod.hoisted`` names them and their
+    expressions, ``call_args`` lists them before the parameters the body still reads, and ``params``
+    stays every captured-value parameter of both (the kernel's arguments).
     """
     if index_dtype not in ("int32", "int64"):
         raise ValueError(f"render_mod: index_dtype must be 'int32' or 'int64', got {index_dtype!r}. "
@@ -561,6 +606,8 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     p.fold_constants(nodes)
     p.infer_dtypes(nodes)
     p.find_float_differences(nodes)
+    if hoist:
+        p.find_hoisted(nodes, skip=traced.root if address else None)
     reads = frozenset(n.attr for n in nodes if n.op == "input")
     expression = str(traced)
     if id(traced.root) in p.literal:
@@ -582,7 +629,8 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         if n.op == "buffer":
             continue
         text, prec = p.render(n)
-        shared = uses.get(id(n), 0) > 1 and n.op not in ("input", "const", "scalar") and id(n) not in p.literal
+        shared = (uses.get(id(n), 0) > 1 and n.op not in ("input", "const", "scalar") and id(n) not in p.literal
+                  and id(n) not in p.hoisted)
         if shared and n is not traced.root:
             name = f"t{temps}"
             temps += 1
@@ -594,7 +642,9 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
             raise ValueError(f"render_mod(address=True) needs a load at the root, got `{traced.root}`")
         p.text[id(traced.root)] = (p.render_address(traced.root), _ADD)
 
-    args = list(traced.arg_names) + [param.name for param in _ordered(p.params)]
+    hoisted = tuple(p.hoisted_text.items())
+    call_args = tuple(name for name, _ in hoisted) + tuple(param.name for param in _ordered(p.params))
+    args = list(traced.arg_names) + list(call_args)
     comment = f"    # {fn_name}: {expression}"
     source = "\n".join([
         "@triton.jit",
@@ -604,8 +654,9 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
         f"    return {p.text[id(traced.root)][0]}",
         "",
     ])
-    return RenderedMod(fn_name, source, _ordered(p.params), frozenset(p.helpers), reads, None, expression,
-                       p.uses_libdevice)
+    params = _ordered({**p.hoisted_params, **p.params})
+    return RenderedMod(fn_name, source, params, frozenset(p.helpers), reads, None, expression,
+                       p.uses_libdevice, hoisted, call_args)
 
 
 _precise: "weakref.WeakKeyDictionary[TracedMod, TracedMod]" = weakref.WeakKeyDictionary()

@@ -32,7 +32,7 @@ def evaluate_grid(out_ptr, score_ptr, {params}B, H, L, S, BLOCK_L: tl.constexpr,
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    rows = tl.arange(0, BLOCK_L)[:, None]
+{hoisted}    rows = tl.arange(0, BLOCK_L)[:, None]
     cols = tl.arange(0, BLOCK_S)[None, :]
     inside = (rows < L) & (cols < S)
     q_idx = tl.minimum(rows, L - 1)
@@ -45,20 +45,23 @@ def evaluate_grid(out_ptr, score_ptr, {params}B, H, L, S, BLOCK_L: tl.constexpr,
 '''
 
 
-def run_in_triton(traced: TracedMod, score: torch.Tensor, float_indices: bool = False) -> torch.Tensor:
-    """The mod's value at every grid position, computed by its printed Triton function."""
-    rendered = render_mod(traced, traced.kind, float_indices=float_indices)
+def run_in_triton(traced: TracedMod, score: torch.Tensor, float_indices: bool = False,
+                  hoist: bool = False) -> torch.Tensor:
+    """The mod's value at every grid position, computed by its printed Triton function (``hoist``:
+    its lookups by b and h computed once per program, as the kernels do)."""
+    rendered = render_mod(traced, traced.kind, float_indices=float_indices, hoist=hoist)
     kind = traced.root.kind
     out_dtype, torch_out = {"bool": ("tl.int8", torch.int8), "int": ("tl.int64", torch.int64),
                             "float": ("tl.float64", torch.float64)}[kind]
     if rendered.is_constant:
         return torch.full((B, H, L, S), rendered.literal, dtype=torch_out)
     args = (["score"] if traced.kind == SCORE_MOD else []) + ["b", "h", "q_idx", "kv_idx"]
-    args += [p.name for p in rendered.params]
+    args += rendered.call_args
     params = "".join(f"{p.name}, " for p in rendered.params)
+    hoisted = "".join(f"    {name} = {text}\n" for name, text in rendered.hoisted)
     source = "\n".join(["import triton", "import triton.language as tl", ""]
                        + [HELPERS[h] for h in sorted(rendered.helpers)] + [rendered.source]
-                       + [_GRID_KERNEL.format(params=params, call=f"{traced.kind}({', '.join(args)})",
+                       + [_GRID_KERNEL.format(params=params, hoisted=hoisted, call=f"{traced.kind}({', '.join(args)})",
                                               out_dtype=out_dtype)])
     module, _ = import_source(source, "interpreter")
     buffer_args = []
@@ -78,10 +81,11 @@ def reference(traced: TracedMod, score: torch.Tensor) -> torch.Tensor:
     return evaluate(traced, **grid).expand(B, H, L, S)
 
 
-def assert_same(traced: TracedMod, score: torch.Tensor | None = None, float_indices: bool = False) -> None:
+def assert_same(traced: TracedMod, score: torch.Tensor | None = None, float_indices: bool = False,
+                hoist: bool = False) -> None:
     if score is None:
         score = torch.randn(B, H, L, S, generator=torch.Generator().manual_seed(0)) * 3
-    got, want = run_in_triton(traced, score, float_indices), reference(traced, score)
+    got, want = run_in_triton(traced, score, float_indices, hoist), reference(traced, score)
     if traced.root.kind == "bool":
         assert torch.equal(got.bool(), want.bool()), f"{traced}: mismatch at {(got.bool() != want.bool()).nonzero()[:5].tolist()}"
     else:
@@ -103,6 +107,42 @@ def test_mask_mod_printed_like_torch(name):
 def test_score_mod_with_float_indices_printed_like_torch(name):
     # the kernels' choice for extents below 2**23: index differences read as floats print in float
     assert_same(trace(SCORE_MODS[name]), float_indices=True)
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+def test_score_mod_with_hoisted_lookups_printed_like_torch(name):
+    # the kernels' choice: lookups indexed only by b, h and literals are values computed per program
+    assert_same(trace(SCORE_MODS[name]), float_indices=True, hoist=True)
+
+
+@pytest.mark.parametrize("name", sorted(MASK_MODS))
+def test_mask_mod_with_hoisted_lookups_printed_like_torch(name):
+    assert_same(trace(MASK_MODS[name]), hoist=True)
+
+
+def test_lookups_by_batch_and_head_only_become_parameters():
+    slopes, bias, idx, table = torch.rand(H), torch.rand(B, H), torch.arange(H) % 2, torch.rand(2, S)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx) + bias[b, h] + bias[0, h] + table[idx[h], kv_idx]
+
+    rendered = render_mod(trace(mod), "score_mod", float_indices=True, hoist=True)
+    assert dict(rendered.hoisted) == {
+        "slopes_at_h": "tl.load(slopes_ptr + h * slopes_stride_0)",
+        "bias_at_b_h": "tl.load(bias_ptr + b * bias_stride_0 + h * bias_stride_1)",
+        "bias_at_0_h": "tl.load(bias_ptr + h * bias_stride_1)",
+        "idx_at_h": "tl.load(idx_ptr + h * idx_stride_0)",
+    }
+    # the function takes the values, then what its body still reads (the lookup by kv_idx)
+    assert rendered.call_args == ("slopes_at_h", "bias_at_b_h", "bias_at_0_h", "idx_at_h",
+                                  "table_ptr", "table_stride_0", "table_stride_1", "table_size_0")
+    assert "tl.load(table_ptr + wrap_index(idx_at_h, table_size_0) * table_stride_0" in rendered.source
+    assert "slopes_ptr" not in rendered.source and "bias_ptr" not in rendered.source
+    # the kernel's parameters are still every pointer and stride both read
+    assert {p.name for p in rendered.params} >= {"slopes_ptr", "bias_ptr", "idx_ptr", "table_ptr"}
+    unhoisted = render_mod(trace(mod), "score_mod", float_indices=True)
+    assert unhoisted.hoisted == () and unhoisted.call_args == tuple(p.name for p in unhoisted.params)
+    assert_same(trace(mod), float_indices=True, hoist=True)
 
 
 def test_index_differences_read_as_floats_print_in_float():

@@ -137,7 +137,9 @@ def test_show_defaults_to_the_cuda_kernel_of_the_files_mods(mods_file, capsys):
     assert main(["show", mods_file, "--head-dim", "128"]) == 0
     out = capsys.readouterr().out
     assert "target: cuda" in out and "BLOCK_M=128, BLOCK_N=64; num_warps=8" in out
-    assert "def score_mod(score, b, h, q_idx, kv_idx, slopes_ptr, slopes_stride_0):" in out
+    # slopes[h] is one value per program: the kernel loads it once and the score_mod takes the value
+    assert "def score_mod(score, b, h, q_idx, kv_idx, slopes_at_h):" in out
+    assert "slopes_at_h = tl.load(slopes_ptr + h * slopes_stride_0)" in out
 
 
 @pytest.mark.parametrize("target,message", [

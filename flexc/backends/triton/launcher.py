@@ -290,7 +290,9 @@ def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_ou
                      # the loops walk every tile of a listed block, past the end of a last, shorter one
                      DIVISIBLE=L % spec.q_block_size == 0 and S % spec.kv_block_size == 0,
                      GUARD_NONFINITE_INPUTS=guard_inputs, HEAD_DIM=E,
-                     HEAD_DIM_PAD=padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=padded_head_dim(Ev))
+                     HEAD_DIM_PAD=padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=padded_head_dim(Ev),
+                     # the dK/dV programs' head offsets into query and grad_out in int64
+                     INT64_OFFSETS=max(query.numel(), grad_out.numel()) >= INT32_OFFSET_LIMIT)
     return args, constants
 
 

@@ -114,6 +114,18 @@ def test_float32_gradients_within_1e4_of_float64():
     _assert_close(mine, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_int64_offsets_give_reference_gradients(monkeypatch):
+    # tensors of 2**31 elements do not fit here: lower the threshold so the dK/dV programs take their
+    # query and grad_out head offsets in int64 (INT64_OFFSETS)
+    from flexc.backends.triton import launcher
+
+    monkeypatch.setattr(launcher, "INT32_OFFSET_LIMIT", 1)
+    score_mod = score_catalogue(B, H, L, S)["alibi_captured_slopes"]
+    slopes = _captured(score_mod)
+    q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=21))
+    _check(q, k, v, score_mod, MASKS["causal"], extra=slopes)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 0.1), (torch.float16, 1.5e-2)])
 def test_half_precision_gradients_are_close_to_float64(dtype, atol):
     q64, k64, v64 = random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=4)
