@@ -92,14 +92,16 @@ def _find_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: int, 
                                                                   kv_block, S))
             if _lists_a_block_twice(entry):
                 return None  # (a malformed mask: a key counted twice is not one the sums can read)
-            index = {"b": torch.tensor(batches).view(1, -1, 1, 1, 1) if "b" in reads else torch.zeros(1, 1, 1, 1, 1, dtype=torch.long),
-                     "h": torch.tensor(heads).view(1, 1, -1, 1, 1) if "h" in reads else torch.zeros(1, 1, 1, 1, 1, dtype=torch.long)}
+            # (tiles, b, h, rows, keys): b and h only as far as the mask reads them
+            index = {"b": torch.tensor(batches if "b" in reads else [0]).view(1, -1, 1, 1, 1),
+                     "h": torch.tensor(heads if "h" in reads else [0]).view(1, 1, -1, 1, 1)}
             new = _sequence_rows(entry, mask_mod, reads, index, budget)
             if new is None:
                 return None
             for i, b in enumerate(batches):  # every head of a batch must agree
                 for j in range(len(heads)):
-                    starts = tuple(new[min(i, new.shape[0] - 1), min(j, new.shape[1] - 1)].nonzero().flatten().tolist())
+                    rows = new[min(i, new.shape[0] - 1), min(j, new.shape[1] - 1)]
+                    starts = tuple(rows.nonzero().flatten().tolist())
                     if per_batch[b] not in (None, starts):
                         return None
                     per_batch[b] = starts
@@ -317,9 +319,9 @@ def _calls(starts: Starts, H: int, L: int, S: int, fold: bool) -> list[tuple[sli
         (slice(b * H, (b + 1) * H) if fold else slice(b, b + 1), batch_starts) for b, batch_starts in enumerate(starts)]
     calls = []
     for rows, batch_starts in per_batch:
-        ends = batch_starts[1:]
-        for j, start in enumerate(batch_starts):
-            calls.append((rows, slice(start, ends[j] if j < len(ends) else L), slice(start, ends[j] if j < len(ends) else S)))
+        for start, next_start in zip(batch_starts, batch_starts[1:] + (None,)):
+            # the last sequence runs to the end of the queries and of the keys
+            calls.append((rows, slice(start, next_start or L), slice(start, next_start or S)))
     return calls
 
 
