@@ -36,7 +36,7 @@ from .block_plan import memo_by_tables
 # partial-block elements the mask_mod is evaluated on to decide (a causal mask's diagonal blocks
 # are L x BLOCK_SIZE per table entry); past it the block path runs
 MAX_CHECKED_ELEMENTS = 1 << 26
-# sequences shorter than this on average are left to the block path (one kernel call each)
+# a batch whose sequences are shorter than this on average stays on the block path (a call each)
 MIN_MEAN_ROWS = 32
 # query blocks checked together, at most (groups grow 1, 2, 4, ... blocks)
 MAX_GROUP_BLOCKS = 64
@@ -105,11 +105,7 @@ def _find_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: int, 
                     if per_batch[b] not in (None, starts):
                         return None
                     per_batch[b] = starts
-    if len(set(per_batch)) == 1:
-        per_batch = per_batch[:1]
-    if sum(len(starts) for starts in per_batch) * MIN_MEAN_ROWS > len(per_batch) * L:
-        return None
-    return tuple(per_batch)
+    return tuple(per_batch[:1]) if len(set(per_batch)) == 1 else tuple(per_batch)
 
 
 def _listed(num: torch.Tensor, indices: torch.Tensor, n_rows: int, kv_block: int, S: int) -> tuple:
@@ -175,6 +171,8 @@ def _sequence_rows(entry: _Entry, mask_mod: TracedMod, reads: frozenset, index: 
         if not bool((starts_here | (lo == torch.cat([previous, lo[..., :-1]], -1))).all()):
             return None  # a row's first key is neither itself nor its predecessor's
         new[..., q[0]:q[-1] + 1] = starts_here
+        if int(new.sum(-1).max()) * MIN_MEAN_ROWS > L:
+            return None  # sequences too short on average for a call each (known as soon as they are many)
         previous = lo[..., -1:]
         block0, size = block1, min(2 * size, MAX_GROUP_BLOCKS)
     return new

@@ -238,11 +238,9 @@ def _starts_by_brute_force(mask_mod, B, L, S):
                 return None
             previous = seen[0]
         per_batch.append(tuple(starts))
-    if len(set(per_batch)) == 1:
-        per_batch = per_batch[:1]
-    if sum(len(s) for s in per_batch) * causal_call.MIN_MEAN_ROWS > len(per_batch) * L:
+    if any(len(s) * causal_call.MIN_MEAN_ROWS > L for s in per_batch):
         return None
-    return tuple(per_batch)
+    return tuple(per_batch[:1]) if len(set(per_batch)) == 1 else tuple(per_batch)
 
 
 @strategies.examples(80, slow=True)
