@@ -260,17 +260,19 @@ _MEMO_SIZE = 32
 _MEMO_LOCK = threading.Lock()
 
 
-def memo_by_tables(block_mask: Any, key: tuple, build: Callable[[], Any], tensors: Sequence = ()) -> Any:
+def memo_by_tables(block_mask: Any, key: tuple, build: Callable[[], Any], tensors: Sequence = (),
+                   unversioned: Callable[[], Any] | None = None) -> Any:
     """``build()``, remembered for ``block_mask``'s block tables (as these very tensors, unmodified
     since: their identity and version counters are the key), the ``tensors`` it also reads (a
     mask_mod's captured tensors, keyed alike) and ``key``. Tables or tensors without a version
-    counter (made under inference mode) are not remembered."""
+    counter (made under inference mode) cannot be remembered: then ``unversioned()`` (default
+    ``build()``) answers, for a caller whose work only pays when remembered."""
     tables = [getattr(block_mask, name, None) for name in _TABLE_NAMES] if block_mask is not None else []
     tables += [t for t in tensors if isinstance(t, torch.Tensor)]
     try:
         full_key = (tuple((id(t), t._version) for t in tables if t is not None), key)
     except RuntimeError:  # inference tensors track no version
-        return build()
+        return (unversioned or build)()
     with _MEMO_LOCK:
         entry = _MEMO.get(full_key)
         if entry is not None:

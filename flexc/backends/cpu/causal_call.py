@@ -18,7 +18,8 @@ own index (a new sequence) or its predecessor's. The tables' full blocks give wh
 the partial blocks are evaluated (for the batches and heads each table entry covers, when the
 mask reads ``b`` or ``h``), one query block after another, stopping at the first row that breaks
 the pattern. The answer is remembered with the tables and the mask_mod's captured tensors
-(identity and version), so a captured tensor changed in place is decided again.
+(identity and version), so a captured tensor changed in place is decided again; tables or tensors
+made under inference mode have no version counter, and their calls keep the block path.
 """
 from __future__ import annotations
 
@@ -65,7 +66,10 @@ def sequence_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: in
     when they agree (``((0,),)``: plain causal attention); None when some row sees other keys (see
     the module docstring)."""
     key = ("causal sequences", mask_mod.root, mask_mod.scalars, B, Hq, L, S)
-    return memo_by_tables(block_mask, key, lambda: _find_starts(block_mask, mask_mod, B, Hq, L, S), mask_mod.buffers)
+    # tables or captured tensors made under inference mode have no version counter, so the answer
+    # could not be remembered safely; deciding on every call costs more than it saves: block path
+    return memo_by_tables(block_mask, key, lambda: _find_starts(block_mask, mask_mod, B, Hq, L, S), mask_mod.buffers,
+                          unversioned=lambda: None)
 
 
 def _find_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: int, S: int) -> Starts | None:

@@ -252,3 +252,14 @@ def test_sequence_starts_equal_a_row_by_row_reading_of_the_dense_mask(case):
     expected = _starts_by_brute_force(mask_mod, B, L, S)
     event("causal sequences" if expected else "not")
     assert causal_call.sequence_starts(bm, trace(mask_mod), B, 2, L, S) == expected
+
+
+def test_tables_made_under_inference_mode_keep_the_block_path(taken):
+    # no version counter: an answer could not be remembered safely, and deciding on every call
+    # costs more than it saves
+    q, k, v = random_qkv(1, 2, 2, 96, 96, 16, dtype=torch.float64, seed=6)
+    with torch.inference_mode():
+        bm = flexc.create_block_mask(_causal, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+        out = flexc.flex_attention(q, k, v, block_mask=bm)
+    assert taken["forward"] == 0
+    torch.testing.assert_close(out, dense_attention(q, k, v, None, _causal)[0], atol=1e-12, rtol=0)
