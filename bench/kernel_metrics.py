@@ -52,7 +52,8 @@ as the constant dynamo specialises it to).
 
 The last line is the summary: ``kernel metrics: forward worst R, soft-cap worst R, backward worst
 R, decode worst R, min ring slots N, C7511 kernels N, spilling kernels N`` (soft-cap: every
-soft-cap loop of the three parts; ring slots, C7511 and spills: flexc's kernels).
+soft-cap loop of the three parts; ring slots, C7511 and spills: flexc's kernels), each worst ratio R
+with three decimals (``forward worst 0.919``) so that one just over a bound does not round onto it.
 """
 from __future__ import annotations
 
@@ -760,10 +761,11 @@ class Totals:
         self.spilling += bool(flexc_report["spill_stores"] or flexc_report["spill_loads"])
 
     def line(self) -> str:
+        # three decimals: a worst ratio read against a bound (0.92) must not round onto it
         def r(part):
-            return f"{self.worst[part]:.2f}" if part in self.worst else "n/a"
+            return f"{self.worst[part]:.3f}" if part in self.worst else "n/a"
 
-        soft = f"{self.soft_cap:.2f}" if self.soft_cap else "n/a"
+        soft = f"{self.soft_cap:.3f}" if self.soft_cap else "n/a"
         ring = self.min_ring if self.min_ring is not None else "n/a"
         return (f"kernel metrics: forward worst {r('forward')}, soft-cap worst {soft}, backward worst "
                 f"{r('backward')}, decode worst {r('decode')}, min ring slots {ring}, C7511 kernels {self.c7511}, "

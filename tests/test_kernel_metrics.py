@@ -127,8 +127,11 @@ def test_summary_line_format():
     report = {"loop_info": [metrics.Loop("partial", 600, 8, 4, 3), metrics.Loop("full", 500, 8, 4, 2)],
               "c7511": ["ptxas info : (C7511) ..."], "spill_stores": 0, "spill_loads": 4}
     totals.add("forward", "soft-cap + causal", {"partial": 0.9, "full": 1.1}, report)
-    assert totals.line() == ("kernel metrics: forward worst 1.10, soft-cap worst 1.10, backward worst n/a, "
+    assert totals.line() == ("kernel metrics: forward worst 1.100, soft-cap worst 1.100, backward worst n/a, "
                              "decode worst n/a, min ring slots 2, C7511 kernels 1, spilling kernels 1")
+    # three decimals: a ratio just over a bound reads as over it (0.9232 is not "0.92")
+    totals.add("backward", "alibi + causal", {"dQ full": 0.9232}, report)
+    assert "forward worst 1.100, soft-cap worst 1.100, backward worst 0.923, decode worst n/a" in totals.line()
 
 
 def _args(**kw):

@@ -212,7 +212,7 @@ def _attend_blocks(spec: ForwardSpec, score, mask, tiles_per_block: int) -> list
         ], indent)
 
     head, tail = tile_walk("block_index_ptr", tiles_per_block, "KV_BLOCK_SIZE", "BLOCK_N", "start_n",
-                           count_ptr="block_count_ptr", contiguous=True)
+                           count_ptr="block_count_ptr", contiguous=True, clamp=True)
     body = [
         *jit_def("attend_blocks", params),
         "    # Online softmax over the key tiles of the listed blocks: running row max m_i and row sum",

@@ -71,16 +71,24 @@ def tile_load(spec: AttentionSpec, ptrs: str, in_range: str | None, axis: str, v
     return load(ptrs, in_range, head_check(spec, axis, value), widen=widen_suffix(spec))
 
 
-def _tile_start(index_ptr: str, i: str, end: str, tiles: int, block: str, tile: str) -> str:
+def _tile_start(index_ptr: str, i: str, end: str, tiles: int, block: str, tile: str, clamp: bool = False) -> str:
     """The first key (or query) of tile ``i`` of the listed blocks, ``tiles`` tiles of ``tile`` per block of
-    ``block``; its index is read under ``i < end`` (past the last tile: 0, never read)."""
+    ``block``; its index is read under ``i < end`` (past the last tile: 0, never read), or with ``clamp``
+    at tile ``min(i, end - 1)`` (past the last tile: the last block's index, read again, in bounds and
+    unused), one instruction where the mask costs a compare and the move of its ``other`` value."""
+    if clamp:
+        at = f"tl.minimum({i}, {end} - 1)"
+        if tiles == 1:
+            return f"tl.load({index_ptr} + {at}) * {block}"
+        return f"tl.load({index_ptr} + {at} // {tiles}) * {block} + ({i} % {tiles}) * {tile}"
     if tiles == 1:
         return f"tl.load({index_ptr} + {i}, mask={i} < {end}, other=0) * {block}"
     return f"tl.load({index_ptr} + {i} // {tiles}, mask={i} < {end}, other=0) * {block} + ({i} % {tiles}) * {tile}"
 
 
 def tile_walk(index_ptr: str, tiles: int, block: str, tile: str, start: str, *, count_ptr: str = "",
-              span: tuple[str, str] = ("", ""), contiguous: bool = False) -> tuple[list[str], list[str]]:
+              span: tuple[str, str] = ("", ""), contiguous: bool = False,
+              clamp: bool = False) -> tuple[list[str], list[str]]:
     """The loop over the tiles of a row (or column) of the BlockMask's listed blocks, ``tiles`` tiles of
     ``tile`` per block of ``block``: the lines that open it (indented one level) and the lines that end
     each iteration (two levels). It walks every listed block (their count at ``count_ptr``) or the
@@ -91,7 +99,9 @@ def tile_walk(index_ptr: str, tiles: int, block: str, tile: str, start: str, *, 
     their own iteration, and the software pipeliner can copy the next tiles ahead into a ring of
     ``num_stages`` slots. Read in the iteration that uses it, the index delays its tile's copy by a
     stage: the ring loses a slot. ``contiguous`` compiles in torch's BLOCKS_ARE_CONTIGUOUS (the next
-    tile follows this one: no index is read).
+    tile follows this one: no index is read). ``clamp``: the next index is read at a clamped tile, not
+    under a mask (:func:`_tile_start`); in the forward's loops the clamp took 0-13 instructions per
+    tile (ALiBi D=128 partial 577 -> 575), in the backward's and decode's it was mixed: they keep the mask.
     """
     per_block = f" * {tiles}" if tiles > 1 else ""
     if count_ptr:
@@ -111,9 +121,11 @@ def tile_walk(index_ptr: str, tiles: int, block: str, tile: str, start: str, *, 
         f"    for i in {loop}:",
         f"        {start} = tl.multiple_of({start}, {tile})",
     ]
-    next_start = ["        # the next tile's start (its index is not read past the last tile)",
+    past_last = ("past the last tile: the last block's index, read again and unused" if clamp
+                 else "its index is not read past the last tile")
+    next_start = [f"        # the next tile's start ({past_last})",
                   "        after = i + 1",
-                  f"        {start} = {_tile_start(index_ptr, 'after', end, tiles, block, tile)}"]
+                  f"        {start} = {_tile_start(index_ptr, 'after', end, tiles, block, tile, clamp)}"]
     if not contiguous:
         return head, next_start
     return head, ["        if BLOCKS_ARE_CONTIGUOUS:  # the caller promised the listed blocks follow one another",
