@@ -122,7 +122,8 @@ def _attend_range(spec: DecodeSpec, score, mask) -> list[str]:
         *constexprs(("IS_FULL_BLOCKS", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES", "BLOCK_M", "BLOCK_N"),
                     ("KV_BLOCK_SIZE", *HEAD_DIMS[:2]), HEAD_DIMS[2:]),
     ]
-    head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N", "start_n", span=("first", "last"))
+    head, tail = tile_walk("block_index_ptr", tiles, "KV_BLOCK_SIZE", "BLOCK_N", "start_n", span=("first", "last"),
+                           clamp=True)
     body = [
         *jit_def("attend_range", params),
         "    offs_d = tl.arange(0, HEAD_DIM_PAD)",

@@ -101,7 +101,9 @@ def tile_walk(index_ptr: str, tiles: int, block: str, tile: str, start: str, *, 
     stage: the ring loses a slot. ``contiguous`` compiles in torch's BLOCKS_ARE_CONTIGUOUS (the next
     tile follows this one: no index is read). ``clamp``: the next index is read at a clamped tile, not
     under a mask (:func:`_tile_start`); in the forward's loops the clamp took 0-13 instructions per
-    tile (ALiBi D=128 partial 577 -> 575), in the backward's and decode's it was mixed: they keep the mask.
+    tile (ALiBi D=128 partial 577 -> 575); in decode's it took 34-35 from the worst loops (sliding
+    window D=128 partial 507 -> 473, 1.00 -> 0.94 of torch at flexc's tile) and added 1-5 to others,
+    all below 0.96; in the backward's it added 3 to ALiBi D=128's dK/dV loops: the backward keeps the mask.
     """
     per_block = f" * {tiles}" if tiles > 1 else ""
     if count_ptr:
