@@ -11,11 +11,10 @@ its *value* row. :func:`matmul_skipping_zeros` is the product without that. The 
 from __future__ import annotations
 
 import math
-import threading
-import weakref
-from collections import OrderedDict
 
 import torch
+
+from .versioned_memo import VersionedMemo
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
@@ -27,27 +26,13 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     return all(_finite(t) for t in tensors)
 
 
-# id(tensor) -> (weak reference, version counter, verdict) of recently checked tensors
-_VERDICTS: OrderedDict = OrderedDict()
-_VERDICTS_SIZE = 64
-_VERDICTS_LOCK = threading.Lock()
+# the verdicts of recently checked tensors, while unmodified
+_VERDICTS = VersionedMemo(64)
 
 
 def _finite(t: torch.Tensor) -> bool:
-    try:
-        version = t._version
-    except RuntimeError:  # an inference tensor tracks no version: checked every time
-        version = None
-    entry = _VERDICTS.get(id(t))
-    if version is not None and entry is not None and entry[0]() is t and entry[1] == version:
-        return entry[2]
-    verdict = math.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item())
-    if version is not None:
-        with _VERDICTS_LOCK:
-            _VERDICTS[id(t)] = (weakref.ref(t), version, verdict)
-            while len(_VERDICTS) > _VERDICTS_SIZE:
-                _VERDICTS.popitem(last=False)
-    return verdict
+    return _VERDICTS.get((t,), None, lambda: math.isfinite(
+        t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()))
 
 
 def matmul_skipping_zeros(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -8,15 +8,13 @@ is all the handling ragged lengths need.
 """
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ...analysis.spans import intersect
+from ..versioned_memo import VersionedMemo
 
 
 @dataclass(frozen=True)
@@ -252,37 +250,19 @@ def add_chunk_rows(t: torch.Tensor, chunk: Chunk, update: torch.Tensor, sum_batc
         off += end - start
 
 
-_TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 # plans of the most recently used (block mask, call shape) pairs: a training step plans its
 # forward and its backward alike, and a model's layers share one block mask
-_MEMO: OrderedDict = OrderedDict()
-_MEMO_SIZE = 32
-_MEMO_LOCK = threading.Lock()
+_PLANS = VersionedMemo(32)
 
 
 def memo_by_tables(block_mask: Any, key: tuple, build: Callable[[], Any], tensors: Sequence = (),
                    unversioned: Callable[[], Any] | None = None) -> Any:
     """``build()``, remembered for ``block_mask``'s block tables (as these very tensors, unmodified
-    since: their identity and version counters are the key), the ``tensors`` it also reads (a
-    mask_mod's captured tensors, keyed alike) and ``key``. Tables or tensors without a version
+    since), the ``tensors`` it also reads (a mask_mod's captured tensors) and ``key``
+    (:class:`flexc.backends.versioned_memo.VersionedMemo`). Tables or tensors without a version
     counter (made under inference mode) cannot be remembered: then ``unversioned()`` (default
     ``build()``) answers, for a caller whose work only pays when remembered."""
-    tables = [getattr(block_mask, name, None) for name in _TABLE_NAMES] if block_mask is not None else []
-    tables += [t for t in tensors if isinstance(t, torch.Tensor)]
-    try:
-        full_key = (tuple((id(t), t._version) for t in tables if t is not None), key)
-    except RuntimeError:  # inference tensors track no version
-        return (unversioned or build)()
-    with _MEMO_LOCK:
-        entry = _MEMO.get(full_key)
-        if entry is not None:
-            refs, value = entry
-            if all(ref() is t for ref, t in zip(refs, (t for t in tables if t is not None))):
-                _MEMO.move_to_end(full_key)
-                return value
-    value = build()
-    with _MEMO_LOCK:  # weak references: a remembered plan never keeps a block mask's tables alive
-        _MEMO[full_key] = ([weakref.ref(t) for t in tables if t is not None], value)
-        while len(_MEMO) > _MEMO_SIZE:
-            _MEMO.popitem(last=False)
-    return value
+    tables = [getattr(block_mask, name, None) for name in TABLE_NAMES] if block_mask is not None else []
+    tables = [t for t in tables + list(tensors) if isinstance(t, torch.Tensor)]
+    return _PLANS.get(tables, key, build, unversioned)
