@@ -212,15 +212,18 @@ def read_tables(block_mask: Any, q_len: int, kv_len: int) -> Tables:
     kv_num = block_mask.kv_num_blocks
     full_num = getattr(block_mask, "full_kv_num_blocks", None)
     full_idx = getattr(block_mask, "full_kv_indices", None)
-    block_size = block_mask.BLOCK_SIZE
-    if isinstance(block_size, int):
-        block_size = (block_size, block_size)
     return Tables(
         kv_num.tolist(), block_mask.kv_indices.tolist(),
         full_num.tolist() if full_num is not None else None,
         full_idx.tolist() if full_idx is not None else None,
-        (int(block_size[0]), int(block_size[1])), kv_num.shape[0], kv_num.shape[1],
+        block_sizes(block_mask), kv_num.shape[0], kv_num.shape[1],
     )
+
+
+def block_sizes(block_mask: Any) -> tuple[int, int]:
+    """``(query block, key block)`` of a flexc or torch BlockMask (an int BLOCK_SIZE is both)."""
+    size = block_mask.BLOCK_SIZE
+    return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
 def chunk_kv_index(chunk: Chunk, positions: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from . import fused_cpu
-from .block_plan import memo_by_tables
+from .block_plan import TABLE_NAMES, block_sizes, memo_by_tables
 
 # partial-block elements the mask_mod is evaluated on to decide (a causal mask's diagonal blocks
 # are L x BLOCK_SIZE per table entry); past it the block path runs
@@ -73,10 +73,8 @@ def sequence_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: in
 
 
 def _find_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: int, S: int) -> Starts | None:
-    block = block_mask.BLOCK_SIZE
-    q_block, kv_block = (int(block), int(block)) if isinstance(block, int) else (int(block[0]), int(block[1]))
-    tables = [getattr(block_mask, name, None) for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
-                                                          "full_kv_indices")]
+    q_block, kv_block = block_sizes(block_mask)
+    tables = [getattr(block_mask, name, None) for name in TABLE_NAMES]
     tables = [t if t is None else t.cpu() for t in tables]
     n_rows = -(-L // q_block)
     if tables[0].shape[-1] < n_rows:
@@ -156,6 +154,7 @@ def _sequence_rows(entry: _Entry, mask_mod: TracedMod, reads: frozenset, index: 
     nb, nh = index["b"].shape[1], index["h"].shape[2]
     L, S, q_block = entry.L, entry.S, entry.q_block
     new = torch.zeros(nb, nh, L, dtype=torch.bool)
+    n_starts = torch.zeros(nb, nh, dtype=torch.long)
     previous = torch.full((nb, nh, 1), -1)  # (row 0 must start a sequence)
     block0, size, n_blocks = 0, 1, -(-L // q_block)
     while block0 < n_blocks:
@@ -175,7 +174,8 @@ def _sequence_rows(entry: _Entry, mask_mod: TracedMod, reads: frozenset, index: 
         if not bool((starts_here | (lo == torch.cat([previous, lo[..., :-1]], -1))).all()):
             return None  # a row's first key is neither itself nor its predecessor's
         new[..., q[0]:q[-1] + 1] = starts_here
-        if int(new.sum(-1).max()) * MIN_MEAN_ROWS > L:
+        n_starts += starts_here.sum(-1)
+        if int(n_starts.max()) * MIN_MEAN_ROWS > L:
             return None  # sequences too short on average for a call each (known as soon as they are many)
         previous = lo[..., -1:]
         block0, size = block1, min(2 * size, MAX_GROUP_BLOCKS)
@@ -200,7 +200,9 @@ def _key_sums(entry: _Entry, block0: int, block1: int, mask_mod: TracedMod, read
         first, last = cols * kv_block, ((cols + 1) * kv_block).clamp(max=S) - 1
         for total, value in zip(per_block, _closed_sums(first, last)):
             total.scatter_add_(0, rows, value)
-    sums = [t.repeat_interleave(rows_per_block).expand(nb, nh, -1).clone() for t in per_block]
+    # per row, with one slot more at the end where the partial tiles' rows past L land
+    sums = [torch.cat([t.repeat_interleave(rows_per_block), t.new_zeros(1)]).expand(nb, nh, -1).clone()
+            for t in per_block]
     rows, cols = entry.partial
     pick = (rows >= block0) & (rows < block1)
     rows, cols = rows[pick], cols[pick]
@@ -221,10 +223,9 @@ def _key_sums(entry: _Entry, block0: int, block1: int, mask_mod: TracedMod, read
         tile_sums = (c0, start * c0 + c1, start * start * c0 + 2 * start * c1 + c2)
         at = (q - q0).clamp(max=q1 - q0).view(-1, 1, 1, q_block).expand(-1, nb, nh, -1)
         flat = lambda t: t.permute(1, 2, 0, 3).reshape(nb, nh, -1)
-        for total, value in zip(sums, tile_sums):  # rows past L land in one slot more, then dropped
-            grown = torch.cat([total, torch.zeros(nb, nh, 1, dtype=torch.long)], -1)
-            total.copy_(grown.scatter_add_(-1, flat(at), flat(value))[..., :-1])
-    return tuple(sums)
+        for total, value in zip(sums, tile_sums):
+            total.scatter_add_(-1, flat(at), flat(value))
+    return tuple(t[..., :-1] for t in sums)
 
 
 def _offset_sums(allowed: torch.Tensor) -> torch.Tensor:
@@ -297,7 +298,7 @@ def backward(query, key, value, out, lse, grad_out, scale: float,
              starts: Starts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` from the forward's ``out`` and ``lse`` over the same kernel calls, in the
     inputs' dtypes (a key batch broadcast over the query's gets its gradients summed)."""
-    fold = _foldable(query, key, value) and _foldable(out, grad_out)
+    fold = _foldable(query, key, value, out, grad_out)
     q, k, v = _kernel_inputs(query, key, value, fold)
     o, go, l = (_folded(t, fold) for t in (out, grad_out, lse.to(query.dtype)))
     calls = _calls(starts, query.shape[1], q.shape[2], k.shape[2], fold)
