@@ -20,19 +20,18 @@ from .versioned_memo import VersionedMemo
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element is finite: one sum per tensor (NaN and inf survive a sum), read as a
     Python float (a tensor isfinite costs as much again as the sum of a small tensor). A sum that
-    overflows reports False, which only costs the slower NaN-safe path. A tensor's answer is
-    remembered while it is unmodified (its identity and version counter): a training step's
-    backward asks again about the inputs its forward saved."""
-    return all(_finite(t) for t in tensors)
+    overflows reports False, which only costs the slower NaN-safe path. The answer is remembered
+    while the tensors are unmodified (their identities and version counters, one lookup for the
+    group): a training step's backward asks again about the inputs its forward saved."""
+    return _VERDICTS.get(tensors, None, lambda: all(_finite(t) for t in tensors))
 
 
-# the verdicts of recently checked tensors, while unmodified
+# the verdicts of recently checked groups of tensors, while unmodified (one lookup per call)
 _VERDICTS = VersionedMemo(64)
 
 
 def _finite(t: torch.Tensor) -> bool:
-    return _VERDICTS.get((t,), None, lambda: math.isfinite(
-        t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item()))
+    return math.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item())
 
 
 def matmul_skipping_zeros(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -26,14 +26,15 @@ class VersionedMemo:
         """``build()``, remembered for ``tensors`` (unmodified since) and ``key``. When a tensor has
         no version counter, ``unversioned()`` (default ``build()``) answers, unremembered."""
         try:
-            full_key = (tuple((id(t), t._version) for t in tensors), key)
+            full_key = (tuple([(id(t), t._version) for t in tensors]), key)
         except RuntimeError:  # inference tensors track no version
             return (unversioned or build)()
-        with self._lock:
-            entry = self._entries.get(full_key)
-            if entry is not None and all(ref() is t for ref, t in zip(entry[0], tensors)):
-                self._entries.move_to_end(full_key)
-                return entry[1]
+        entry = self._entries.get(full_key)  # (a dict read is atomic: no lock on the per-call hit)
+        if entry is not None and all([ref() is t for ref, t in zip(entry[0], tensors)]):
+            with self._lock:
+                if full_key in self._entries:
+                    self._entries.move_to_end(full_key)
+            return entry[1]
         value = build()
         with self._lock:
             self._entries[full_key] = ([weakref.ref(t) for t in tensors], value)

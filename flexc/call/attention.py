@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..backends import dropout, registry
-from ..backends.cpu.torch_cpu import forward_with_max, torch_backward, torch_forward
+from ..backends.cpu.torch_cpu import forward_with_max, recorded_forward, torch_backward, torch_forward
 from ..backends.layout import laid_out_like
 from ..masks.empty_entries import without_empty_entries
 from . import validate
@@ -159,7 +159,12 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
                                                              or drop.kv_positions is not None), sinks=sinks)
     backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
     max_scores = None
-    if plan.training:
+    recorded = (recorded_forward(query, key, value, traced_score, traced_mask, block_mask, scale)
+                if (plan.training and backend == "TORCH" and drop is None and sinks is None and not want_lse
+                    and not want_max) else None)
+    if recorded is not None:  # torch's own autograd nodes: no Python in the backward
+        out, lse = recorded, None
+    elif plan.training:
         forward = registry.BACKENDS[backend]
         grad_buffers = [traced_score.buffers[i] for i in slots]
         out, lse = _FlexAttentionFunction.apply(query, key, value, forward, plan.generated, traced_score,

@@ -43,6 +43,7 @@ MIN_MEAN_ROWS = 32
 MAX_GROUP_BLOCKS = 64
 
 Starts = tuple  # per batch (or one entry for every batch): the query rows where a sequence starts
+ONE_SEQUENCE: Starts = ((0,),)  # plain causal attention: one sequence from row 0 in every batch
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask_mod: TracedMod | None,
@@ -291,6 +292,27 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
             out[rows, :, qs], lse[rows, :, qs] = o, l
     # (unfolded, the kernel's lse is [B, L, H]-strided: laid out row-major like every path's)
     return _unfolded(out, query, fold), _unfolded(lse, query, fold).contiguous()
+
+
+def recordable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`recorded_forward`'s gradients come out in the inputs' own layouts (flexc's
+    and torch's contract): row-major inputs that fold, or inputs laid out as the kernel lays its
+    gradients out (``[B, L, H, E]`` memory, one key batch per query batch). A row-major GQA call's
+    gradients would come back ``[B, L, H, E]``-strided."""
+    if _foldable(query, key, value):
+        return True
+    return key.shape[0] == query.shape[0] and all(t.transpose(1, 2).is_contiguous() for t in (query, key, value))
+
+
+def recorded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """The output of plain causal attention (:data:`ONE_SEQUENCE`) as one kernel call recorded by
+    autograd, for :func:`recordable` inputs: torch's own backward node for the kernel (and for the
+    fold's views) computes the gradients. The logsumexp it returns is not differentiable, so it is
+    not returned."""
+    fold = _foldable(query, key, value)
+    q, k, v = _kernel_inputs(query, key, value, fold)
+    out, _ = fused_cpu.FLASH(q, k, v, is_causal=True, scale=scale)
+    return _unfolded(out, query, fold)
 
 
 @torch.no_grad()

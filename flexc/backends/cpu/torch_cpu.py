@@ -279,6 +279,28 @@ def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out, (lse if need_lse else None)
 
 
+def _causal_starts(query, key, value, score_mod, mask_mod, block_mask, dropout) -> causal_call.Starts | None:
+    """The causal sequences' starts when the call runs as the fused kernel's causal calls
+    (:func:`causal_call.applies`): no score_mod, no dropout and finite inputs (the kernel's own
+    masking multiplies a NaN value row by 0 and keeps the NaN); else None."""
+    if score_mod is not None or dropout is not None:
+        return None
+    starts = causal_call.applies(query, key, value, mask_mod, block_mask)
+    return starts if starts is not None and all_finite(query, key, value) else None
+
+
+def recorded_forward(query, key, value, score_mod, mask_mod, block_mask, scale) -> torch.Tensor | None:
+    """A training call's output computed by ops autograd records itself, or None when the call needs
+    flexc's own autograd Function. Plain causal attention (one sequence per batch, no score_mod,
+    no dropout, no sinks, no logsumexp or max asked for: the caller's checks) is one call of the
+    fused kernel in its causal mode, whose backward torch registers in C++: a training step then runs
+    no Python after the forward, which is most of a small layer's step (B=2, H=4, L=256, D=32)."""
+    if not causal_call.recordable(query, key, value):
+        return None
+    starts = _causal_starts(query, key, value, score_mod, mask_mod, block_mask, None)
+    return causal_call.recorded_forward(query, key, value, scale) if starts == causal_call.ONE_SEQUENCE else None
+
+
 def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True,
                      lse_dtype=torch.float32, need_lse=True, dropout: Dropout | None = None,
                      sinks: torch.Tensor | None = None):
@@ -298,9 +320,8 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         if sinks is not None:  # the kernel's softmax has no state to start from: the sink joins after it
             out, lse = fused_cpu.fold_sink(out, lse, sinks)
         return out, lse.to(lse_dtype), None
-    starts = (causal_call.applies(query, key, value, mask_mod, block_mask)
-              if dropout is None and score_mod is None and not need_max else None)
-    if starts is not None and all_finite(query, key, value):  # causal sequences: the kernel's causal mode
+    starts = _causal_starts(query, key, value, score_mod, mask_mod, block_mask, dropout) if not need_max else None
+    if starts is not None:  # causal sequences: the kernel's causal mode
         out, lse = causal_call.forward(query, key, value, scale, starts)
         if sinks is not None:
             out, lse = fused_cpu.fold_sink(out, lse, sinks)
@@ -493,9 +514,9 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     """
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, _ = value.shape
-    starts = (causal_call.applies(query, key, value, mask_mod, block_mask)
-              if score_mod is None and dropout is None and (grad_lse is None or not bool(grad_lse.any())) else None)
-    if starts is not None and all_finite(query, key, value):  # as the forward ran
+    starts = (_causal_starts(query, key, value, score_mod, mask_mod, block_mask, dropout)
+              if grad_lse is None or not bool(grad_lse.any()) else None)
+    if starts is not None:  # as the forward ran
         dq, dk, dv = causal_call.backward(query, key, value, out, lse, grad_out, scale, starts)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), []
     work = _work_dtype(query.dtype)

@@ -263,3 +263,72 @@ def test_tables_made_under_inference_mode_keep_the_block_path(taken):
         out = flexc.flex_attention(q, k, v, block_mask=bm)
     assert taken["forward"] == 0
     torch.testing.assert_close(out, dense_attention(q, k, v, None, _causal)[0], atol=1e-12, rtol=0)
+
+
+def _graph_nodes(t: torch.Tensor) -> set:
+    """The names of the autograd nodes that produced ``t``."""
+    seen, names, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("B, Bkv, Hq, Hkv, L, S, layout, dtype, trained", [
+    (2, 2, 4, 4, 200, 200, "row-major", torch.float64, "qkv"),
+    (2, 2, 4, 2, 130, 170, "BLHE", torch.float64, "qkv"),  # GQA as models call it, from [B, L, H, E]
+    (2, 2, 4, 4, 170, 130, "BLHE", torch.float32, "qkv"),
+    (1, 1, 2, 2, 96, 96, "row-major", torch.float64, "v"),  # only the value trains
+])
+def test_a_plain_causal_training_call_is_recorded_by_torchs_own_autograd_nodes(taken, B, Bkv, Hq, Hkv, L, S,
+                                                                                layout, dtype, trained):
+    # one sequence, no lse asked for: the kernel's call itself is on the tape (its backward is
+    # torch's C++ node), not flexc's autograd Function; the gradients are still the mask's
+    q, k, v = random_qkv(B, Hq, Hkv, L, S, 16, dtype=dtype, Bkv=Bkv, seed=7)
+    if layout == "BLHE":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    leaves = [t.requires_grad_() for t, name in zip((q, k, v), "qkv") if name in trained]
+    bm = flexc.create_block_mask(_causal, B, None, L, S, device="cpu", BLOCK_SIZE=64)
+    out = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv)
+    nodes = _graph_nodes(out)
+    assert any("FlashAttentionForCpuBackward" in name for name in nodes), nodes
+    assert not any("FlexAttentionFunction" in name for name in nodes), nodes
+    assert taken == {"forward": 0, "backward": 0}
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), dtype=dtype)
+    mine = torch.autograd.grad(out, leaves, grad)
+    ref_out = dense_attention(q, k, v, None, _causal)[0]
+    refs = torch.autograd.grad(ref_out, leaves, grad.double())
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=0)
+    assert out.stride() == q.stride()
+    for a, b, t in zip(mine, refs, leaves):
+        assert a.shape == t.shape and a.stride() == t.stride()
+        torch.testing.assert_close(a.double(), b.double(), atol=10 * tol, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["documents", "lse", "sinks", "NaN value row", "row-major GQA"])
+def test_training_calls_torchs_nodes_cannot_express_keep_flexcs_function(case):
+    # (row-major GQA: the kernel's gradients would come back [B, L, H, E]-strided)
+    q, k, v = random_qkv(1, 2, 1 if case == "row-major GQA" else 2, 128, 128, 16, dtype=torch.float64, seed=9)
+    if case == "NaN value row":
+        v[0, 0, 100] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask_mod = _documents_of_128 if case == "documents" else _causal
+    bm = flexc.create_block_mask(mask_mod, None, None, 128, 128, device="cpu", BLOCK_SIZE=32)
+    sinks = torch.zeros(2, dtype=torch.float64) if case == "sinks" else None
+    out = flexc.flex_attention(q, k, v, block_mask=bm, return_lse=case == "lse", sinks=sinks,
+                               enable_gqa=case == "row-major GQA")
+    out = out[0] if case == "lse" else out
+    assert any("FlexAttentionFunction" in name for name in _graph_nodes(out))
+    if case == "NaN value row":  # the kernel's causal tiles would carry 0 * NaN into earlier rows
+        assert torch.isfinite(out[0, 0, :100]).all()
+        (dq,) = torch.autograd.grad(out[0, 0, :100].sum(), (q,))
+        assert torch.isfinite(dq[0, 0, :100]).all()
+
+
+def _documents_of_128(b, h, q, kv):  # two documents of 64 rows
+    return (q // 64 == kv // 64) & (q >= kv)
