@@ -144,8 +144,12 @@ def _trace_as(where: str, mod: Callable, kinds: tuple[str, ...]) -> TracedMod:
 
 def _table_property(direction: str, slot: int, doc: str) -> property:
     """Table ``slot`` of the ``direction`` ("kv" or "q") tables, read and set through them."""
-    return property(lambda self: getattr(self, f"_{direction}")()[slot],
-                    lambda self, value: getattr(self, f"_set_{direction}")(slot, value), doc=doc)
+    built, build, setter = f"_{direction}_tables", f"_{direction}", f"_set_{direction}"
+
+    def read(self):  # (read on every call, several times: built tables are taken without a method call)
+        tables = getattr(self, built)
+        return (tables if tables is not None else getattr(self, build)())[slot]
+    return property(read, lambda self, value: getattr(self, setter)(slot, value), doc=doc)
 
 
 class BlockMask:
