@@ -6,6 +6,7 @@ Issue 28's training rows, each at one thread and at two, timed side by side in o
   small causal     B=2, H=4, L=256,  D=32   (a small model's layer: fixed costs dominate)
   causal           B=4, H=8, L=512,  D=64
   document         B=4, H=8, L=1024, D=64   (6 documents, causal inside each)
+  unmasked         B=4, H=8, L=512,  D=64   (no block mask; SDPA with no mask either)
 
 flexc runs ``flex_attention(q, k, v, block_mask=...)`` with the block mask built once outside the
 timed calls; SDPA runs ``scaled_dot_product_attention(q, k, v, attn_mask=dense)`` with the boolean
@@ -49,6 +50,7 @@ ROWS = {  # name: (B, H, L, D, mask_mod maker)
     "small": (2, 4, 256, 32, lambda L: causal),
     "causal": (4, 8, 512, 64, lambda L: causal),
     "document": (4, 8, 1024, 64, document),
+    "unmasked": (4, 8, 512, 64, lambda L: None),
 }
 
 
@@ -57,9 +59,11 @@ def step_pair(B: int, H: int, L: int, D: int, mask_mod):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, generator=gen).requires_grad_() for _ in range(3))
     grad = torch.randn(B, H, L, D, generator=gen)
-    block_mask = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu")
-    positions = torch.arange(L)
-    dense = mask_mod(None, None, positions[:, None], positions[None, :])
+    block_mask = dense = None
+    if mask_mod is not None:
+        block_mask = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu")
+        positions = torch.arange(L)
+        dense = mask_mod(None, None, positions[:, None], positions[None, :])
 
     def flexc_step():
         flexc.flex_attention(q, k, v, block_mask=block_mask).backward(grad)

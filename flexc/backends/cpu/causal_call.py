@@ -51,14 +51,21 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask_mo
     """The sequences' starts when the call (no score_mod, no dropout, no max_scores: the caller's
     checks) runs as causal kernel calls: the fused kernel's dtypes and head dims, GQA only where
     the kernel takes it, and a block mask of causal sequences (:func:`sequence_starts`); else None."""
-    B, Hq, L, E = query.shape
-    Bkv, Hkv, S, Ev = value.shape
-    if (block_mask is None or mask_mod is None or fused_cpu.FLASH_BACKWARD is None
-            or not fused_cpu.supported(query, value, None, False) or L == 0 or S == 0 or B * Hq == 0):
+    if block_mask is None or mask_mod is None or not kernel_takes(query, value):
         return None
-    if Hq != Hkv and not _kernel_takes_gqa():
-        return None
-    return sequence_starts(block_mask, mask_mod, B, Hq, L, S)
+    B, Hq, L, _ = query.shape
+    return sequence_starts(block_mask, mask_mod, B, Hq, L, value.shape[2])
+
+
+def kernel_takes(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the fused kernel's calls (forward and backward) take these inputs: its dtypes and
+    head dims, no empty dimension, GQA only where the kernel takes it."""
+    B, Hq, L, _ = query.shape
+    Hkv, S = value.shape[1], value.shape[2]
+    if (fused_cpu.FLASH_BACKWARD is None or not fused_cpu.supported(query, value, None, False)
+            or L == 0 or S == 0 or B * Hq == 0):
+        return False
+    return Hq == Hkv or _kernel_takes_gqa()
 
 
 def sequence_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: int, S: int) -> Starts | None:
@@ -304,14 +311,15 @@ def recordable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> b
     return key.shape[0] == query.shape[0] and all(t.transpose(1, 2).is_contiguous() for t in (query, key, value))
 
 
-def recorded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """The output of plain causal attention (:data:`ONE_SEQUENCE`) as one kernel call recorded by
-    autograd, for :func:`recordable` inputs: torch's own backward node for the kernel (and for the
-    fold's views) computes the gradients. The logsumexp it returns is not differentiable, so it is
-    not returned."""
+def recorded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     causal: bool = True) -> torch.Tensor:
+    """The output of plain causal attention (:data:`ONE_SEQUENCE`; ``causal=False``: attention
+    with no mask) as one kernel call recorded by autograd, for :func:`recordable` inputs: torch's
+    own backward node for the kernel (and for the fold's views) computes the gradients. The
+    logsumexp it returns is not differentiable, so it is not returned."""
     fold = _foldable(query, key, value)
     q, k, v = _kernel_inputs(query, key, value, fold)
-    out, _ = fused_cpu.FLASH(q, k, v, is_causal=True, scale=scale)
+    out, _ = fused_cpu.FLASH(q, k, v, is_causal=causal, scale=scale)
     return _unfolded(out, query, fold)
 
 

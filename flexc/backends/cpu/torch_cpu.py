@@ -291,12 +291,16 @@ def _causal_starts(query, key, value, score_mod, mask_mod, block_mask, dropout) 
 
 def recorded_forward(query, key, value, score_mod, mask_mod, block_mask, scale) -> torch.Tensor | None:
     """A training call's output computed by ops autograd records itself, or None when the call needs
-    flexc's own autograd Function. Plain causal attention (one sequence per batch, no score_mod,
-    no dropout, no sinks, no logsumexp or max asked for: the caller's checks) is one call of the
-    fused kernel in its causal mode, whose backward torch registers in C++: a training step then runs
-    no Python after the forward, which is most of a small layer's step (B=2, H=4, L=256, D=32)."""
-    if not causal_call.recordable(query, key, value):
+    flexc's own autograd Function. Plain causal attention (one sequence per batch), or attention
+    with no block mask, with no score_mod, dropout, sinks, logsumexp or max asked for (the caller's
+    checks) and finite inputs, is one call of the fused kernel (in its causal mode for the first),
+    whose backward torch registers in C++: a training step then runs no Python after the forward,
+    which is most of a small layer's step (B=2, H=4, L=256, D=32)."""
+    if score_mod is not None or not causal_call.recordable(query, key, value):
         return None
+    if block_mask is None:
+        plain = causal_call.kernel_takes(query, value) and all_finite(query, key, value)
+        return causal_call.recorded_forward(query, key, value, scale, causal=False) if plain else None
     starts = _causal_starts(query, key, value, score_mod, mask_mod, block_mask, None)
     return causal_call.recorded_forward(query, key, value, scale) if starts == causal_call.ONE_SEQUENCE else None
 

@@ -278,21 +278,24 @@ def _graph_nodes(t: torch.Tensor) -> set:
     return names
 
 
-@pytest.mark.parametrize("B, Bkv, Hq, Hkv, L, S, layout, dtype, trained", [
-    (2, 2, 4, 4, 200, 200, "row-major", torch.float64, "qkv"),
-    (2, 2, 4, 2, 130, 170, "BLHE", torch.float64, "qkv"),  # GQA as models call it, from [B, L, H, E]
-    (2, 2, 4, 4, 170, 130, "BLHE", torch.float32, "qkv"),
-    (1, 1, 2, 2, 96, 96, "row-major", torch.float64, "v"),  # only the value trains
+@pytest.mark.parametrize("mask_mod, B, Bkv, Hq, Hkv, L, S, layout, dtype, trained", [
+    (_causal, 2, 2, 4, 4, 200, 200, "row-major", torch.float64, "qkv"),
+    (_causal, 2, 2, 4, 2, 130, 170, "BLHE", torch.float64, "qkv"),  # GQA as models call it, from [B, L, H, E]
+    (_causal, 2, 2, 4, 4, 170, 130, "BLHE", torch.float32, "qkv"),
+    (_causal, 1, 1, 2, 2, 96, 96, "row-major", torch.float64, "v"),  # only the value trains
+    (None, 2, 2, 4, 2, 130, 170, "BLHE", torch.float64, "qkv"),  # no block mask at all
+    (None, 2, 2, 2, 2, 96, 80, "row-major", torch.float32, "qk"),
 ])
-def test_a_plain_causal_training_call_is_recorded_by_torchs_own_autograd_nodes(taken, B, Bkv, Hq, Hkv, L, S,
-                                                                                layout, dtype, trained):
-    # one sequence, no lse asked for: the kernel's call itself is on the tape (its backward is
-    # torch's C++ node), not flexc's autograd Function; the gradients are still the mask's
+def test_a_plain_training_call_is_recorded_by_torchs_own_autograd_nodes(taken, mask_mod, B, Bkv, Hq, Hkv, L, S,
+                                                                        layout, dtype, trained):
+    # causal with one sequence, or no mask; no lse asked for: the kernel's call itself is on the
+    # tape (its backward is torch's C++ node), not flexc's autograd Function; the gradients are
+    # still the mask's
     q, k, v = random_qkv(B, Hq, Hkv, L, S, 16, dtype=dtype, Bkv=Bkv, seed=7)
     if layout == "BLHE":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     leaves = [t.requires_grad_() for t, name in zip((q, k, v), "qkv") if name in trained]
-    bm = flexc.create_block_mask(_causal, B, None, L, S, device="cpu", BLOCK_SIZE=64)
+    bm = flexc.create_block_mask(mask_mod, B, None, L, S, device="cpu", BLOCK_SIZE=64) if mask_mod else None
     out = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv)
     nodes = _graph_nodes(out)
     assert any("FlashAttentionForCpuBackward" in name for name in nodes), nodes
@@ -300,7 +303,7 @@ def test_a_plain_causal_training_call_is_recorded_by_torchs_own_autograd_nodes(t
     assert taken == {"forward": 0, "backward": 0}
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), dtype=dtype)
     mine = torch.autograd.grad(out, leaves, grad)
-    ref_out = dense_attention(q, k, v, None, _causal)[0]
+    ref_out = dense_attention(q, k, v, None, mask_mod)[0]
     refs = torch.autograd.grad(ref_out, leaves, grad.double())
     tol = 1e-10 if dtype == torch.float64 else 2e-5
     torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=0)
@@ -310,7 +313,7 @@ def test_a_plain_causal_training_call_is_recorded_by_torchs_own_autograd_nodes(t
         torch.testing.assert_close(a.double(), b.double(), atol=10 * tol, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["documents", "lse", "sinks", "NaN value row", "row-major GQA"])
+@pytest.mark.parametrize("case", ["documents", "lse", "sinks", "NaN value row", "row-major GQA", "score_mod"])
 def test_training_calls_torchs_nodes_cannot_express_keep_flexcs_function(case):
     # (row-major GQA: the kernel's gradients would come back [B, L, H, E]-strided)
     q, k, v = random_qkv(1, 2, 1 if case == "row-major GQA" else 2, 128, 128, 16, dtype=torch.float64, seed=9)
@@ -321,7 +324,8 @@ def test_training_calls_torchs_nodes_cannot_express_keep_flexcs_function(case):
     bm = flexc.create_block_mask(mask_mod, None, None, 128, 128, device="cpu", BLOCK_SIZE=32)
     sinks = torch.zeros(2, dtype=torch.float64) if case == "sinks" else None
     out = flexc.flex_attention(q, k, v, block_mask=bm, return_lse=case == "lse", sinks=sinks,
-                               enable_gqa=case == "row-major GQA")
+                               enable_gqa=case == "row-major GQA",
+                               score_mod=(lambda s, b, h, qi, kv: s * 0.5) if case == "score_mod" else None)
     out = out[0] if case == "lse" else out
     assert any("FlexAttentionFunction" in name for name in _graph_nodes(out))
     if case == "NaN value row":  # the kernel's causal tiles would carry 0 * NaN into earlier rows
