@@ -146,7 +146,7 @@ def _table_property(direction: str, slot: int, doc: str) -> property:
     """Table ``slot`` of the ``direction`` ("kv" or "q") tables, read and set through them."""
     built, build, setter = f"_{direction}_tables", f"_{direction}", f"_set_{direction}"
 
-    def read(self):  # (read on every call, several times: built tables are taken without a method call)
+    def read(self) -> torch.Tensor | None:  # (read several times a call: built tables without a method call)
         tables = getattr(self, built)
         return (tables if tables is not None else getattr(self, build)())[slot]
     return property(read, lambda self, value: getattr(self, setter)(slot, value), doc=doc)
