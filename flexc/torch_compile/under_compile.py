@@ -521,7 +521,13 @@ def _compiled_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN
     """:func:`flexc.create_block_mask` as one ``flexc::create_block_mask`` node (same bridge as above)."""
     block = tuple(BLOCK_SIZE) if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    sizes = (B or 1, H or 1, Q_LEN, KV_LEN, int(block[0]), int(block[1]))
+    from torch._dynamo.comptime import comptime  # (here, not at import: dynamo imports sympy)
+
+    comptime(_warn_if_sizes_are_symbolic)
+    # the node takes its sizes as constants (the tables' shapes follow from them): operator.index
+    # makes a symbolic size (dynamic=True, or a length made dynamic after a recompile) this call's
+    # value under a guard, so each new length compiles its own graph
+    sizes = (*(operator.index(n) for n in (B or 1, H or 1, Q_LEN, KV_LEN)), int(block[0]), int(block[1]))
     b0, h0, q0, kv0 = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
 
     def inner(b, h, q_idx, kv_idx):
@@ -529,8 +535,6 @@ def _compiled_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN
         return (*_tables_meta(sizes, device), mask_mod(b, h, q_idx, kv_idx))
 
     spec = (_name(mask_mod, "mask_mod"), sizes, device)
-    from torch._dynamo.comptime import comptime  # (here, not at import: dynamo imports sympy)
-
     comptime(_enter_lookups_as_index)
     num, indices, full_num, full_indices, _ = dynamo_bypassing_wrapper(
         functools.partial(_mask_wrapper, spec), inner, b0, h0, q0, kv0)
@@ -538,6 +542,24 @@ def _compiled_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN
     full = (full_num, full_indices) if separate_full_blocks else (None, None)
     return BlockMask((Q_LEN, KV_LEN), num, indices, *full, DERIVED, DERIVED, DERIVED, DERIVED,
                      BLOCK_SIZE=(sizes[4], sizes[5]), mask_mod=mask_mod)
+
+
+def _warn_if_sizes_are_symbolic(ctx) -> None:
+    """At trace time (dynamo reads a symbolic size as an int in the traced code; only its own view
+    of the locals tells): say once that the graph is specialized to each length."""
+    if any(ctx.get_local(name).is_dynamic() for name in ("B", "H", "Q_LEN", "KV_LEN")):
+        _warn_symbolic_sizes()
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_symbolic_sizes() -> None:
+    import warnings
+
+    from ..call.plan import FallbackWarning
+    warnings.warn("flexc: create_block_mask inside torch.compile at symbolic (dynamic) sizes specializes the graph "
+                  "to each call's sizes: every new length compiles anew, up to torch._dynamo's recompile limit. "
+                  "Fix: build the mask outside the compiled region and pass it in to keep one dynamic graph.",
+                  FallbackWarning, stacklevel=2)
 
 
 def _tables_meta(sizes: tuple, device: torch.device):

@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 
 import flexc
-from flexc.torch_compile import custom_ops
+from flexc.torch_compile import custom_ops, under_compile
 from flexc.mods.mod_key import mod_key, traced_from_key
 from catalogue import mask_catalogue, score_catalogue
 from models import Block
@@ -219,6 +219,27 @@ def test_new_lengths_compile_once_more_with_symbolic_sizes():
         q, k, v = (torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n)) for _ in range(3))
         torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
     assert counter.frame_count == 2  # the second length recompiles with symbolic sizes; the third reuses it
+
+
+def test_a_block_mask_created_at_symbolic_lengths_specializes_each_length_and_says_so():
+    # dynamic=True (or a length dynamo makes dynamic on a recompile, as a compiled model meeting a
+    # new sequence length does) hands create_block_mask symbolic lengths; the mask node takes its
+    # sizes as constants, so each length gets its own graph, with one warning, in one graph each
+    def f(q, k, v):
+        n = q.shape[2]
+        bm = flexc.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, BLOCK_SIZE=16)
+        return flexc.flex_attention(q, k, v, block_mask=bm)
+
+    under_compile._warn_symbolic_sizes.cache_clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, dynamic=True, fullgraph=True)
+    frames = []
+    with pytest.warns(flexc.FallbackWarning, match="specializes the graph to each call's sizes"):
+        for n in (32, 40, 32):
+            q, k, v = (torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n)) for _ in range(3))
+            torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+            frames.append(counter.frame_count)
+    assert frames[1] == frames[0] + 1 and frames[2] == frames[1]  # 40 compiles anew; 32 again reuses its graph
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
