@@ -216,3 +216,35 @@ def test_query_rows_and_heads_without_any_key_block_are_zero(mask_h):
         _close(out, ref_out, atol=2e-5)
         _close(lse, ref_lse, atol=2e-5)
         assert torch.all(out[:, :, 64:] == 0)
+
+
+def test_a_score_mod_returning_the_score_unchanged_runs_as_the_call_without_one(monkeypatch):
+    # Hugging Face's score_mod with nothing configured: Python branches on closure values that
+    # are None, then `return score`. It must take the paths a call without a score_mod takes
+    # (here the kernel's causal mode, recorded by autograd) and give that call's result.
+    softcap = head_bias = None
+
+    def hf_style(score, b, h, q_idx, kv_idx):
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if head_bias is not None:
+            score = score + head_bias[h]
+        return score
+
+    from flexc.backends.cpu import causal_call
+    seen = []
+    monkeypatch.setattr(causal_call, "recorded_forward",
+                        lambda *args, _real=causal_call.recorded_forward, **kw: seen.append(1) or _real(*args, **kw))
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 96, 96, 16, dtype=torch.float64, seed=11))
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 96, 96, BLOCK_SIZE=32)
+    out = flexc.flex_attention(q, k, v, score_mod=hf_style, block_mask=bm)
+    assert seen == [1]
+    ref = dense_attention(q, k, v, None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)[0]
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    softcap = 20.0  # configured: a real score_mod, not the call without one
+    out = flexc.flex_attention(q, k, v, score_mod=hf_style, block_mask=bm)
+    assert seen == [1]
+    torch.testing.assert_close(out, dense_attention(q, k, v, hf_style, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)[0],
+                               atol=1e-10, rtol=0)
