@@ -17,9 +17,8 @@ from .. import device as gpu
 from ..analysis import bounds
 from ..backends import registry
 from ..codegen.printer import precise_math_for
-from ..mods import ir
 from ..mods.trace import trace
-from ..mods.traced_mod import MASK_MOD, SCORE_MOD, TracedMod, trainable_slots
+from ..mods.traced_mod import MASK_MOD, SCORE_MOD, TracedMod, trainable_slots, unless_identity
 from . import validate
 
 
@@ -82,10 +81,7 @@ def prepare_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     traced_mask = trace(mask_fn, MASK_MOD) if mask_fn is not None else None
     validate.check_captured(traced_score, query.device)
     validate.check_captured(traced_mask, query.device)
-    if traced_score is not None and traced_score.root is ir.input_("score"):
-        # a score_mod that returns the score unchanged (Hugging Face's, with no soft-cap or bias
-        # configured) is the call without one: the paths that take no score_mod apply
-        traced_score = None
+    traced_score = unless_identity(traced_score)
     # FAST_MATH=False: tanh and sigmoid keep libdevice's lowering in every kernel of the call
     traced_score, traced_mask = precise_math_for(options, traced_score, traced_mask)
     return scale, options, traced_score, traced_mask

@@ -128,6 +128,13 @@ def def_site(fn: Callable) -> str:
     return f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
 
 
+def unless_identity(score_mod: "TracedMod | None") -> "TracedMod | None":
+    """``score_mod``, or None when it returns the score unchanged (Hugging Face's with no soft-cap
+    or mask configured): the call without a score_mod, whose paths (fused kernels, the causal
+    mode) then apply."""
+    return None if score_mod is not None and score_mod.root is ir.input_("score") else score_mod
+
+
 def trainable_slots(score_mod: "TracedMod | None") -> tuple[int, ...]:
     """Slots of the score_mod's captured float tensors that require grad (they receive gradients)."""
     if score_mod is None:

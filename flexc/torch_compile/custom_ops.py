@@ -25,6 +25,7 @@ from ..codegen.printer import precise_math_for
 from ..masks.empty_entries import without_empty_entries
 from ..backends.layout import empty_like_reference, laid_out_like
 from ..mods.mod_key import traced_from_key
+from ..mods.traced_mod import unless_identity
 from ..call.plan import dropout_backend, generated_backward_applies, warn_fallback
 from ..call.sinks import sink_grad
 from ..backends.dropout import Dropout
@@ -66,7 +67,7 @@ def _noop(b, h, q_idx, kv_idx):
 
 
 def _mods(score_key: str, score_buffers, mask_key: str, mask_buffers):
-    score = traced_from_key(score_key, score_buffers) if score_key else None
+    score = unless_identity(traced_from_key(score_key, score_buffers)) if score_key else None
     mask = traced_from_key(mask_key, mask_buffers) if mask_key else None
     return score, mask
 

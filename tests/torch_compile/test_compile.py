@@ -433,3 +433,22 @@ def test_custom_ops_fake_strides_equal_the_real_ones_for_permuted_inputs():
                     *pytree.tree_leaves(custom_ops.flex_attention_backward_op(*fbackward))]
         assert [t.stride() for t in fake] == [t.stride() for t in real], backend
         assert real[0].stride() == (1024, 16, 32, 1)  # [B, H, L, 16] in the query's (B, L, H) order, head dim innermost
+
+
+def test_a_score_mod_returning_the_score_unchanged_compiles_as_the_call_without_one(monkeypatch):
+    # the op's forward and backward rebuild the mods from their keys: an identity score_mod is
+    # dropped there as in eager calls (the causal mode's kernel runs), with the same gradients
+    from flexc.backends.cpu import causal_call
+    seen = []
+    monkeypatch.setattr(causal_call, "forward", lambda *a, _real=causal_call.forward: seen.append(1) or _real(*a))
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(13), requires_grad=True)
+               for _ in range(3))
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 64, 64, BLOCK_SIZE=32)
+    compiled = torch.compile(lambda q, k, v: flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s,
+                                                                  block_mask=bm), backend="aot_eager")
+    out = compiled(q, k, v)
+    assert seen
+    ref = flexc.flex_attention(q, k, v, block_mask=bm)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
