@@ -7,6 +7,9 @@ Issue 28's training rows, each at one thread and at two, timed side by side in o
   causal           B=4, H=8, L=512,  D=64
   document         B=4, H=8, L=1024, D=64   (6 documents, causal inside each)
   unmasked         B=4, H=8, L=512,  D=64   (no block mask; SDPA with no mask either)
+  hf-style         B=2, Hq=8, Hkv=2, L=256, D=32: a Hugging Face layer's call: [B, L, H, E] memory,
+                   GQA, its score_mod with nothing configured, causal and padding mask_mod (reads b),
+                   return_lse=True (SDPA: the dense causal mask, enable_gqa)
 
 flexc runs ``flex_attention(q, k, v, block_mask=...)`` with the block mask built once outside the
 timed calls; SDPA runs ``scaled_dot_product_attention(q, k, v, attn_mask=dense)`` with the boolean
@@ -51,7 +54,36 @@ ROWS = {  # name: (B, H, L, D, mask_mod maker)
     "causal": (4, 8, 512, 64, lambda L: causal),
     "document": (4, 8, 1024, 64, document),
     "unmasked": (4, 8, 512, 64, lambda L: None),
+    "hf-style": (2, 8, 256, 32, None),  # (its own step_pair: hf_style_pair)
 }
+
+
+def hf_style_pair(B: int, H: int, L: int, D: int, _=None, kv_heads: int = 2):
+    """``(flexc_step, sdpa_step)`` for a call as Hugging Face's flex integration makes it."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, L, h, D, generator=gen).transpose(1, 2).requires_grad_() for h in (H, kv_heads, kv_heads))
+    grad = torch.randn(B, H, L, D, generator=gen)
+    padding = torch.ones(B, L, dtype=torch.bool)  # the attention_mask of a batch without padding
+    softcap = None
+
+    def causal_and_padding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & padding[b, kv_idx]
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # soft-capping, when the config asks for it
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        return score
+    block_mask = flexc.create_block_mask(causal_and_padding, B, None, L, L, device="cpu")
+    dense = torch.ones(L, L, dtype=torch.bool).tril()
+
+    def flexc_step():
+        out, _ = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
+                                      return_lse=True)
+        out.backward(grad)
+
+    def sdpa_step():
+        F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True).backward(grad)
+    return flexc_step, sdpa_step
 
 
 def step_pair(B: int, H: int, L: int, D: int, mask_mod):
@@ -98,7 +130,8 @@ def main() -> None:
         B, H, L, D, make_mask = ROWS[name]
         for threads in args.threads:
             torch.set_num_threads(threads)
-            flexc_step, sdpa_step = step_pair(B, H, L, D, make_mask(L))
+            pair = hf_style_pair if name == "hf-style" else step_pair
+            flexc_step, sdpa_step = pair(B, H, L, D, make_mask(L) if make_mask else None)
             reps = args.reps if L * B * H <= 8192 else max(3, args.reps // 3)
             tf, ts = side_by_side(flexc_step, sdpa_step, reps)
             print(f"{name:10} {B:2} {H:2} {L:5} {D:3} {threads:7} {tf * 1e3:9.2f} {ts * 1e3:9.2f} {tf / ts:6.2f}")
