@@ -452,3 +452,21 @@ def test_a_score_mod_returning_the_score_unchanged_compiles_as_the_call_without_
     torch.testing.assert_close(out, ref)
     for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
         torch.testing.assert_close(a, b)
+
+
+def test_a_compiled_training_step_decides_the_causal_mode_once_not_every_backward(monkeypatch):
+    # the op's backward receives autograd-saved aliases of the tables, new objects every step: the
+    # decision remembered for the tables' data serves them (flexc.backends.versioned_memo)
+    from flexc.backends.cpu import causal_call
+    decided = []
+    monkeypatch.setattr(causal_call, "_find_starts", lambda *a, _real=causal_call._find_starts: decided.append(1) or _real(*a))
+    q = torch.randn(2, 2, 64, 8, generator=torch.Generator().manual_seed(14), requires_grad=True)
+    padding = torch.ones(2, 64, dtype=torch.bool)
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & padding[b, kv_idx], 2, None, 64, 64,
+                                 BLOCK_SIZE=32)
+    compiled = torch.compile(lambda q: flexc.flex_attention(q, q, q, block_mask=bm), backend="aot_eager")
+    for _ in range(3):
+        (g,) = torch.autograd.grad(compiled(q).sum(), (q,))
+    assert len(decided) == 1
+    (ref,) = torch.autograd.grad(flexc.flex_attention(q, q, q, block_mask=bm).sum(), (q,))
+    torch.testing.assert_close(g, ref)
