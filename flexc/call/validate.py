@@ -19,6 +19,7 @@ import torch
 from ..device import is_gpu
 from ..errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError
 from ..mods.traced_mod import check_captured  # noqa: F401  (validation of a call's mods)
+from ..masks.kv_tables import KV_TABLE_NAMES, block_sizes_of, kv_tables
 from ..masks.table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
 from ..versions import table_states
 
@@ -191,8 +192,7 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         _check_rows_cover(block_mask, rows.num_shape[-1], L)
         _last_valid[0] = rows  # (the same lists object next step: no hashing)
         return
-    tables = [block_mask.kv_num_blocks, block_mask.kv_indices,
-              getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask, "full_kv_indices", None)]
+    tables = list(kv_tables(block_mask))
     provenance = getattr(block_mask, "sliced_from", None)
     if provenance is not None and _slice_of_valid_tables(tables, provenance):
         _check_structure(block_mask, tables, L)  # rows of valid tables: their entries are valid
@@ -253,8 +253,7 @@ def _check_structure(block_mask: Any, tables: list, L: int) -> None:
 
 
 def _check_types_and_shapes(tables: list) -> None:
-    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
-    for name, t in zip(names, tables):
+    for name, t in zip(KV_TABLE_NAMES, tables):
         if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex()
                               or t.dtype == torch.bool):
             what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
@@ -275,8 +274,7 @@ def _check_types_and_shapes(tables: list) -> None:
 
 
 def _check_rows_cover(block_mask: Any, n_q: int, L: int) -> None:
-    size = block_mask.BLOCK_SIZE
-    q_block = size if isinstance(size, int) else int(size[0])
+    q_block = block_sizes_of(block_mask)[0]
     if n_q * q_block < L:
         raise ValueError(f"flex_attention: `block_mask` has {n_q} query-block rows of {q_block} but Q_LEN={L} needs "
                          f"{-(-L // q_block)}. {_REBUILD}")

@@ -20,6 +20,7 @@ import torch
 from ..analysis import bounds
 from ..device import is_gpu
 from ..errors import AssertedValueError, InvalidValueError
+from .kv_tables import KV_TABLE_NAMES
 from .mask_mods import noop_mask
 from ..analysis.tiles import (EMPTY, FULL, PARTIAL, UNDECIDED, cdiv, dense_mask, dense_to_ordered,
                     evaluate_tiles, ordered_to_dense, ragged_tiles, reads_input, transpose_ordered)
@@ -31,8 +32,7 @@ from ..versions import table_states
 
 DEFAULT_BLOCK_SIZE = 128
 
-_TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+_TABLE_NAMES = KV_TABLE_NAMES + ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 TENSOR_ATTRS = _TABLE_NAMES + ("dq_write_order", "dq_write_order_full", "dq_kv_order")
 
 

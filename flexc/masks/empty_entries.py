@@ -18,6 +18,7 @@ import torch
 
 from ..device import is_gpu
 from ..versions import table_states
+from .kv_tables import block_sizes_of, kv_tables
 
 # id(kv_indices) -> (a weak reference to it, the tables' states, the compacted mask (None: the mask itself))
 _compacted: dict[int, tuple] = {}
@@ -42,8 +43,7 @@ def without_empty_entries(block_mask: Any) -> Any:
         if rows is _last_rows[0] or not _lists_have_empty(rows):
             _last_rows[0] = rows
             return block_mask
-    tables = (block_mask.kv_num_blocks, block_mask.kv_indices, getattr(block_mask, "full_kv_num_blocks", None),
-              getattr(block_mask, "full_kv_indices", None))
+    tables = kv_tables(block_mask)
     if not all(t is None or isinstance(t, torch.Tensor) for t in tables) or tables[1].dim() < 1:
         return block_mask
     state = table_states(tables)
@@ -55,7 +55,7 @@ def without_empty_entries(block_mask: Any) -> Any:
         rebuilt = seen[2]
         if rebuilt is None:
             return block_mask
-        if (rebuilt.mask_mod is block_mask.mask_mod and rebuilt.BLOCK_SIZE == _block_size(block_mask)
+        if (rebuilt.mask_mod is block_mask.mask_mod and rebuilt.BLOCK_SIZE == block_sizes_of(block_mask)
                 and rebuilt.seq_lengths == tuple(block_mask.seq_lengths)):
             return rebuilt  # one object per tables: caches keyed by the mask keep hitting
         new = (rebuilt.kv_num_blocks, rebuilt.kv_indices, rebuilt.full_kv_num_blocks, rebuilt.full_kv_indices)
@@ -125,10 +125,7 @@ def _lists_have_empty(rows: Any) -> bool:
 def _rebuilt(block_mask: Any, tables: tuple) -> Any:
     from .block_mask import DERIVED, BlockMask  # (block_mask imports the validation this serves)
 
-    return BlockMask(tuple(block_mask.seq_lengths), *tables, *(DERIVED,) * 4, BLOCK_SIZE=_block_size(block_mask),
+    return BlockMask(tuple(block_mask.seq_lengths), *tables, *(DERIVED,) * 4, BLOCK_SIZE=block_sizes_of(block_mask),
                      mask_mod=block_mask.mask_mod)
 
 
-def _block_size(block_mask: Any) -> tuple:
-    size = block_mask.BLOCK_SIZE
-    return (size, size) if isinstance(size, int) else tuple(int(s) for s in size)

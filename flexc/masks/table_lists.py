@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..versions import table_states, write_count
+from .kv_tables import kv_tables
 
 LIMIT = 4096  # entries of kv_indices up to which tables are read as lists
 
@@ -103,5 +104,4 @@ def contents_of(block_mask: Any) -> TableContents | None:
     rows = getattr(block_mask, "lazy_rows", None)
     if rows is not None:
         return rows
-    return table_lists((block_mask.kv_num_blocks, block_mask.kv_indices,
-                        getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask, "full_kv_indices", None)))
+    return table_lists(kv_tables(block_mask))

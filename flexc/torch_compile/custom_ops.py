@@ -23,6 +23,7 @@ from ..backends.cpu.torch_cpu import forward_with_max, torch_backward, torch_for
 from ..masks.block_mask import DERIVED, BlockMask, create_block_mask
 from ..codegen.printer import precise_math_for
 from ..masks.empty_entries import without_empty_entries
+from ..masks.kv_tables import KV_TABLE_NAMES
 from ..backends.layout import empty_like_reference, laid_out_like
 from ..mods.mod_key import traced_from_key
 from ..mods.traced_mod import unless_identity
@@ -32,7 +33,7 @@ from ..backends.dropout import Dropout
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
 # The forward and the backward walk query rows, so the q-direction tables are never needed.
-TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+TABLE_NAMES = KV_TABLE_NAMES  # (the op's table arguments, in this order)
 
 
 def lse_dtype(query: torch.Tensor) -> torch.dtype:

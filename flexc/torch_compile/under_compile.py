@@ -42,6 +42,7 @@ from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 from ..masks import block_mask
 from . import custom_ops
 from ..masks.block_mask import DERIVED, BlockMask
+from ..masks.kv_tables import kv_tables
 from ..backends.layout import empty_like_reference
 from ..mods.mod_key import mod_key
 from ..mods.trace import MASK_MOD, SCORE_MOD, trace
@@ -79,7 +80,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     block_size: tuple = ()
     if block_mask is not None:
         mask_mod = block_mask.mask_mod
-        tables = [getattr(block_mask, name, None) for name in custom_ops.TABLE_NAMES]
+        tables = list(kv_tables(block_mask))
         block_size = tuple(int(x) for x in block_mask.BLOCK_SIZE)
     dropout = True if dropout_p else False  # (a branch: dynamo guards on it, so a symbolic dropout_p gives a constant)
     present = [t for t in tables if t is not None] + ([seed] if dropout else []) + (

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...analysis.spans import intersect
+from ...masks.kv_tables import block_sizes_of, kv_tables
 from ..versioned_memo import VersionedMemo
 
 
@@ -209,21 +210,13 @@ def read_tables(block_mask: Any, q_len: int, kv_len: int) -> Tables:
     """Read the kv tables of a flexc or torch BlockMask; ``None`` gives one all-full block."""
     if block_mask is None:
         return Tables([[[0]]], [[[[]]]], [[[1]]], [[[[0]]]], (max(q_len, 1), max(kv_len, 1)), 1, 1)
-    kv_num = block_mask.kv_num_blocks
-    full_num = getattr(block_mask, "full_kv_num_blocks", None)
-    full_idx = getattr(block_mask, "full_kv_indices", None)
+    kv_num, kv_idx, full_num, full_idx = kv_tables(block_mask)
     return Tables(
-        kv_num.tolist(), block_mask.kv_indices.tolist(),
+        kv_num.tolist(), kv_idx.tolist(),
         full_num.tolist() if full_num is not None else None,
         full_idx.tolist() if full_idx is not None else None,
-        block_sizes(block_mask), kv_num.shape[0], kv_num.shape[1],
+        block_sizes_of(block_mask), kv_num.shape[0], kv_num.shape[1],
     )
-
-
-def block_sizes(block_mask: Any) -> tuple[int, int]:
-    """``(query block, key block)`` of a flexc or torch BlockMask (an int BLOCK_SIZE is both)."""
-    size = block_mask.BLOCK_SIZE
-    return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
 def chunk_kv_index(chunk: Chunk, positions: torch.Tensor) -> torch.Tensor:
@@ -253,7 +246,6 @@ def add_chunk_rows(t: torch.Tensor, chunk: Chunk, update: torch.Tensor, sum_batc
         off += end - start
 
 
-TABLE_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 # plans of the most recently used (block mask, call shape) pairs: a training step plans its
 # forward and its backward alike, and a model's layers share one block mask
 _PLANS = VersionedMemo(32)
@@ -266,6 +258,6 @@ def memo_by_tables(block_mask: Any, key: tuple, build: Callable[[], Any], tensor
     (:class:`flexc.backends.versioned_memo.VersionedMemo`). Tables or tensors without a version
     counter (made under inference mode) cannot be remembered: then ``unversioned()`` (default
     ``build()``) answers, for a caller whose work only pays when remembered."""
-    tables = [getattr(block_mask, name, None) for name in TABLE_NAMES] if block_mask is not None else []
-    tables = [t for t in tables + list(tensors) if isinstance(t, torch.Tensor)]
+    tables = [t for t in (*(kv_tables(block_mask) if block_mask is not None else ()), *tensors)
+              if isinstance(t, torch.Tensor)]
     return _PLANS.get(tables, key, build, unversioned)

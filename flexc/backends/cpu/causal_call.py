@@ -32,7 +32,8 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from . import fused_cpu
-from .block_plan import TABLE_NAMES, block_sizes, memo_by_tables
+from ...masks.kv_tables import block_sizes_of, kv_tables
+from .block_plan import memo_by_tables
 
 # partial-block elements the mask_mod is evaluated on to decide (a causal mask's diagonal blocks
 # are L x BLOCK_SIZE per table entry); past it the block path runs
@@ -81,9 +82,8 @@ def sequence_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: in
 
 
 def _find_starts(block_mask: Any, mask_mod: TracedMod, B: int, Hq: int, L: int, S: int) -> Starts | None:
-    q_block, kv_block = block_sizes(block_mask)
-    tables = [getattr(block_mask, name, None) for name in TABLE_NAMES]
-    tables = [t if t is None else t.cpu() for t in tables]
+    q_block, kv_block = block_sizes_of(block_mask)
+    tables = [t if t is None else t.cpu() for t in kv_tables(block_mask)]
     n_rows = -(-L // q_block)
     if tables[0].shape[-1] < n_rows:
         return None

@@ -39,6 +39,7 @@ from ...mods.evaluate import evaluate
 from ...mods.evaluate_numpy import evaluate_small
 from ...analysis.row_intervals import allowed_intervals
 from ...analysis.spans import intersect
+from ...masks.kv_tables import block_sizes_of, kv_tables
 from ...masks.table_lists import contents_of, row_blocks
 from ...analysis.tiles import ordered_to_dense
 from ...mods.trace import TracedMod
@@ -71,12 +72,6 @@ def _reads(mod: TracedMod) -> frozenset[str]:
 
 
 _MAX_SPANS = 4  # more partial spans than this: the mask_mod is evaluated over every position at once
-
-
-def _block_sizes(block_mask: Any) -> tuple[int, int]:
-    size = block_mask.BLOCK_SIZE
-    size = size if isinstance(size, (tuple, list)) else (size, size)
-    return int(size[0]), int(size[1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,8 +125,7 @@ def _first_row_blocks(block_mask: Any) -> tuple[tuple, list, list] | tuple[None,
     contents = contents_of(block_mask)
     if contents is not None:
         return contents, *row_blocks(contents, 0)
-    tables = (block_mask.kv_num_blocks, block_mask.kv_indices, getattr(block_mask, "full_kv_num_blocks", None),
-              getattr(block_mask, "full_kv_indices", None))
+    tables = kv_tables(block_mask)
     rows = []
     for counts, indices in (tables[:2], tables[2:]):
         rows.append(indices.view(-1)[:int(counts.view(-1)[0])].tolist() if counts is not None else [])
@@ -142,7 +136,7 @@ def _one_row_plan(block_mask: Any, L: int, S: int, device: torch.device) -> _Row
     """The plan for the usual decoding mask: every batch and head share one table row (a
     broadcast mask sliced to one block row). :data:`_NOTHING_LISTED` when no block is listed; None
     when the mask has several rows or too many partial runs (the general plan then serves it)."""
-    q_block, kv_block = _block_sizes(block_mask)
+    q_block, kv_block = block_sizes_of(block_mask)
     rows = getattr(block_mask, "lazy_rows", None)
     batch_heads = rows.num_shape[:2] if rows is not None else tuple(block_mask.kv_num_blocks.shape[:2])
     if batch_heads != (1, 1) or L > q_block:
@@ -214,7 +208,7 @@ def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
     """``(positions, start, partial, full)``: sorted key positions of every listed block, the
     start when they form one contiguous range (else None), and per-element tile lookups
     ``partial``/``full`` (bool ``[Bm, Hm, L, n]``, ``full`` None without full tables)."""
-    q_block, kv_block = _block_sizes(block_mask)
+    q_block, kv_block = block_sizes_of(block_mask)
     n_cols = block_mask.kv_indices.shape[-1]
     q_rows = torch.arange(L, device=device) // q_block
     # tile occupancy of the query blocks these rows fall in: [Bm, Hm, L, nKV]

@@ -17,6 +17,7 @@ from ...analysis.tiles import cdiv
 from ...codegen.forward import ForwardSpec
 from ...codegen.index_width import float_indices, index_dtype
 from ...codegen.spec import next_power_of_2, padded_head_dim
+from ...masks.kv_tables import block_sizes_of
 from ...mods.traced_mod import TracedMod
 
 FORWARD_OPTIONS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -280,8 +281,7 @@ def block_sizes(block_mask: Any, L: int, S: int, kernel_options: dict | None = N
     ``kernel_options``, which must divide it), so a key block is cdiv(S, BLOCK_N) tiles, not
     ``(1 << 30) / BLOCK_N`` of them.
     """
-    size = block_mask.BLOCK_SIZE
-    q_block, kv_block = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    q_block, kv_block = block_sizes_of(block_mask)
     cover_q = max(16, next_power_of_2(L), _requested_tile(kernel_options, "BLOCK_M"))
     cover_kv = max(16, next_power_of_2(S), _requested_tile(kernel_options, "BLOCK_N"))
     return min(q_block, cover_q), min(kv_block, cover_kv)  # only a block past the end is cut
