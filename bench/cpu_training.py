@@ -49,16 +49,7 @@ def document(L: int, n_docs: int = 6):
     return same_document_causal
 
 
-ROWS = {  # name: (B, H, L, D, mask_mod maker)
-    "small": (2, 4, 256, 32, lambda L: causal),
-    "causal": (4, 8, 512, 64, lambda L: causal),
-    "document": (4, 8, 1024, 64, document),
-    "unmasked": (4, 8, 512, 64, lambda L: None),
-    "hf-style": (2, 8, 256, 32, None),  # (its own step_pair: hf_style_pair)
-}
-
-
-def hf_style_pair(B: int, H: int, L: int, D: int, _=None, kv_heads: int = 2):
+def hf_style_pair(B: int, H: int, L: int, D: int, kv_heads: int = 2):
     """``(flexc_step, sdpa_step)`` for a call as Hugging Face's flex integration makes it."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, L, h, D, generator=gen).transpose(1, 2).requires_grad_() for h in (H, kv_heads, kv_heads))
@@ -105,6 +96,20 @@ def step_pair(B: int, H: int, L: int, D: int, mask_mod):
     return flexc_step, sdpa_step
 
 
+def masked(mask_mod_for):
+    """The step pair of a row whose block mask is ``mask_mod_for(L)`` (None: no mask)."""
+    return lambda B, H, L, D: step_pair(B, H, L, D, mask_mod_for(L))
+
+
+ROWS = {  # name: (B, H, L, D, (B, H, L, D) -> (flexc_step, sdpa_step))
+    "small": (2, 4, 256, 32, masked(lambda L: causal)),
+    "causal": (4, 8, 512, 64, masked(lambda L: causal)),
+    "document": (4, 8, 1024, 64, masked(document)),
+    "unmasked": (4, 8, 512, 64, masked(lambda L: None)),
+    "hf-style": (2, 8, 256, 32, hf_style_pair),
+}
+
+
 def side_by_side(a, b, reps: int) -> tuple[float, float]:
     """Median seconds of ``a`` and ``b``, called alternately after a warm-up of each."""
     for fn in (a, b, a, b):
@@ -127,11 +132,10 @@ def main() -> None:
     print(f"flexc from {os.path.dirname(flexc.__file__)}")
     print(f"{'row':10} {'B':>2} {'H':>2} {'L':>5} {'D':>3} {'threads':>7} {'flexc ms':>9} {'sdpa ms':>9} {'ratio':>6}")
     for name in args.rows:
-        B, H, L, D, make_mask = ROWS[name]
+        B, H, L, D, pair = ROWS[name]
         for threads in args.threads:
             torch.set_num_threads(threads)
-            pair = hf_style_pair if name == "hf-style" else step_pair
-            flexc_step, sdpa_step = pair(B, H, L, D, make_mask(L) if make_mask else None)
+            flexc_step, sdpa_step = pair(B, H, L, D)
             reps = args.reps if L * B * H <= 8192 else max(3, args.reps // 3)
             tf, ts = side_by_side(flexc_step, sdpa_step, reps)
             print(f"{name:10} {B:2} {H:2} {L:5} {D:3} {threads:7} {tf * 1e3:9.2f} {ts * 1e3:9.2f} {tf / ts:6.2f}")
