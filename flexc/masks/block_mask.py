@@ -400,7 +400,7 @@ class BlockMask:
         cols = (kv_len - starts_kv).clamp(0, kv_block)
         return int((dense * rows[:, None] * cols[None, :]).sum())
 
-    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4, legend: bool = False) -> str:
         """An ASCII picture per (batch, head) that tells full, partial and empty tiles apart.
 
         Each cell covers a group of tiles: ``██`` all full (mask_mod skipped), two spaces all empty
@@ -408,8 +408,14 @@ class BlockMask:
         torch draws computed tiles as ``██`` whether full or partial; flexc shows which pay for the
         mask_mod. ``grid_size`` caps the cells per side (-1: one cell per tile); ``limit`` caps the
         pictures. Cells are counted from the tables of the pictures drawn, without a dense tile grid
-        (the grid is used for tables that are not ordered; see :meth:`sparsity`).
+        (the grid is used for tables that are not ordered; see :meth:`sparsity`). ``legend=True``
+        adds the key to the glyphs (:data:`TEXT_LEGEND`) as a last line; by default the text has
+        torch's lines, in number and order, so tools and tests that read torch's text read flexc's.
         """
+        text = self._pictures_text(grid_size, limit)
+        return f"{text.rstrip()}\n{TEXT_LEGEND}\n" if legend else text
+
+    def _pictures_text(self, grid_size: int | tuple[int, int], limit: int) -> str:
         *batch_dims, rows, cols = self.kv_indices.shape
         if self.full_kv_indices is not None and self.full_kv_indices.shape != self.kv_indices.shape:
             return self._to_string_dense(grid_size, limit)
@@ -428,9 +434,9 @@ class BlockMask:
         return _pictures(batch_dims, limit, lambda index: _draw(dense[index], row_step, col_step))
 
     def __str__(self) -> str:
-        # torch's layout line for line, plus the key to the glyphs (TEXT_LEGEND) under the pictures
-        return (f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n{self.to_string().strip()}\n"
-                f"{TEXT_LEGEND}\n)")
+        # torch's layout line for line (torch's own tests count them); to_string(legend=True) and
+        # flexc.plot carry the key to the glyphs
+        return f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n{self.to_string().strip()}\n)"
 
     def __repr__(self) -> str:
         def shape_of(t):
@@ -611,7 +617,7 @@ def _product(dims: Sequence[int]):
             yield (i, *rest)
 
 
-# The key to the pictures of BlockMask.to_string; str(block_mask) prints it under them.
+# The key to the pictures of BlockMask.to_string; to_string(legend=True) prints it under them.
 TEXT_LEGEND = "legend: ██ full (mask_mod skipped)  ░░ partial or mixed (mask_mod runs)  blank: empty (never visited)"
 
 

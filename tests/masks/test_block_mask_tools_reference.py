@@ -77,7 +77,7 @@ def reference_to_string(bm, grid_size=(20, 20), limit=4):
 
 def reference_str(bm):
     return (f"BlockMask(shape={bm.shape}, sparsity={reference_sparsity(bm):.2f}%, \n"
-            f"{reference_to_string(bm).strip()}\n{bm_module.TEXT_LEGEND}\n)")
+            f"{reference_to_string(bm).strip()}\n)")
 
 
 def assert_same_as_reference(bm, grids=GRIDS, limits=LIMITS, what=""):
