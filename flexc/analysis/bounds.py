@@ -1,9 +1,11 @@
 """Bounds checks of a mod's lookups and integer divisions, before anything evaluates it.
 
-Every backend evaluates a mod over the whole index domain ``b < B, h < H, q_idx < Q_LEN,
-kv_idx < KV_LEN`` (torch's eager FlexAttention does too), so a lookup ``table[i]`` must have
-``-n <= i < n`` there (a negative index counts from the end, as in torch) and an integer divisor
-must never be 0. :func:`check_mod` proves this from the IR with the interval analysis of
+A mod is evaluated over the index domain ``b < B, h < H, q_idx < Q_LEN, kv_idx < KV_LEN``, or, in
+a call with a BlockMask, over the tiles the BlockMask lists (partial and full): the kernels and the
+CPU block path never evaluate an unlisted tile, as torch's compiled kernels do not. A lookup
+``table[i]`` must have ``-n <= i < n`` there (a negative index counts from the end, as in torch)
+and an integer divisor must never be 0. An index only unlisted tiles would take is no error (a
+paged KV cache's pages that a batch row does not own: torch's ``PagedAttention``). :func:`check_mod` proves this from the IR with the interval analysis of
 :mod:`flexc.analysis.ranges` (affine indices, lookups of lookups, ``//``, ``%``, clamps: no per-element
 work), and evaluates only the index expressions it cannot prove, exactly, over the domain. A
 violation raises :class:`IndexRangeError` naming the mod, the line, the tensor and the index
@@ -45,9 +47,11 @@ class IndexRangeError(IndexError, ValueError):
     """A mod indexes a captured tensor out of range, or divides an integer by zero."""
 
 
-def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, where: str) -> None:
+def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, where: str,
+              block_mask: Any = None) -> None:
     """Raise :class:`IndexRangeError` if ``traced`` reads a captured tensor out of range or divides
-    by zero anywhere in ``[B, H, Q_LEN, KV_LEN]``; ``where`` names the caller in the message."""
+    by zero anywhere in ``[B, H, Q_LEN, KV_LEN]`` (only in the tiles ``block_mask`` lists, when
+    given); ``where`` names the caller in the message."""
     if traced is None:
         return
     shapes = tuple(tuple(t.shape) for t in traced.buffers)
@@ -62,12 +66,14 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
     sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
     key = (traced.root, B, H, Q_LEN, KV_LEN, shapes)
     device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
+    visited = _Visited(block_mask) if block_mask is not None else None
+    watched = traced.buffers + (visited.tables if visited is not None else ())
     with _proven_lock:
         proven_before = key in _proven
         if proven_before:
             values = _proven[key]
-            if values is None or all(ref() is t and write_count(t) == version
-                                     for (ref, version), t in zip(values, traced.buffers)):
+            if values is None or (len(values) == len(watched) and all(
+                    ref() is t and write_count(t) == version for (ref, version), t in zip(values, watched))):
                 _proven.move_to_end(key)
                 return
     if proven_before and is_gpu(device):
@@ -75,17 +81,20 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
         # device, asserted there, instead of reading the values on the host (a sync per step)
         for check in checks:
             if any(n.op == "load" for n in check[2].walk()):
-                _assert_on_device(traced, check, sizes, where)
+                _assert_on_device(traced, check, sizes, where, visited)
         return
     bounds = domain_bounds(traced, sizes, device)
-    data_dependent = False
+    data_dependent = restricted = False
     for check in checks:
         expr = check[2]
         data_dependent |= any(n.op == "load" for n in expr.walk())
         if not _proven_by(bounds.get(id(expr)), check):
-            _exact_check(traced, check, sizes, where)
-    # a proof that read captured values holds while those very tensors are unchanged
-    values = tuple((weakref.ref(t), write_count(t)) for t in traced.buffers) if data_dependent else None
+            restricted |= _exact_check(traced, check, sizes, where, visited)
+    # a proof that read captured values holds while those very tensors are unchanged; one that
+    # needed the listed tiles, while the BlockMask's tables are unchanged too
+    values = None
+    if data_dependent or restricted:
+        values = tuple((weakref.ref(t), write_count(t)) for t in (watched if restricted else traced.buffers))
     with _proven_lock:
         _proven[key] = values
         while len(_proven) > _MAX_PROVEN:
@@ -132,16 +141,57 @@ def _proven_by(bound: Any, check: tuple) -> bool:
     return lo >= -size and hi <= size - 1
 
 
-def _exact_check(traced: TracedMod, check: tuple, sizes: dict, where: str) -> None:
+class _Visited:
+    """The elements a call evaluates: those of the tiles a BlockMask lists (partial or full)."""
+
+    def __init__(self, block_mask: Any):
+        self.block_mask = block_mask
+        self.tables = tuple(t for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
+                                        block_mask.full_kv_num_blocks, block_mask.full_kv_indices) if t is not None)
+        self._tiles = None
+
+    def elements(self, q0: int, rows: int, sizes: dict, device: torch.device) -> torch.Tensor:
+        """bool ``[B or 1, H or 1, rows, KV_LEN]``: whether query rows ``q0 ...`` meet a listed tile."""
+        if self._tiles is None:
+            tiles = self.block_mask.to_dense().to(device=device, dtype=torch.bool)
+            self._tiles = tiles.view(*([1] * (4 - tiles.dim())), *tiles.shape)
+        q_block, kv_block = self.block_mask.BLOCK_SIZE
+        n_q, n_kv = self._tiles.shape[-2:]
+        q_tiles = torch.arange(q0, q0 + rows, device=device) // q_block
+        kv_tiles = torch.arange(sizes["kv_idx"], device=device) // kv_block
+        inside = (q_tiles < n_q)[:, None] & (kv_tiles < n_kv)[None, :]
+        picked = self._tiles[..., q_tiles.clamp(max=n_q - 1), :][..., kv_tiles.clamp(max=n_kv - 1)]
+        return picked & inside
+
+
+def _exact_check(traced: TracedMod, check: tuple, sizes: dict, where: str, visited: _Visited | None) -> bool:
     """Evaluate ``check``'s expression over the domain (only the inputs it reads) and raise on the
-    first value out of range."""
+    first value out of range; where the domain has one and ``visited`` is given, check again over
+    the elements it holds and raise only there. True when only that restriction kept it from raising."""
+    try:
+        _exact_pass(traced, check, sizes, where, None)
+        return False
+    except IndexRangeError:
+        if visited is None:
+            raise
+    _exact_pass(traced, check, sizes, where, visited)
+    return True
+
+
+def _exact_pass(traced: TracedMod, check: tuple, sizes: dict, where: str, visited: _Visited | None) -> None:
     node, dim, expr, size = check
     reads = ir.inputs_read(expr)
     low = high = None
     first = None
-    for q0, values in _values(traced, expr, sizes):
+    for q0, values in _values(traced, expr, sizes, full=visited is not None):
         bad = (values == 0) if size is None else (values < -size) | (values >= size)
-        chunk_low, chunk_high = int(values.min()), int(values.max())
+        seen = values
+        if visited is not None:
+            inside = visited.elements(q0, values.shape[2], sizes, values.device).expand_as(values)
+            bad, seen = bad & inside, values[inside]
+            if seen.numel() == 0:
+                continue
+        chunk_low, chunk_high = int(seen.min()), int(seen.max())
         low = chunk_low if low is None else min(low, chunk_low)
         high = chunk_high if high is None else max(high, chunk_high)
         if first is None and bool(bad.any()):
@@ -151,11 +201,12 @@ def _exact_check(traced: TracedMod, check: tuple, sizes: dict, where: str) -> No
         raise IndexRangeError(_message(traced, check, sizes, where, low, high, first, reads))
 
 
-def _values(traced: TracedMod, expr: ir.Node, sizes: dict):
+def _values(traced: TracedMod, expr: ir.Node, sizes: dict, full: bool = False):
     """``(first query row, int64 values of expr)`` over the domain, in chunks of at most ``_CHUNK``
-    values (only the inputs ``expr`` reads span their extent; the others are 1)."""
+    values (only the inputs ``expr`` reads span their extent, or all of them when ``full``; the
+    others are 1)."""
     reads = ir.inputs_read(expr)
-    extents = {name: (sizes[name] if name in reads else 1) for name in ("b", "h", "q_idx", "kv_idx")}
+    extents = {name: (sizes[name] if name in reads or full else 1) for name in ("b", "h", "q_idx", "kv_idx")}
     device = traced.buffers[0].device if traced.buffers else torch.device("cpu")
     per_row = extents["b"] * extents["h"] * extents["kv_idx"]
     rows = max(1, min(extents["q_idx"], _CHUNK // max(1, per_row)))
@@ -167,13 +218,17 @@ def _values(traced: TracedMod, expr: ir.Node, sizes: dict):
         yield q0, values.expand(extents["b"], extents["h"], n, extents["kv_idx"])
 
 
-def _assert_on_device(traced: TracedMod, check: tuple, sizes: dict, where: str) -> None:
+def _assert_on_device(traced: TracedMod, check: tuple, sizes: dict, where: str, visited: _Visited | None) -> None:
     """:func:`_exact_check` without a sync: the range test reduced on the device and asserted there
-    (``torch._assert_async``); the message cannot quote the offending value."""
+    (``torch._assert_async``), over the elements ``visited`` holds (all, when None); the message
+    cannot quote the offending value."""
     node, dim, expr, size = check
     bad = None
-    for _, values in _values(traced, expr, sizes):
-        out = ((values == 0) if size is None else (values < -size) | (values >= size)).any()
+    for q0, values in _values(traced, expr, sizes, full=visited is not None):
+        out = (values == 0) if size is None else (values < -size) | (values >= size)
+        if visited is not None:
+            out = out & visited.elements(q0, values.shape[2], sizes, values.device)
+        out = out.any()
         bad = out if bad is None else bad | out
     if bad is None:
         return

@@ -156,7 +156,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
                      dropout_p=drop.p if drop is not None else 0.0,
                      dropout_positions=drop is not None and (drop.q_positions is not None
-                                                             or drop.kv_positions is not None), sinks=sinks)
+                                                             or drop.kv_positions is not None), sinks=sinks,
+                     block_mask=block_mask)
     backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
     max_scores = None
     recorded = (recorded_forward(query, key, value, traced_score, traced_mask, block_mask, scale)

@@ -57,7 +57,7 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
                                                          enable_gqa, kernel_options, outputs=(return_lse, return_aux))
     dropout_p = dropout.check(dropout_p, generator)
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
-                     training=True if backward else None, dropout_p=dropout_p, sinks=rows)
+                     training=True if backward else None, dropout_p=dropout_p, sinks=rows, block_mask=block_mask)
     if plan.backend != "TRITON":
         return _runs_instead(plan.backend, query.device, backward)
     if backward:

@@ -169,7 +169,7 @@ class CallPlan(NamedTuple):
 def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
               mask_mod: TracedMod | None, options: dict, return_lse: bool, return_aux: Any,
               training: bool | None = None, dropout_p: float = 0.0, dropout_positions: bool = False,
-              sinks: torch.Tensor | None = None) -> CallPlan:
+              sinks: torch.Tensor | None = None, block_mask: Any = None) -> CallPlan:
     """The backend and paths a call with these (prepared) arguments takes; raises what the call raises.
 
     Training is decided as autograd would record the call (``torch.is_grad_enabled()`` and an input
@@ -185,8 +185,9 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     # lookups and divisors proven in range (or checked) once here, so no backend reads out of bounds
     B, Hq, L, _ = query.shape
     S = key.shape[-2]
-    bounds.check_mod(score_mod, B, Hq, L, S, "flex_attention")
-    bounds.check_mod(mask_mod, B, Hq, L, S, "flex_attention")
+    # (over the tiles ``block_mask`` lists: no path evaluates a mod elsewhere)
+    bounds.check_mod(score_mod, B, Hq, L, S, "flex_attention", block_mask)
+    bounds.check_mod(mask_mod, B, Hq, L, S, "flex_attention", block_mask)
     want_lse = bool(return_lse) or bool(return_aux is not None and return_aux.lse)
     want_max = bool(return_aux is not None and return_aux.max_scores)
     if want_max and backend != "TORCH":

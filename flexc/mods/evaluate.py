@@ -85,11 +85,22 @@ def _unary(op: str) -> Callable:
     return lambda device, ndim, x: f(_tensor(x, device))
 
 
+def _load(device, ndim, t, *index):
+    """``t[index]``, each integer index clamped into ``[-size, size)`` (a no-op where the call's
+    bounds check proved it in range). The check covers the tiles a BlockMask lists
+    (:mod:`flexc.analysis.bounds`), while a CPU path may evaluate a whole row of keys at once:
+    tiles it then masks out read an in-range element instead of raising."""
+    if not index:
+        return t
+    return t[tuple(i.clamp(-size, size - 1) if isinstance(i, torch.Tensor) and i.dtype != torch.bool else i
+                   for i, size in zip(index, t.shape))]
+
+
 def _step(node: ir.Node) -> Callable:
     """``run(device, ndim, *argument values)`` computing ``node`` (an interior node of the graph)."""
     op, attr = node.op, node.attr
     if op == "load":
-        return lambda device, ndim, t, *index: t[index] if index else t
+        return _load
     if op == "cast":
         dtype = getattr(torch, attr)
         return lambda device, ndim, x: _tensor(x, device).to(dtype)

@@ -148,7 +148,8 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
         validate.check_block_tables(block_mask, query.shape[2], key.shape[2])
         block_mask = without_empty_entries(block_mask)  # (negative entries in the counts: empty blocks)
     for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
-        bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention")
+        bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention",
+                         block_mask)
     options = _options(kernel_options)
     score, mask = precise_math_for(options, score, mask)  # FAST_MATH=False, as in eager calls
     backend = dropout_backend(options["BACKEND"], drop.p if drop is not None else 0.0)

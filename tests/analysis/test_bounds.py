@@ -164,3 +164,95 @@ def test_the_check_raises_exactly_when_torch_does(a, c, d, size, lengths, nested
             flexc.create_mask(mod, 1, 1, Q, K)
     else:
         assert torch.equal(flexc.create_mask(mod, 1, 1, Q, K), expected)
+
+
+# ---- only the tiles a BlockMask lists are checked (torch's PagedAttention, test_load_rel_bias) ----
+
+def _paged_rel_bias_call(backend, train=False):
+    """torch's test_load_rel_bias, paged half: a relative bias read at logical positions through
+    a page table; the tables of pages a batch row does not own map far outside the bias."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    B, H, length, D, page = 2, 2, 64, 16, 16
+    n_pages = 2 * B * length // page  # half the cache is never owned by anyone
+    g = torch.Generator().manual_seed(4)
+    rel_bias = torch.randn(2 * length, dtype=torch.float64, generator=g)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + rel_bias[q_idx - kv_idx + length]
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    q, k, v = (torch.randn(B, H, length, D, dtype=torch.float64, generator=g) for _ in range(3))
+    cache = PagedAttention(n_pages, page, B, device="cpu")
+    for b in range(B):
+        cache.reserve(torch.tensor(b), torch.tensor(length))
+    k_cache, v_cache = (torch.zeros(1, H, n_pages * page, D, dtype=torch.float64) for _ in range(2))
+    cache.assign(torch.arange(B), torch.arange(length).expand(B, length), k, v, k_cache, v_cache)
+    logical = flexc.create_block_mask(causal, B, H, length, length, device="cpu", BLOCK_SIZE=page)
+    physical = cache.convert_logical_block_mask(logical)
+    if train:
+        q.requires_grad_()
+    out = flexc_call(q, k_cache, v_cache, backend, cache.get_score_mod(relative), physical)
+    ref = dense_attention(q.detach(), k, v, score_mod=relative, mask_mod=causal)[0]
+    return q, out, ref, (k, v, relative, causal)
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_a_lookup_out_of_range_only_in_tiles_the_block_mask_skips_is_no_error(backend):
+    q, out, ref, _ = _paged_rel_bias_call(backend)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_paged_rel_bias_trains_like_the_logical_call():
+    q, out, ref, (k, v, relative, causal) = _paged_rel_bias_call("TORCH", train=True)
+    out.sum().backward()
+    q_ref = q.detach().clone().requires_grad_()
+    dense_attention(q_ref, k, v, score_mod=relative, mask_mod=causal)[0].sum().backward()
+    torch.testing.assert_close(q.grad, q_ref.grad, atol=1e-10, rtol=1e-10)
+
+
+def _page_table_case():
+    """score_mod ``s + bias[table[b, kv_idx // 16]]`` and a block mask that lists kv tiles 0 and 1
+    of batch 0 and tile 0 of batch 1 (tile 2, and tile 1 of batch 1, are never visited)."""
+    table = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    bias = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def paged_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[table[b, kv_idx // 16]]
+
+    num = torch.tensor([[[2]], [[1]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 1, 2]]], [[[0, 1, 2]]]], dtype=torch.int32)
+    bm = flexc.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(16, 16), seq_lengths=(16, 48))
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 1, 16, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 1, 48, 8, dtype=torch.float64, generator=g) for _ in range(2))
+
+    def check():
+        out = flexc.flex_attention(q, k, v, score_mod=paged_bias, block_mask=bm)
+        listed = lambda b, h, q_idx, kv_idx: kv_idx < torch.where(b == 0, 32, 16)
+        safe = lambda score, b, h, q_idx, kv_idx: score + bias[table[b, kv_idx // 16].clamp(0, 2)]
+        torch.testing.assert_close(out, dense_attention(q, k, v, score_mod=safe, mask_mod=listed)[0],
+                                   atol=1e-10, rtol=1e-10)
+    return table, check
+
+
+def test_a_lookup_out_of_range_in_a_listed_tile_still_raises_and_one_in_a_skipped_tile_does_not():
+    table, check = _page_table_case()
+    table[1, 1] = 99  # read only by a tile batch 1 never visits
+    check()
+    table[0, 1] = 7  # read by a tile batch 0 visits
+    with pytest.raises(IndexRangeError, match=r"takes values in \[0, 7\]"):
+        check()
+
+
+def test_the_device_side_recheck_also_skips_unlisted_tiles():
+    table, check = _page_table_case()
+    with flexc.device.simulate("sm_90"):
+        check()  # proven on the host once
+        table[1, 1] = 99  # new values: asserted on the device, over the listed tiles only
+        check()
+        table[0, 1] = 7
+        with pytest.raises(RuntimeError):
+            check()
