@@ -169,10 +169,12 @@ def dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def ordered_to_dense(num_blocks: torch.Tensor, indices: torch.Tensor, num_cols: int) -> torch.Tensor:
     """Inverse of :func:`dense_to_ordered`: int32 occupancy ``[..., rows, num_cols]``.
 
-    Entries past ``num_blocks`` in a row are ignored, as torch documents them as undefined.
+    Entries past ``num_blocks`` in a row are ignored, as torch documents them as undefined; a
+    negative entry inside the count is an empty block, as every call reads it (torch's
+    ``PagedAttention`` maps the pages of a batch row with none reserved to -1).
     """
     width = indices.shape[-1]
-    valid = torch.arange(width, device=indices.device) < num_blocks.unsqueeze(-1)
+    valid = (torch.arange(width, device=indices.device) < num_blocks.unsqueeze(-1)) & (indices >= 0)
     # Invalid entries write into one spare column that is cut off afterwards.
     target = torch.where(valid, indices.long(), num_cols)
     dense = torch.zeros(*indices.shape[:-1], num_cols + 1, dtype=torch.int32, device=indices.device)

@@ -226,3 +226,20 @@ def test_a_decoding_slice_of_clean_tables_is_not_compacted_on_a_gpu():
                                                parent.full_kv_indices, BLOCK_SIZE=32, mask_mod=causal)
         sliced = holed[:, :, torch.tensor([5])]
         assert empty_entries.without_empty_entries(sliced) is not sliced
+
+
+def test_block_mask_methods_read_negative_entries_as_empty_blocks_as_the_call_does():
+    """A -1 inside a row's count (PagedAttention's unowned pages) is a block never visited: _adjust,
+    to_dense and sparsity read it so, and the cropped mask attends as the call on the original does."""
+    num = torch.tensor([[[2, 2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, -1], [-1, 1]]]], dtype=torch.int32)
+    bm = flexc.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, seq_lengths=(32, 32))
+    assert bm.to_dense().tolist() == [[[[1, 0], [0, 1]]]]
+    cropped = bm._adjust(16, 32)
+    assert cropped.kv_num_blocks.tolist() == [[[1]]] and cropped.kv_indices[..., :1].tolist() == [[[[0]]]]
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 1, 32, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, 1, 32, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    whole = flexc.flex_attention(q, k, v, block_mask=bm)
+    top = flexc.flex_attention(q[:, :, :16], k, v, block_mask=cropped)
+    torch.testing.assert_close(top, whole[:, :, :16])
