@@ -14,7 +14,9 @@ row's sink logit ``s`` as from one more split with output 0: ``m`` starts at ``s
 split gets output 0 and logsumexp ``s``). Without sinks the kernel has no sink text at all.
 
 A row that is dead in every split (all ``-inf``) gets output 0 and logsumexp ``-inf``; for a live
-row the best split weighs 1, so the clamp of ``total`` changes nothing. Two passes over the splits
+row the best split weighs 1, so the clamp of ``total`` changes nothing. A split whose logsumexp is
+NaN (its row's scores hold a NaN) makes the row's output and logsumexp NaN, as the forward does:
+both maxima propagate NaN (Triton's default drops it). Two passes over the splits
 with elementwise operations only (no reductions across the split axis), so the same source runs
 compiled and in Triton's interpreter.
 """
@@ -69,7 +71,9 @@ def {name}(
 {sink_load}    # pass 1: the largest split logsumexp per row
 {m_init}
     for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(lse_base + s * stride_ls, mask=live_row, other=float("-inf")))
+        # (a NaN split, a row whose scores hold a NaN, keeps the row NaN, as in the forward)
+        m = tl.maximum(m, tl.load(lse_base + s * stride_ls, mask=live_row, other=float("-inf")),
+                       propagate_nan=tl.PropagateNan.ALL)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     # pass 2: weights, their total and the weighted outputs
 {total_init}
@@ -78,7 +82,7 @@ def {name}(
         w = tl.exp(tl.load(lse_base + s * stride_ls, mask=live_row, other=float("-inf")) - m_safe)
         total += w
         acc += w[:, None] * tl.load(out_base + s * stride_ss, mask=tile, other=0.0)
-    total = tl.maximum(total, 1.0)
+    total = tl.maximum(total, 1.0, propagate_nan=tl.PropagateNan.ALL)
     head = hkv * Hq_per_kv + r // L
     q = r % L
     o = out + b * stride_ob + head[:, None] * stride_oh + q[:, None] * stride_ol + d[None, :] * stride_od

@@ -203,3 +203,19 @@ def test_index_arithmetic_that_would_wrap_int32_runs_in_int64():
     check(out, lse, ref_out, ref_lse)
     source = flexc.kernel_source(q, k, v, score_mod=wide, block_mask=bm, enable_gqa=True, kernel_options=TRITON)
     assert "flex_decode_split" in source and "kv_idx = kv_idx.to(tl.int64)" in source
+
+
+def test_a_query_row_with_a_nan_gives_nan_output_and_lse_as_the_forward_and_torch_do():
+    """The merge of the split-KV partials keeps a NaN split's row NaN (its maxima propagate NaN):
+    the other rows stay exact."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(1, 2, 4, E, generator=g), torch.randn(1, 2, 64, E, generator=g), \
+        torch.randn(1, 2, 64, E, generator=g)
+    q[0, 0, 1, 3] = float("nan")
+    out, lse = flexc.flex_attention(q, k, v, return_lse=True, kernel_options=TRITON)
+    ref_out, ref_lse = torch_flex.flex_attention(q, k, v, return_lse=True)
+    assert out[0, 0, 1].isnan().all() and lse[0, 0, 1].isnan()
+    assert ref_out[0, 0, 1].isnan().all() and ref_lse[0, 0, 1].isnan()
+    fine = ~ref_lse.isnan()
+    torch.testing.assert_close(lse[fine], ref_lse[fine], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[fine], ref_out[fine], atol=1e-5, rtol=0)
