@@ -1,4 +1,4 @@
-"""Exception types that are flexc's rule and torch's at once.
+"""Exception types that are flexc's rule and torch's at once, and the warning of a path run instead.
 
 flexc raises ``TypeError``/``ValueError`` for bad inputs. For a few of the same inputs torch's
 FlexAttention raises ``NotImplementedError`` or ``RuntimeError`` instead, and code written against
@@ -7,6 +7,9 @@ torch (its own test suite included) catches those. The classes below derive from
 torch's sentence for the same condition, then flexc's fix.
 """
 from __future__ import annotations
+
+import threading
+import warnings
 
 
 class UnsupportedInputError(ValueError, NotImplementedError):
@@ -29,3 +32,28 @@ class AssertedValueError(ValueError, AssertionError):
 
 class InvalidTypeError(TypeError, RuntimeError):
     """A kind of object torch rejects with ``RuntimeError`` (e.g. a non-callable in and_masks)."""
+
+
+class FallbackWarning(UserWarning):
+    """A backend's generated kernel cannot run part of a call, and another path runs it instead; the
+    message says which and why. ``BACKEND: "TRITON"`` training a score_mod whose backward
+    :mod:`flexc.mods.derivative` cannot build (a ``torch.autograd.Function`` whose ``backward`` cannot
+    be traced) trains through the torch backward. Warned once per score_mod; ``dropout_p > 0`` on a
+    backend whose kernels do not drop, or in a context-parallel shard on the TRITON backend (whose
+    kernels draw the pairs at the call's own indices), runs on the TORCH backend, warned once per
+    backend and reason; under ``torch.compile`` a dropout call's ``generator=`` draws its seed outside
+    the graph, warned once. A torch kernel option flexc does not implement (``BACKEND="FLASH"``,
+    ``"TRITON_DECODE"``) runs flexc's choice, warned once per option value."""
+
+
+_warned_once: set = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: object, message: str, stacklevel: int = 3) -> None:
+    """Warn ``message`` as a :class:`FallbackWarning` the first time ``key`` is seen in this process."""
+    with _warned_lock:
+        if key in _warned_once:
+            return
+        _warned_once.add(key)
+    warnings.warn(message, FallbackWarning, stacklevel=stacklevel)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from ..device import is_gpu
-from ..errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError
+from ..codegen.spec import precision_option
+from ..errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError, warn_once
 from ..mods.traced_mod import check_captured  # noqa: F401  (validation of a call's mods)
 from ..masks.kv_tables import KV_TABLE_NAMES, block_sizes_of, kv_tables
 from ..masks.table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
@@ -26,8 +27,8 @@ from ..versions import table_states
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
 # torch's names for its own kernels (CuTe flash, split-KV decode), which flexc does not have: code
-# written for torch passes them unchanged and flexc chooses its own path, as for "AUTO" (torch's eager
-# CPU path ignores BACKEND too).
+# written for torch passes them unchanged and flexc chooses its own path, as for "AUTO", saying so once
+# (FallbackWarning).
 TORCH_ONLY_BACKENDS = ("FLASH", "TRITON_DECODE")
 
 # torch 2.13's documented FlexKernelOptions keys (each may also carry a fwd_/bwd_ prefix).
@@ -440,8 +441,14 @@ def check_kernel_options(kernel_options: Any) -> dict:
     if "BACKEND" in options and options.get("FORCE_USE_FLEX_ATTENTION", False):
         raise InvalidValueError("flex_attention: BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION. "
                                 "Fix: drop FORCE_USE_FLEX_ATTENTION and only specify the desired BACKEND.")
+    precision_option(options)  # FLOAT32_PRECISION: a value the kernels can take, on every backend
     backend = options.get("BACKEND", "AUTO")
     if isinstance(backend, str) and backend.upper() in TORCH_ONLY_BACKENDS:
+        warn_once(("BACKEND", backend.upper()),
+                  f"flex_attention: kernel_options['BACKEND']={backend!r} names one of torch's own kernels, which "
+                  f"flexc does not have; flexc runs 'AUTO' instead (its generated Triton kernels on CUDA, the "
+                  f"TORCH block-sparse path on the CPU). Fix: pass 'AUTO', 'TRITON' or 'TORCH' to choose.",
+                  stacklevel=4)
         backend = "AUTO"
     if not isinstance(backend, str) or backend.upper() not in BACKEND_NAMES:
         raise ValueError(f"flex_attention: Invalid BACKEND value {backend!r}: kernel_options['BACKEND'] must be one "

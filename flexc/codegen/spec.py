@@ -125,5 +125,22 @@ class GeneratedSource:
 TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
              torch.float64: "tl.float64"}
 
-__all__ = ["AttentionSpec", "GeneratedKernel", "GeneratedSource", "KernelSpec", "RowsSpec", "TL_DTYPES",
-           "next_power_of_2", "padded_head_dim"]
+# how fp32 dots may run (tl.dot's input_precision), as torch's FLOAT32_PRECISION kernel option names them
+FP32_PRECISIONS = ("ieee", "tf32", "tf32x3")
+
+
+def precision_option(kernel_options: dict | None) -> str | None:
+    """The ``FLOAT32_PRECISION`` kernel option, unquoted and checked, or None when absent."""
+    value = (kernel_options or {}).get("FLOAT32_PRECISION")
+    if value is None:
+        return None
+    text = value.strip("'\"").lower() if isinstance(value, str) else None
+    if text not in FP32_PRECISIONS:
+        raise ValueError(f"flex_attention: kernel_options['FLOAT32_PRECISION'] must be one of "
+                         f"{list(FP32_PRECISIONS)} (quoted or not, as torch passes it), got {value!r}. Fix: pass "
+                         f"'ieee' for full fp32 dots or 'tf32' for TensorFloat-32.")
+    return text
+
+
+__all__ = ["AttentionSpec", "FP32_PRECISIONS", "GeneratedKernel", "GeneratedSource", "KernelSpec", "RowsSpec",
+           "TL_DTYPES", "next_power_of_2", "padded_head_dim", "precision_option"]

@@ -130,11 +130,32 @@ def test_key_value_of_another_dtype_train_in_their_dtype():
 
 
 @pytest.mark.parametrize("backend", ["FLASH", "TRITON_DECODE", "flash"])
-def test_torchs_own_backend_names_run_as_auto(backend):
+def test_torchs_own_backend_names_run_as_auto_and_say_so_once(backend):
+    import warnings
+    from flexc import errors
+    errors._warned_once.discard(("BACKEND", backend.upper()))  # (another test may have warned already)
     q, k, v = _qkv()
     block_mask = flexc.create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
-    out = flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": backend})
+    with pytest.warns(flexc.FallbackWarning, match=r"flexc runs 'AUTO' instead"):
+        out = flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": backend})
     torch.testing.assert_close(out, dense_attention(q, k, v, mask_mod=causal)[0].float(), atol=1e-5, rtol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flexc.FallbackWarning)
+        flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": backend})
+
+
+@pytest.mark.parametrize("value,runs", [("'ieee'", "ieee"), ("tf32", "tf32"), ("'tf32x3'", "tf32x3")])
+def test_float32_precision_kernel_option_decides_how_fp32_dots_run(value, runs):
+    q, k, v = _qkv()
+    with flexc.device.simulate("sm_90"):
+        source = flexc.kernel_source(q.float(), k.float(), v.float(), kernel_options={"FLOAT32_PRECISION": value})
+    assert f'input_precision="{runs}"' in source
+
+
+def test_float32_precision_rejects_a_value_the_kernels_cannot_take():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"FLOAT32_PRECISION.*'ieee', 'tf32', 'tf32x3'.*got 'fp16'"):
+        flexc.flex_attention(q, k, v, kernel_options={"FLOAT32_PRECISION": "fp16", "BACKEND": "TORCH"})
 
 
 def test_tables_are_authoritative_for_broadcast_masks():

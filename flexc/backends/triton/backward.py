@@ -52,7 +52,7 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
         m1, n1, m2, n2, warps, stages = config.resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
                                                                        q_block, kv_block, target, grad_tile)
     return BackwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, m1, n1, m2, n2,
-                        warps, stages, has_full_blocks, tuple(grad_slots), target, config.fp32_precision(target),
+                        warps, stages, has_full_blocks, tuple(grad_slots), target, config.fp32_precision(target, kernel_options),
                         index_dtype, dropout, precise_gradients(kernel_options, dtype), float_indices)
 
 

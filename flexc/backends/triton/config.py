@@ -16,7 +16,7 @@ from ... import device as gpu
 from ...analysis.tiles import cdiv
 from ...codegen.forward import ForwardSpec
 from ...codegen.index_width import float_indices, index_dtype
-from ...codegen.spec import next_power_of_2, padded_head_dim
+from ...codegen.spec import next_power_of_2, padded_head_dim, precision_option
 from ...masks.kv_tables import block_sizes_of
 from ...mods.traced_mod import TracedMod
 
@@ -262,11 +262,17 @@ def smaller_config(spec: ForwardSpec) -> ForwardSpec | None:
     return None
 
 
-def fp32_precision(target: str) -> str:
-    """How fp32 dots run: TF32 where torch allows it on CUDA, else IEEE."""
-    if target == "cuda" and gpu.allows_tf32():
-        return "tf32"
-    return "ieee"
+def fp32_precision(target: str, kernel_options: dict | None = None) -> str:
+    """How fp32 dots run: torch's ``FLOAT32_PRECISION`` kernel option where given (``"ieee"``,
+    ``"tf32"`` or ``"tf32x3"``, quoted or not, as torch's kernels splice it), else TF32 where torch
+    allows it on CUDA, else IEEE. The interpreter computes in IEEE whatever is asked."""
+    asked = precision_option(kernel_options)
+    if target != "cuda":
+        return "ieee"
+    if asked is not None:
+        return asked
+    return "tf32" if gpu.allows_tf32() else "ieee"
+
 
 
 # ---- what the call fixes ------------------------------------------------------------------

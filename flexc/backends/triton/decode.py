@@ -40,7 +40,8 @@ def applies(query: torch.Tensor, key: torch.Tensor, block_mask: Any) -> bool:
 
 
 def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, block_mask: Any, target: str | None = None, dropout: bool = False) -> DecodeSpec:
+              value: torch.Tensor, block_mask: Any, target: str | None = None, dropout: bool = False,
+              kernel_options: dict | None = None) -> DecodeSpec:
     """The decode kernel's spec for these tensors (``target``: their device's, unless given; ``dropout``
     compiles attention dropout in)."""
     if block_mask is None:
@@ -54,7 +55,8 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
     block_m, block_n, warps, stages = config.resolve_decode_config(kv_block, G * query.shape[2], target, query.dtype,
                                                                    (query.shape[-1], value.shape[-1]), shared)
     return DecodeSpec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], kv_block, block_m, block_n,
-                      warps, stages, has_full, target, config.fp32_precision(target), layout.index_dtype, dropout)
+                      warps, stages, has_full, target, config.fp32_precision(target, kernel_options), layout.index_dtype,
+                      dropout)
 
 
 def merge_spec(spec: DecodeSpec, sinks: bool = False) -> MergeSpec:
@@ -106,7 +108,7 @@ def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, ker
         raise ValueError("flexc: triton_decode serves calls that applies() accepts (at most 16 query rows whose "
                          "packed heads share one BlockMask row). Fix: call triton_forward, which picks the kernel.")
     score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
-    spec = make_spec(score_mod, mask_mod, query, key, value, block_mask)
+    spec = make_spec(score_mod, mask_mod, query, key, value, block_mask, kernel_options=kernel_options)
     out, lse = launch(spec, query, key, value, score_mod, mask_mod, block_mask, scale,
                       num_splits=config.requested_splits(kernel_options), merge=merge_spec(spec))
     return out, (lse if need_lse else None)

@@ -50,7 +50,7 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
     flags = config.flags(kernel_options)
     return ForwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, block_m, block_n,
                        warps, stages, has_full_blocks, need_lse or training, training, target,
-                       config.fp32_precision(target),
+                       config.fp32_precision(target, kernel_options),
                        flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype,
                        dropout, sinks, float_indices=float_indices)
 
@@ -99,7 +99,8 @@ def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     """
     score_mod, mask_mod = lift_for_call(query, score_mod, mask_mod)  # captured numbers become arguments
     if not training and decode.applies(query, key, block_mask):  # short queries: split-KV decoding
-        spec = decode.make_spec(score_mod, mask_mod, query, key, value, block_mask, dropout=dropout)
+        spec = decode.make_spec(score_mod, mask_mod, query, key, value, block_mask, dropout=dropout,
+                                kernel_options=kernel_options)
         return ForwardPlan(score_mod, mask_mod, (spec, decode.merge_spec(spec, sinks)))
     need_lse = need_lse or training
     if launches_nothing(query, value, need_lse):
