@@ -44,8 +44,8 @@ from ..constants import LOG2E
 from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_line, preamble, store
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import hoisted_lines, param_stems, render_mods
-from .parts import (DROPOUT_HELPERS, KV_BASES, dot, dropout_args, dropout_head, dropout_keep, dropout_params, head_check,
-                    operand, row_sum, tile_load, tile_walk, widen_suffix)
+from .parts import (DROPOUT_HELPERS, KV_BASES, dot, dropout_args, dropout_head, dropout_keep, dropout_params,
+                    float_param, head_check, operand, row_sum, tile_load, tile_walk, widen_suffix)
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
 from .spec import AttentionSpec, GeneratedKernel
 
@@ -627,7 +627,7 @@ def kernel_params(spec: BackwardSpec, buffers: list[str]) -> tuple[list[str], li
         "partial_q_counts_ptr, partial_q_indices_ptr," + (" full_q_counts_ptr, full_q_indices_ptr," if full else ""),
         *names_line(buffers),
         *dropout_params(spec),
-        "scale, Q_LEN, KV_LEN, GQA_GROUP,",
+        f"{float_param('scale', spec)}, Q_LEN, KV_LEN, GQA_GROUP,",
         "stride_qb, stride_qh, stride_qm, stride_qd,",
         "stride_kb, stride_kh, stride_kn, stride_kd,",
         "stride_vb, stride_vh, stride_vn, stride_vd,",

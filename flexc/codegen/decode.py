@@ -31,7 +31,7 @@ from .emit import HEAD_DIMS, bounds, call, constexprs, jit_def, keywords, names_
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
-                    head_check, online_softmax, softmax_state, tile_load, tile_walk, widen_suffix)
+                    float_param, head_check, online_softmax, softmax_state, tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel, padded_head_dim
 
 KERNEL_NAME = "flex_decode_split"
@@ -219,7 +219,7 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         + (" full_block_counts_ptr, full_block_indices_ptr," if spec.has_full_blocks else ""),
         *names_line(buffers),
         *dropout_params(spec),
-        "scale, Q_LEN, KV_LEN, GQA_GROUP, KV_HEADS, NUM_SPLITS,",
+        f"{float_param('scale', spec)}, Q_LEN, KV_LEN, GQA_GROUP, KV_HEADS, NUM_SPLITS,",
         "stride_qb, stride_qh, stride_qm, stride_qd,",
         "stride_kb, stride_kh, stride_kn, stride_kd,",
         "stride_vb, stride_vh, stride_vn, stride_vd,",

@@ -21,7 +21,7 @@ from .emit import HEAD_DIMS, call, constexprs, jit_def, keywords, names_line, st
 from .header import describe_dims, describe_mods, widen_note
 from .kernel_mods import buffer_args, buffer_params, hoisted_lines, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
-                    head_check, online_softmax, sink_params, softmax_state, tile_load, tile_walk, widen_suffix)
+                    float_param, head_check, online_softmax, sink_params, softmax_state, tile_load, tile_walk, widen_suffix)
 from .spec import AttentionSpec, GeneratedKernel, next_power_of_2, padded_head_dim
 from . import tma
 
@@ -246,7 +246,7 @@ def _kernel(spec: ForwardSpec, score, mask) -> list[str]:
     strides = ["stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kn", "stride_kd",
                "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_ob", "stride_oh", "stride_om", "stride_od"]
     params += [
-        "scale, Q_LEN, KV_LEN, GQA_GROUP,",
+        f"{float_param('scale', spec)}, Q_LEN, KV_LEN, GQA_GROUP,",
         *(", ".join(strides[i:i + 4]) + "," for i in range(0, 16, 4)),
     ]
     if spec.output_lse:

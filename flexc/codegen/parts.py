@@ -292,14 +292,21 @@ def dropout_keep(dropout_ptr, dropout_scale, head, q_idx, kv_idx):
 '''
 
 # a dropout kernel's parameters: the int64 pair (seed, threshold) and 1 / (1 - p)
-DROPOUT_PARAMS = "dropout_ptr, dropout_scale,"
+DROPOUT_PARAMS = "dropout_ptr, {dropout_scale},"
 # what every function on the way to a tile passes on: those and dropout_head (b * Hq + h)
 DROPOUT_ARGS = "dropout_ptr, dropout_scale, dropout_head,"
 
 
 def dropout_params(spec) -> list[str]:
     """The kernel's parameter line of the dropout values, for a spec with ``dropout``; else none."""
-    return [DROPOUT_PARAMS] if spec.dropout else []
+    return [DROPOUT_PARAMS.format(dropout_scale=float_param("dropout_scale", spec))] if spec.dropout else []
+
+
+def float_param(name: str, spec) -> str:
+    """A kernel parameter that takes a Python float: typed fp64 in a float64 kernel. (Triton types a
+    float argument fp32 by default: on a GPU a float64 call's scale would lose its last 29 bits,
+    1e-8 relative error where float64 inputs promise 1e-15; the interpreter keeps the float.)"""
+    return f'{name}: "fp64"' if spec.dtype == torch.float64 else name
 
 
 def dropout_args(spec) -> list[str]:

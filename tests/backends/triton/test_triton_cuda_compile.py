@@ -174,3 +174,27 @@ def test_dropout_kernels_compile_for_hopper(kernel):
     compiled = triton_offline.compile_offline(spec, capability=90, inputs=inputs)
     assert "cubin" in compiled.asm and compiled.metadata.shared <= HOPPER_SHARED_MEMORY
     assert "mul.hi.u32" in compiled.asm["ptx"]  # umulhi: the high words of Philox's products
+
+
+def test_float64_kernels_take_scale_and_dropout_scale_as_fp64_arguments():
+    """Triton types a Python float argument fp32: a float64 kernel declares its float parameters
+    fp64, so the scale (and dropout's 1 / (1 - p)) keep float64's digits on a GPU."""
+    from flexc.backends.triton import backward as triton_backward, decode as triton_decode
+
+    mask = flexc.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    q, k = torch.empty(1, 4, 2, 64, dtype=torch.float64), torch.empty(1, 4, 256, 64, dtype=torch.float64)
+    bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 200 >= kv_idx, 1, 1, 2, 256, device="cpu")
+    specs = {
+        "forward": triton_forward.make_spec(None, mask, torch.float64, 64, 64, (128, 128), None, "cuda", True,
+                                            dropout=True),
+        "backward": triton_backward.make_backward_spec(None, mask, torch.float64, 64, 64, (128, 128), None, "cuda",
+                                                       dropout=True),
+        "decode": triton_decode.make_spec(None, flexc.trace(bm.mask_mod), q, k, k, bm, target="cuda", dropout=True),
+    }
+    for kind, spec in specs.items():
+        source = kernel_cache.source_for(spec)
+        assert 'scale: "fp64", ' in source and 'dropout_scale: "fp64",' in source, kind
+    fp32 = triton_forward.make_spec(None, mask, torch.float32, 64, 64, (128, 128), None, "cuda", True)
+    assert '"fp64"' not in kernel_cache.source_for(fp32)
+    ptx = triton_offline.compile_offline(specs["forward"], capability=90).asm["ptx"]
+    assert ptx.count(".param .f64") == 2  # the launch passes both as doubles
