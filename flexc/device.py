@@ -12,6 +12,11 @@ AUTO picks the Triton backend, tiles, variants and guards are the GPU's, decodin
 the GPU, and the launch code runs up to the kernel call; only the kernel itself runs in Triton's
 interpreter (the source it runs is the interpreter variant of the one a GPU compiles). So every
 CUDA-only branch executes in CI, on machines without a GPU.
+
+Devices are also resolved and compared here, as torch means them (:func:`resolve`,
+:func:`same_device`): ``"cuda"`` is the current CUDA device, ``"cpu:0"`` the CPU. :func:`usable`
+checks a ``device=`` argument can hold tensors, and :func:`default_device` picks one when none is
+given (the captured tensors', else a usable accelerator, else the CPU).
 """
 from __future__ import annotations
 

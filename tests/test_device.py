@@ -81,3 +81,34 @@ def test_eager_and_compiled_build_on_the_same_default_device(monkeypatch):
     eager = flexc.create_block_mask(causal, None, None, 64, 64)
     compiled = torch.compile(lambda: flexc.create_block_mask(causal, None, None, 64, 64), fullgraph=True)()
     assert eager.kv_indices.device.type == compiled.kv_indices.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_cuda_and_cuda_0_build_one_mask_and_run_one_kernel_with_a_0_d_cpu_capture():
+    from reference import dense_attention
+
+    doc = (torch.arange(128) // 48).to("cuda")  # on cuda:0
+    offset = torch.tensor(2)  # a 0-d CPU tensor, as torch allows
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx + offset >= kv_idx)
+    masks = [flexc.create_block_mask(mask_mod, None, None, 128, 128, device=d, BLOCK_SIZE=64)
+             for d in ("cuda", "cuda:0", None)]
+    assert all(torch.equal(m.to_dense(), masks[0].to_dense()) for m in masks)
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda") for _ in range(3))
+    outs = [flexc.flex_attention(q, k, v, block_mask=m, kernel_options={"BACKEND": "TRITON"}) for m in masks]
+    misses = flexc.cache_info().misses
+    flexc.flex_attention(q, k, v, block_mask=masks[1], kernel_options={"BACKEND": "TRITON"})
+    assert flexc.cache_info().misses == misses  # one kernel for both spellings
+    doc_here = doc.cpu()
+    ref = dense_attention(q.cpu(), k.cpu(), v.cpu(),
+                          mask_mod=lambda b, h, i, j: (doc_here[i] == doc_here[j]) & (i + offset >= j))[0]
+    for out in outs:
+        torch.testing.assert_close(out.cpu().double(), ref, atol=2e-4, rtol=0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()  # the 0-d capture's device copy is made before capture, not in it
+    with torch.cuda.graph(graph):
+        captured = flexc.flex_attention(q, k, v, block_mask=masks[0], kernel_options={"BACKEND": "TRITON"})
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, outs[0])
