@@ -88,8 +88,11 @@ def resolve(device: Any, where: str = "flexc") -> torch.device:
     is the current CUDA device (``cuda:0`` when 0 is current, as under simulation or before CUDA is
     initialised), ``"cpu:0"`` is the CPU (a CPU tensor's device has no index). A tensor's own device
     is already resolved and returns at once. ``where`` names the function taking ``device`` in errors."""
-    if type(device) is torch.device and device.index is not None:  # (a tensor's device, every call)
-        return _CPU if device.type == "cpu" else device
+    if type(device) is torch.device:  # (a tensor's device, on every call)
+        if device == _CPU:  # (compared first: reading device.type builds a string)
+            return _CPU
+        if device.index is not None:
+            return _CPU if device.type == "cpu" else device
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):

@@ -150,7 +150,7 @@ def check_captured(traced: "TracedMod | None", device: Any, where: str = "flex_a
         return
     device = resolve(device)
     for name, t in zip(traced.buffer_names, traced.buffers):
-        if resolve(t.device) != device and not (t.is_cpu and t.dim() == 0 and device.type != "meta"):
+        if t.device != device and resolve(t.device) != device and not (t.is_cpu and t.dim() == 0 and device.type != "meta"):
             raise ValueError(f"{where}: {traced.kind} {traced.name!r} captures tensor {name!r} on {t.device} "
                              f"but it runs on {device}. Fix: create the tensor on {device}, e.g. "
                              f"`{name} = {name}.to({str(device)!r})` before defining the mod"
