@@ -12,6 +12,11 @@ AUTO picks the Triton backend, tiles, variants and guards are the GPU's, decodin
 the GPU, and the launch code runs up to the kernel call; only the kernel itself runs in Triton's
 interpreter (the source it runs is the interpreter variant of the one a GPU compiles). So every
 CUDA-only branch executes in CI, on machines without a GPU.
+
+Devices are also resolved and compared here, as torch means them (:func:`resolve`,
+:func:`same_device`): ``"cuda"`` is the current CUDA device, ``"cpu:0"`` the CPU. :func:`usable`
+checks a ``device=`` argument can hold tensors, and :func:`default_device` picks one when none is
+given (the captured tensors', else a usable accelerator, else the CPU).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -74,6 +79,89 @@ def simulate(name: str | None) -> Iterator[DeviceFacts | None]:
         yield facts
     finally:
         _state["simulated"] = previous
+
+
+# ---- devices as torch means them ----------------------------------------------------------
+
+def resolve(device: Any, where: str = "flexc") -> torch.device:
+    """``device`` as torch means it, so that two spellings of one device compare equal: ``"cuda"``
+    is the current CUDA device (``cuda:0`` when 0 is current, as under simulation or before CUDA is
+    initialised), ``"cpu:0"`` is the CPU (a CPU tensor's device has no index). A tensor's own device
+    is already resolved and returns at once. ``where`` names the function taking ``device`` in errors."""
+    if type(device) is torch.device:  # (a tensor's device, on every call)
+        if device == _CPU:  # (compared first: reading device.type builds a string)
+            return _CPU
+        if device.index is not None:
+            return _CPU if device.type == "cpu" else device
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise (ValueError if isinstance(device, (str, int)) else TypeError)(
+            f"{where}: device must be a torch.device or a device string such as 'cuda', 'cuda:0' or 'cpu', got "
+            f"{type(device).__name__} {device!r}. Fix: pass e.g. device='cuda'.") from None
+    if device.type == "cpu":
+        return _CPU
+    if device.index is None and device.type != "meta":
+        return torch.device(device.type, _current_index(device.type))
+    return device
+
+
+def _current_index(kind: str) -> int:
+    """The current device index of accelerator type ``kind``; 0 where none is usable (the index
+    CUDA makes current first, and the simulated GPU's)."""
+    if kind == "cuda":
+        return torch.cuda.current_device() if torch.cuda.is_available() else 0
+    usable_accelerator = accelerator()
+    return (torch.accelerator.current_device_index()
+            if usable_accelerator is not None and usable_accelerator.type == kind else 0)
+
+
+def same_device(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` name one device (``"cuda"`` and ``cuda:0`` when 0 is current;
+    ``"cpu"`` and ``"cpu:0"``)."""
+    return a == b or resolve(a) == resolve(b)
+
+
+def accelerator() -> torch.device | None:
+    """The current accelerator where one is usable, else None."""
+    # check_available: a CUDA build of torch on a machine without a GPU has no usable accelerator
+    # (without it torch names CUDA anyway, and the first tensor made there fails)
+    return torch.accelerator.current_accelerator(check_available=True) if hasattr(torch, "accelerator") else None
+
+
+def default_device(tensors: Iterable[torch.Tensor] = ()) -> torch.device:
+    """Where to build when the caller names no device (``create_block_mask``, eager or compiled):
+    the one device ``tensors`` (a mod's captured tensors) live on, else the current accelerator
+    where one is usable, else the CPU (which, under simulation, stands for the GPU). 0-d CPU
+    tensors go with any device (as in torch), so they do not decide."""
+    tensors = list(tensors)
+    devices = ({t.device for t in tensors if not (t.is_cpu and t.dim() == 0)}
+               or {t.device for t in tensors})
+    if len(devices) == 1:
+        return resolve(devices.pop())
+    usable_accelerator = accelerator()
+    return resolve(usable_accelerator) if usable_accelerator is not None else _CPU
+
+
+def usable(device: Any, where: str = "flexc") -> torch.device:
+    """``device`` resolved, after checking that tensors can be made there: ``"cuda"`` on a torch
+    without CUDA, or with no GPU visible, raises a ValueError saying so and what to pass instead,
+    rather than torch's bare ``AssertionError: Torch not compiled with CUDA enabled`` later."""
+    given, device = device, resolve(device, where)
+    if device.type != "cuda" or torch.cuda.is_available():
+        return device
+    if not torch.compiler.is_compiling():  # (dynamo is not to trace the probe)
+        try:  # a fake-tensor mode makes CUDA tensors without a GPU: torch itself decides
+            torch.empty(0, device=device)
+            return device
+        except (AssertionError, RuntimeError):
+            pass
+    why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+           else f"no CUDA GPU is visible to this torch ({torch.__version__}; torch.cuda.is_available() is False)")
+    simulating = (f" Under {SIMULATE_ENV} ({_state['simulated'].name} now), CPU tensors stand for the GPU: build "
+                  f"on device='cpu'." if _state["simulated"] is not None else "")
+    raise ValueError(f"{where}: device={str(given)!r}, but {why}. Fix: pass device='cpu' (or leave device unset: "
+                     f"the captured tensors' device, else a usable accelerator, else the CPU).{simulating}")
 
 
 def is_gpu(device: torch.device) -> bool:

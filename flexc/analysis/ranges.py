@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..device import resolve, same_device
 from ..mods import ir
 from .affine import AffineForm, affine_difference
 from ..mods.promotion import node_dtype
@@ -81,7 +82,7 @@ def classify_tiles(traced: TracedMod, B: int, H: int, Q_LEN: int, KV_LEN: int, Q
     [[1, 0], [2, 1]]
     """
     _check_arguments(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK)
-    device = torch.device(device)
+    device = resolve(device, "classify_tiles")
     sizes = {"b": B, "h": H, "q_idx": Q_LEN, "kv_idx": KV_LEN}
     analysis = _Analysis(traced.root, traced.buffers, sizes, device)
     n_q, n_kv = cdiv(Q_LEN, Q_BLOCK), cdiv(KV_LEN, KV_BLOCK)
@@ -198,7 +199,7 @@ def domain_bounds(traced: TracedMod, sizes: dict, device: Any = "cpu") -> dict[i
     :class:`IntRange` / :class:`BoolRange` (0-d float64 / bool tensors; infinite bounds mean
     unknown) or None for float nodes. :mod:`flexc.analysis.bounds` proves lookups in range with it.
     """
-    return _Analysis(traced.root, traced.buffers, sizes, torch.device(device)).static
+    return _Analysis(traced.root, traced.buffers, sizes, resolve(device)).static
 
 
 class _Analysis:
@@ -353,7 +354,7 @@ class _Analysis:
         top = TOP_BOOL if node.kind == ir.BOOL else TOP_INT
         if tensor.is_floating_point() or tensor.is_complex():
             return top
-        if tensor.device != self.device:
+        if not same_device(tensor.device, self.device):
             tensor = tensor.to(self.device)
         if not index_ranges:
             value = tensor.reshape(()).to(torch.float64)

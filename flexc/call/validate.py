@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..device import is_gpu
+from ..device import is_gpu, same_device
 from ..codegen.spec import precision_option
 from ..errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError, warn_once
 from ..mods.traced_mod import check_captured  # noqa: F401  (validation of a call's mods)
@@ -145,7 +145,7 @@ def check_block_mask(block_mask: Any, query: torch.Tensor, key: torch.Tensor) ->
         raise ValueError(f"flex_attention: `block_mask` has {Hm} heads; expected 1 (broadcast) or the query's "
                          f"{Hq} heads. Fix: build it with H=None (broadcast) or H={Hq}.")
     device = _CPU if rows is not None else block_mask.kv_num_blocks.device  # (lists are read from CPU rows only)
-    if (not query.is_cpu) if device is _CPU else device != query.device:
+    if (not query.is_cpu) if device is _CPU else not same_device(device, query.device):
         raise InvalidValueError(f"flex_attention: Expect q/k/v and block_mask to be on the same device: "
                                 f"`block_mask` is on {device} but the inputs are on "
                                 f"{query.device}. Fix: `block_mask.to({str(query.device)!r})`.")

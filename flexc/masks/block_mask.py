@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..analysis import bounds
+from .. import device as gpu
 from ..device import is_gpu
 from ..errors import AssertedValueError, InvalidValueError
 from .kv_tables import KV_TABLE_NAMES
@@ -83,17 +84,13 @@ def _block_sizes(where: str, BLOCK_SIZE: Any) -> tuple[int, int]:
     return size, size
 
 
-def _resolve_device(device: Any, traced: TracedMod) -> torch.device:
-    """``device``, else the device of the tensors the mod captured, else the current accelerator,
-    else the CPU. (torch picks the accelerator even when the mod's tensors live elsewhere, which
-    then fails; following the captured tensors builds the mask where its data is.)"""
-    if device is not None:
-        return torch.device(device)
-    devices = {t.device for t in traced.buffers}
-    if len(devices) == 1:
-        return devices.pop()
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return torch.device(accelerator) if accelerator is not None else torch.device("cpu")
+def _resolve_device(device: Any, traced: TracedMod, where: str = "create_block_mask") -> torch.device:
+    """``device`` as torch means it (``"cuda"``: the current CUDA device), checked usable; None: the
+    device of the tensors the mod captured, else a usable accelerator, else the CPU
+    (:func:`flexc.device.default_device`, which the compiled ``create_block_mask`` follows too).
+    (torch picks the accelerator even when the mod's tensors live elsewhere, which then fails;
+    following the captured tensors builds the mask where its data is.)"""
+    return gpu.default_device(traced.buffers) if device is None else gpu.usable(device, where)
 
 
 def _check_captured_sizes(where: str, traced: TracedMod, extents: dict[str, tuple[str, int]]) -> None:
@@ -859,6 +856,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
                                           "kv_idx": ("KV_LEN", KV_LEN)})
     device = _resolve_device(device, traced)
     check_captured(traced, device, where)  # before any analysis reads the captured tensors
+    if device.type == "meta":
+        return _meta_block_mask(B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, separate_full_blocks, mask_mod)
     bounds.check_mod(traced, B, H, Q_LEN, KV_LEN, where)
 
     classes = _classify_tiles(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK, device, _analytic)
@@ -872,6 +871,21 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     kv_tables = dense_to_ordered(partial)
     full_kv = dense_to_ordered(full) if full is not None else (None, None)
     return BlockMask((Q_LEN, KV_LEN), *kv_tables, *full_kv, *(DERIVED,) * 4,
+                     BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
+
+
+def _meta_block_mask(B: int, H: int, Q_LEN: int, KV_LEN: int, Q_BLOCK: int, KV_BLOCK: int,
+                     separate_full_blocks: bool, mask_mod: Callable) -> BlockMask:
+    """A BlockMask of meta tables with the shapes ``create_block_mask`` gives (as torch builds one
+    on ``device="meta"``, e.g. while a model is built on meta): meta tensors hold no values, so the
+    mask_mod is not evaluated, and the q tables are made here (deriving them reads values)."""
+    n_q, n_kv = cdiv(Q_LEN, Q_BLOCK), cdiv(KV_LEN, KV_BLOCK)
+
+    def tables(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty((B, H, rows), dtype=torch.int32, device="meta"),
+                torch.empty((B, H, rows, columns), dtype=torch.int32, device="meta"))
+    full_kv, full_q = (tables(n_q, n_kv), tables(n_kv, n_q)) if separate_full_blocks else ((None, None),) * 2
+    return BlockMask((Q_LEN, KV_LEN), *tables(n_q, n_kv), *full_kv, *tables(n_kv, n_q), *full_q,
                      BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod)
 
 
@@ -893,5 +907,7 @@ def create_mask(mod_fn: Callable, B: int | None, H: int | None, Q_LEN: int, KV_L
     KV_LEN = _positive_int(where, "KV_LEN", KV_LEN)
     _check_captured_sizes(where, traced, {"b": ("B", B), "h": ("H", H), "q_idx": ("Q_LEN", Q_LEN),
                                           "kv_idx": ("KV_LEN", KV_LEN)})
+    device = _resolve_device(device, traced, where)
+    check_captured(traced, device, where)  # before any analysis reads the captured tensors
     bounds.check_mod(traced, B, H, Q_LEN, KV_LEN, where)
-    return dense_mask(traced, B, H, Q_LEN, KV_LEN, _resolve_device(device, traced))
+    return dense_mask(traced, B, H, Q_LEN, KV_LEN, device)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from . import ir
+from ..device import resolve
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
 SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -142,12 +143,15 @@ def trainable_slots(score_mod: "TracedMod | None") -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(score_mod.buffers) if t.is_floating_point() and t.requires_grad)
 
 
-def check_captured(traced: "TracedMod | None", device: torch.device, where: str = "flex_attention") -> None:
-    """Captured tensors of a traced mod live on ``device`` (0-d CPU tensors are allowed, as in torch)."""
-    if traced is None:
+def check_captured(traced: "TracedMod | None", device: Any, where: str = "flex_attention") -> None:
+    """Captured tensors of a traced mod live on ``device`` as torch means it (``"cuda"`` is the
+    current CUDA device; 0-d CPU tensors go with any device but meta, as in torch)."""
+    if traced is None or not traced.buffers:
         return
+    device = resolve(device)
     for name, t in zip(traced.buffer_names, traced.buffers):
-        if t.device != device and not (t.device.type == "cpu" and t.dim() == 0 and device.type != "meta"):
+        if t.device != device and resolve(t.device) != device and not (t.is_cpu and t.dim() == 0 and device.type != "meta"):
             raise ValueError(f"{where}: {traced.kind} {traced.name!r} captures tensor {name!r} on {t.device} "
                              f"but it runs on {device}. Fix: create the tensor on {device}, e.g. "
-                             f"`{name} = {name}.to({str(device)!r})` before defining the mod.")
+                             f"`{name} = {name}.to({str(device)!r})` before defining the mod"
+                             f"{', or pass device=' + repr(str(t.device)) if where.startswith('create_') else ''}.")

@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch._functorch.autograd_function import autograd_function_apply
 from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 
+from .. import device as gpu
 from ..masks import block_mask
 from . import custom_ops
 from ..masks.block_mask import DERIVED, BlockMask
@@ -521,7 +522,9 @@ def _compiled_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN
                          BLOCK_SIZE: Any, separate_full_blocks: bool):
     """:func:`flexc.create_block_mask` as one ``flexc::create_block_mask`` node (same bridge as above)."""
     block = tuple(BLOCK_SIZE) if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    # eager's rule (flexc.device.default_device) where dynamo can read it: the captured tensors are
+    # not known before the mod is speculated, so unnamed, the device is a usable accelerator, else the CPU
+    device = gpu.usable(device, "create_block_mask") if device is not None else gpu.default_device()
     from torch._dynamo.comptime import comptime  # (here, not at import: dynamo imports sympy)
 
     comptime(_warn_if_sizes_are_symbolic)

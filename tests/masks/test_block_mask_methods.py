@@ -212,6 +212,6 @@ def test_default_device_follows_the_captured_tensors_else_cpu_here():
     traced = flexc.trace(lambda b, h, q_idx, kv_idx: on_meta[q_idx] > 0)
     assert _resolve_device(None, traced) == torch.device("meta")
     assert _resolve_device("cpu", traced) == torch.device("cpu")
-    expected = torch.accelerator.current_accelerator() or torch.device("cpu")
+    expected = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     assert _resolve_device(None, flexc.trace(causal)).type == torch.device(expected).type
     assert flexc.create_block_mask(causal, None, None, 128, 128).kv_indices.device.type == torch.device(expected).type

@@ -25,6 +25,7 @@ from ...mods.traced_mod import TracedMod
 from ..dropout import Dropout
 from ..layout import empty_like_reference
 from ..nonfinite import all_finite
+from ..versioned_memo import VersionedMemo
 from .config import default_splits
 
 # a tensor with this many elements or more needs int64 offsets (index * stride wraps in int32)
@@ -97,17 +98,37 @@ def buffer_arguments(traced: TracedMod | None, params, device: torch.device) -> 
             continue
         t = traced.buffers[p.slot]
         if p.what == "ptr":
-            if t.device != device:
-                raise ValueError(f"flexc: {traced.kind} {traced.name} captured tensor "
-                                 f"{traced.buffer_names[p.slot]!r} is on {t.device} but the inputs are on {device}. "
-                                 f"Fix: create it on {device} (e.g. `.to('{device}')`).")
-            t = t.detach()
+            if not gpu.same_device(t.device, device):
+                if not (t.is_cpu and t.dim() == 0):
+                    raise ValueError(f"flexc: {traced.kind} {traced.name} captured tensor "
+                                     f"{traced.buffer_names[p.slot]!r} is on {t.device} but the inputs are on {device}. "
+                                     f"Fix: create it on {device} (e.g. `.to('{device}')`).")
+                t = _device_copy(t, device)  # (detached)
+            else:
+                t = t.detach()
             args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
         elif p.what == "stride":
             args.append(t.stride(p.dim))
         else:
             args.append(t.shape[p.dim])
     return args
+
+
+# A 0-d CPU tensor captured by a mod goes with inputs on any device (validation accepts it, as torch
+# does), but a kernel reads device memory. It is copied to the device once per value and the copy
+# kept, keyed by the tensor's identity and version counter (an in-place write makes a new copy): a
+# steady-state call then makes no host-to-device copy, which would be illegal while a CUDA graph
+# captures (pageable memory) and a transfer on every call. Passing the value as a kernel scalar
+# instead would type the argument by its value (int32 or int64; fp32 for a float64 tensor) and change
+# the kernel; the copy keeps the kernel and the dtype. A tensor made under inference mode has no
+# version counter and is copied on every call. A CUDA graph replays the copy it captured: a value
+# that changes between replays belongs on the device.
+_DEVICE_COPIES = VersionedMemo(64)
+
+
+def _device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a 0-d CPU tensor) on ``device``, copied once per value of ``t``."""
+    return _DEVICE_COPIES.get([t], device, lambda: t.detach().to(device))
 
 
 def mod_arguments(generated: Any, score_mod: TracedMod | None, mask_mod: TracedMod | None,
