@@ -17,6 +17,7 @@ from .. import device as gpu
 from ..analysis import bounds
 from ..backends import registry
 from ..codegen.printer import precise_math_for
+from ..errors import FallbackWarning  # (flexc.call.plan.FallbackWarning, as before)
 from ..mods.trace import trace
 from ..mods.traced_mod import MASK_MOD, SCORE_MOD, TracedMod, trainable_slots, unless_identity
 from . import validate
@@ -85,17 +86,6 @@ def prepare_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     # FAST_MATH=False: tanh and sigmoid keep libdevice's lowering in every kernel of the call
     traced_score, traced_mask = precise_math_for(options, traced_score, traced_mask)
     return scale, options, traced_score, traced_mask
-
-
-class FallbackWarning(UserWarning):
-    """A backend's generated kernel cannot run part of a call, and another path runs it instead; the
-    message says which and why. ``BACKEND: "TRITON"`` training a score_mod whose backward
-    :mod:`flexc.mods.derivative` cannot build (a ``torch.autograd.Function`` whose ``backward`` cannot
-    be traced) trains through the torch backward. Warned once per score_mod; ``dropout_p > 0`` on a
-    backend whose kernels do not drop, or in a context-parallel shard on the TRITON backend (whose
-    kernels draw the pairs at the call's own indices), runs on the TORCH backend, warned once per
-    backend and reason; under ``torch.compile`` a dropout call's ``generator=`` draws its seed outside
-    the graph, warned once."""
 
 
 # why a backend's generated backward cannot train a score_mod graph (None: it can), by graph
