@@ -121,3 +121,26 @@ def test_an_error_other_than_out_of_resources_propagates_and_is_not_remembered(l
                 out.sum().backward()
         tried = [s for s in launched if isinstance(s, kind)]
         assert len(tried) == 1 and kernel_cache.resolve_fallback(tried[0], q.device) is tried[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real out-of-resources error needs a CUDA device")
+def test_tiles_too_large_for_the_gpu_fall_back_forward_and_backward_on_cuda():
+    """kernel_options whose pipelined tiles exceed the GPU's shared memory (bf16, D=128: 256-key tiles
+    at 5 stages forward, 128 x 128 tiles at 4 stages backward) run, each with one FallbackWarning."""
+    kernel_cache.cache_clear()
+    q, k, v = (t.cuda().to(torch.bfloat16).requires_grad_() for t in random_qkv(1, 2, 2, 512, 512, 128, seed=12))
+    options = {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 256, "fwd_num_stages": 5, "bwd_BLOCK_M1": 128, "bwd_BLOCK_N1": 128,
+               "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 128, "bwd_num_stages": 4, "BACKEND": "TRITON"}
+    grad = torch.randn(1, 2, 512, 128, device="cuda").to(torch.bfloat16)
+    with pytest.warns(flexc.FallbackWarning) as record:
+        out = flexc.flex_attention(q, k, v, kernel_options=options)
+        out.backward(grad)
+    kinds = sorted(w.message.args[0].split(" kernel ")[0].split()[-1] for w in record
+                   if issubclass(w.category, flexc.FallbackWarning))
+    assert kinds == ["backward", "forward"], [str(w.message) for w in record]
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = dense_attention(qd, kd, vd)[0]
+    ref.backward(grad.double())
+    for ours, theirs in ((out, ref), (q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        torch.testing.assert_close(ours.double(), theirs, atol=3e-2, rtol=3e-2)
+    kernel_cache.cache_clear()
