@@ -37,6 +37,7 @@ def triton_errors() -> tuple[type, tuple[type, ...]]:
     """``(OutOfResources, the errors a TMA variant's compile may raise)`` of the installed Triton (imported
     only once a kernel runs; the same modules in Triton 3.6 and 3.9). A ``RuntimeError`` among the
     latter is one only with :data:`PASS_FAILURE` in its message."""
+    cache.require_triton()  # (without Triton: an ImportError saying how to install it)
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources, PTXASError
 
