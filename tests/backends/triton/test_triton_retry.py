@@ -49,9 +49,9 @@ def launches(monkeypatch):
 def test_backward_out_of_resources_runs_smaller_tiles_with_one_fallback_warning(launches):
     launched, set_rule = launches
     set_rule(lambda spec: isinstance(spec, BackwardSpec) and spec.block_n1 > 16)  # 32 x 32 tiles do not fit
-    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 1, 64, 64, 16, seed=5))
-    block_mask = flexc.create_block_mask(causal, None, None, 64, 64, BLOCK_SIZE=32)
-    grad = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(6))
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 1, 40, 40, 16, seed=5))
+    block_mask = flexc.create_block_mask(causal, None, None, 40, 40, BLOCK_SIZE=32)
+    grad = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(6))
     with gpu.simulate("sm_90"):
         with pytest.warns(flexc.FallbackWarning, match=r"backward kernel cannot run as configured: with BLOCK_M1=32, "
                           r"BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=32, num_stages=1 it needs more GPU resources than "
