@@ -309,3 +309,27 @@ def launch_options(spec, device: torch.device) -> dict:
     if runs_interpreted(device) and spec.target != "cuda":
         return {}
     return {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+
+
+def stream_token(device: torch.device):
+    """Which stream work for ``device`` is queued on now: what a cache of device tensors keys them by.
+
+    The rule for every value flexc computes on the device and keeps between calls (compacted
+    BlockMask tables, :mod:`flexc.mods.derived`'s replays, an index tensor, any memo value that holds
+    device tensors): it is served only to calls whose ``stream_token`` equals the one it was made
+    under, and made again otherwise. So the kernels that read it are queued on the stream that
+    wrote it (no event or ``record_stream`` needed: CUDA orders one stream's work, and a freed
+    value's memory is reused only by its own stream's allocations). While the current stream is
+    being captured into a CUDA graph the token is a new object each time: a value made during
+    capture is the graph's (its memory holds what the graph's replays write) and is never served
+    to another call, and values made outside the capture are made again inside it, so the graph's
+    replays recompute them from their sources' contents then.
+
+    ``None`` for CPU tensors (simulated or not: one stream), where every cache hits as before. One
+    current-stream query on CUDA, a few microseconds.
+    """
+    if runs_interpreted(device):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return object()  # equal to nothing else: never served again
+    return torch.cuda.current_stream(device)

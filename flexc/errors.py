@@ -4,7 +4,8 @@ flexc raises ``TypeError``/``ValueError`` for bad inputs. For a few of the same 
 FlexAttention raises ``NotImplementedError`` or ``RuntimeError`` instead, and code written against
 torch (its own test suite included) catches those. The classes below derive from both, so an
 ``except`` clause written for either library catches flexc's error. Their messages open with
-torch's sentence for the same condition, then flexc's fix.
+torch's sentence for the same condition, then flexc's fix. :class:`FallbackWarning` (here so every
+stage can warn with it) says when another path runs part of a call.
 """
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ class FallbackWarning(UserWarning):
     backend whose kernels do not drop, or in a context-parallel shard on the TRITON backend (whose
     kernels draw the pairs at the call's own indices), runs on the TORCH backend, warned once per
     backend and reason; under ``torch.compile`` a dropout call's ``generator=`` draws its seed outside
-    the graph, warned once. A torch kernel option flexc does not implement (``BACKEND="FLASH"``,
-    ``"TRITON_DECODE"``) runs flexc's choice, warned once per option value."""
+    the graph, warned once. A Triton kernel that needs more GPU resources than the GPU has runs with
+    smaller tiles, and a TMA variant that fails to compile with plain loads, warned once per kernel and
+    GPU capability (:mod:`flexc.backends.triton.retry`). A torch kernel option flexc does not implement
+    (``BACKEND="FLASH"``, ``"TRITON_DECODE"``) runs flexc's choice, warned once per option value."""
 
 
 _warned_once: set = set()

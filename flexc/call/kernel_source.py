@@ -72,7 +72,7 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     forward = plan_forward(query, key, value, traced_score, traced_mask, block_mask, options,
                            plan.want_lse or plan.training, training=plan.generated is not None,
                            dropout=bool(dropout_p), sinks=rows is not None)
-    return sources_text(forward.kernels)
+    return sources_text(forward.kernels, query.device)
 
 
 def _runs_instead(backend: str, device: torch.device, backward: bool) -> str:

@@ -6,8 +6,9 @@ table, and a batch with no reserved pages maps them to -1. torch's kernels accep
 inside a row's count as a block that is never visited. Rather than teach every backend (the CPU
 planner, the decode path, the Triton forward, backward and decode kernels) to skip them, the call
 gets tables with each row's non-negative entries first and the count reduced: device ops only (no
-host reads on a GPU), done once per tables' identity and version, so steady-state calls pay one
-dictionary look-up.
+host reads on a GPU), done once per tables' identity and version (and CUDA stream: the compacted
+tables are served only to the stream that made them), so steady-state calls pay one dictionary
+look-up.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from typing import Any
 
 import torch
 
-from ..device import is_gpu
+from .. import device as gpu
 from ..versions import table_states
 from .kv_tables import block_sizes_of, kv_tables
 
-# id(kv_indices) -> (a weak reference to it, the tables' states, the compacted mask (None: the mask itself))
+# id(kv_indices) -> (a weak reference to it, the tables' states, the stream the compacted tables were made
+# on (flexc.device.stream_token), the compacted mask (None: the mask itself))
 _compacted: dict[int, tuple] = {}
 _MAX_REMEMBERED = 64
 # id(kv_indices) -> (a weak reference to it, the tables' states, whether they hold no empty entry):
@@ -51,20 +53,29 @@ def without_empty_entries(block_mask: Any) -> Any:
     if provenance is not None and provenance[2] == state and _free_of_empty(*provenance[:2]):
         return block_mask  # unedited rows of tables with no empty entry (a decoding step's slice)
     seen = _compacted.get(id(tables[1]))
+    stream = None
     if seen is not None and seen[0]() is tables[1] and seen[1] == state:
-        rebuilt = seen[2]
+        rebuilt = seen[3]
         if rebuilt is None:
             return block_mask
-        if (rebuilt.mask_mod is block_mask.mask_mod and rebuilt.BLOCK_SIZE == block_sizes_of(block_mask)
-                and rebuilt.seq_lengths == tuple(block_mask.seq_lengths)):
-            return rebuilt  # one object per tables: caches keyed by the mask keep hitting
-        new = (rebuilt.kv_num_blocks, rebuilt.kv_indices, rebuilt.full_kv_num_blocks, rebuilt.full_kv_indices)
+        # compacted tables are device tensors made on one stream: served to that stream only
+        # (flexc.device.stream_token); another stream compacts again
+        stream = gpu.stream_token(tables[1].device)
+        if seen[2] == stream:
+            if (rebuilt.mask_mod is block_mask.mask_mod and rebuilt.BLOCK_SIZE == block_sizes_of(block_mask)
+                    and rebuilt.seq_lengths == tuple(block_mask.seq_lengths)):
+                return rebuilt  # one object per tables: caches keyed by the mask keep hitting
+            new = (rebuilt.kv_num_blocks, rebuilt.kv_indices, rebuilt.full_kv_num_blocks, rebuilt.full_kv_indices)
+        else:
+            new = compact_tables(tables)
     else:
         new = compact_tables(tables)
     rebuilt = None if new is None else _rebuilt(block_mask, new)
+    if rebuilt is not None and stream is None:
+        stream = gpu.stream_token(tables[1].device)
     if len(_compacted) >= _MAX_REMEMBERED:
         _compacted.clear()
-    _compacted[id(tables[1])] = (weakref.ref(tables[1]), state, rebuilt)
+    _compacted[id(tables[1])] = (weakref.ref(tables[1]), state, stream, rebuilt)
     return block_mask if rebuilt is None else rebuilt
 
 
@@ -88,7 +99,7 @@ def compact_tables(tables: tuple, read: bool | None = None) -> tuple | None:
     inside the counts dropped (a row's other entries keep their order, entries past the new count
     are 0), or None when ``read`` (default: on the CPU) finds none. Without ``read`` (a GPU) the
     tables are compacted with device ops only."""
-    gpu = not read if read is not None else is_gpu(tables[1].device)
+    on_gpu = not read if read is not None else gpu.is_gpu(tables[1].device)
     out = list(tables)
     changed = False
     for slot in (0, 2):
@@ -99,7 +110,7 @@ def compact_tables(tables: tuple, read: bool | None = None) -> tuple | None:
         columns = torch.arange(n_kv, device=index.device)
         inside = columns < count.unsqueeze(-1)
         empty = inside & (index < 0)
-        if not gpu and not bool(empty.any()):
+        if not on_gpu and not bool(empty.any()):
             continue
         keep = inside & ~empty
         order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept entries first, in order

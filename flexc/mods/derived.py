@@ -20,7 +20,10 @@ from typing import Any, Callable
 
 import torch
 
+from .. import device as gpu
 from ..versions import write_count
+
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,16 +44,23 @@ class Derivations:
 
     ``slots`` maps buffer slot -> the step that makes it; ``sources`` are the captured tensors the
     steps read (made outside the mod). ``latest`` holds the last replay without autograd, reused
-    while no source was written.
+    while no source was written, on the stream that made it.
     """
 
     steps: tuple  # of Step, in the order the mod ran them (a step's inputs come before it)
     slots: dict  # buffer slot -> Step
     sources: tuple
-    latest: tuple | None = field(default=None, repr=False)  # (trace, source versions, refreshed trace)
+    latest: tuple | None = field(default=None, repr=False)  # (trace, source versions, stream, refreshed trace)
 
     def source_states(self) -> tuple:
         return tuple([write_count(t) for t in self.sources])
+
+    def device(self) -> torch.device:
+        """Where the replay makes its buffers: the first derived buffer's device off the CPU, else the CPU."""
+        for step in self.slots.values():
+            if step.result.device.type != "cpu":
+                return step.result.device
+        return _CPU
 
     def needs_graph(self) -> bool:
         return torch.is_grad_enabled() and any(t.requires_grad for t in self.sources)
@@ -161,11 +171,14 @@ def current(traced: Any, substitute: dict | None = None) -> Any:
     if not substitute:
         if not derivations.needs_graph():
             states = derivations.source_states()
+            # the replay's buffers are device tensors made on one stream: served to that stream only
+            # (flexc.device.stream_token)
+            stream = gpu.stream_token(derivations.device())
             latest = derivations.latest
-            if latest is not None and latest[0] is traced and latest[1] == states:
-                return latest[2]
+            if latest is not None and latest[0] is traced and latest[1] == states and latest[2] == stream:
+                return latest[3]
             refreshed = _rebuilt(traced, derivations, None)
-            derivations.latest = (traced, states, refreshed)
+            derivations.latest = (traced, states, stream, refreshed)
             return refreshed
     return _rebuilt(traced, derivations, substitute)
 

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ... import device as gpu
 from ...constants import DECODE_MAX_ROWS as MAX_ROWS, LN2, LOG2E
 from ...mods import ir
 from ...mods.evaluate import evaluate
@@ -74,9 +75,14 @@ def _reads(mod: TracedMod) -> frozenset[str]:
 _MAX_SPANS = 4  # more partial spans than this: the mask_mod is evaluated over every position at once
 
 
-@functools.lru_cache(maxsize=64)
 def _index_tensor(shape: tuple, device: torch.device) -> torch.Tensor:
-    """``arange`` laid along the one non-1 dim of ``shape`` (b, h or q_idx); never written to."""
+    """``arange`` laid along the one non-1 dim of ``shape`` (b, h or q_idx); never written to. Made once
+    per stream (:func:`flexc.device.stream_token`: a device tensor is read only on the stream that made it)."""
+    return _index_tensor_on(shape, device, gpu.stream_token(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _index_tensor_on(shape: tuple, device: torch.device, stream) -> torch.Tensor:
     return torch.arange(max(shape), device=device).view(shape)
 
 

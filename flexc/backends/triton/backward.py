@@ -29,7 +29,7 @@ from ...mods.derivative import differentiate
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
 from ..dropout import Dropout
-from . import cache, config, forward, launcher
+from . import cache, config, forward, launcher, retry
 from .sources import sources_text
 
 
@@ -136,30 +136,36 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out,
     device = query.device
     launcher.check_dropout(spec, dropout)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
     if query.numel() == 0 or S == 0:
+        dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
         return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
                 [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)])
     tables = launcher.backward_tables(block_mask, spec, L, S, device)
     launcher.check_query_blocks(tables, L, spec.q_block_size)
-    rows = cache.get_kernel(rows_spec(spec), device) if spec.precise else None  # (kernels in launch order)
-    kernel = cache.get_kernel(spec, device)
-    if spec.precise:
-        delta, lse2, stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
-    else:
-        # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-        delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
-    args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2, delta,
-                                                  stats, dq, dk, dv, tables, grads, score_mod, mask_mod, scale,
-                                                  dropout=dropout)
-    if rows is not None:
-        gpu.launch(rows.fn, launcher.backward_rows_grid(spec, query, key), spec, device, args, constants)
-    gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
-    if summed:
-        dk = dk.sum(0, keepdim=True).to(key.dtype)
-        dv = dv.sum(0, keepdim=True).to(value.dtype)
-    buf_grads = [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)]
-    return dq, dk, dv, buf_grads
+
+    def attempt(spec: BackwardSpec):
+        # everything from the outputs on: a retry starts over (the row pass adds into its inputs)
+        dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
+        rows = cache.get_kernel(rows_spec(spec), device) if spec.precise else None  # (kernels in launch order)
+        kernel = cache.get_kernel(spec, device)
+        if spec.precise:
+            delta, lse2, row_stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
+        else:
+            # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
+            delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
+            row_stats = stats
+        args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2,
+                                                      delta, row_stats, dq, dk, dv, tables, grads, score_mod, mask_mod,
+                                                      scale, dropout=dropout)
+        if rows is not None:
+            gpu.launch(rows.fn, launcher.backward_rows_grid(spec, query, key), spec, device, args, constants)
+        gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
+        if summed:
+            dk = dk.sum(0, keepdim=True).to(key.dtype)
+            dv = dv.sum(0, keepdim=True).to(value.dtype)
+        return dq, dk, dv, [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)]
+
+    return retry.launch_with_fallbacks(spec, device, attempt, "backward")
 
 
 class BackwardPlan(NamedTuple):
@@ -239,7 +245,9 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
     if not plan.kernels:
         return ("# flexc: this call's backward launches no kernel: it has no query rows or no keys, so the\n"
                 "# gradients are zeros.\n")
-    return sources_text(plan.kernels)
+    # the backward that replaced this one on the device's GPU brings its own row pass
+    spec = cache.resolve_fallback(plan.kernels[1], query.device)
+    return sources_text((rows_spec(spec) if spec.precise else plan.kernels[0], spec), query.device)
 
 
 registry.register_training("TRITON", forward_for_training, triton_backward)

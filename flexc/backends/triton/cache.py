@@ -49,8 +49,9 @@ class Kernel(NamedTuple):
 # spec key -> kernel, least recently used first; at most _limit["kernels"] entries
 _cache: "OrderedDict[tuple, Kernel]" = OrderedDict()
 _limit = {"kernels": int(os.environ.get("FLEXC_KERNEL_CACHE_SIZE", "64"))}
-# spec key -> the smaller-tile spec that replaced it after the GPU ran out of shared memory
-_fallbacks: dict[tuple, ForwardSpec] = {}
+# (capability, spec key) -> the spec that replaced it on GPUs of that capability (smaller tiles after
+# running out of resources, or plain loads after a TMA variant failed)
+_fallbacks: dict[tuple, Any] = {}
 _stats = {"hits": 0, "misses": 0}
 _cache_lock = threading.Lock()
 
@@ -207,13 +208,26 @@ def generate(spec: AnySpec) -> Any:
     return generate_decode(spec) if isinstance(spec, DecodeSpec) else generate_forward(spec)
 
 
+def device_key(spec: AnySpec, device: torch.device | None) -> tuple:
+    """What the device adds to ``spec``'s kernel cache key: for a ``"cuda"`` spec the compute capability
+    of the GPU ``device`` is (or stands for, :func:`flexc.device.simulate`), and ``"interpreted"`` where
+    CPU tensors run its interpreter variant; nothing for the interpreter's own specs or without a device.
+    Kernels, and the fallbacks that replace them (:func:`remember_fallback`), are kept per capability:
+    what one GPU cannot hold another may."""
+    if device is None or spec.target != "cuda":
+        return ()
+    capability = gpu.facts(device).capability if gpu.is_gpu(device) else None
+    return (capability, "interpreted") if gpu.runs_interpreted(device) else (capability,)
+
+
 def get_kernel(spec: AnySpec, device: torch.device | None = None) -> Kernel:
     """The compiled kernel for ``spec`` (any kind) launched for tensors on ``device``: from the
     cache, or generated, written and imported. CPU tensors standing in for a GPU
     (:func:`flexc.device.simulate`) run the interpreter variant of a ``"cuda"`` spec, cached apart
-    from the compiled one."""
+    from the compiled one; each GPU capability has its own entries (:func:`device_key`)."""
     runs = gpu.runnable(spec, device) if device is not None else spec
-    key = spec.key() if runs is spec else (spec.key(), "interpreted")
+    part = device_key(spec, device)
+    key = (spec.key(), *part) if part else spec.key()
     with _cache_lock:
         kernel = _cache.get(key)
         if kernel is not None:
@@ -229,37 +243,47 @@ def get_kernel(spec: AnySpec, device: torch.device | None = None) -> Kernel:
         return kernel
 
 
-def resolve_fallback(spec: ForwardSpec) -> ForwardSpec:
-    """``spec``, or the smaller configuration that replaced it after an out-of-resources launch."""
+def _fallback_key(spec: AnySpec, device: torch.device | None) -> tuple:
+    # per capability only: a simulated sm_80 and a real one share what they cannot hold
+    return (device_key(spec, device)[:1], spec.key())
+
+
+def resolve_fallback(spec: AnySpec, device: torch.device | None = None) -> AnySpec:
+    """``spec``, or the configuration that replaced it on ``device``'s GPU (its capability) after a launch
+    ran out of resources or its TMA variant failed (:mod:`flexc.backends.triton.retry`)."""
     with _cache_lock:
-        return _fallbacks.get(spec.key(), spec)
+        return _fallbacks.get(_fallback_key(spec, device), spec)
 
 
-def remember_fallback(spec: ForwardSpec, smaller: ForwardSpec) -> None:
-    """Launch ``smaller`` from now on wherever ``spec`` (or a spec it replaced) would run."""
+def remember_fallback(spec: AnySpec, smaller: AnySpec, device: torch.device | None = None) -> None:
+    """Launch ``smaller`` from now on wherever ``spec`` (or a spec it replaced) would run on a GPU of
+    ``device``'s capability; other capabilities keep ``spec``."""
+    key = _fallback_key(spec, device)
     with _cache_lock:
         for replaced_key, replaced in list(_fallbacks.items()):
-            if replaced.key() == spec.key():
+            if replaced_key[0] == key[0] and replaced.key() == spec.key():
                 _fallbacks[replaced_key] = smaller
-        _fallbacks[spec.key()] = smaller
+        _fallbacks[key] = smaller
 
 
-def generated_for(spec: AnySpec) -> Any:
-    """The generated kernel (``.source``, ``.kernel_name``) that runs for ``spec``: the cached one if
-    compiled already (so a kernel shared by mods of one structure shows its first mods' names), else
-    generated now; compiles nothing. A forward spec replaced after running out of GPU memory gives
-    its replacement."""
-    spec = resolve_fallback(spec)
+def generated_for(spec: AnySpec, device: torch.device | None = None) -> Any:
+    """The generated kernel (``.source``, ``.kernel_name``) that runs for ``spec`` on ``device``: the
+    cached one if compiled already (so a kernel shared by mods of one structure shows its first mods'
+    names), else generated now; compiles nothing. A spec replaced on ``device``'s GPU after running
+    out of resources gives its replacement. For CPU tensors standing in for a GPU, the source a GPU
+    compiles (not its interpreter variant)."""
+    spec = resolve_fallback(spec, device)
+    part = device_key(spec, device)[:1]  # the compiled kernel's entry, never the interpreted variant's
     with _cache_lock:
-        kernel = _cache.get(spec.key())
+        kernel = _cache.get((spec.key(), *part) if part else spec.key())
     return kernel.generated if kernel is not None else generate(spec)
 
 
-def source_for(spec: AnySpec) -> str:
-    """The source that runs for ``spec`` (the cached one if compiled already); compiles nothing."""
-    return generated_for(spec).source
+def source_for(spec: AnySpec, device: torch.device | None = None) -> str:
+    """The source that runs for ``spec`` on ``device`` (the cached one if compiled already); compiles nothing."""
+    return generated_for(spec, device).source
 
 
 __all__ = ["CacheInfo", "Kernel", "cache_clear", "cache_dir", "cache_info", "cache_limit", "cached_kernels",
-           "generate", "generated_for", "get_kernel", "import_source", "remember_fallback", "require_triton",
+           "device_key", "generate", "generated_for", "get_kernel", "import_source", "remember_fallback", "require_triton",
            "resolve_fallback", "source_for"]

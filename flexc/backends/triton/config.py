@@ -14,6 +14,7 @@ import torch
 
 from ... import device as gpu
 from ...analysis.tiles import cdiv
+from ...codegen.backward import BackwardSpec
 from ...codegen.forward import ForwardSpec
 from ...codegen.index_width import float_indices, index_dtype
 from ...codegen.spec import next_power_of_2, padded_head_dim, precision_option
@@ -251,15 +252,32 @@ def decode_stages(slot_bytes: int, other_bytes: int, shared_memory: int | None) 
     return 2
 
 
-def smaller_config(spec: ForwardSpec) -> ForwardSpec | None:
-    """The next configuration to try when ``spec`` needs more shared memory than the GPU has."""
+def smaller_config(spec: Any) -> Any:
+    """The next configuration to try when ``spec`` (a forward, backward or decode kernel's) needs more
+    shared memory, registers or threads than the GPU has, or None when nothing is left to shrink.
+
+    First one pipeline stage fewer (each stage holds a copy of the loop's tiles), then half the key
+    tile (the forward's and decode's ``BLOCK_N``; every backward tile above 16) at two stages. Halving
+    keeps each tile a power of two that divides its BlockMask block. The decode kernel's query tile
+    holds all its packed rows and stays."""
     if spec.num_stages > 1:
         return dataclasses.replace(spec, num_stages=spec.num_stages - 1)
+    if isinstance(spec, BackwardSpec):
+        tiles = {name: getattr(spec, name) // 2 for name in ("block_m1", "block_n1", "block_m2", "block_n2")
+                 if getattr(spec, name) > 16}
+        return dataclasses.replace(spec, **tiles, num_stages=2) if tiles else None
     if spec.block_n > 16:
         return dataclasses.replace(spec, block_n=spec.block_n // 2, num_stages=2)
-    if spec.block_m > 16:
+    if isinstance(spec, ForwardSpec) and spec.block_m > 16:
         return dataclasses.replace(spec, block_m=spec.block_m // 2, num_stages=2)
     return None
+
+
+def tiles_text(spec: Any) -> str:
+    """A kernel spec's tiles and stages as its kernel_options name them (for messages)."""
+    names = (("block_m1", "block_n1", "block_m2", "block_n2") if isinstance(spec, BackwardSpec)
+             else ("block_m", "block_n"))
+    return ", ".join([f"{name.upper()}={getattr(spec, name)}" for name in names] + [f"num_stages={spec.num_stages}"])
 
 
 def fp32_precision(target: str, kernel_options: dict | None = None) -> str:
@@ -327,4 +345,5 @@ def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod |
 __all__ = ["BACKWARD_OPTIONS", "CallLayout", "FLAG_OPTIONS", "FORWARD_OPTIONS", "block_sizes", "call_layout",
            "check_int_option", "decode_stages", "default_backward_config", "default_config", "default_splits",
            "default_warps", "flags", "fp32_precision", "largest_pow2_divisor", "pass_options", "requested_splits",
-           "resolve_backward_config", "resolve_config", "resolve_decode_config", "resolve_tiles", "smaller_config"]
+           "resolve_backward_config", "resolve_config", "resolve_decode_config", "resolve_tiles", "smaller_config",
+           "tiles_text"]

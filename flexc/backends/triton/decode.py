@@ -20,7 +20,7 @@ from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod
 from ..dropout import Dropout
 from ..layout import empty_like_reference
-from . import cache, config, launcher
+from . import cache, config, launcher, retry
 
 MAX_PACKED = 128  # GQA group x query rows in one tile
 
@@ -89,14 +89,22 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
            dropout: Dropout | None = None, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the decode kernel and merge its splits (the merge kernel ``merge``, by default
     :func:`merge_spec`'s), folding in ``sinks`` there: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
-    (float64 for float64 inputs). ``dropout``: the seed and probability of a spec with dropout."""
+    (float64 for float64 inputs). ``dropout``: the seed and probability of a spec with dropout. A decode
+    launch that runs out of GPU resources runs again with fewer stages or a smaller key tile
+    (:func:`flexc.backends.triton.retry.launch_with_fallbacks`)."""
     B, Hq, L, _ = query.shape
     launcher.check_dropout(spec, dropout)
-    kernel = cache.get_kernel(spec, query.device)
-    args, constants, (out_split, lse_split) = launcher.decode_arguments(
-        spec, kernel.generated, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits,
-        dropout=dropout)
-    gpu.launch(kernel.fn, launcher.decode_grid(out_split), spec, query.device, args, constants)
+
+    def attempt(spec: DecodeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        kernel = cache.get_kernel(spec, query.device)
+        args, constants, splits = launcher.decode_arguments(
+            spec, kernel.generated, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits,
+            dropout=dropout)
+        gpu.launch(kernel.fn, launcher.decode_grid(splits[0]), spec, query.device, args, constants)
+        return splits
+
+    # (a smaller configuration keeps block_m, so the merge's spec and the partial results' shape)
+    out_split, lse_split = retry.launch_with_fallbacks(spec, query.device, attempt, "decode")
     merge = merge if merge is not None else merge_spec(spec, sinks is not None)
     return merge_splits(out_split, lse_split, query, Hq, L, merge, sinks)
 

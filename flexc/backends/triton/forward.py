@@ -8,9 +8,6 @@ run the compiled kernel; CPU tensors run the same source through Triton's interp
 """
 from __future__ import annotations
 
-import dataclasses
-
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -23,7 +20,7 @@ from ...codegen.scalars import lift_for_call
 from ...mods.traced_mod import TracedMod
 from .. import registry
 from ..dropout import Dropout
-from . import cache, config, decode, launcher
+from . import cache, config, decode, launcher, retry
 from . import tma
 
 
@@ -122,8 +119,8 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     :mod:`flexc.backends.triton.backward`) where ``spec.output_stats``.
 
     ``lse_dtype`` float64 keeps a float64 call's logsumexp exact for its backward. A launch that
-    runs out of GPU resources is retried with :func:`flexc.backends.triton.config.smaller_config`,
-    which the cache then remembers for this spec.
+    runs out of GPU resources runs again with smaller tiles, and a TMA variant that fails to compile
+    with plain loads (:func:`flexc.backends.triton.retry.launch_with_fallbacks`).
     """
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
@@ -140,45 +137,21 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     if max(B, Hq) > 65535 and spec.target == "cuda":
         raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid limit). "
                          f"Fix: split the batch into chunks.")
-    spec = cache.resolve_fallback(spec)
     tables = launcher.kv_tables(block_mask, spec, S, device)
     launcher.check_query_blocks(tables, L, spec.q_block_size)
     guard_values = launcher.guards_nonfinite_values(spec, value)
-    while True:
+
+    def attempt(spec: ForwardSpec) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         kernel = cache.get_kernel(spec, device)
         args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod,
                                           scale, stats, dropout, sinks)
         constants = launcher.forward_constexprs(spec, L, S, args, guard_values, scale)
-        from triton.runtime.errors import OutOfResources  # triton is imported only once a kernel runs
-
         if spec.tma and not gpu.runs_interpreted(device):  # the descriptors' scratch memory
             tma.ensure_allocator()
-        try:
-            gpu.launch(kernel.fn, launcher.forward_grid(spec, query), spec, device, args, constants)
-            return out, lse, stats
-        except OutOfResources as e:
-            # e.g. a score_mod that loads whole [BLOCK_M, BLOCK_N] tiles of a captured tensor:
-            # pipelining them needs more shared memory than the default tiles leave.
-            smaller = config.smaller_config(spec)
-            if smaller is None:
-                raise
-            warnings.warn(f"flexc: the kernel with BLOCK_M={spec.block_m}, BLOCK_N={spec.block_n}, "
-                          f"num_stages={spec.num_stages} needs more GPU resources than available ({e}); "
-                          f"retrying with BLOCK_M={smaller.block_m}, BLOCK_N={smaller.block_n}, "
-                          f"num_stages={smaller.num_stages}.", RuntimeWarning, stacklevel=3)
-            cache.remember_fallback(spec, smaller)
-            spec = smaller
-        except Exception as e:  # noqa: BLE001 (any compile or launch failure of the descriptor variant)
-            if not spec.tma:
-                raise
-            # TMA's device-side descriptors depend on the Triton version and the driver: where they
-            # fail to compile or launch, the plain loads (the same results) run, said once per kernel
-            plain = dataclasses.replace(spec, tma=False)
-            warnings.warn(f"flexc: the forward kernel with TMA key/value loads (USE_TMA) failed on {device}: "
-                          f"{type(e).__name__}: {e}; running it with plain loads from now on. Fix: pass "
-                          f"kernel_options={{'USE_TMA': False}} to skip the attempt.", RuntimeWarning, stacklevel=3)
-            cache.remember_fallback(spec, plain)
-            spec = plain
+        gpu.launch(kernel.fn, launcher.forward_grid(spec, query), spec, device, args, constants)
+        return out, lse, stats
+
+    return retry.launch_with_fallbacks(spec, device, attempt, "forward")
 
 
 def _fill_dead_rows(lse: torch.Tensor | None, stats: torch.Tensor | None, sinks: torch.Tensor | None) -> None:

@@ -134,11 +134,11 @@ def test_out_of_shared_memory_retries_with_smaller_tiles_and_remembers(monkeypat
     assert (spec.block_m, spec.block_n, spec.num_stages) == (128, 128, 3)
     q = k = v = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
     with flexc.device.simulate("sm_90"):  # the GPU's launch code, on CPU tensors
-        with pytest.warns(RuntimeWarning, match="retrying with"):
+        with pytest.warns(flexc.FallbackWarning, match="runs with BLOCK_M=128, BLOCK_N=32, num_stages=1 from now on"):
             triton_forward.launch(spec, q, k, v, None, None, None, 0.125)
         assert launched == [(128, 128, 3), (128, 128, 2), (128, 128, 1), (128, 64, 2), (128, 64, 1), (128, 32, 2),
                             (128, 32, 1)]
         launched.clear()
         triton_forward.launch(spec, q, k, v, None, None, None, 0.125)
+        assert "BLOCK_M=128, BLOCK_N=32; num_warps=8, num_stages=1" in kernel_cache.source_for(spec, q.device)
     assert launched == [(128, 32, 1)]  # straight to the configuration that fits
-    assert "BLOCK_M=128, BLOCK_N=32; num_warps=8, num_stages=1" in kernel_cache.source_for(spec)

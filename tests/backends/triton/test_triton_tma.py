@@ -107,19 +107,22 @@ def test_static_rule_takes_tma_where_the_metrics_measured_it_no_worse():
     assert tma.by_default(_spec(head_dim=128, use_tma=False, mask_mod=document))
 
 
-def test_a_tma_kernel_that_fails_warns_once_and_runs_with_plain_loads(monkeypatch):
+def test_a_tma_kernel_that_fails_to_compile_warns_once_and_runs_with_plain_loads(monkeypatch):
     """Under a simulated sm_90 the default rule takes TMA for bf16 D=64; a descriptor kernel that
-    fails to compile or launch (a Triton or driver without it) is replaced by the plain loads for
-    good, with one RuntimeWarning, and the result is still right."""
+    fails to compile (a Triton or driver without it: Triton's PTXASError here) is replaced by the
+    plain loads for good, with one FallbackWarning, and the result is still right. Any other error
+    of the TMA launch propagates."""
     from flexc import device as gpu
+    from triton.runtime.errors import PTXASError
 
     launch = gpu.launch
     tried = []
+    error = [PTXASError("no tensor descriptors here")]
 
     def failing_tma(fn, grid, spec, device, args, constants):
         if getattr(spec, "tma", False):
             tried.append(spec)
-            raise RuntimeError("no tensor descriptors here")
+            raise error[0]
         return launch(fn, grid, spec, device, args, constants)
 
     monkeypatch.setattr(gpu, "launch", failing_tma)
@@ -127,10 +130,15 @@ def test_a_tma_kernel_that_fails_warns_once_and_runs_with_plain_loads(monkeypatc
     q, k, v = (t.to(torch.bfloat16) for t in random_qkv(1, 2, 2, 128, 128, 64, seed=3))
     block_mask = flexc.create_block_mask(causal, None, None, 128, 128)
     with flexc.device.simulate("sm_90"):
-        with pytest.warns(RuntimeWarning, match=r"USE_TMA.*failed.*plain loads"):
-            out = flexc.flex_attention(q, k, v, block_mask=block_mask)
-        again = flexc.flex_attention(q, k, v, block_mask=block_mask)  # remembered: no second attempt
-    assert len(tried) == 1
+        error[0] = RuntimeError("an illegal memory access")  # not a compile failure: the caller's error
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"USE_TMA": True})
+        error[0] = PTXASError("no tensor descriptors here")
+        tried.clear()
+        with pytest.warns(flexc.FallbackWarning, match=r"USE_TMA.*failed to compile.*plain loads"):
+            out = flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"USE_TMA": True})
+        again = flexc.flex_attention(q, k, v, block_mask=block_mask, kernel_options={"USE_TMA": True})
+    assert len(tried) == 1  # remembered: no second attempt
     ref = dense_attention(q, k, v, mask_mod=causal)[0]
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
     assert torch.equal(out, again)
