@@ -69,10 +69,6 @@ def test_cuda_defaults_are_torchs_sm90_picks_but_the_listed_departures(kind):
                     assert (mine, listed.torch) == (listed.value, torchs), (kind, dtype, head_dim, name)
 
 
-def test_tma_is_torchs_default_off():
-    assert config.departure("forward", "USE_TMA", torch.bfloat16, 128) is None
-
-
 def test_fast_math_default_is_the_listed_departure():
     soft_cap = flexc.trace(lambda score, b, h, q_idx, kv_idx: 20.0 * torch.tanh(score / 20.0))
     (default,) = precise_math_for({}, soft_cap)
@@ -139,8 +135,9 @@ def _soft_cap(score, b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)])
 def test_calls_on_hopper_run_the_defaults_whatever_the_mask_and_score_mod(dtype, head_dim):
     # what a call plans on a (simulated) H100/H200, for each kind of mask and score_mod: the forward,
-    # backward and decode kernels take torch's picks, no TMA
+    # backward and decode kernels take the defaults above, and TMA only where a departure lists it (none)
     from flexc.backends.triton import backward as triton_backward, decode as triton_decode, forward as triton_forward
+    from flexc.backends.triton import tma
 
     L = 256
     q, k, v = (torch.randn(1, 2, L, head_dim, dtype=dtype) for _ in range(3))
@@ -152,10 +149,12 @@ def test_calls_on_hopper_run_the_defaults_whatever_the_mask_and_score_mod(dtype,
                 (fwd,) = triton_forward.plan_forward(q, k, v, score, flexc.trace(mask_mod), block_mask, None,
                                                      True, training=True).kernels
                 assert (fwd.block_m, fwd.block_n, fwd.num_warps, fwd.num_stages) == \
-                    torch_picks("forward", dtype, head_dim) and not fwd.tma
+                    flexc_picks("forward", dtype, head_dim)
+                assert fwd.tma == tma.by_default(fwd) == (config.departure("forward", "USE_TMA", dtype, head_dim)
+                                                          is not None)
                 bwd = triton_backward.plan_backward(q, v, score, flexc.trace(mask_mod), block_mask, None).kernels[-1]
                 assert (bwd.block_m1, bwd.block_n1, bwd.block_m2, bwd.block_n2, bwd.num_warps, bwd.num_stages) == \
-                    torch_picks("backward", dtype, head_dim)
+                    flexc_picks("backward", dtype, head_dim)
                 row = q[:, :, :1]
                 decode = triton_decode.make_spec(score, flexc.trace(mask_mod), row, k, v, block_mask)
-                assert (decode.block_n, decode.num_warps, decode.num_stages) == torch_picks("decode", dtype, head_dim)
+                assert (decode.block_n, decode.num_warps, decode.num_stages) == flexc_picks("decode", dtype, head_dim)
