@@ -35,14 +35,21 @@ rather than a warning. Per key-tile loop, the innermost SASS loops with tensor-c
   slots at num_stages=3 in flexc's kernels and torch's alike) and of block indices are not counted:
   what the depth hides is the tiles' copies.
 
+Per kernel also the code outside the key-tile loops (``outside N (before B, after A)``: SASS
+instructions, NOPs aside, that each program runs once whatever its number of key tiles: setup before
+the first loop, the epilogue after the last). Short loops pay it per program: on an H200 the TMA
+variant, 1-5 % fewer instructions per key tile but ~31 % more code outside the loops, ran a
+sliding-window forward 2.5x slower. These counts are a regression guard; defaults come from hardware
+rows (docs/kernels.md "Defaults").
+
 flexc's loops are matched with torch's by kind, whatever their order, and a kind on one side only
 is reported. Ratios are flexc / torch (lower is better) per (query, key) pair: a loop's
 instructions times num_warps over the tile it covers per iteration (BLOCK_M x BLOCK_N; BLOCK_M1 x
 BLOCK_N1 for dK/dV, BLOCK_M2 x BLOCK_N2 for dQ), so kernels with different tiles compare the work
 they issue for the same attention matrix (equal tiles: the plain ratio of the counts). torch is
 measured at its own default configuration (torch 2.13's Hopper defaults) and, where flexc's
-differs (the forward at D=64 runs 8 warps against torch's 4; the decode), also at flexc's; a
-loop's ratio is the worse of the two.
+differs (a user's kernel_options, or a listed departure), also at flexc's; a loop's ratio is the
+worse of the two.
 
 torch's templates are read from the installed torch (``torch/_inductor/kernel/flex/templates``)
 and rendered for the same case the way Inductor renders them for static shapes (sizes and strides
@@ -287,13 +294,16 @@ def kind_of(locations, backward: bool) -> str:
     return f"? {part}"
 
 
-def sass_loops(cubin: bytes, backward: bool) -> list[Loop]:
-    """The kernel's key-tile loops in program order (ring slots filled in by :func:`ttgir_rings`)."""
-    return loops_in(*sass(cubin), backward)
+def sass_loops(cubin: bytes, backward: bool) -> tuple[list[Loop], dict[str, int]]:
+    """The kernel's key-tile loops in program order (ring slots filled in by :func:`ttgir_rings`), and
+    its code outside them (:func:`outside_loops`)."""
+    instructions, labels = sass(cubin)
+    return loops_in(instructions, labels, backward), outside_loops(instructions, labels)
 
 
-def loops_in(instructions: list, labels: dict, backward: bool) -> list[Loop]:
-    """:func:`sass_loops` of parsed SASS."""
+def loop_spans(instructions: list, labels: dict) -> list[tuple[int, int]]:
+    """The (first, last) instruction indices of the key-tile loops: innermost backward branches
+    with tensor-core instructions."""
     spans = []
     exits = [i for i, (text, _) in enumerate(instructions) if _EXIT.search(text)]
     for index, (text, _) in enumerate(instructions):
@@ -308,8 +318,29 @@ def loops_in(instructions: list, labels: dict, backward: bool) -> list[Loop]:
     def has_mma(span):
         return any(_MMA.search(instructions[i][0]) for i in range(span[0], span[1] + 1))
 
+    return innermost_mma_loops(spans, has_mma)
+
+
+def outside_loops(instructions: list, labels: dict) -> dict[str, int]:
+    """SASS instructions (NOPs aside) outside the key-tile loops, which every program runs once
+    whatever its number of key tiles: ``before`` the first loop (setup: offsets, descriptors, the
+    query tile), ``after`` the last (the epilogue, and out-of-line code placed after it), and in all
+    (``outside``, those between loops included). A kernel without key-tile loops is all outside."""
+    spans = loop_spans(instructions, labels)
+    counted = [not re.match(r"NOP\b", text) for text, _ in instructions]
+    inside = set()
+    for first, last in spans:
+        inside.update(range(first, last + 1))
+    before = sum(counted[:spans[0][0]]) if spans else sum(counted)
+    after = sum(counted[spans[-1][1] + 1:]) if spans else 0
+    outside = sum(c for i, c in enumerate(counted) if i not in inside)
+    return {"before": before, "after": after, "outside": outside}
+
+
+def loops_in(instructions: list, labels: dict, backward: bool) -> list[Loop]:
+    """The key-tile loops (:func:`loop_spans`) of parsed SASS, in program order."""
     loops = []
-    for first, last in innermost_mma_loops(spans, has_mma):
+    for first, last in loop_spans(instructions, labels):
         body = instructions[first:last + 1]
         locations = {where for _, chain in body for where in chain}
         loops.append(Loop(kind_of(locations, backward), len(body), sum(bool(_MMA.search(t)) for t, _ in body),
@@ -373,11 +404,12 @@ def ttgir_rings(ttgir: str, backward: bool) -> dict[str, list[int]]:
 
 
 def measure(compiled, backward: bool = False) -> dict:
-    """ptxas's report, shared memory, and the key-tile loops (``loops``: their sizes; ``loop_info``:
-    :class:`Loop` records, ring slots included) of a compiled kernel."""
+    """ptxas's report, shared memory, the key-tile loops (``loops``: their sizes; ``loop_info``:
+    :class:`Loop` records, ring slots included) and the code outside them (``code_outside``:
+    :func:`outside_loops`) of a compiled kernel."""
     report = ptxas_report(compiled.asm["ptx"])
     report["shared"] = compiled.metadata.shared
-    loops = sass_loops(compiled.asm["cubin"], backward)
+    loops, report["code_outside"] = sass_loops(compiled.asm["cubin"], backward)
     rings = ttgir_rings(compiled.asm["ttgir"], backward)
     seen: dict[str, int] = {}
     for loop in loops:
@@ -696,8 +728,14 @@ def _kernel_cell(report) -> str:
             f"smem {report['shared'] // 1024}K{c7511}")
 
 
+def _outside_cell(report) -> str:
+    code = report["code_outside"]
+    return f"outside {code['outside']} (before {code['before']}, after {code['after']})"
+
+
 def _loops_cell(report) -> str:
-    return " | ".join(loop.cell() for loop in report["loop_info"]) or "no key-tile loop"
+    loops = " | ".join(loop.cell() for loop in report["loop_info"]) or "no key-tile loop"
+    return f"{loops} | {_outside_cell(report)}"
 
 
 def compare(flexc_side: Side, torch_sides: list[Side]) -> tuple[list[str], dict[str, float]]:
@@ -827,10 +865,11 @@ def tma_verdict(plain: dict, tma: dict) -> list[str]:
 
 
 def run_forward_tma(args, totals: Totals) -> None:
-    """flexc's forward kernel with plain key/value loads and with TMA (USE_TMA) side by side, whether
-    TMA is no worse (:func:`tma_verdict`), the measure flexc.backends.triton.tma's rule follows, and
-    what that rule (``by_default``) picks for the case: a pick that disagrees with the verdict is
-    flagged."""
+    """flexc's forward kernel with plain key/value loads and with TMA (USE_TMA) side by side: whether
+    TMA's loops are no worse (:func:`tma_verdict`) and what it adds outside them. A regression guard,
+    not a decider: TMA is off by default (torch's default; flexc.backends.triton.tma), since on an
+    H200 loops 1-5 % shorter ran a sliding-window forward 2.5x slower, the code outside them being
+    paid per program."""
     dtype, L, H = torch.bfloat16, args.length, HEADS
     cases = make_cases(L, H)
     print(f"\nforward, plain vs TMA key/value loads, sm_{CAPABILITY}, bf16, B={BATCH}, H={H}, L=S={L}; per kernel: "
@@ -845,12 +884,12 @@ def run_forward_tma(args, totals: Totals) -> None:
             tiles = f"{spec.block_m}x{spec.block_n} w{spec.num_warps} s{spec.num_stages}"
             ratios = ", ".join(f"{b.kind} {b.size / a.size:.3f}" for a, b in zip(plain["loop_info"], tma["loop_info"]))
             reasons = tma_verdict(plain, tma)
-            rule = triton_tma.by_default(spec)
-            pick = f"rule: {'TMA' if rule else 'plain'}" + ("" if rule == (not reasons) else " (DISAGREES)")
+            outside = tma["code_outside"]["outside"] / max(1, plain["code_outside"]["outside"])
+            pick = f"outside the loops tma/plain {outside:.2f}; default: {'TMA' if triton_tma.by_default(spec) else 'plain'}"
             print(f"{name} D={head_dim}")
             print(f"  {'plain':<12} {tiles:<24} {_kernel_cell(plain):<40} {_loops_cell(plain)}")
             print(f"  {'tma':<12} {tiles:<24} {_kernel_cell(tma):<40} {_loops_cell(tma)}   tma/plain {ratios}   "
-                  f"{'no worse' if not reasons else 'worse: ' + ', '.join(reasons)}; {pick}", flush=True)
+                  f"loops {'no worse' if not reasons else 'worse: ' + ', '.join(reasons)}; {pick}", flush=True)
             totals.add("forward", name, {}, tma)
 
 

@@ -79,6 +79,9 @@ def test_sass_loops_take_their_kind_from_line_info(kernel_file):
     assert [(loop.kind, loop.size, loop.mma, loop.async_copies) for loop in loops] == [
         ("dQ partial", 4, 1, 1), ("dK/dV full", 2, 1, 0)]
     assert [loop.kind for loop in metrics.loops_in(instructions, labels, backward=False)] == ["partial", "full"]
+    # the code every program runs once: the MOV before the loops; the bookkeeping loop and the closing
+    # BRA after them
+    assert metrics.outside_loops(instructions, labels) == {"before": 1, "after": 3, "outside": 4}
 
 
 def test_ttgir_rings_are_the_smallest_tile_ring_each_loop_indexes(kernel_file):
@@ -157,13 +160,25 @@ def test_backward_loops_are_matched_by_kind_not_order(capsys):
     assert round(totals.worst["backward"], 2) == max(map(float, ratios.values()))
 
 
-def test_forward_reports_torch_at_both_tiles_and_its_c7511_note(capsys):
+def _side_lines(out: str) -> dict:
+    """The report's kernel lines by side ("flexc", "torch", "torch@flexc"), not its ptxas notes."""
+    return {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "ptxas" not in line}
+
+
+def test_forward_reports_torch_at_both_tiles_the_c7511_note_and_the_code_outside_loops(capsys, monkeypatch):
+    from flexc.backends.triton import config as triton_config
+
     totals = metrics.Totals()
     metrics.run_forward(_args(), totals)
     out = capsys.readouterr().out
-    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
-    assert re.search(r"partial \d+ r\d \| full \d+ r\d", lines["flexc"])
-    # torch's default at D=64 is 4 warps, flexc's 8: torch is measured at both, and its 4-warp
-    # kernel serialises its wgmma (C7511, which ptxas prints as info)
-    assert "w4" in lines["torch"] and "C7511" in lines["torch"] and "w8" in lines["torch@flexc"]
-    assert "ratio partial" in lines["torch@flexc"] and totals.min_ring >= 2 and totals.c7511 == 0
+    lines = _side_lines(out)
+    # flexc's default at D=64 is torch's 128 x 128 with 4 warps: one torch kernel, and both serialise
+    # their wgmma (C7511, which ptxas prints as info)
+    assert re.search(r"partial \d+ r\d \| full \d+ r\d \| outside \d+ \(before \d+, after \d+\)", lines["flexc"])
+    assert "w4" in lines["flexc"] and "w4" in lines["torch"] and "torch@flexc" not in lines
+    assert "C7511" in lines["torch"] and "C7511" in lines["flexc"] and totals.c7511 == 1
+    # a tile of flexc's own (as a departure would give) is compared with torch at that tile too
+    monkeypatch.setattr(triton_config, "default_config", lambda dtype, head_dim, target: (128, 128, 8, 3))
+    metrics.run_forward(_args(), metrics.Totals())
+    lines = _side_lines(capsys.readouterr().out)
+    assert "w4" in lines["torch"] and "w8" in lines["torch@flexc"] and "ratio partial" in lines["torch@flexc"]

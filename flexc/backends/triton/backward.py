@@ -13,7 +13,6 @@ program ever adds into another's dk/dv; captured-tensor gradients go through fp3
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -25,7 +24,6 @@ from ...codegen.prologue import PrologueSpec
 from ...codegen.scalars import lift_for_call
 from ...constants import LN2
 from ...codegen.spec import padded_head_dim
-from ...mods.derivative import differentiate
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
 from ..dropout import Dropout
@@ -41,37 +39,18 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
     ``index_dtype`` is the mods' integer index type (see :mod:`flexc.codegen.index_width`); ``dropout``
     compiles the forward's attention dropout in; ``float_indices``: every index below 2**23
     (:func:`flexc.codegen.index_width.float_indices`)."""
-    grad_tile = score_grad_is_tile(score_mod)
     if block_size is None:
         # no BlockMask: every block is full; blocks as large as the largest tile
-        m1, n1, m2, n2, warps, stages = config.resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
-                                                                       1 << 20, 1 << 20, target, grad_tile)
+        m1, n1, m2, n2, warps, stages = config.resolve_backward_config(kernel_options, dtype, head_dim, 1 << 20,
+                                                                       1 << 20, target)
         q_block, kv_block, mask_mod, has_full_blocks = max(m1, m2), max(n1, n2), None, True
     else:
         q_block, kv_block = block_size
-        m1, n1, m2, n2, warps, stages = config.resolve_backward_config(kernel_options, dtype, head_dim, v_head_dim,
-                                                                       q_block, kv_block, target, grad_tile)
+        m1, n1, m2, n2, warps, stages = config.resolve_backward_config(kernel_options, dtype, head_dim, q_block,
+                                                                       kv_block, target)
     return BackwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, m1, n1, m2, n2,
                         warps, stages, has_full_blocks, tuple(grad_slots), target, config.fp32_precision(target, kernel_options),
                         index_dtype, dropout, precise_gradients(kernel_options, dtype), float_indices)
-
-
-# score_mod graph (its hash-consed IR root, held weakly) -> score_grad_is_tile
-_GRAD_TILE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def score_grad_is_tile(score_mod: TracedMod | None) -> bool:
-    """Whether d score_mod / d score is not a constant, so the backward's programs carry a tile of it
-    (see :func:`flexc.backends.triton.config.default_backward_config`). Known per graph: the derivative
-    is taken once per score_mod structure, not on every call."""
-    if score_mod is None:
-        return False
-    known = _GRAD_TILE.get(score_mod.root)
-    if known is None:
-        d_score = differentiate(score_mod, ()).d_score
-        known = d_score.op != "const"
-        _GRAD_TILE[score_mod.root] = known
-    return known
 
 
 def precise_gradients(kernel_options: dict | None, dtype: torch.dtype) -> bool:
@@ -254,4 +233,4 @@ registry.register_training("TRITON", forward_for_training, triton_backward)
 
 __all__ = ["BackwardPlan", "backward_source", "forward_for_training", "launch_backward", "launch_prologue",
            "launches_nothing", "make_backward_spec", "plan_backward", "precise_gradients", "prologue_spec",
-           "score_grad_is_tile", "spec_for_call", "triton_backward"]
+           "spec_for_call", "triton_backward"]

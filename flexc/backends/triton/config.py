@@ -17,7 +17,7 @@ from ...analysis.tiles import cdiv
 from ...codegen.backward import BackwardSpec
 from ...codegen.forward import ForwardSpec
 from ...codegen.index_width import float_indices, index_dtype
-from ...codegen.spec import next_power_of_2, padded_head_dim, precision_option
+from ...codegen.spec import next_power_of_2, precision_option
 from ...masks.kv_tables import block_sizes_of
 from ...mods.traced_mod import TracedMod
 
@@ -27,63 +27,136 @@ BACKWARD_OPTIONS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps",
 FLAG_OPTIONS = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS")
 
 
-# ---- defaults -----------------------------------------------------------------------------
+# ---- defaults: torch's picks ---------------------------------------------------------------
+# On CUDA every default is what torch's FlexAttention picks on sm_90 (H100/H200), unless a hardware
+# row in docs/hardware.md shows flexc faster with another (:data:`DEPARTURES`, docs/kernels.md
+# "Defaults"). torch's picks are written out here (flexc does not import Inductor to run), from
+# torch/_inductor/template_heuristics/triton.py, class CUDAConfigHeuristic, torch 2.13 (torch 2.11
+# differs only in lacking the float32 head-dim-192 row); tests/backends/triton/test_config_defaults.py
+# reads the installed torch's and compares. Like torch, the query's head dim picks the row (not the
+# padded one, not the value's). The interpreter's defaults are flexc's own: it is no GPU of torch's.
 
-def default_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: str) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a dtype and head dims.
+# get_flex_attn_fwd_configs on capability (9, 0): h100_default_flex_config, in flexc's order
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); torch's FlexConfig order is (block_m, block_n, stages, warps)
+TORCH_SM90_FORWARD = {
+    (torch.float32, 64): (128, 32, 4, 3), (torch.float32, 128): (32, 64, 4, 3),
+    (torch.float32, 192): (32, 64, 8, 1), (torch.float32, 256): (32, 32, 4, 3),
+    (torch.bfloat16, 64): (128, 128, 4, 3), (torch.bfloat16, 128): (128, 64, 8, 3),
+    (torch.bfloat16, 256): (64, 32, 4, 3),
+    (torch.float16, 64): (128, 128, 4, 3), (torch.float16, 128): (128, 64, 8, 3),
+    (torch.float16, 256): (64, 32, 4, 3),
+}
+TORCH_FORWARD_FALLBACK = (64, 64, 4, 3)  # any other dtype and head dim up to 256
+TORCH_FORWARD_OVER_256 = {torch.float32: (32, 16, 4, 3)}  # else (64, 32, 4, 3)
 
-    On CUDA these are torch's Hopper defaults; under the interpreter each tile costs a fixed
-    overhead plus its size; 64 x 64 was fastest at L = 256 (16: 0.9 s, 32: 0.27 s, 64: 0.08 s).
+
+def torch_forward_pick(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
+    """torch's sm_90 forward ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for the query's dtype and head dim."""
+    if head_dim > 256:
+        return TORCH_FORWARD_OVER_256.get(dtype, (64, 32, 4, 3))
+    return TORCH_SM90_FORWARD.get((dtype, head_dim), TORCH_FORWARD_FALLBACK)
+
+
+def torch_backward_pick(dtype: torch.dtype, head_dim: int) -> tuple[int, ...]:
+    """torch's sm_90 backward ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)``:
+    get_flex_attn_bwd_configs' "float32" class for float32, its "sm90" class for every other dtype
+    (float64 included: torch tests ``dtype == torch.float32`` only), 16 x 16 tiles past head dim 256."""
+    if dtype == torch.float32 or head_dim > 256:
+        return 16, 16, 16, 16, 4, 1
+    if head_dim < 64:
+        return 64, 64, 64, 64, 4, 3
+    if head_dim <= 128:
+        return 64, 128, 128, 64, 8, 3
+    return 64, 64, 64, 64, 4, 2
+
+
+# get_flex_decode_configs on capability (9, 0): (BLOCK_N, num_warps, num_stages). Its table says 3
+# stages for sm_90, but the test for sm_110 that follows overwrites it in its else: 1 stage is what runs.
+TORCH_SM90_DECODE = (64, 2, 1)
+
+
+class Departure(NamedTuple):
+    """A default that differs from torch's pick on sm_90, and the hardware row that shows it faster."""
+
+    kernel: str  # "forward", "backward", "decode", or "all" (an option of the call's every kernel)
+    option: str  # "BLOCK_M", "num_warps", "USE_TMA", "FAST_MATH", ...
+    dtypes: tuple  # the input dtypes it applies to
+    head_dims: tuple[int, ...] | None  # the query head dims it applies to (None: every one)
+    value: Any  # flexc's pick
+    torch: Any  # torch's pick
+    row: str  # "docs/hardware.md, <table heading, verbatim>: <the figures that show it>"
+
+
+FORWARD_TABLE = "Forward and forward+backward, B=2, H=16, L=8192, D=128, bf16 (ms; ratio = flexc time / torch time)"
+
+# Every departure from torch's picks on CUDA (docs/kernels.md "Defaults" says what each row shows and
+# what it does not). The other candidates the offline instruction count favoured (8 warps for the
+# 16-bit D=64 forward, BLOCK_M1=32 for soft-capping's backward above D=64, 4 decode warps past 16
+# rows, a 4-stage decode ring, TMA) were measured only inside flexc-against-torch rows that change
+# several things at once, or not at all: they come back with a row that isolates them.
+DEPARTURES: tuple[Departure, ...] = (
+    # fp32 tanh and sigmoid as one exp2 and one reciprocal (flexc.codegen.math_helpers: within 6e-7)
+    # instead of libdevice's tanh and tl.sigmoid. Within each implementation the three rows differ
+    # only in the score_mod (flexc's ran with TMA on in all three alike): over causal, ALiBi costs
+    # flexc +0.08 ms and torch +0.14, soft-capping flexc +0.51 ms and torch +1.55. The ~1 ms more
+    # that soft-capping costs torch's kernel is in computing its score, where tanh's lowering is the
+    # operation that differs. No row ran flexc with FAST_MATH=False.
+    Departure("all", "FAST_MATH", (torch.float16, torch.bfloat16, torch.float32), None, True, False,
+              f"docs/hardware.md, {FORWARD_TABLE}: flexc fwd causal 1.330, ALiBi + causal 1.412, soft-cap + causal "
+              f"1.838 ms; torch 1.380, 1.519, 2.929 ms"),
+)
+
+
+def departure(kernel: str, option: str, dtype: torch.dtype, head_dim: int) -> Departure | None:
+    """The listed departure for this kernel, option, dtype and query head dim, or None."""
+    for d in DEPARTURES:
+        if d.kernel in (kernel, "all") and d.option == option and dtype in d.dtypes and \
+                (d.head_dims is None or head_dim in d.head_dims):
+            return d
+    return None
+
+
+def _with_departures(kernel: str, names: tuple[str, ...], picks: tuple, dtype: torch.dtype, head_dim: int) -> tuple:
+    chosen = []
+    for name, pick in zip(names, picks):
+        found = departure(kernel, name, dtype, head_dim)
+        chosen.append(found.value if found is not None else pick)
+    return tuple(chosen)
+
+
+def default_config(dtype: torch.dtype, head_dim: int, target: str) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a dtype and query head dim.
+
+    On CUDA torch's sm_90 pick (:func:`torch_forward_pick`) with the listed :data:`DEPARTURES`; under
+    the interpreter each tile costs a fixed overhead plus its size; 64 x 64 was fastest at L = 256
+    (16: 0.9 s, 32: 0.27 s, 64: 0.08 s).
     """
     if target == "interpreter":
         return 64, 64, 4, 1
-    d = max(padded_head_dim(head_dim), padded_head_dim(v_head_dim))
-    if dtype in (torch.float32, torch.float64):
-        return (128, 32, 4, 3) if d <= 64 else (32, 64, 4, 3) if d <= 128 else (32, 32, 4, 3)
-    # 16-bit: torch's Hopper tiles, but 8 warps at head dim 64: with 4 warps the 128 x 128 tile
-    # spills (bench/kernel_metrics.py: 255 registers and spill traffic on every tile; 8 warps: ~210
-    # registers, no spills, and fewer instructions per (query, key) pair than torch's kernel)
-    return (128, 128, 8, 3) if d <= 64 else (128, 64, 8, 3) if d <= 128 else (64, 32, 4, 3)
+    return _with_departures("forward", FORWARD_OPTIONS, torch_forward_pick(dtype, head_dim), dtype, head_dim)
 
 
-def default_backward_config(dtype: torch.dtype, head_dim: int, v_head_dim: int, target: str,
-                            score_grad_tile: bool = False) -> tuple[int, ...]:
-    """``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` for a dtype and head dims.
+def default_backward_config(dtype: torch.dtype, head_dim: int, target: str) -> tuple[int, ...]:
+    """``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)`` for a dtype and query head dim.
 
     torch's names: dK/dV programs own ``BLOCK_N1`` keys and step over ``BLOCK_M1`` queries; dQ
     programs own ``BLOCK_M2`` queries and step over ``BLOCK_N2`` keys.
 
-    On CUDA, torch's Hopper choices for 16-bit inputs; fp32/fp64 use smaller tiles (their
-    operands take twice or four times the shared memory). Under the interpreter each tile step
-    costs a fixed overhead, so 64 x 64 tiles (as the forward) take the fewest steps.
-
-    ``score_grad_tile``: d score_mod / d score is not a constant (soft-capping's 1 - tanh²), so each
-    dK/dV step keeps a tile of it (or of the scores) alive through its two dots, beside the dK and dV
-    accumulators. At 16-bit head dims above 64 that spilled (soft-capping, D=128 on sm_90: 80/128
-    bytes of spill stores/loads in the dK/dV loops, ``bench/kernel_metrics.py``); half the query
-    tile, ``BLOCK_M1 = 32``, fits in 243 registers with no spills, at 0.73 of torch's default
-    kernel's instructions per (query, key) pair (0.69 with the spilling tile).
+    On CUDA torch's sm_90 pick (:func:`torch_backward_pick`) with the listed :data:`DEPARTURES`.
+    Under the interpreter each tile step costs a fixed overhead, so 64 x 64 tiles (as the forward)
+    take the fewest steps.
     """
     if target == "interpreter":
         return 64, 64, 64, 64, 4, 1
-    d = max(padded_head_dim(head_dim), padded_head_dim(v_head_dim))
-    if dtype in (torch.float32, torch.float64):
-        return (32, 32, 32, 32, 4, 1) if d <= 128 else (16, 16, 16, 16, 4, 1)
-    if d < 64:
-        return 64, 64, 64, 64, 4, 3
-    if d <= 128:
-        return 32 if score_grad_tile and d > 64 else 64, 128, 128, 64, 8, 3
-    return 64, 64, 64, 64, 4, 2
+    return _with_departures("backward", BACKWARD_OPTIONS, torch_backward_pick(dtype, head_dim), dtype, head_dim)
 
 
 def default_warps(block_m: int, target: str) -> int:
-    """Warps of a decode launch. The 16-row tile (one token of up to 16 packed heads, or up to 16
-    rows of one head) takes 2 on CUDA. Compiled for sm_90 as the launcher compiles it (bf16, 64-key
-    tiles, bench/kernel_metrics.py --decode --warps 2 4), 2 warps issue 9-23% fewer SASS
-    instructions per key tile than 4 (instructions per warp x warps), for causal, sliding window,
-    document, ALiBi and soft-capping at head dim 64 and 128, with the same shared memory, no spills
-    and 101-180 registers (4 warps: 64-136). Wider tiles keep 4."""
-    return 2 if target == "cuda" and block_m == 16 else 4
+    """Warps of a decode launch of ``block_m`` packed rows: torch's 2 on CUDA at every tile
+    (:data:`TORCH_SM90_DECODE`; the H200 measured 2 against 4 warps for the 16-row tile as a tie,
+    docs/hardware.md), 4 under the interpreter. ``block_m`` is there for bench/gpu.py's 2-vs-4 A/B,
+    which replaces this function."""
+    return TORCH_SM90_DECODE[1] if target == "cuda" else 4
 
 
 # ---- the user's options -------------------------------------------------------------------
@@ -196,60 +269,40 @@ def resolve_tiles(options: dict, defaults: dict[str, int], q_block_size: int | N
     return config
 
 
-def resolve_config(kernel_options: dict | None, dtype: torch.dtype, head_dim: int, v_head_dim: int,
-                   q_block_size: int, kv_block_size: int | None, target: str) -> tuple[int, int, int, int]:
+def resolve_config(kernel_options: dict | None, dtype: torch.dtype, head_dim: int, q_block_size: int,
+                   kv_block_size: int | None, target: str) -> tuple[int, int, int, int]:
     """The forward's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: the user's ``kernel_options``
     over :func:`default_config`, fitted by :func:`resolve_tiles` (``kv_block_size=None``: no BlockMask)."""
-    defaults = dict(zip(FORWARD_OPTIONS, default_config(dtype, head_dim, v_head_dim, target)))
+    defaults = dict(zip(FORWARD_OPTIONS, default_config(dtype, head_dim, target)))
     config = resolve_tiles(pass_options(kernel_options, FORWARD_OPTIONS, "fwd_"), defaults, q_block_size,
                            kv_block_size)
     return tuple(config[name] for name in FORWARD_OPTIONS)
 
 
-def resolve_backward_config(kernel_options: dict | None, dtype: torch.dtype, head_dim: int, v_head_dim: int,
-                            q_block_size: int, kv_block_size: int, target: str,
-                            score_grad_tile: bool = False) -> tuple[int, ...]:
+def resolve_backward_config(kernel_options: dict | None, dtype: torch.dtype, head_dim: int, q_block_size: int,
+                            kv_block_size: int, target: str) -> tuple[int, ...]:
     """The backward's ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)``: the user's
     ``kernel_options`` over :func:`default_backward_config`, fitted by :func:`resolve_tiles`."""
-    defaults = dict(zip(BACKWARD_OPTIONS, default_backward_config(dtype, head_dim, v_head_dim, target,
-                                                                  score_grad_tile)))
+    defaults = dict(zip(BACKWARD_OPTIONS, default_backward_config(dtype, head_dim, target)))
     config = resolve_tiles(pass_options(kernel_options, BACKWARD_OPTIONS, "bwd_"), defaults, q_block_size,
                            kv_block_size, "backward")
     return tuple(config[name] for name in BACKWARD_OPTIONS)
 
 
-def resolve_decode_config(kv_block_size: int, rows: int, target: str, dtype: torch.dtype, head_dims: tuple[int, int],
-                          shared_memory: int | None) -> tuple[int, int, int, int]:
-    """The decode kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for ``rows`` packed query rows
-    of ``dtype`` with ``head_dims`` (query/key, value), on a GPU with ``shared_memory`` bytes per block
-    (None: unknown, as much as sm_90 has).
+def resolve_decode_config(kv_block_size: int, rows: int, target: str) -> tuple[int, int, int, int]:
+    """The decode kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for ``rows`` packed query rows.
 
-    The interpreter pays per tile, so it takes whole key blocks; GPUs take 64-key tiles. Tiles are
-    powers of two (tl.arange): a 48-key block is three 16-key tiles, on either.
+    GPUs take torch's sm_90 pick (:data:`TORCH_SM90_DECODE`: 64-key tiles, 2 warps, 1 stage) and,
+    as torch, the packed rows rounded up to a power of two, at least 16. The interpreter pays per
+    tile, so it takes whole key blocks, 4 warps and 1 stage. Tiles are powers of two (tl.arange): a
+    48-key block is three 16-key tiles, on either.
     """
     # at least 16, so a smaller block is halved below it and raises, as the resolver does on GPUs
     whole_block = max(16, 1 << (kv_block_size.bit_length() - 1))
-    block_n = resolve_tiles({}, {"BLOCK_N": whole_block if target == "interpreter" else 64}, None, kv_block_size,
-                            "decode kernel")["BLOCK_N"]
+    block_n = resolve_tiles({}, {"BLOCK_N": whole_block if target == "interpreter" else TORCH_SM90_DECODE[0]},
+                            None, kv_block_size, "decode kernel")["BLOCK_N"]
     block_m = max(16, next_power_of_2(rows))
-    d, dv = (padded_head_dim(x) for x in head_dims)
-    size = torch.empty((), dtype=dtype).element_size()
-    stages = decode_stages(block_n * (d + dv) * size, block_m * (d + block_n) * size, shared_memory)
-    return block_m, block_n, default_warps(block_m, target), stages
-
-
-def decode_stages(slot_bytes: int, other_bytes: int, shared_memory: int | None) -> int:
-    """The decode kernel's num_stages: its ring of key/value tiles (``slot_bytes`` a slot) as deep as
-    the block's shared memory holds beside the query and probability tiles (``other_bytes``).
-
-    Its dots have 16 to 128 rows: mma.sync, not wgmma, and for those Triton's pipeliner keeps
-    num_stages - 1 tiles in flight (sm_90 compile, bench/kernel_metrics.py --decode: num_stages 2,
-    3 and 4 give rings of 1, 2 and 3 slots), so 4 stages make the 3-slot ring of the forward's loops.
-    """
-    for stages in (4, 3):
-        if shared_memory is None or (stages - 1) * slot_bytes + other_bytes <= shared_memory:
-            return stages
-    return 2
+    return block_m, block_n, default_warps(block_m, target), TORCH_SM90_DECODE[2]
 
 
 def smaller_config(spec: Any) -> Any:
@@ -342,8 +395,8 @@ def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod |
     return CallLayout(size, has_full, width, gpu.target(query.device), float_indices(B, Hq, L, value.shape[-2]))
 
 
-__all__ = ["BACKWARD_OPTIONS", "CallLayout", "FLAG_OPTIONS", "FORWARD_OPTIONS", "block_sizes", "call_layout",
-           "check_int_option", "decode_stages", "default_backward_config", "default_config", "default_splits",
-           "default_warps", "flags", "fp32_precision", "largest_pow2_divisor", "pass_options", "requested_splits",
-           "resolve_backward_config", "resolve_config", "resolve_decode_config", "resolve_tiles", "smaller_config",
-           "tiles_text"]
+__all__ = ["BACKWARD_OPTIONS", "DEPARTURES", "FORWARD_TABLE", "TORCH_SM90_DECODE", "TORCH_SM90_FORWARD", "CallLayout", "Departure",
+           "FLAG_OPTIONS", "FORWARD_OPTIONS", "block_sizes", "call_layout", "check_int_option", "default_backward_config",
+           "default_config", "default_splits", "default_warps", "departure", "flags", "fp32_precision",
+           "largest_pow2_divisor", "pass_options", "requested_splits", "resolve_backward_config", "resolve_config",
+           "resolve_decode_config", "resolve_tiles", "smaller_config", "tiles_text", "torch_backward_pick", "torch_forward_pick"]

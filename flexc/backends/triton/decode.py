@@ -51,9 +51,7 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
     # without a BlockMask, 128-key blocks, all full
     kv_block, has_full = (128, True) if layout.block_size is None else (layout.block_size[1], layout.has_full_blocks)
     G = query.shape[1] // key.shape[1]
-    shared = gpu.facts(query.device).shared_memory if gpu.is_gpu(query.device) else None
-    block_m, block_n, warps, stages = config.resolve_decode_config(kv_block, G * query.shape[2], target, query.dtype,
-                                                                   (query.shape[-1], value.shape[-1]), shared)
+    block_m, block_n, warps, stages = config.resolve_decode_config(kv_block, G * query.shape[2], target)
     return DecodeSpec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], kv_block, block_m, block_n,
                       warps, stages, has_full, target, config.fp32_precision(target, kernel_options), layout.index_dtype,
                       dropout)

@@ -37,13 +37,13 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
     2**23 (:func:`flexc.codegen.index_width.float_indices`).
     """
     if block_size is None:
-        block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, v_head_dim,
-                                                                NO_BLOCK_MASK, None, target)
+        block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, NO_BLOCK_MASK,
+                                                                None, target)
         q_block, kv_block, mask_mod, has_full_blocks = NO_BLOCK_MASK, block_n, None, True
     else:
         q_block, kv_block = block_size
-        block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, v_head_dim, q_block,
-                                                                kv_block, target)
+        block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, q_block, kv_block,
+                                                                target)
     flags = config.flags(kernel_options)
     return ForwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, block_m, block_n,
                        warps, stages, has_full_blocks, need_lse or training, training, target,

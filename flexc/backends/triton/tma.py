@@ -3,10 +3,11 @@
 The variant (:mod:`flexc.codegen.tma`) is chosen per call by :func:`choose`:
 
 * ``kernel_options["USE_TMA"]`` (or ``fwd_USE_TMA``) forces it on or off, as in torch;
-* otherwise the static rule :func:`by_default` picks it on sm_90 and newer only for the kernels
-  whose offline compile for sm_90 (``python bench/kernel_metrics.py --forward --tma``) shows it no
-  worse than plain loads: no more SASS instructions per (query, key) pair in any key-tile loop, no
-  lost ring slots, no spills, no C7511;
+* otherwise it is off, torch's default on CUDA, unless :data:`flexc.backends.triton.config.DEPARTURES`
+  lists a hardware row that shows it faster. The offline instruction count once turned it on (1-5 %
+  fewer SASS instructions per key tile); on an H200 a sliding-window forward then ran 2.5x slower
+  (0.543 ms against 0.213 ms without, docs/hardware.md): descriptors and fences add code outside the
+  loops that every program pays, which short loops do not win back;
 * either way only where the key and value tensors meet TMA's layout rules (:func:`tensors_allow`:
   16-byte aligned heads and rows, contiguous head dim), and on CUDA only from sm_90 (TMA's first
   GPU); elsewhere the plain loads run, as torch drops USE_TMA where ``can_use_tma`` fails.
@@ -44,45 +45,10 @@ def requested(kernel_options: dict | None) -> bool | None:
 
 
 def by_default(spec: ForwardSpec) -> bool:
-    """The static rule: whether the sm_90 kernel for ``spec`` takes descriptors when the user does not say.
-
-    Measured with ``python bench/kernel_metrics.py --forward --tma`` (bf16, sm_90, B=2, H=16,
-    L=S=4096, the catalogue's causal, sliding-window 256, document, ALiBi + causal and soft-cap +
-    causal at D=64 and D=128, each at its default tiles: 128x128 w8 s3 at D=64, 128x64 w8 s3 at
-    D=128). In nine of the ten, TMA issues 1-5% fewer SASS instructions per key tile in both loops
-    (e.g. causal D=128: partial 461 -> 447, full 384 -> 365), keeps 3 ring slots, spills nothing, no
-    C7511, one more KiB of shared memory (the TMA barriers). The tenth is document at D=64: its
-    partial loop is 870 instructions with TMA against 866 plain (+0.5%; full 474 against 485). Its
-    mask_mod gathers a captured tensor at the key index (``document_id[kv_idx]``), a per-key-tile
-    load that no descriptor carries: it stays a cp.async copy, so that loop pays the TMA barriers'
-    bookkeeping (waits, arrivals, elected threads) and the cp.async groups' too, which at D=64's
-    128x128 tile outweighs the address arithmetic TMA saves (document at D=128: 579 -> 571).
-    So the rule is exactly what was measured: bf16, key and value head dims both 64 or both 128,
-    the default tiles, no dropout and no sinks, and at D=64 no mod lookup indexed by ``kv_idx``
-    (:func:`gathers_per_key`). Other cases (fp16, fp32, other head dims, the user's tiles) keep the
-    plain loads until measured.
-    """
-    if spec.dtype != torch.bfloat16 or spec.head_dim != spec.v_head_dim or spec.head_dim not in (64, 128):
-        return False
-    if spec.dropout or spec.sinks:
-        return False
-    if spec.head_dim == 64 and gathers_per_key(spec):
-        return False
-    default = config.default_config(spec.dtype, spec.head_dim, spec.v_head_dim, spec.target)
-    return (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == default
-
-
-def gathers_per_key(spec: ForwardSpec) -> bool:
-    """Whether a mod of ``spec`` reads a captured tensor at an index that depends on ``kv_idx`` (a
-    load per key tile besides the key and value tiles, e.g. ``document_id[kv_idx]``)."""
-    for traced in (spec.score_mod, spec.mask_mod):
-        if traced is None:
-            continue
-        for node in traced.root.walk():
-            if node.op == "load" and any(leaf.op == "input" and leaf.attr == "kv_idx"
-                                         for index in node.args[1:] for leaf in index.walk()):
-                return True
-    return False
+    """Whether ``spec``'s kernel takes descriptors when the user does not say: only where
+    :data:`~flexc.backends.triton.config.DEPARTURES` lists a hardware row for it (none does: off)."""
+    found = config.departure("forward", OPTION, spec.dtype, spec.head_dim)
+    return bool(found.value) if found is not None else False
 
 
 def tensors_allow(key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -128,5 +94,4 @@ def ensure_allocator() -> None:
     triton.set_allocator(_allocate)
 
 
-__all__ = ["DTYPES", "OPTION", "by_default", "choose", "ensure_allocator", "gathers_per_key", "requested",
-           "tensors_allow"]
+__all__ = ["DTYPES", "OPTION", "by_default", "choose", "ensure_allocator", "requested", "tensors_allow"]

@@ -376,11 +376,11 @@ def test_cli_show_backward(tmp_path, capsys):
     assert "# flexc backward attention kernel" in out
     assert "d score_mod / d score = 1.0 - tanh(score) * tanh(score)" in out
     assert "d / d table[kv_idx] = 1.0" in out and "summed over the queries" in out
-    # tanh's derivative is a tile the dK/dV steps carry through their dots: half torch's query tile at D=128
-    assert "dQ programs BLOCK_M2=128 x BLOCK_N2=64, dK/dV programs BLOCK_M1=32 x BLOCK_N1=128" in out
+    # torch's sm_90 tiles at D=128, soft-capped or not (docs/kernels.md "Defaults")
+    assert "dQ programs BLOCK_M2=128 x BLOCK_N2=64, dK/dV programs BLOCK_M1=64 x BLOCK_N1=128" in out
 
 
-def test_backward_query_tile_halves_for_a_score_derivative_tile_at_head_dim_128():
+def test_backward_tiles_are_torchs_whatever_the_score_derivative():
     from flexc.backends.triton.backward import make_backward_spec
 
     def soft_cap(score, b, h, q_idx, kv_idx):
@@ -394,10 +394,11 @@ def test_backward_query_tile_halves_for_a_score_derivative_tile_at_head_dim_128(
                                   "cuda")
         return spec.block_m1, spec.block_n1, spec.block_m2, spec.block_n2
 
-    assert tiles(soft_cap, 128) == (32, 128, 128, 64)
-    assert tiles(soft_cap, 64) == (64, 128, 128, 64)  # fits without spilling
-    assert tiles(alibi, 128) == (64, 128, 128, 64)  # d score_mod / d score = 1: torch's tile
-    assert tiles(soft_cap, 128, {"BLOCK_M1": 64}) == (64, 128, 128, 64)  # the user's choice stands
+    # soft-capping's derivative is a tile the dK/dV steps carry (BLOCK_M1=32 at D=128 once avoided a
+    # spill in the offline compile); no hardware row measured it, so torch's tile stands
+    assert tiles(soft_cap, 128) == tiles(alibi, 128) == (64, 128, 128, 64)
+    assert tiles(soft_cap, 64) == (64, 128, 128, 64)
+    assert tiles(soft_cap, 128, {"BLOCK_M1": 32}) == (32, 128, 128, 64)  # the user's choice stands
 
 
 # ---- the CUDA variant compiles for Hopper without a GPU ----------------------------------------
