@@ -46,6 +46,10 @@ def launches(monkeypatch):
     kernel_cache.cache_clear()
 
 
+# backward tiles above fp32's default (torch's 16 x 16), so the retry has tiles to halve
+TILES_32 = {"BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32, "bwd_num_stages": 1}
+
+
 def test_backward_out_of_resources_runs_smaller_tiles_with_one_fallback_warning(launches):
     launched, set_rule = launches
     set_rule(lambda spec: isinstance(spec, BackwardSpec) and spec.block_n1 > 16)  # 32 x 32 tiles do not fit
@@ -57,14 +61,15 @@ def test_backward_out_of_resources_runs_smaller_tiles_with_one_fallback_warning(
                           r"BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=32, num_stages=1 it needs more GPU resources than "
                           r"cpu \(sm_90\) has.*It runs with BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, "
                           r"num_stages=2 from now on") as record:
-            out = flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+            out = flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=TILES_32)
             out.backward(grad)
         assert len([w for w in record if issubclass(w.category, flexc.FallbackWarning)]) == 1
         q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
         launched.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("error", flexc.FallbackWarning)  # remembered: once per kernel and GPU
-            flexc.flex_attention(q2, k2, v2, block_mask=block_mask, enable_gqa=True).backward(grad)
+            flexc.flex_attention(q2, k2, v2, block_mask=block_mask, enable_gqa=True,
+                                 kernel_options=TILES_32).backward(grad)
     assert [s.block_n1 for s in launched if isinstance(s, BackwardSpec)] == [16, 16]  # row pass, then backward
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = dense_attention(qd, kd, vd, mask_mod=causal)[0]
@@ -74,15 +79,15 @@ def test_backward_out_of_resources_runs_smaller_tiles_with_one_fallback_warning(
     assert torch.equal(q2.grad, q.grad)
 
 
-def test_decode_out_of_resources_runs_fewer_stages_with_one_fallback_warning(launches):
+def test_decode_out_of_resources_runs_a_smaller_key_tile_with_one_fallback_warning(launches):
     launched, set_rule = launches
-    set_rule(lambda spec: isinstance(spec, DecodeSpec) and spec.num_stages > 2)
+    set_rule(lambda spec: isinstance(spec, DecodeSpec) and spec.block_n > 32)
     q, k, v = random_qkv(2, 4, 2, 1, 256, 32, seed=7)
     with gpu.simulate("sm_90"):
         with pytest.warns(flexc.FallbackWarning, match=r"decode kernel cannot run as configured: with BLOCK_M=16, "
-                          r"BLOCK_N=64, num_stages=4 .*It runs with BLOCK_M=16, BLOCK_N=64, num_stages=2 from now on"):
+                          r"BLOCK_N=64, num_stages=1 .*It runs with BLOCK_M=16, BLOCK_N=32, num_stages=2 from now on"):
             out = flexc.flex_attention(q, k, v, enable_gqa=True)
-        assert [s.num_stages for s in launched if isinstance(s, DecodeSpec)] == [4, 3, 2]
+        assert [(s.block_n, s.num_stages) for s in launched if isinstance(s, DecodeSpec)] == [(64, 1), (32, 2)]
     torch.testing.assert_close(out.double(), dense_attention(q, k, v)[0], atol=1e-5, rtol=1e-5)
 
 
