@@ -86,21 +86,25 @@ def _unary(op: str) -> Callable:
 
 
 def _load(device, ndim, t, *index):
-    """``t[index]``, each integer index clamped into ``[-size, size)`` (a no-op where the call's
-    bounds check proved it in range). The check covers the tiles a BlockMask lists
-    (:mod:`flexc.analysis.bounds`), while a CPU path may evaluate a whole row of keys at once:
-    tiles it then masks out read an in-range element instead of raising."""
+    return t[index] if index else t
+
+
+def _clamped_load(device, ndim, t, *index):
+    """``t[index]``, each integer index clamped into ``[-size, size)``: for a call whose bounds check
+    proved its lookups in range over the tiles its BlockMask lists (:mod:`flexc.analysis.bounds`),
+    where a CPU path evaluates a whole row of keys at once; tiles it then masks out read an in-range
+    element instead of raising. (A no-op wherever the check proved the index in range.)"""
     if not index:
         return t
     return t[tuple(i.clamp(-size, size - 1) if isinstance(i, torch.Tensor) and i.dtype != torch.bool else i
                    for i, size in zip(index, t.shape))]
 
 
-def _step(node: ir.Node) -> Callable:
+def _step(node: ir.Node, clamp_lookups: bool = False) -> Callable:
     """``run(device, ndim, *argument values)`` computing ``node`` (an interior node of the graph)."""
     op, attr = node.op, node.attr
     if op == "load":
-        return _load
+        return _clamped_load if clamp_lookups else _load
     if op == "cast":
         dtype = getattr(torch, attr)
         return lambda device, ndim, x: _tensor(x, device).to(dtype)
@@ -192,7 +196,7 @@ def _run_in_place(f: Callable, pos: int, args: list) -> torch.Tensor | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _program(root: ir.Node) -> _Program:
+def _program(root: ir.Node, clamp_lookups: bool = False) -> _Program:
     """The graph compiled once into slots and steps: traces are reused across calls (the trace
     cache), so a graph is evaluated many times and its per-node dispatch is decided here."""
     slots: dict[int, int] = {}
@@ -208,7 +212,7 @@ def _program(root: ir.Node) -> _Program:
         elif node.op == "buffer":
             buffers.append((slot, node.attr[0]))
         else:
-            steps.append((slot, _step(node), tuple(slots[id(a)] for a in node.args)))
+            steps.append((slot, _step(node, clamp_lookups), tuple(slots[id(a)] for a in node.args)))
     return _Program(len(slots), tuple(consts), tuple(inputs), tuple(scalars), tuple(buffers), tuple(steps),
                     slots[id(root)], _in_place_plan(root, slots, steps))
 
@@ -237,6 +241,7 @@ def evaluate(
     kv_idx: torch.Tensor | None = None,
     buffers: Sequence[torch.Tensor] | None = None,
     overwrite_score: bool = False,
+    clamp_lookups: bool = False,
 ) -> torch.Tensor:
     """Evaluate a traced mod (a :class:`flexc.TracedMod` or a graph root) on broadcastable tensors; the
     result has their broadcast shape.
@@ -245,7 +250,8 @@ def evaluate(
     ``overwrite_score``: the caller owns ``score`` and lets elementwise steps compute into it and
     into their own intermediates (``20 * tanh(score / 20)`` then allocates nothing and returns
     ``score``); the values are the same. A step whose operands require grad allocates as usual, so
-    autograd sees what it would without.
+    autograd sees what it would without. ``clamp_lookups``: a backend evaluating a call's mod after
+    its bounds check, beyond the tiles the check covered (see :func:`_clamped_load`).
     """
     root = mod if isinstance(mod, ir.Node) else mod.root
     bufs = buffers if buffers is not None else (() if isinstance(mod, ir.Node) else mod.buffers)
@@ -254,7 +260,7 @@ def evaluate(
     device = given[0].device if given else torch.device("cpu")
     # a reduction's axis runs along one extra leading dimension, in front of the inputs' broadcast dims
     ndim = max((t.dim() for t in given), default=0)
-    program = _program(root)
+    program = _program(root, clamp_lookups)
     values: list[Any] = [None] * program.size
     for slot, value in program.consts:
         values[slot] = value

@@ -316,14 +316,17 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _stand_in_block_mask(mask_mod: Callable, block_size: tuple[int, int], q_len: int, kv_len: int) -> Any:
-    """A BlockMask of ``mask_mod`` with partial and full block tables of the call's shape (all empty:
-    the kernels' source depends on the tables' presence and block sizes, never on their contents)."""
+    """A BlockMask of ``mask_mod`` with partial and full block tables of the call's shape: every
+    tile listed as partial, none full. The kernels' source depends on the tables' presence and
+    block sizes, never on their contents; listing every tile makes the call's bounds check cover the
+    whole grid, as it would for a mask that visits everything."""
     from ..masks.block_mask import BlockMask
 
     n_q, n_kv = -(-q_len // block_size[0]), -(-kv_len // block_size[1])
-    counts = torch.zeros(1, 1, n_q, dtype=torch.int32)
-    indices = torch.zeros(1, 1, n_q, n_kv, dtype=torch.int32)
-    return BlockMask.from_kv_blocks(counts, indices, counts.clone(), indices.clone(), BLOCK_SIZE=block_size,
+    counts = torch.full((1, 1, n_q), n_kv, dtype=torch.int32)
+    indices = torch.arange(n_kv, dtype=torch.int32).expand(1, 1, n_q, n_kv).contiguous()
+    no_full = torch.zeros(1, 1, n_q, dtype=torch.int32)
+    return BlockMask.from_kv_blocks(counts, indices, no_full, torch.zeros_like(indices), BLOCK_SIZE=block_size,
                                     mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
 

@@ -222,7 +222,7 @@ def _key_sums(entry: _Entry, block0: int, block1: int, mask_mod: TracedMod, read
         kv = cols[:, None] * kv_block + torch.arange(kv_block)  # [tiles, keys]
         values = {**index, "q_idx": q.clamp(max=L - 1).view(-1, 1, 1, q_block, 1),
                   "kv_idx": kv.clamp(max=S - 1).view(-1, 1, 1, 1, kv_block)}
-        allowed = torch.broadcast_to(evaluate(mask_mod, **{name: values[name] for name in reads}),
+        allowed = torch.broadcast_to(evaluate(mask_mod, clamp_lookups=True, **{name: values[name] for name in reads}),
                                      (len(rows), nb, nh, q_block, kv_block))
         if bool((kv >= S).any()):
             allowed = allowed & (kv < S).view(-1, 1, 1, 1, kv_block)

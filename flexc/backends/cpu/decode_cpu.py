@@ -258,7 +258,8 @@ def _masked_columns(mask_mod: TracedMod, plan: _RowPlan, index: dict, n: int) ->
         verdicts = evaluate_small(mask_mod, {k: (plan.span_kv_array if k == "kv_idx" else _index_array(index[k].shape))
                                              for k in _reads(mask_mod)})
     if verdicts is None:
-        allowed = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k]) for k in _reads(mask_mod)})
+        allowed = evaluate(mask_mod, clamp_lookups=True,
+                           **{k: (plan.span_kv if k == "kv_idx" else index[k]) for k in _reads(mask_mod)})
         verdicts = allowed.cpu().numpy()  # (the tables of a mask on a GPU: a few hundred verdicts)
     if verdicts.dtype != np.bool_:
         verdicts = verdicts != 0
@@ -517,7 +518,8 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
     s = torch.matmul(q.reshape(B, Hkv, G * L, E), k_sel.to(work).transpose(-1, -2))
     s4 = s.view(B, Hq, L, n)
     if general:
-        modded = evaluate(score_mod, **{k: (s4 if k == "score" else index(k)) for k in _reads(score_mod)})
+        modded = evaluate(score_mod, clamp_lookups=True,
+                          **{k: (s4 if k == "score" else index(k)) for k in _reads(score_mod)})
         if modded is not s4:
             s4.copy_(modded)
         s4.mul_(LOG2E)
@@ -527,11 +529,11 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
     if partial is not None:
         allowed = partial
         if not _is_true(mask_mod):
-            allowed = allowed & evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})
+            allowed = allowed & evaluate(mask_mod, clamp_lookups=True, **{k: index(k) for k in _reads(mask_mod)})
         if full is not None:
             allowed = allowed | full
     elif spans is None and not _is_true(mask_mod):  # no BlockMask tables but a mask_mod: evaluate it everywhere
-        allowed = evaluate(mask_mod, **{k: index(k) for k in _reads(mask_mod)})
+        allowed = evaluate(mask_mod, clamp_lookups=True, **{k: index(k) for k in _reads(mask_mod)})
     if allowed is not None:
         s4.masked_fill_(allowed.logical_not(), _NEG_INF)
 

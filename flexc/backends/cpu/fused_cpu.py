@@ -243,11 +243,12 @@ def _relative_tile(q, mods, q0: int, q1: int, piece: Chunk, bias: bool) -> tuple
     at = lambda reads: {name: values[name] for name in reads if name in values}
     vec = torch.zeros((), dtype=q.dtype, device=q.device)
     if bias:
-        vec = evaluate(mods.bias_node, buffers=mods.score_mod.buffers, **at(mods.bias_reads)).to(q.dtype)
+        vec = evaluate(mods.bias_node, clamp_lookups=True, buffers=mods.score_mod.buffers,
+                       **at(mods.bias_reads)).to(q.dtype)
         if mods.bias_sign < 0:
             vec = vec.neg()
     if piece.partial and mods.mask_mod is not None:
-        allowed = evaluate(mods.mask_mod, **at(mods.mask_reads))
+        allowed = evaluate(mods.mask_mod, clamp_lookups=True, **at(mods.mask_reads))
         vec = torch.where(allowed, vec, _NEG_INF)
     vec = vec.reshape((1,) * (4 - vec.dim()) + tuple(vec.shape))
     n = r + c - 1

@@ -211,11 +211,12 @@ class _Mods:
         args = self._index(self.score_reads, q0, q1, kv)
         if "score" in self.score_reads:
             args["score"] = s4
-        return evaluate(mod or self.score_mod, buffers=buffers, overwrite_score=overwrite, **args)
+        return evaluate(mod or self.score_mod, clamp_lookups=True, buffers=buffers, overwrite_score=overwrite, **args)
 
     def bias(self, q0: int, q1: int, kv: torch.Tensor) -> torch.Tensor:
         """``X`` of a ``score +/- X`` score_mod at these positions (broadcastable to the scores)."""
-        return evaluate(self.bias_node, buffers=self.score_mod.buffers, **self._index(self.bias_reads, q0, q1, kv))
+        return evaluate(self.bias_node, clamp_lookups=True, buffers=self.score_mod.buffers,
+                        **self._index(self.bias_reads, q0, q1, kv))
 
     def kept(self, q0: int, q1: int, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dropout's ``1 / (1 - p)`` or 0 per pair of these rows and keys (:mod:`flexc.backends.dropout`)."""
@@ -229,10 +230,11 @@ class _Mods:
         if len(chunk.partial) <= _MAX_PARTIAL_SPANS:
             out = []
             for off, n in chunk.partial:
-                allowed = evaluate(self.mask_mod, **self._index(self.mask_reads, q0, q1, kv[off:off + n]))
+                allowed = evaluate(self.mask_mod, clamp_lookups=True,
+                                   **self._index(self.mask_reads, q0, q1, kv[off:off + n]))
                 out.append((off, n, allowed.logical_not()))
             return out
-        allowed = evaluate(self.mask_mod, **self._index(self.mask_reads, q0, q1, kv))
+        allowed = evaluate(self.mask_mod, clamp_lookups=True, **self._index(self.mask_reads, q0, q1, kv))
         full_cols = torch.ones(chunk.n_cols, dtype=torch.bool, device=kv.device)
         for off, n in chunk.partial:
             full_cols[off:off + n] = False
