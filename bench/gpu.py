@@ -55,8 +55,8 @@ Every table has a flexc/torch column: torch's time over flexc's (> 1: flexc fast
 are printed and written as markdown to ``--out`` (gpu-results.md; rewritten after every part). The
 last line is the summary: ``gpu.py summary: ok|FAILED; N passed, N failed (cases), N not run
 (per part); flexc/torch speed: worst and geomean per table; tables in FILE; seconds``. Status 1
-when a case failed, else 0. ``--parts`` runs some parts only; ``--fail-case NAME`` (or
-GPU_BENCH_FAIL_CASE) makes one case fail, to prove the run goes on.
+when a case failed, else 0. ``--parts`` runs some parts only; ``--fail-case NAME`` makes one case
+fail, to prove the run goes on.
 
 ``--simulate sm_90`` runs every part on the CPU: CPU tensors take the GPU's host decisions,
 kernels run in Triton's interpreter, every problem is tiny (L=128, D=64), CUDA graphs are eager
@@ -423,7 +423,6 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 DECODE_ROWS = (1, 16)
 # the decoding table's problem: gpt-fast's shapes, GQA 32/8, so one token is the 16-row tile
 DECODE_BATCH, DECODE_HQ, DECODE_HKV, DECODE_WINDOW = 4, 32, 8, 1024
-FAIL_CASE_ENV = "GPU_BENCH_FAIL_CASE"  # the same as --fail-case, for a run started by another script
 
 
 @dataclasses.dataclass(frozen=True)
@@ -974,19 +973,23 @@ def speed(row: dict) -> float | None:
     return t / f if isinstance(f, float) and isinstance(t, float) and f > 0 else None
 
 
-def shown(row: dict, key: str, scale: float = 1.0, digits: int = 3, notes: list | None = None, label: str = "") -> str:
-    """A table cell: the number, "-" when absent, a short reason as it is; a long reason (an error)
-    becomes "error" and goes to ``notes``."""
-    value = row.get(key)
-    if isinstance(value, float):
-        return f"{value * scale:.{digits}f}"
-    if value is None:
+def time_cell(row: dict, who: str, notes: list, label: str, scale: float = 1.0, digits: int = 3) -> str:
+    """``who``'s time (``{who}_ms`` times ``scale``), else why it has none (``row[who]``): a short
+    reason as it is, a long one (an error) as "error", its text added to ``notes``."""
+    ms = row.get(f"{who}_ms")
+    if isinstance(ms, float):
+        return f"{ms * scale:.{digits}f}"
+    reason = row.get(who)
+    if not isinstance(reason, str):
         return "-"
-    if len(value) <= 24:
-        return value
-    if notes is not None:
-        notes.append(f"{label} {key.removesuffix('_ms')}: {value}")
+    if len(reason) <= 24:
+        return reason
+    notes.append(f"{label} {who}: {reason}")
     return "error"
+
+
+def number(row: dict, key: str, digits: int) -> str:
+    return f"{row[key]:.{digits}f}" if isinstance(row.get(key), float) else "-"
 
 
 def finish_table(run: Run, part: str, title: str, columns: tuple, cases: list, results: dict, cells) -> None:
@@ -1009,8 +1012,10 @@ def finish_table(run: Run, part: str, title: str, columns: tuple, cases: list, r
 
 def cell_line(part: str, label: str, row: dict, unit: str = "ms", scale: float = 1.0) -> None:
     ratio = speed(row)
-    print(f"{part} {label}: flexc {shown(row, 'flexc_ms', scale)} {unit}, torch {shown(row, 'torch_ms', scale)} "
-          f"{unit}" + (f", flexc/torch {ratio:.2f}" if ratio else ""), flush=True)
+    times = [f"{row[f'{who}_ms'] * scale:.3f}" if isinstance(row.get(f"{who}_ms"), float) else "-"
+             for who in ("flexc", "torch")]
+    print(f"{part} {label}: flexc {times[0]} {unit}, torch {times[1]} {unit}"
+          + (f", flexc/torch {ratio:.2f}" if ratio else ""), flush=True)
 
 
 def part_table(ctx: Context, run: Run, deadline: float, backward: bool) -> None:
@@ -1037,13 +1042,9 @@ def part_table(ctx: Context, run: Run, deadline: float, backward: bool) -> None:
     def cells(row, notes, label):
         ratio = speed(row)
         return [str(row["D"]), str(row["L"]), str(row.get("B", "-")), row["mask"],
-                shown(row, "flexc_ms", notes=notes, label=label), shown(row, "torch", notes=notes, label=label)
-                if not isinstance(row.get("torch_ms"), float) else shown(row, "torch_ms"),
-                shown(row, "sdpa_ms") if isinstance(row.get("sdpa_ms"), float) else shown(row, "sdpa", notes=notes,
-                                                                                       label=label),
-                shown(row, "flexc", digits=1) if isinstance(row.get("flexc"), float) else "-",
-                shown(row, "torch", digits=1) if isinstance(row.get("torch"), float) else "-",
-                f"{ratio:.2f}" if ratio else "-", shown(row, "flexc_first_s", digits=2)]
+                *(time_cell(row, who, notes, label) for who in ("flexc", "torch", "sdpa")),
+                number(row, "flexc", 1), number(row, "torch", 1), f"{ratio:.2f}" if ratio else "-",
+                number(row, "flexc_first_s", 2)]
 
     finish_table(run, part, f"{'Forward+backward' if backward else 'Forward'}: bf16, H={s.heads}, "
                  f"B*L={s.tokens}" + (" (simulated: interpreter wall time, not a measurement)" if ctx.simulated else ""),
@@ -1157,11 +1158,9 @@ def part_decode(ctx: Context, run: Run, deadline: float) -> None:
         ratio = speed(row)
         if row.get("note"):
             notes.append(f"{label}: {row['note']}")
-        torch_cell = shown(row, "torch_ms", 1e3, 1) if "torch_ms" in row else shown(row, "torch", notes=notes,
-                                                                                     label=label)
         return [str(row["D"]), str(row["S"]), row["mask"],
-                shown(row, "flexc_ms", 1e3, 1) if "flexc_ms" in row else shown(row, "flexc"), torch_cell,
-                f"{ratio:.2f}" if ratio else "-", shown(row, "flexc_w4_ms", 1e3, 1)]
+                *(time_cell(row, who, notes, label, 1e3, 1) for who in ("flexc", "torch")),
+                f"{ratio:.2f}" if ratio else "-", time_cell(row, "flexc_w4", notes, label, 1e3, 1)]
 
     finish_table(run, "decode", f"Decode per token: bf16, B={B}, Hq={Hq}, Hkv={Hkv}"
                  + (" (simulated: interpreter wall time, not a measurement)" if ctx.simulated else ", CUDA graphs"),
@@ -1200,7 +1199,7 @@ def part_host_time(ctx: Context, run: Run, deadline: float) -> None:
                 row["flexc_error"] = e
             row[who] = short_error(e)
 
-    def forward(label: str) -> dict:
+    def forward() -> dict:
         B, H, L, D = s.host_forward
         g = torch.Generator().manual_seed(4)
         q, k, v = (_randn((B, H, L, D), torch.bfloat16, device, g) for _ in range(3))
@@ -1214,7 +1213,7 @@ def part_host_time(ctx: Context, run: Run, deadline: float) -> None:
         side(row, "torch", lambda: make(ctx.torch_flex, ctx.baseline))
         return row
 
-    def decode(label: str) -> dict:
+    def decode() -> dict:
         B, H, S, D = s.host_decode
         problem = DecodeStep("causal", S, D, device, B, H, H)
         row: dict = {}
@@ -1229,7 +1228,7 @@ def part_host_time(ctx: Context, run: Run, deadline: float) -> None:
               "decode": f"decode B={Bd}, H={Hd}, 1 row, S={S}, D={Dd}"}
 
     def one(what: str) -> dict:
-        row = {"forward": forward, "decode": decode}[what](labels[what])
+        row = {"forward": forward, "decode": decode}[what]()
         cell_line("host time", labels[what], row, "us", 1e3)
         if "flexc_error" in row:
             raise CaseFailed(row.pop("flexc_error"), row)
@@ -1240,8 +1239,7 @@ def part_host_time(ctx: Context, run: Run, deadline: float) -> None:
 
     def cells(row, notes, label):
         ratio = speed(row)
-        return [label, shown(row, "flexc_ms", 1e3, 0) if "flexc_ms" in row else shown(row, "flexc"),
-                shown(row, "torch_ms", 1e3, 0) if "torch_ms" in row else shown(row, "torch", notes=notes, label=label),
+        return [label, *(time_cell(row, who, notes, label, 1e3, 0) for who in ("flexc", "torch")),
                 f"{ratio:.2f}" if ratio else "-"]
 
     finish_table(run, "host time", f"Per-call host time: eager calls, wall us per call, {s.host_calls} calls",
@@ -1311,9 +1309,7 @@ def part_block_mask(ctx: Context, run: Run, deadline: float) -> None:
     def cells(row, notes, label):
         ratio = speed(row)
         blocks = {str(row[key]) for key in ("flexc_blocks", "torch_blocks") if key in row}
-        return [label, shown(row, "flexc_ms", digits=1) if "flexc_ms" in row else shown(row, "flexc"),
-                shown(row, "torch_ms", digits=1) if "torch_ms" in row else shown(row, "torch", notes=notes,
-                                                                                 label=label),
+        return [label, *(time_cell(row, who, notes, label, digits=1) for who in ("flexc", "torch")),
                 f"{ratio:.2f}" if ratio else "-", " vs ".join(sorted(blocks)) or "-"]
 
     finish_table(run, "block-mask build", f"Block-mask build: causal document mask, {s.document}-token documents",
@@ -1434,7 +1430,7 @@ def run_all(args) -> int:
     sizes = dataclasses.replace(sizes, **{key: value for key, value in given.items() if value is not None})
     ctx = Context(flexc, torch_flex, torch_flex.flex_attention if simulated else torch.compile(torch_flex.flex_attention),
                   "cpu" if simulated else "cuda", simulated, sizes, args.cases, not args.no_compile)
-    run = Run(args.fail_case or os.environ.get(FAIL_CASE_ENV) or None)
+    run = Run(args.fail_case)
     parts = list(args.parts)
     where = (f"simulated {args.simulate} (CPU tensors take its host decisions, kernels run in Triton's interpreter, "
              f"tiny sizes: timings are not measurements)" if simulated else torch.cuda.get_device_name())
@@ -1514,8 +1510,7 @@ def main(argv=None) -> int:
                         default=tuple(PART_SHARES),
                         help=f"with --all: the parts to run, comma-separated ({','.join(PART_SHARES)})")
     parser.add_argument("--fail-case", default=None,
-                        help=f"with --all: make the case of this name fail (proves the run goes on; also "
-                             f"{FAIL_CASE_ENV}=NAME)")
+                        help="with --all: make the case of this name fail, to prove that the run goes on")
     parser.add_argument("--check-length", type=int, default=None,
                         help="with --all: sequence length of the correctness and capture checks (512; simulated 128)")
     parser.add_argument("--decode-lengths", type=ints, default=None,
