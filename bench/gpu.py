@@ -562,7 +562,7 @@ def run_cases(run: Run, part: str, cases: list, deadline: float) -> dict:
                 torch.cuda.empty_cache()
     except OutOfTime:
         left = names[len(results):]
-        run.stop(part, left, f"stopped by the watchdog {WATCHDOG_GRACE:.0f} s past its share"
+        run.stop(part, left, f"stopped by the watchdog {WATCHDOG_GRACE:g} s past its share"
                              + (f", in {left[0]}" if left else ""))
     return results
 
@@ -1458,7 +1458,7 @@ def run_all(args) -> int:
                 with watchdog(share + WATCHDOG_GRACE):
                     PARTS[part](ctx, run, begin + share)
             except OutOfTime:
-                run.stop(part, [], f"stopped by the watchdog {WATCHDOG_GRACE:.0f} s past its share")
+                run.stop(part, [], f"stopped by the watchdog {WATCHDOG_GRACE:g} s past its share")
             except Exception as e:  # outside any case's guard: the part's own set-up
                 traceback.print_exc()
                 run.fail(part, f"{part}: (the part's set-up)", e)

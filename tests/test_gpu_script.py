@@ -101,7 +101,7 @@ def test_a_part_stuck_past_its_share_is_stopped_by_the_watchdog(monkeypatch, cap
     assert bench.main(TINY + args) == 0
     assert time.monotonic() - start < 20
     lines = _lines(capsys)
-    assert ("(correctness: stopped by the watchdog 0 s past its share, in correctness: alibi (no mask); 3 cases not "
+    assert ("(correctness: stopped by the watchdog 0.3 s past its share, in correctness: alibi (no mask); 3 cases not "
             "run (") in "\n".join(lines)
     assert "CUDA graph: stub" in lines and lines[-1].startswith("gpu.py summary: ok; 1 passed, 0 failed, 3 not run")
 
