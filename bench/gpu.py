@@ -5,8 +5,8 @@
     python bench/gpu.py --budget 300    # stop starting new cells after 300 s
     python bench/gpu.py --backward      # forward + backward: gradients checked, then training TFLOP/s
     python bench/gpu.py --decode        # decoding (one query row, KV cache 1K..16K): bench/decode.py on the GPU
-    python bench/gpu.py --all           # the prepared run (< 8 minutes): correctness, capture, timing, summary
-    python bench/gpu.py --all --simulate sm_90   # its correctness and capture logic on the CPU, no GPU
+    python bench/gpu.py --all --out gpu-results.md   # the prepared run (< 9 minutes), see below
+    python bench/gpu.py --all --simulate sm_90       # the same logic on the CPU, no GPU, tiny sizes
 
 1. Correctness: six mods (full, causal, sliding window, document, ALiBi, soft-capping + causal) at
    L=2048 plus a ragged causal case (L=1000, D=96), bf16; flexc, torch's compiled FlexAttention and
@@ -25,40 +25,56 @@ Needs a CUDA GPU; on a machine without one it says so and exits with status 0. E
 guarded: a failure prints one line and the table continues; a watchdog prints what was measured
 if the time budget runs out.
 
-``--all`` is the one prepared run for a GPU machine (budget 450 s, every part inside it):
+``--all`` is the one prepared run for a GPU machine: seven parts, each within its share of the budget
+(``--budget``, 450 s by default: correctness 90, capture 25, forward 100, forward+backward 140,
+decode 55, host time 20, block-mask build 20, scaled to the budget; time a part leaves unused goes
+to the parts after it). Every case runs in its own guard: a failure (an exception, or a result
+that differs from its reference) prints one ``FAIL case: Type: first line (at file:line)`` line,
+is counted, and the next case starts. A part whose share is spent stops its loop and says how many
+cases it did not run; one still busy 60 s past its share is stopped by a watchdog. Then:
 
-1. Correctness, failing fast: every mask_mod of tests/catalogue.py and three score_mods alone (ALiBi
-   with learnable slopes, soft-capping, a learnable relative-position bias; the score_mods also take
-   turns beside the masks), L=512, D=64, GQA 4/2, each against float64 dense evaluation: the
-   forward with lse and the backward (dq, dk, dv and the captured tensors' gradients) in bf16 or
-   fp32 (alternating by case), and decoding in the other dtype with 1 and 16 query rows through
-   gpt-fast's idiom (``block_mask[:, :, input_pos // BLOCK]``, a new mask_mod capturing
-   ``input_pos[0]``, input_pos advanced in place). The first wrong result (or error) prints one
-   line starting with ``FAIL`` and ends the run with status 1. Half the budget at most; cases
-   past it are counted as not run.
-2. A decoding step (cache write, sliced BlockMask, shifted ALiBi) captured in a
-   ``torch.cuda.CUDAGraph`` and replayed with input_pos advanced in place, each replay checked
-   against dense; then the step under ``torch.compile(mode="reduce-overhead")``. A wrong value
-   fails fast; an error is reported and the run goes on to the timing (status 1 at the end).
-3. Timing against torch's compiled FlexAttention, bf16, D=64 and 128, L=1K..16K: forward and
-   forward + backward TFLOP/s (causal, document), and decoding per token (causal, sliding window;
-   both steps captured in CUDA graphs; flexc's also with 4 warps instead of the 16-row tile's 2),
-   with the ratio flexc/torch. The tables share what the first parts left of the budget; cells
-   past a table's share are listed as skipped.
+1. correctness: every mask_mod of tests/catalogue.py once and three score_mods alone (ALiBi with
+   learnable slopes, soft-capping, a learnable relative-position bias; the score_mods also take
+   turns beside the masks), L=512, D=64, GQA 4/2, against float64 dense: the forward with lse, and
+   in turn the backward (dq, dk, dv, the captured tensors' gradients) or decoding with 1 or 16
+   query rows through gpt-fast's idiom (``block_mask[:, :, input_pos // BLOCK]``, a new mask_mod
+   capturing ``input_pos[0]``, input_pos advanced in place); dtypes alternate (see check_plan).
+2. capture: a decoding step (cache write, sliced BlockMask, shifted ALiBi) captured in a
+   ``torch.cuda.CUDAGraph`` and replayed with input_pos advanced in place, each replay against
+   dense; then the step under ``torch.compile(mode="reduce-overhead")``.
+3. forward and 4. forward+backward: ms and TFLOP/s of flexc and torch's compiled FlexAttention
+   (SDPA beside causal), bf16, B*L = 16K, 16 heads, causal, sliding window 256, document, ALiBi +
+   causal, soft-cap + causal, at D=128 and 64 and L=8192 then 1024 (``--dims``, ``--lengths``),
+   flexc's output checked against torch's.
+5. decode: one token per step, B=4, Hq=32, Hkv=8, KV cache 16K, 4K, 1K (``--decode-lengths``),
+   causal and sliding window, each step captured in a CUDA graph (flexc's also with 4 warps).
+6. host time: wall time per eager call (a small forward, a decoding step), flexc and torch compiled.
+7. block-mask build: a causal document mask (1000-token documents) at L=32K (both) and 128K (flexc).
 
-The last line is the summary: ``gpu.py summary: ...`` (correctness pass/fail/not-run counts, the
-capture results, worst and geometric-mean flexc/torch ratio per table). With ``--simulate
-sm_90`` parts 1 and 2 run on the CPU (CPU tensors take the GPU's host decisions, kernels run in
-Triton's interpreter, the graph's replays are eager calls; L=128, budget 900 s) and part 3 says it
-needs a GPU.
+Every table has a flexc/torch column: torch's time over flexc's (> 1: flexc faster). The tables
+are printed and written as markdown to ``--out`` (gpu-results.md; rewritten after every part). The
+last line is the summary: ``gpu.py summary: ok|FAILED; N passed, N failed (cases), N not run
+(per part); flexc/torch speed: worst and geomean per table; tables in FILE; seconds``. Status 1
+when a case failed, else 0. ``--parts`` runs some parts only; ``--fail-case NAME`` makes one case
+fail, to prove the run goes on.
+
+``--simulate sm_90`` runs every part on the CPU: CPU tensors take the GPU's host decisions,
+kernels run in Triton's interpreter, every problem is tiny (L=128, D=64), CUDA graphs are eager
+calls, torch's FlexAttention runs eagerly (it has no CPU backward): the times are no measurement,
+the logic is the GPU run's.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import math
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -111,13 +127,14 @@ def make_mods(L: int, H: int, device: str, seed: int = 0) -> dict:
         "sliding": (None, sliding, "mask"),
         "document": (None, document, "mask"),
         "alibi": (alibi, None, "bias"),
+        "alibi_causal": (alibi, causal, None),
         "softcap_causal": (softcap, causal, None),
         "_lengths": lengths,
     }
 
 
 def allowed_pairs(name: str, L: int, lengths: list[int]) -> int:
-    if name == "causal":
+    if name == "causal" or name.endswith("_causal"):
         return L * (L + 1) // 2
     if name == "sliding":
         return sum(min(q, WINDOW) + 1 for q in range(L))
@@ -252,15 +269,26 @@ def check_correctness(flexc, torch_flex, compiled_flex, device: str, L_main: int
 
 
 def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device: str, deadline: float,
-             backward: bool = False) -> dict:
-    B = max(1, TOKENS // L)
-    mods = make_mods(L, HEADS, device)
+             backward: bool = False, *, sdpa: bool = True, check: bool = False, torch_backward: bool = True,
+             timer=None, tokens: int | None = None, heads: int | None = None, margin: float = 45.0,
+             first_only: bool = False) -> dict:
+    """One (mask, L, D) cell: ``flexc``, ``torch``, ``sdpa`` TFLOP/s (or why none, a string), their
+    ``*_ms``, ``flexc_first_s`` and ``B``. flexc's own failure is also kept as ``flexc_error`` (the
+    exception); with ``check``, so is a flexc output differing from torch's by more than 2e-2 (a
+    WrongResult). ``timer`` (default bench_ms) gives ms per call (``first_only``: the first call's
+    time stands for it, as under simulation, where times are no measurement); torch is skipped when
+    fewer than ``margin`` seconds are left, or for the backward when ``torch_backward`` is False."""
+    timer = timer or bench_ms
+    H = heads or HEADS
+    B = max(1, (tokens or TOKENS) // L)
+    mods = make_mods(L, H, device)
     score_mod, mask_mod, sdpa_kind = mods[name]
-    flops = (14 if backward else 4) * B * HEADS * D * allowed_pairs(name, L, mods["_lengths"])
+    flops = (14 if backward else 4) * B * H * D * allowed_pairs(name, L, mods["_lengths"])
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, HEADS, L, D, device=device, dtype=torch.bfloat16, generator=gen)
+    q, k, v = (torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16, generator=gen)
                .requires_grad_(backward) for _ in range(3))
     row = {"B": B}
+    outputs, forwards = {}, {}  # the first call's output (forward only), the forward (for the check)
 
     def timed(forward):
         if not backward:
@@ -268,43 +296,59 @@ def run_cell(flexc, torch_flex, compiled_flex, name: str, L: int, D: int, device
         grad_out = torch.randn_like(q)
         return lambda: torch.autograd.grad(forward(), (q, k, v), grad_out)
 
-    def tflops(ms: float) -> float:
-        return flops / (ms * 1e-3) / 1e12
+    def measure(col: str, forward) -> float:
+        """The first call (which compiles), then the timing: the first call's seconds."""
+        t0 = time.time()
+        result = timed(forward)()
+        sync(device)
+        first = time.time() - t0
+        if not backward:
+            outputs[col] = result
+        forwards[col] = forward
+        ms = first * 1e3 if first_only else timer(timed(forward))
+        row[f"{col}_ms"], row[col] = ms, flops / (ms * 1e-3) / 1e12
+        return first
 
     try:
         bm = flexc.create_block_mask(mask_mod, None, None, L, L, device=device) if mask_mod else None
-        fn = timed(lambda: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
-                                                kernel_options={"BACKEND": "TRITON"}))
-        t0 = time.time()
-        fn()
-        sync(device)
-        row["flexc_first_s"] = time.time() - t0
-        row["flexc"] = tflops(bench_ms(fn))
+        row["flexc_first_s"] = measure("flexc", lambda: flexc.flex_attention(q, k, v, score_mod=score_mod,
+                                                                             block_mask=bm, kernel_options=TRITON))
     except OutOfTime:
         raise
     except Exception as e:
-        row["flexc"] = short_error(e)
-    if time.time() < deadline - 45:  # a first compile of torch's kernel can take half a minute
+        row["flexc"], row["flexc_error"] = short_error(e), e
+    if backward and not torch_backward:
+        row["torch"] = "n/a (CPU)"
+    elif time.time() < deadline - margin:  # a first compile of torch's kernel can take half a minute
         try:
             tbm = torch_flex.create_block_mask(mask_mod, None, None, L, L, device=device) if mask_mod else None
-            fn = timed(lambda: compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm))
-            fn()
-            row["torch"] = tflops(bench_ms(fn))
+            measure("torch", lambda: compiled_flex(q, k, v, score_mod=score_mod, block_mask=tbm))
         except OutOfTime:
             raise
         except Exception as e:
             row["torch"] = short_error(e)
     else:
         row["torch"] = "skipped (time)"
+    if check and "flexc_ms" in row and "torch_ms" in row:
+        with torch.no_grad():
+            got, want = (outputs[col] if col in outputs else forwards[col]() for col in ("flexc", "torch"))
+        error = relative_error(got, want)
+        if not error <= 2e-2:
+            row["flexc_error"] = WrongResult(f"flexc's output differs from torch's by {error:.1e} "
+                                             f"(over max(1, max|torch's|))")
+    if not sdpa:
+        return row
     try:
-        mask_bytes = L * L * (2 * HEADS if sdpa_kind == "bias" else 1)
-        if mask_bytes > 4 << 30:
+        mask_bytes = L * L * (2 * H if sdpa_kind == "bias" else 1)
+        if sdpa_kind is None:
+            row["sdpa"] = "n/a (not expressible)"
+        elif mask_bytes > 4 << 30:
             row["sdpa"] = "skipped (mask > 4 GB)"
         else:
-            mask, is_causal = sdpa_inputs(sdpa_kind, score_mod, mask_mod, L, HEADS, q.dtype, device)
-            fn = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                                                is_causal=is_causal))
-            row["sdpa"] = tflops(bench_ms(fn))
+            mask, is_causal = sdpa_inputs(sdpa_kind, score_mod, mask_mod, L, H, q.dtype, device)
+            ms = timer(timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                      is_causal=is_causal)))
+            row["sdpa_ms"], row["sdpa"] = ms, flops / (ms * 1e-3) / 1e12
             del mask
     except OutOfTime:
         raise
@@ -359,9 +403,16 @@ def print_table(rows: list, backward: bool = False) -> None:
         print("\n".join(notes))
 
 
-# ---- --all: the prepared GPU run (correctness, capture, timing) ---------------------------
+# ---- --all: the prepared GPU run ----------------------------------------------------------------
 
 ALL_BUDGET = 450.0  # seconds for the whole --all run: under 8 minutes with Python's start and the last prints
+# Each part's share of the budget, in seconds at the default budget (scaled to --budget). A part that
+# ends early passes its time on to the parts after it; a part that spends its share stops its loop
+# (its remaining cases count as not run) and the next part starts.
+PART_SHARES = {"correctness": 90, "capture": 25, "forward": 100, "forward+backward": 140, "decode": 55,
+               "host time": 20, "block-mask build": 20}
+WATCHDOG_GRACE = 60.0  # seconds a part may run past its share (a compile in flight) before it is stopped
+TABLE_MASKS = ("causal", "sliding", "document", "alibi_causal", "softcap_causal")
 TRITON = {"BACKEND": "TRITON"}
 # max |error| over max(1, max |reference|), against float64 dense evaluation of the same inputs
 # (gradients: at the returned output's delta, see reference_grads). Under simulation (every case
@@ -369,26 +420,193 @@ TRITON = {"BACKEND": "TRITON"}
 TOLERANCE = {torch.bfloat16: {"out": 2e-2, "lse": 1e-2, "grad": 5e-2},
              torch.float32: {"out": 1e-4, "lse": 1e-4, "grad": 1e-3}}
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
-CHECKS_PER_CASE = 4  # forward (out, lse), backward (dq, dk, dv, captured), decode with 1 and 16 rows
 DECODE_ROWS = (1, 16)
-# the timing table's decoding problem: gpt-fast's shapes, GQA 32/8, so one token is the 16-row tile
+# the decoding table's problem: gpt-fast's shapes, GQA 32/8, so one token is the 16-row tile
 DECODE_BATCH, DECODE_HQ, DECODE_HKV, DECODE_WINDOW = 4, 32, 8, 1024
-ALL_MASKS = ("causal", "document")  # the forward and forward + backward tables of --all
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """How big each part's problems are: a GPU's, or the simulation's tiny ones."""
+
+    check_length: int  # correctness: L (D=64, B=2, Hq=4, Hkv=2)
+    dims: tuple  # the tables' and decoding's head dims
+    lengths: tuple  # the forward and forward+backward tables' L (in this order), B*L = tokens
+    tokens: int
+    heads: int
+    decode_lengths: tuple  # decoding: S
+    decode_heads: tuple  # decoding: (B, Hq, Hkv)
+    host_calls: int
+    host_forward: tuple  # host time of one forward call: (B, H, L, D), causal
+    host_decode: tuple  # host time of one decoding step: (B, H, S, D)
+    build_lengths: tuple  # block-mask build, document mask: L
+    build_torch_max: int  # torch's build timed up to this L (its dense mask is L*L bytes)
+    document: int  # tokens per document in the block-mask build
+
+
+GPU_SIZES = Sizes(check_length=512, dims=(128, 64), lengths=(8192, 1024), tokens=TOKENS, heads=HEADS,
+                  decode_lengths=(16384, 4096, 1024), decode_heads=(DECODE_BATCH, DECODE_HQ, DECODE_HKV),
+                  host_calls=200, host_forward=(1, 8, 256, 64), host_decode=(4, 32, 4096, 128),
+                  build_lengths=(32768, 131072), build_torch_max=32768, document=1000)
+# under simulation the kernels run in Triton's interpreter: every part's problem is tiny
+SIMULATED_SIZES = Sizes(check_length=128, dims=(64,), lengths=(128,), tokens=128, heads=2,
+                        decode_lengths=(256,), decode_heads=(1, 4, 2), host_calls=1,
+                        host_forward=(1, 2, 128, 64), host_decode=(1, 2, 256, 64), build_lengths=(1024,),
+                        build_torch_max=1024, document=100)
 
 
 class WrongResult(Exception):
-    """A result differs from the float64 reference (the message is the one line printed)."""
+    """A result differs from its reference (the message says by how much)."""
 
 
-class Tally:
-    """Counts of checks passed, failed and not run, and the first failure."""
+class ForcedFailure(RuntimeError):
+    """The failure --fail-case injects into one case, to prove that the run goes on."""
 
-    def __init__(self):
-        self.passed = self.failed = self.skipped = 0
-        self.failure = ""
 
-    def text(self) -> str:
-        return f"correctness {self.passed} pass, {self.failed} fail, {self.skipped} not run"
+class CaseFailed(Exception):
+    """A case failed but measured something: ``cause`` is the failure, ``row`` what was measured."""
+
+    def __init__(self, cause: BaseException, row: dict):
+        super().__init__(str(cause))
+        self.cause, self.row = cause, row
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:240] if text else ""
+
+
+def raised_at(e: BaseException) -> str:
+    """``path:line`` of the innermost frame that raised ``e`` (relative to the repository)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    path = os.path.relpath(frame.filename, ROOT) if frame.filename.startswith(ROOT) else frame.filename
+    return f"{path}:{frame.lineno}"
+
+
+class Run:
+    """What --all has done: each part's cases passed, failed and not run, every failure (case,
+    exception type, first line of its message, where it was raised), the baselines' errors (notes,
+    not failures) and each part's table."""
+
+    def __init__(self, fail_case: str | None = None):
+        self.counts: dict = {}  # part -> {"passed": n, "failed": n, "not run": n}
+        self.failures: list = []  # (case, type name, first line, where)
+        self.notes: dict = {}  # part -> lines
+        self.stops: dict = {}  # part -> why it stopped before its last case
+        self.sections: dict = {}  # part -> (title, columns, rows of strings) or (title, None, lines)
+        self.stats: dict = {}  # part -> (label, row) pairs for the flexc/torch ratios
+        self.took: dict = {}  # part -> seconds
+        self.fail_case, self.fail_case_seen = fail_case, False
+
+    def count(self, part: str, outcome: str, n: int = 1) -> None:
+        counts = self.counts.setdefault(part, {"passed": 0, "failed": 0, "not run": 0})
+        counts[outcome] += n
+
+    def note(self, part: str, text: str) -> None:
+        self.notes.setdefault(part, []).append(text)
+
+    def fail(self, part: str, case: str, e: BaseException) -> None:
+        where = "" if isinstance(e, (WrongResult, ForcedFailure)) else raised_at(e)
+        self.failures.append((case, type(e).__name__, first_line(e), where))
+        self.count(part, "failed")
+        print(f"FAIL {case}: {type(e).__name__}: {first_line(e)}" + (f" (at {where})" if where else ""), flush=True)
+
+    def attempt(self, part: str, case: str, fn):
+        """``fn()`` in its own guard: its result when it passes; when it fails, the failure is counted
+        and listed, and the result is what it measured (CaseFailed's row) or None."""
+        try:
+            if case == self.fail_case:
+                self.fail_case_seen = True
+                raise ForcedFailure(f"forced by --fail-case {case!r}")
+            result = fn()
+        except OutOfTime:
+            raise
+        except CaseFailed as e:
+            self.fail(part, case, e.cause)
+            return e.row
+        except Exception as e:
+            self.fail(part, case, e)
+            return None
+        self.count(part, "passed")
+        return result
+
+    def stop(self, part: str, left: list, why: str) -> None:
+        self.count(part, "not run", len(left))
+        self.stops[part] = f"{why}; {len(left)} case{'s' if len(left) != 1 else ''} not run" + (
+            f" ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})" if left else "")
+        print(f"({part}: {self.stops[part]})", flush=True)
+
+    def totals(self) -> dict:
+        return {key: sum(c[key] for c in self.counts.values()) for key in ("passed", "failed", "not run")}
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+def run_cases(run: Run, part: str, cases: list, deadline: float) -> dict:
+    """Runs ``cases`` (``(name, fn)`` pairs) each in its guard until the part's share is spent
+    (``deadline``): {name: result} of the cases that ran (None for a failure without a row)."""
+    results: dict = {}
+    names = [name for name, _ in cases]
+    try:
+        for name, fn in cases:
+            if now() > deadline:
+                run.stop(part, names[len(results):], "its share of the budget is spent")
+                break
+            results[name] = run.attempt(part, name, fn)
+            if torch.cuda.is_available():  # the case's tensors died with it
+                torch.cuda.empty_cache()
+    except OutOfTime:
+        left = names[len(results):]
+        run.stop(part, left, f"stopped by the watchdog {WATCHDOG_GRACE:g} s past its share"
+                             + (f", in {left[0]}" if left else ""))
+    return results
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float):
+    """Raises OutOfTime in the main thread after ``seconds`` (a part stuck past its share)."""
+    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise OutOfTime()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@dataclasses.dataclass
+class Context:
+    """What the parts of --all share: the libraries, the device, the sizes and how to time."""
+
+    flexc: object
+    torch_flex: object
+    baseline: object  # torch's flex_attention: compiled on a GPU, eager under simulation
+    device: str
+    simulated: bool
+    sizes: Sizes
+    case_limit: int | None = None
+    compile_step: bool = True
+
+    def timer(self, fn) -> float:
+        """Milliseconds per call: do_bench on a GPU; under simulation the wall time of one call (the
+        cells have made a first call already)."""
+        if not self.simulated:
+            return bench_ms(fn)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
 
 
 def dense64(q, k, v, score_mod=None, mask_mod=None):
@@ -498,41 +716,53 @@ def _randn(shape, dtype, device, g):
     return torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
-def check_case(flexc, case, dtype, decode_dtype, L: int, device: str, scores: dict, done: list, B=2, Hq=4,
-               Hkv=2, E=64) -> str:
-    """Forward with lse and backward (dq, dk, dv, captured-tensor gradients) in ``dtype``, then the
-    gpt-fast decoding idiom with 1 and 16 query rows in ``decode_dtype``, each against float64 dense
-    (the checks passed are appended to ``done``). Raises WrongResult at the first difference;
-    returns the errors seen."""
+# ---- part: correctness against float64 dense ------------------------------------------------
+
+EXTRA_CHECKS = ("backward", "decode 1 row", "decode 16 rows")
+
+
+def check_plan(i: int, score_alone: int = 3) -> tuple:
+    """``(dtype, decode_dtype, checks)`` of case ``i``: the score_mods alone take every check; each
+    mask after them the forward with lse and one of backward / decoding with 1 / with 16 rows in
+    turn (a cycle of 3 beside the score_mods' cycle of 4, so backward meets every score_mod); the
+    dtypes alternate, decoding in the other one. Every mask once, not every product: 90 s on a GPU."""
+    dtype, decode_dtype = (torch.bfloat16, torch.float32) if i % 2 == 0 else (torch.float32, torch.bfloat16)
+    checks = EXTRA_CHECKS if i < score_alone else (EXTRA_CHECKS[(i - score_alone) % 3],)
+    return dtype, decode_dtype, checks
+
+
+def check_case(flexc, case, dtype, decode_dtype, L: int, device: str, scores: dict, checks=EXTRA_CHECKS, B=2,
+               Hq=4, Hkv=2, E=64) -> str:
+    """The forward with lse in ``dtype``, then ``checks``: the backward (dq, dk, dv, captured-tensor
+    gradients) in ``dtype``, the gpt-fast decoding idiom with 1 or 16 query rows in ``decode_dtype``,
+    each against float64 dense. Raises WrongResult at the first difference; returns the errors seen."""
     label, _, mask_mod, score_name = case
     score_mod, captured = scores[score_name] if score_name else (None, [])
     g = torch.Generator().manual_seed(sum(map(ord, label)))
     tol = TOLERANCE[dtype]
     where = f"{label} {DTYPE_NAMES[dtype]}"
-    q = _randn((B, Hq, L, E), dtype, device, g).requires_grad_()
-    k, v = (_randn((B, Hkv, L, E), dtype, device, g).requires_grad_() for _ in range(2))
+    backward = "backward" in checks
+    q = _randn((B, Hq, L, E), dtype, device, g).requires_grad_(backward)
+    k, v = (_randn((B, Hkv, L, E), dtype, device, g).requires_grad_(backward) for _ in range(2))
     block_mask = flexc.create_block_mask(mask_mod, B, Hq, L, L, device=device) if mask_mod else None
     out, aux = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
                                     return_aux=flexc.AuxRequest(lse=True), kernel_options=TRITON)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
     ref, ref_lse = dense64(*leaves, score_mod, mask_mod)
-    errors = [expect_close(f"forward {where}", "out", out, ref, tol["out"]),
-              expect_lse(f"forward {where}", aux.lse, ref_lse, tol["lse"])]
-    done.append("forward")
-    grad_out = _randn(out.shape, dtype, device, g)
-    got = torch.autograd.grad(out, [q, k, v, *captured], grad_out)
-    want = reference_grads(ref, ref_lse, out, grad_out, [*leaves, *captured])
-    names = ["dq", "dk", "dv"] + [f"d(captured {tuple(t.shape)})" for t in captured]
-    grads = [expect_close(f"backward {where}", name, a, b, tol["grad"]) for name, a, b in zip(names, got, want)]
-    errors += [max(grads[:3]), max(grads[3:], default=0.0)]
-    done.append("backward")
-    decode = []
+    text = [f"out {expect_close(f'forward {where}', 'out', out, ref, tol['out']):.1e}",
+            f"lse {expect_lse(f'forward {where}', aux.lse, ref_lse, tol['lse']):.1e}"]
+    if backward:
+        grad_out = _randn(out.shape, dtype, device, g)
+        got = torch.autograd.grad(out, [q, k, v, *captured], grad_out)
+        want = reference_grads(ref, ref_lse, out, grad_out, [*leaves, *captured])
+        names = ["dq", "dk", "dv"] + [f"d(captured {tuple(t.shape)})" for t in captured]
+        grads = [expect_close(f"backward {where}", name, a, b, tol["grad"]) for name, a, b in zip(names, got, want)]
+        text.append(f"dq/dk/dv {max(grads[:3]):.1e}" + (f" captured {max(grads[3:]):.1e}" if captured else ""))
     for rows in DECODE_ROWS:
-        decode.append(check_decode(flexc, case, decode_dtype, L, device, scores, block_mask, rows, g, B, Hq, E))
-        done.append(f"decode {rows} row{'s' if rows > 1 else ''}")
-    captured_text = f" captured {errors[3]:.1e}" if captured else ""
-    return (f"out {errors[0]:.1e} lse {errors[1]:.1e} dq/dk/dv {errors[2]:.1e}{captured_text} | decode "
-            f"{DTYPE_NAMES[decode_dtype]} 1 row {decode[0]:.1e}, 16 rows {decode[1]:.1e}")
+        if f"decode {rows} row{'s' if rows > 1 else ''}" in checks:
+            error = check_decode(flexc, case, decode_dtype, L, device, scores, block_mask, rows, g, B, Hq, E)
+            text.append(f"decode {DTYPE_NAMES[decode_dtype]} {rows} row{'s' if rows > 1 else ''} {error:.1e}")
+    return ", ".join(text)
 
 
 @torch.no_grad()
@@ -565,44 +795,33 @@ def check_decode(flexc, case, dtype, L: int, device: str, scores: dict, block_ma
     return worst
 
 
-def run_correctness(flexc, tally: Tally, L: int, device: str, deadline: float, limit: int | None = None) -> bool:
-    """Part 1: every case; False at the first failure (printed as one line starting with FAIL)."""
-    cases = check_cases(2, 4, L, device)
-    if limit is not None:
-        cases = cases[:limit]
+def part_correctness(ctx: Context, run: Run, deadline: float) -> None:
+    """Every catalogue mask_mod once and three score_mods alone (the score_mods also take turns
+    beside the masks), each case in its own guard; see check_plan for what each case checks."""
+    L, device = ctx.sizes.check_length, ctx.device
+    cases = check_cases(2, 4, L, device)[:ctx.case_limit]
     scores = check_score_mods(4, L, device)
-    print(f"\n== 1. correctness: {len(cases)} cases (the catalogue's mask_mods and 3 score_mods), L={L}, D=64, "
-          f"B=2, Hq=4, Hkv=2 (decoding: Hkv=4), against float64 dense; max|error| over max(1, max|reference|) ==")
-    for i, case in enumerate(cases):
-        if time.time() > deadline:
-            tally.skipped += CHECKS_PER_CASE * (len(cases) - i)
-            print(f"(correctness budget spent: {len(cases) - i} cases not run)")
-            return True
-        dtype, decode_dtype = (torch.bfloat16, torch.float32) if i % 2 == 0 else (torch.float32, torch.bfloat16)
-        done: list = []
-        try:
-            errors = check_case(flexc, case, dtype, decode_dtype, L, device, scores, done)
-        except OutOfTime:
-            tally.passed += len(done)
-            tally.skipped += CHECKS_PER_CASE * (len(cases) - i) - len(done)
-            raise
-        except WrongResult as e:
-            tally.failure = str(e)
-        except Exception as e:  # an error is a failure too: flexc must run every case
-            part = ("forward", "backward", "decode 1 row", "decode 16 rows")[len(done)]
-            tally.failure = f"{part} {case[0]} {DTYPE_NAMES[dtype if len(done) < 2 else decode_dtype]}: {short_error(e)}"
-        if tally.failure:
-            tally.passed += len(done)
-            tally.failed += 1
-            tally.skipped += CHECKS_PER_CASE * (len(cases) - i) - len(done) - 1
-            print(f"FAIL {tally.failure}", flush=True)
-            return False
-        tally.passed += CHECKS_PER_CASE
+    print(f"{len(cases)} cases (the catalogue's mask_mods and 3 score_mods), L={L}, D=64, B=2, Hq=4, Hkv=2 "
+          f"(decoding: Hkv=4), against float64 dense; max|error| over max(1, max|reference|)")
+    rows = {}
+
+    def one(i: int, case) -> None:
+        dtype, decode_dtype, checks = check_plan(i)
+        errors = check_case(ctx.flexc, case, dtype, decode_dtype, L, device, scores, checks)
+        rows[case[0]] = [case[0], DTYPE_NAMES[dtype], errors]
         print(f"PASS {case[0]:<44} {DTYPE_NAMES[dtype]}  {errors}", flush=True)
-    return True
+
+    jobs = [(f"correctness: {case[0]}", functools.partial(one, i, case)) for i, case in enumerate(cases)]
+    results = run_cases(run, "correctness", jobs, deadline)
+    failures = {case: f"FAILED: {kind}: {message}" for case, kind, message, _ in run.failures}
+    table = [rows.get(case[0]) or [case[0], DTYPE_NAMES[check_plan(i)[0]],
+                                   failures.get(name, "FAILED") if name in results else "not run"]
+             for i, ((name, _), case) in enumerate(zip(jobs, cases))]
+    run.sections["correctness"] = (f"Correctness: L={L}, D=64, GQA 4/2, max|error| over max(1, max|float64 "
+                                   f"dense|)", ("case", "dtype", "checks and errors"), table)
 
 
-# ---- part 2: a decoding step captured in a CUDA graph, and under reduce-overhead -----------
+# ---- part: a decoding step captured in a CUDA graph, and under reduce-overhead ---------------
 
 def decode_step_problem(flexc, S: int, device: str, dtype, write_cache: bool, B=2, Hq=8, Hkv=2, E=64):
     """A gpt-fast decoding step over packed documents with a sliding window and ALiBi (GQA 8/2):
@@ -648,74 +867,78 @@ def decode_step_problem(flexc, S: int, device: str, dtype, write_cache: bool, B=
     return step, reference, advance, input_pos
 
 
-def run_capture(flexc, S: int, device: str, simulated: bool, compile_step: bool, replays: int = 4) -> dict:
-    """Part 2. ``{"graph": ..., "compile": ...}``, each "ok", "error: ..." or "not run"; raises
-    WrongResult when a replayed step differs from dense. Simulated (CPU tensors standing in for a
-    GPU), the graph's replays are eager calls writing into the captured output, the same checks."""
-    dtype = torch.bfloat16
-    tol = TOLERANCE[dtype]["out"]
-    result = {"graph": "not run", "compile": "not run"}
-    what = ("its replays run as eager calls (simulated: CUDA graphs need a GPU)" if simulated
-            else "captured in a torch.cuda.CUDAGraph and replayed")
-    print(f"\n== 2. a decoding step (GQA 8/2, S={S}, bf16, cache write + sliced BlockMask + shifted ALiBi), "
-          f"{what}; then under torch.compile(mode='reduce-overhead') ==")
+def capture_graph(flexc, S: int, device: str, simulated: bool, replays: int = 4) -> str:
+    """A decoding step captured in a ``torch.cuda.CUDAGraph``, replayed with input_pos advanced in
+    place, each replay against dense (simulated: the replays are eager calls writing into the
+    captured output). Raises WrongResult when a replay differs."""
+    tol = TOLERANCE[torch.bfloat16]["out"]
     with torch.no_grad():
-        try:
-            step, reference, advance, input_pos = decode_step_problem(flexc, S, device, dtype, write_cache=True)
-            step()  # warm up: traces, kernels, validation of the tables
-            sync(device)
-            if simulated:
+        step, reference, advance, input_pos = decode_step_problem(flexc, S, device, torch.bfloat16, write_cache=True)
+        step()  # warm up: traces, kernels, validation of the tables
+        sync(device)
+        if simulated:
+            out = step()
+            replay = lambda: out.copy_(step())
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 out = step()
-                replay = lambda: out.copy_(step())
-            else:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = step()
-                replay = graph.replay
-            errors = []
-            for _ in range(replays):
+            replay = graph.replay
+        errors = []
+        for _ in range(replays):
+            advance()
+            replay()
+            sync(device)
+            errors.append(expect_close(f"CUDA graph replay at input_pos {int(input_pos)}", "out", out, reference(),
+                                       tol))
+    return f"{replays} replays with input_pos advanced in place equal dense (max error {max(errors):.1e})"
+
+
+def capture_compiled(flexc, S: int, device: str, simulated: bool, replays: int = 4) -> str:
+    """The decoding step under ``torch.compile(mode="reduce-overhead")``, each step against dense."""
+    from torch._dynamo.utils import counters
+
+    tol = TOLERANCE[torch.bfloat16]["out"]
+    with torch.no_grad():
+        skips = counters["inductor"].get("cudagraph_skips", 0)
+        step, reference, advance, input_pos = decode_step_problem(flexc, S, device, torch.bfloat16, write_cache=False)
+        compiled = torch.compile(step, mode="reduce-overhead")
+        errors = []
+        for i in range(replays + 1):
+            if i:
                 advance()
-                replay()
-                sync(device)
-                errors.append(expect_close(f"CUDA graph replay at input_pos {int(input_pos)}", "out", out,
-                                           reference(), tol))
-            result["graph"] = "ok"
-            print(f"graph: {replays} replays with input_pos advanced in place equal dense "
-                  f"(max error {max(errors):.1e})")
-        except (WrongResult, OutOfTime):
-            raise
-        except Exception as e:
-            result["graph"] = f"error: {short_error(e)}"
-            print(f"graph: ERROR {short_error(e)}")
-        if not compile_step:
-            return result
-        try:
-            from torch._dynamo.utils import counters
-
-            skips = sum(counters["inductor"].get(key, 0) for key in ("cudagraph_skips",))
-            step, reference, advance, input_pos = decode_step_problem(flexc, S, device, dtype, write_cache=False)
-            compiled = torch.compile(step, mode="reduce-overhead")
-            errors = []
-            for i in range(replays + 1):
-                if i:
-                    advance()
-                out = compiled()
-                sync(device)
-                errors.append(expect_close(f"reduce-overhead step {i} at input_pos {int(input_pos)}", "out", out,
-                                           reference(), tol))
-            skipped = sum(counters["inductor"].get(key, 0) for key in ("cudagraph_skips",)) - skips
-            result["compile"] = "ok" + (f" (CUDA graphs skipped {skipped}x)" if skipped and not simulated else "")
-            print(f"reduce-overhead: {replays + 1} steps equal dense (max error {max(errors):.1e})"
-                  + (f"; inductor skipped CUDA graphs {skipped}x" if skipped and not simulated else ""))
-        except (WrongResult, OutOfTime):
-            raise
-        except Exception as e:
-            result["compile"] = f"error: {short_error(e)}"
-            print(f"reduce-overhead: ERROR {short_error(e)}")
-    return result
+            out = compiled()
+            sync(device)
+            errors.append(expect_close(f"reduce-overhead step {i} at input_pos {int(input_pos)}", "out", out,
+                                       reference(), tol))
+        skipped = counters["inductor"].get("cudagraph_skips", 0) - skips
+    return (f"{replays + 1} steps equal dense (max error {max(errors):.1e})"
+            + (f"; inductor skipped CUDA graphs {skipped}x" if skipped and not simulated else ""))
 
 
-# ---- part 3: decoding per token against torch's compiled step ------------------------------
+def part_capture(ctx: Context, run: Run, deadline: float) -> None:
+    S = ctx.sizes.check_length
+    how = ("its replays run as eager calls (simulated: CUDA graphs need a GPU)" if ctx.simulated
+           else "captured in a torch.cuda.CUDAGraph and replayed")
+    print(f"a decoding step (GQA 8/2, S={S}, bf16, cache write + sliced BlockMask + shifted ALiBi), {how}; "
+          f"then under torch.compile(mode='reduce-overhead')")
+    lines = {}
+
+    def one(what: str, fn) -> None:
+        lines[what] = fn(ctx.flexc, S, ctx.device, ctx.simulated)
+        print(f"{what}: {lines[what]}", flush=True)
+
+    jobs = [("capture: CUDA graph", functools.partial(one, "CUDA graph", capture_graph))]
+    if ctx.compile_step:
+        jobs.append(("capture: reduce-overhead", functools.partial(one, "reduce-overhead", capture_compiled)))
+    else:
+        run.note("capture", "reduce-overhead: not run (--no-compile)")
+    results = run_cases(run, "capture", jobs, deadline)
+    text = [f"- {name.split(': ')[1]}: " + (lines.get(name.split(': ')[1]) or
+                                             ("FAILED" if name in results else "not run")) for name, _ in jobs]
+    run.sections["capture"] = (f"Capture: a decoding step, S={S}, bf16"
+                               + (" (simulated: eager replays)" if ctx.simulated else ""), None, text)
+
 
 def decode_mask(name: str):
     if name == "causal":
@@ -742,140 +965,453 @@ def graph_ms(fn, device: str, row: dict, who: str) -> float:
     return bench_ms(graph.replay)
 
 
-def run_decode_cell(flexc, torch_flex, name: str, S: int, D: int, device: str, deadline: float) -> dict:
-    """One token at position S-1 of an S-key cache: flexc's step and torch's compiled step, each
-    captured in a CUDA graph; flexc's also with 4 warps (the 16-row tile takes 2 by default)."""
+# ---- parts: the timing tables against torch's FlexAttention ------------------------------------
+
+def speed(row: dict) -> float | None:
+    """flexc's speed over torch's (torch's time / flexc's; > 1: flexc faster), or None."""
+    f, t = row.get("flexc_ms"), row.get("torch_ms")
+    return t / f if isinstance(f, float) and isinstance(t, float) and f > 0 else None
+
+
+def time_cell(row: dict, who: str, notes: list, label: str, scale: float = 1.0, digits: int = 3) -> str:
+    """``who``'s time (``{who}_ms`` times ``scale``), else why it has none (``row[who]``): a short
+    reason as it is, a long one (an error) as "error", its text added to ``notes``."""
+    ms = row.get(f"{who}_ms")
+    if isinstance(ms, float):
+        return f"{ms * scale:.{digits}f}"
+    reason = row.get(who)
+    if not isinstance(reason, str):
+        return "-"
+    if len(reason) <= 24:
+        return reason
+    notes.append(f"{label} {who}: {reason}")
+    return "error"
+
+
+def number(row: dict, key: str, digits: int) -> str:
+    return f"{row[key]:.{digits}f}" if isinstance(row.get(key), float) else "-"
+
+
+def finish_table(run: Run, part: str, title: str, columns: tuple, cases: list, results: dict, cells) -> None:
+    """Files the part's table: ``cases`` are ``(name, label, row defaults)``; ``cells(row, notes,
+    label)`` gives a row's strings, and a last column says ok, FAILED or not run. The flexc/torch
+    ratios of the rows that passed go to the summary."""
+    failed = {failure[0] for failure in run.failures}
+    rows, stats, notes = [], [], []
+    for name, label, defaults in cases:
+        status = "not run" if name not in results else "FAILED" if name in failed else "ok"
+        row = dict(defaults, **(results.get(name) or {}))
+        rows.append(cells(row, notes, label) + [status])
+        if status == "ok":
+            stats.append((label, row))
+    run.sections[part] = (title, columns + ("result",), rows)
+    run.stats[part] = stats
+    for text in notes:
+        run.note(part, text)
+
+
+def cell_line(part: str, label: str, row: dict, unit: str = "ms", scale: float = 1.0) -> None:
+    ratio = speed(row)
+    times = [f"{row[f'{who}_ms'] * scale:.3f}" if isinstance(row.get(f"{who}_ms"), float) else "-"
+             for who in ("flexc", "torch")]
+    print(f"{part} {label}: flexc {times[0]} {unit}, torch {times[1]} {unit}"
+          + (f", flexc/torch {ratio:.2f}" if ratio else ""), flush=True)
+
+
+def part_table(ctx: Context, run: Run, deadline: float, backward: bool) -> None:
+    """Forward (or forward + backward) time of flexc and torch's FlexAttention (compiled) for the
+    TABLE_MASKS at each head dim and length, SDPA beside causal; flexc's output checked against torch's."""
+    part = "forward+backward" if backward else "forward"
+    s = ctx.sizes
+    keys = [(D, L, mask) for L in s.lengths for D in s.dims for mask in TABLE_MASKS]
+    print(f"bf16, {s.heads} heads, B*L = {s.tokens} tokens; ms, TFLOP/s over allowed pairs "
+          f"({14 if backward else 4} * D FLOPs a pair); flexc/torch = torch's time / flexc's (> 1: flexc faster)")
+
+    def one(D: int, L: int, mask: str) -> dict:
+        row = run_cell(ctx.flexc, ctx.torch_flex, ctx.baseline, mask, L, D, ctx.device, math.inf, backward,
+                       sdpa=mask == "causal", check=True, torch_backward=not ctx.simulated, timer=ctx.timer,
+                       tokens=s.tokens, heads=s.heads, first_only=ctx.simulated)
+        cell_line(part, f"D={D} L={L} {mask}", row)
+        if "flexc_error" in row:
+            raise CaseFailed(row.pop("flexc_error"), row)
+        return row
+
+    cases = [(f"{part}: D={D} L={L} {mask}", functools.partial(one, D, L, mask)) for D, L, mask in keys]
+    results = run_cases(run, part, cases, deadline)
+
+    def cells(row, notes, label):
+        ratio = speed(row)
+        return [str(row["D"]), str(row["L"]), str(row.get("B", "-")), row["mask"],
+                *(time_cell(row, who, notes, label) for who in ("flexc", "torch", "sdpa")),
+                number(row, "flexc", 1), number(row, "torch", 1), f"{ratio:.2f}" if ratio else "-",
+                number(row, "flexc_first_s", 2)]
+
+    finish_table(run, part, f"{'Forward+backward' if backward else 'Forward'}: bf16, H={s.heads}, "
+                 f"B*L={s.tokens}" + (" (simulated: interpreter wall time, not a measurement)" if ctx.simulated else ""),
+                 ("D", "L", "B", "mask", "flexc ms", "torch ms", "SDPA ms", "flexc TFLOP/s", "torch TFLOP/s",
+                  "flexc/torch", "flexc 1st call s"),
+                 [(name, f"D={D} L={L} {mask}", {"D": D, "L": L, "mask": mask})
+                  for (name, _), (D, L, mask) in zip(cases, keys)], results, cells)
+
+
+def part_forward(ctx: Context, run: Run, deadline: float) -> None:
+    part_table(ctx, run, deadline, backward=False)
+
+
+def part_forward_backward(ctx: Context, run: Run, deadline: float) -> None:
+    part_table(ctx, run, deadline, backward=True)
+
+
+class DecodeStep:
+    """One token at position S-1 of an S-key cache, bf16, through gpt-fast's idiom (the BlockMask's
+    row of ``input_pos`` sliced, the mask_mod shifted by ``input_pos[0]``), for either library."""
+
+    def __init__(self, name: str, S: int, D: int, device: str, B: int, Hq: int, Hkv: int):
+        g = torch.Generator().manual_seed(3)
+        self.S, self.device, self.mask_mod = S, device, decode_mask(name)
+        self.q = _randn((B, Hq, 1, D), torch.bfloat16, device, g)
+        self.k, self.v = (_randn((B, Hkv, S, D), torch.bfloat16, device, g) for _ in range(2))
+        self.input_pos = torch.tensor([S - 1], device=device)
+        keys = S if name == "causal" else min(S, DECODE_WINDOW)
+        self.flops = 4 * D * keys * B * Hq
+
+    def step(self, lib):
+        """``lib``'s step (flexc or torch.nn.attention.flex_attention), its BlockMask built once."""
+        block_mask = lib.create_block_mask(self.mask_mod, None, None, self.S, self.S, device=self.device)
+
+        def one_step():
+            mask = block_mask[:, :, self.input_pos // block_mask.BLOCK_SIZE[0]]
+            mask.mask_mod, mask.seq_lengths = shifted_mask(self.mask_mod, self.input_pos[0]), (1, self.S)
+            return lib.flex_attention(self.q, self.k, self.v, block_mask=mask, enable_gqa=True)
+        return one_step
+
+
+def run_decode_cell(ctx: Context, name: str, S: int, D: int) -> dict:
+    """flexc's step and torch's compiled step, each timed as replays of a CUDA graph (simulated:
+    eager calls); flexc's also with 4 warps (the 16-row tile takes 2 by default). Raises CaseFailed
+    when flexc fails or its output differs from torch's by more than 2e-2."""
     from flexc.backends.triton import config as triton_config
 
-    B, Hq, Hkv = DECODE_BATCH, DECODE_HQ, DECODE_HKV
-    g = torch.Generator().manual_seed(3)
-    q = _randn((B, Hq, 1, D), torch.bfloat16, device, g)
-    k, v = (_randn((B, Hkv, S, D), torch.bfloat16, device, g) for _ in range(2))
-    input_pos = torch.tensor([S - 1], device=device)
-    mask_mod = decode_mask(name)
-    keys = S if name == "causal" else min(S, DECODE_WINDOW)
-    flops = 4 * D * keys * B * Hq
-    ours = flexc.create_block_mask(mask_mod, None, None, S, S, device=device)
+    B, Hq, Hkv = ctx.sizes.decode_heads
+    problem = DecodeStep(name, S, D, ctx.device, B, Hq, Hkv)
     row: dict = {"B": B}
-
-    def sliced(block_mask):
-        mask = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
-        mask.mask_mod, mask.seq_lengths = shifted_mask(mask_mod, input_pos[0]), (1, S)
-        return mask
-
-    def flexc_step():
-        return flexc.flex_attention(q, k, v, block_mask=sliced(ours), enable_gqa=True)
-
-    def tflops(ms: float) -> float:
-        return flops / (ms * 1e-3) / 1e12
-
+    time_ms = ((lambda fn, who: ctx.timer(fn)) if ctx.simulated
+               else (lambda fn, who: graph_ms(fn, ctx.device, row, who)))
+    failure, outputs = None, {}
     try:
-        row["flexc_us"] = graph_ms(flexc_step, device, row, "flexc") * 1e3
-        row["flexc"] = tflops(row["flexc_us"] * 1e-3)
-        default_warps = triton_config.default_warps
-        triton_config.default_warps = lambda block_m, target: 4  # the same step with 4 warps
-        try:
-            row["flexc_w4_us"] = graph_ms(flexc_step, device, row, "flexc 4 warps") * 1e3
-        finally:
-            triton_config.default_warps = default_warps
+        flexc_step = problem.step(ctx.flexc)
+        row["flexc_ms"] = time_ms(flexc_step, "flexc")
+        with torch.no_grad():
+            outputs["flexc"] = flexc_step()
+        default_warps = getattr(triton_config, "default_warps", None)
+        if default_warps is not None:
+            triton_config.default_warps = lambda block_m, target: 4  # the same step with 4 warps
+            try:
+                row["flexc_w4_ms"] = time_ms(flexc_step, "flexc 4 warps")
+            finally:
+                triton_config.default_warps = default_warps
     except OutOfTime:
         raise
     except Exception as e:
-        row["flexc"] = short_error(e)
-    if time.time() < deadline - 45:
-        try:
-            theirs = torch_flex.create_block_mask(mask_mod, None, None, S, S, device=device)
-            compiled = torch.compile(lambda: torch_flex.flex_attention(q, k, v, block_mask=sliced(theirs),
-                                                                       enable_gqa=True))
-            want, got = compiled(), flexc_step()
-            error = relative_error(got, want)
-            if not error <= 2e-2:
-                row["note"] = f"flexc and torch differ by {error:.1e}"
-            row["torch_us"] = graph_ms(compiled, device, row, "torch") * 1e3
-            row["torch"] = tflops(row["torch_us"] * 1e-3)
-        except OutOfTime:
-            raise
-        except Exception as e:
-            row["torch"] = short_error(e)
-    else:
-        row["torch"] = "skipped (time)"
+        failure = e
+    try:
+        torch_step = problem.step(ctx.torch_flex)
+        if not ctx.simulated:
+            torch_step = torch.compile(torch_step)
+        row["torch_ms"] = time_ms(torch_step, "torch")
+        with torch.no_grad():
+            outputs["torch"] = torch_step()
+    except OutOfTime:
+        raise
+    except Exception as e:
+        row["torch"] = short_error(e)
+    if len(outputs) == 2 and failure is None:
+        error = relative_error(outputs["flexc"], outputs["torch"])
+        if not error <= 2e-2:
+            failure = WrongResult(f"flexc's decoding step differs from torch's by {error:.1e}")
+    if failure is not None:
+        raise CaseFailed(failure, row)
     return row
 
 
-def run_decode_table(flexc, torch_flex, device: str, dims, lengths, deadline: float, rows: list | None = None) -> list:
-    """One row per (D, S, mask) appended to ``rows``: microseconds and TFLOP/s, or why none."""
-    rows = [] if rows is None else rows
-    for D in dims:
-        for S in lengths:
-            for name in ("causal", "sliding"):
-                if time.time() > deadline:
-                    rows.append(((D, S, name), {"flexc": "skipped (time)"}))
-                    continue
-                try:
-                    rows.append(((D, S, name), run_decode_cell(flexc, torch_flex, name, S, D, device, deadline)))
-                except OutOfTime:
-                    raise
-                except Exception as e:
-                    rows.append(((D, S, name), {"flexc": short_error(e)}))
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-    return rows
+def part_decode(ctx: Context, run: Run, deadline: float) -> None:
+    s = ctx.sizes
+    B, Hq, Hkv = s.decode_heads
+    keys = [(D, S, mask) for S in s.decode_lengths for D in s.dims for mask in ("causal", "sliding")]
+    print(f"bf16, B={B}, Hq={Hq}, Hkv={Hkv}, one query row at position S-1, sliding window {DECODE_WINDOW}; "
+          + ("eager calls (simulated)" if ctx.simulated else "each step captured in a CUDA graph, replays timed")
+          + "; flexc/torch = torch's time / flexc's")
+
+    def one(D: int, S: int, mask: str) -> dict:
+        try:
+            row = run_decode_cell(ctx, mask, S, D)
+        except CaseFailed as e:
+            cell_line("decode", f"D={D} S={S} {mask}", e.row, "us", 1e3)
+            raise
+        cell_line("decode", f"D={D} S={S} {mask}", row, "us", 1e3)
+        return row
+
+    cases = [(f"decode: D={D} S={S} {mask}", functools.partial(one, D, S, mask)) for D, S, mask in keys]
+    results = run_cases(run, "decode", cases, deadline)
+
+    def cells(row, notes, label):
+        ratio = speed(row)
+        if row.get("note"):
+            notes.append(f"{label}: {row['note']}")
+        return [str(row["D"]), str(row["S"]), row["mask"],
+                *(time_cell(row, who, notes, label, 1e3, 1) for who in ("flexc", "torch")),
+                f"{ratio:.2f}" if ratio else "-", time_cell(row, "flexc_w4", notes, label, 1e3, 1)]
+
+    finish_table(run, "decode", f"Decode per token: bf16, B={B}, Hq={Hq}, Hkv={Hkv}"
+                 + (" (simulated: interpreter wall time, not a measurement)" if ctx.simulated else ", CUDA graphs"),
+                 ("D", "S", "mask", "flexc us", "torch us", "flexc/torch", "flexc 4 warps us"),
+                 [(name, f"D={D} S={S} {mask}", {"D": D, "S": S, "mask": mask})
+                  for (name, _), (D, S, mask) in zip(cases, keys)], results, cells)
 
 
-def print_decode_table(rows: list) -> None:
-    print(f"\n== decoding, per token (bf16, B={DECODE_BATCH}, Hq={DECODE_HQ}, Hkv={DECODE_HKV}, one query row at "
-          f"position S-1; each step captured in a CUDA graph, replays timed) ==")
-    print(f"{'D':>4} {'S':>6} {'mask':<8} {'flexc us':>9} {'TFLOP/s':>8} {'torch us':>9} {'TFLOP/s':>8} "
-          f"{'flexc/torch':>11} {'flexc 4 warps us':>16}")
-    notes = []
-    for (D, S, name), row in rows:
-        f, t = row.get("flexc"), row.get("torch")
-        ratio = f"{f / t:11.2f}" if isinstance(f, float) and isinstance(t, float) else f"{'-':>11}"
-        us = lambda key: f"{row[key]:9.1f}" if key in row else f"{'-':>9}"
-        w4 = f"{row['flexc_w4_us']:16.1f}" if "flexc_w4_us" in row else f"{'-':>16}"
-        print(f"{D:>4} {S:>6} {name:<8} {us('flexc_us')} {fmt(f)} {us('torch_us')} {fmt(t)} {ratio} {w4}")
-        for col in ("flexc", "torch", "note"):
-            if isinstance(row.get(col), str):
-                notes.append(f"  D={D} S={S} {name} {col}: {row[col]}")
-    pairs = [(row["flexc_us"], row["flexc_w4_us"]) for _, row in rows if "flexc_w4_us" in row]
-    if pairs:
-        mean = math.exp(sum(math.log(a / b) for a, b in pairs) / len(pairs))
-        print(f"the 16-row tile with 2 warps (default) over 4 warps: time ratio geomean {mean:.2f} ({len(pairs)} cells)")
-    if notes:
-        print("notes:")
-        print("\n".join(notes))
+# ---- parts: host time per call, and the block-mask build -------------------------------------
+
+def host_ms(fn, calls: int, device: str) -> float:
+    """Wall milliseconds per call of ``calls`` back-to-back calls (one sync at the end): where the
+    kernel is shorter than the host's work, this is the host's time."""
+    for _ in range(min(calls, 3)):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / calls * 1e3
 
 
-def ratio_stats(rows: list) -> str:
-    """``worst W geomean G (N cells)`` of flexc/torch over the cells where both were measured."""
-    ratios = [row["flexc"] / row["torch"] for _, row in rows
-              if isinstance(row.get("flexc"), float) and isinstance(row.get("torch"), float) and row["torch"] > 0]
+def part_host_time(ctx: Context, run: Run, deadline: float) -> None:
+    s, device = ctx.sizes, ctx.device
+    print(f"eager calls, wall time per call over {s.host_calls} calls; torch "
+          + ("eager (simulated)" if ctx.simulated else "compiled"))
+
+    def side(row: dict, who: str, make) -> None:
+        try:
+            row[f"{who}_ms"] = host_ms(make(), s.host_calls, device)
+        except OutOfTime:
+            raise
+        except Exception as e:
+            if who == "flexc":
+                row["flexc_error"] = e
+            row[who] = short_error(e)
+
+    def forward() -> dict:
+        B, H, L, D = s.host_forward
+        g = torch.Generator().manual_seed(4)
+        q, k, v = (_randn((B, H, L, D), torch.bfloat16, device, g) for _ in range(3))
+        causal = decode_mask("causal")
+        row: dict = {}
+
+        def make(lib, call):
+            block_mask = lib.create_block_mask(causal, None, None, L, L, device=device)
+            return lambda: call(q, k, v, block_mask=block_mask)
+        side(row, "flexc", lambda: make(ctx.flexc, ctx.flexc.flex_attention))
+        side(row, "torch", lambda: make(ctx.torch_flex, ctx.baseline))
+        return row
+
+    def decode() -> dict:
+        B, H, S, D = s.host_decode
+        problem = DecodeStep("causal", S, D, device, B, H, H)
+        row: dict = {}
+        side(row, "flexc", lambda: problem.step(ctx.flexc))
+        side(row, "torch", lambda: (problem.step(ctx.torch_flex) if ctx.simulated
+                                    else torch.compile(problem.step(ctx.torch_flex))))
+        return row
+
+    B, H, L, D = s.host_forward
+    Bd, Hd, S, Dd = s.host_decode
+    labels = {"forward": f"forward B={B}, H={H}, L={L}, D={D}, causal",
+              "decode": f"decode B={Bd}, H={Hd}, 1 row, S={S}, D={Dd}"}
+
+    def one(what: str) -> dict:
+        row = {"forward": forward, "decode": decode}[what]()
+        cell_line("host time", labels[what], row, "us", 1e3)
+        if "flexc_error" in row:
+            raise CaseFailed(row.pop("flexc_error"), row)
+        return row
+
+    cases = [(f"host time: {what}", functools.partial(one, what)) for what in labels]
+    results = run_cases(run, "host time", cases, deadline)
+
+    def cells(row, notes, label):
+        ratio = speed(row)
+        return [label, *(time_cell(row, who, notes, label, 1e3, 0) for who in ("flexc", "torch")),
+                f"{ratio:.2f}" if ratio else "-"]
+
+    finish_table(run, "host time", f"Per-call host time: eager calls, wall us per call, {s.host_calls} calls",
+                 ("call", "flexc us", "torch us", "flexc/torch"),
+                 [(name, labels[name.split(": ")[1]], {}) for name, _ in cases], results, cells)
+
+
+def block_count(block_mask) -> int:
+    """Tiles a BlockMask runs: partial plus full."""
+    full = block_mask.full_kv_num_blocks
+    return int(block_mask.kv_num_blocks.sum()) + (int(full.sum()) if full is not None else 0)
+
+
+def build_ms(lib, mask_mod, L: int, device: str, repeats: int) -> tuple:
+    """Median wall milliseconds of ``repeats`` builds after a first one (which traces), and the mask."""
+    block_mask = lib.create_block_mask(mask_mod, None, None, L, L, device=device)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        block_mask = lib.create_block_mask(mask_mod, None, None, L, L, device=device)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3, block_mask
+
+
+def part_block_mask(ctx: Context, run: Run, deadline: float) -> None:
+    s, device = ctx.sizes, ctx.device
+    repeats = 1 if ctx.simulated else 5
+    print(f"create_block_mask of a causal document mask ({s.document}-token documents, the document ids a "
+          f"captured tensor on the device): median of {repeats} builds after the first; torch up to "
+          f"L={s.build_torch_max}")
+
+    def one(L: int) -> dict:
+        document_id = (torch.arange(L) // s.document).to(device)
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (document_id[q_idx] == document_id[kv_idx]) & (q_idx >= kv_idx)
+        row: dict = {}
+        try:
+            row["flexc_ms"], ours = build_ms(ctx.flexc, document_causal, L, device, repeats)
+            row["flexc_blocks"] = block_count(ours)
+        except OutOfTime:
+            raise
+        except Exception as e:
+            row["flexc"] = short_error(e)
+            raise CaseFailed(e, row)
+        if L <= s.build_torch_max:
+            try:
+                row["torch_ms"], theirs = build_ms(ctx.torch_flex, document_causal, L, device, repeats)
+                row["torch_blocks"] = block_count(theirs)
+            except OutOfTime:
+                raise
+            except Exception as e:
+                row["torch"] = short_error(e)
+        else:
+            row["torch"] = "not run (L)"
+        cell_line("block-mask build", f"L={L}", row)
+        if row.get("torch_blocks", row["flexc_blocks"]) != row["flexc_blocks"]:
+            raise CaseFailed(WrongResult(f"flexc's BlockMask runs {row['flexc_blocks']} tiles, torch's "
+                                         f"{row['torch_blocks']}"), row)
+        return row
+
+    cases = [(f"block-mask build: L={L}", functools.partial(one, L)) for L in s.build_lengths]
+    results = run_cases(run, "block-mask build", cases, deadline)
+
+    def cells(row, notes, label):
+        ratio = speed(row)
+        blocks = {str(row[key]) for key in ("flexc_blocks", "torch_blocks") if key in row}
+        return [label, *(time_cell(row, who, notes, label, digits=1) for who in ("flexc", "torch")),
+                f"{ratio:.2f}" if ratio else "-", " vs ".join(sorted(blocks)) or "-"]
+
+    finish_table(run, "block-mask build", f"Block-mask build: causal document mask, {s.document}-token documents",
+                 ("L", "flexc ms", "torch ms", "flexc/torch", "tiles"),
+                 [(name, f"L={L}", {}) for (name, _), L in zip(cases, s.build_lengths)], results, cells)
+
+
+# ---- the run: parts in turn, tables on the console and in markdown, the summary ----------------
+
+PARTS = {"correctness": part_correctness, "capture": part_capture, "forward": part_forward,
+         "forward+backward": part_forward_backward, "decode": part_decode, "host time": part_host_time,
+         "block-mask build": part_block_mask}
+assert tuple(PARTS) == tuple(PART_SHARES)
+
+
+def render(columns: tuple, rows: list, markdown: bool) -> list:
+    """A table's lines: aligned columns for the console, or a markdown table."""
+    if markdown:
+        cell = lambda text: str(text).replace("|", "\\|")
+        return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                + ["| " + " | ".join(cell(text) for text in row) + " |" for row in rows])
+    widths = [max([len(name)] + [len(row[i]) for row in rows]) for i, name in enumerate(columns)]
+    line = lambda cells: "  ".join(text.rjust(width) for text, width in zip(cells, widths)).rstrip()
+    return [line(columns)] + [line(row) for row in rows]
+
+
+def section_lines(run: Run, part: str, markdown: bool) -> list:
+    title, columns, rows = run.sections.get(part, (part, None, []))
+    lines = render(columns, rows, markdown) if columns else list(rows)
+    if part in run.stops:
+        lines.append(f"({run.stops[part]})")
+    lines += [f"note: {text}" for text in run.notes.get(part, [])]
+    if markdown and part in run.took:
+        lines.append(f"({run.took[part]:.0f} s)")
+    return [f"## {title}", ""] + lines + [""] if markdown else lines
+
+
+def ratio_stats(stats: list) -> str:
+    """``worst W (where) geomean G (N cells)`` of flexc/torch speed over the rows measured on both sides."""
+    ratios = [(speed(row), label) for label, row in stats if speed(row)]
     if not ratios:
         return "no cells"
-    mean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    return f"worst {min(ratios):.2f} geomean {mean:.2f} ({len(ratios)} cells)"
+    worst = min(ratios)
+    mean = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
+    return f"worst {worst[0]:.2f} ({worst[1]}) geomean {mean:.2f} ({len(ratios)} cells)"
 
 
-def spread(values) -> tuple:
-    """Every other value first (1K, 4K, 16K, then 2K, 8K): a spent budget still leaves a spread."""
-    values = tuple(values)
-    return values[::2] + values[1::2]
+def summary_line(run: Run, out: str, seconds: float) -> str:
+    totals = run.totals()
+    failed = [failure[0] for failure in run.failures]
+    listed = f" ({'; '.join(failed[:3])}{'; ...' if len(failed) > 3 else ''})" if failed else ""
+    per_part = ", ".join(f"{part} {c['passed']}/{sum(c.values())}" for part, c in run.counts.items())
+    ratios = "; ".join(f"{part} {ratio_stats(stats)}" for part, stats in run.stats.items()
+                       if ratio_stats(stats) != "no cells") or "none measured"
+    return (f"gpu.py summary: {'FAILED' if failed else 'ok'}; {totals['passed']} passed, {len(failed)} failed"
+            f"{listed}, {totals['not run']} not run (passed/cases: {per_part}); flexc/torch speed: {ratios}; "
+            f"tables in {out}; {seconds:.0f} s")
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" with local changes" if dirty.stdout.strip() else "")
+
+
+def write_markdown(path: str, header: list, run: Run, parts: list, summary: str | None) -> None:
+    """The whole report so far, rewritten after every part (a run stopped from outside keeps it)."""
+    lines = ["# bench/gpu.py --all", ""] + [f"{line}  " for line in header] + [""]
+    if summary:
+        lines += ["Summary:", "", "```", summary, "```", ""]
+    if run.failures:
+        lines += [f"## Failures ({len(run.failures)})", ""]
+        lines += [f"- `{case}`: {kind}: {message}" + (f" (at `{where}`)" if where else "")
+                  for case, kind, message, where in run.failures] + [""]
+    for part in parts:
+        if part in run.sections or part in run.stops or part in run.notes:
+            lines += section_lines(run, part, markdown=True)
+    temporary = f"{path}.partial"
+    with open(temporary, "w") as f:
+        f.write("\n".join(lines))
+    os.replace(temporary, path)
 
 
 def run_all(args) -> int:
-    """``--all``: correctness (fail fast), capture, then the timing tables within the budget; the
-    last line printed is the one summary line."""
-    start = time.time()
+    """``--all``: the parts in turn, each within its share of the budget and every case in its own
+    guard; the tables on the console and in markdown (``--out``); the last line is the summary.
+    Status 1 when a case failed (or --fail-case named no case), else 0."""
+    start = now()
     simulated = args.simulate is not None
     budget = args.budget if args.budget is not None else ALL_BUDGET * (2 if simulated else 1)
-    summary = {"capture": "not run", "timing": "not run"}
-    tally = Tally()
     if not simulated and not torch.cuda.is_available():
         print("bench/gpu.py --all: no CUDA device on this machine; run it with --simulate sm_90 to exercise its "
               "logic on the CPU. Nothing was run.")
         print("gpu.py summary: nothing run (no CUDA device)")
         return 0
-    import contextlib
     import warnings
 
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -888,128 +1424,111 @@ def run_all(args) -> int:
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
-    device = "cpu" if simulated else "cuda"
-    L = args.check_length or (128 if simulated else 512)
-    where = (f"simulated {args.simulate} (CPU tensors, kernels in Triton's interpreter)" if simulated
-             else torch.cuda.get_device_name())
-    print(f"bench/gpu.py --all on {where}; torch {torch.__version__}, triton {triton.__version__}, "
-          f"budget {budget:.0f} s")
-
-    def on_alarm(signum, frame):
-        raise OutOfTime()
-
-    use_alarm = hasattr(signal, "SIGALRM")
-    if use_alarm:
-        previous_handler = signal.signal(signal.SIGALRM, on_alarm)
-        signal.alarm(int(budget) + 5)  # hard stop: what was measured is still printed
-    tables: dict = {}  # title -> rows, filled cell by cell (a hard stop keeps what was measured)
-    printed: set = set()
-    ok, failure = False, ""
-    context = flexc.device.simulate(args.simulate) if simulated else contextlib.nullcontext()
+    sizes = SIMULATED_SIZES if simulated else GPU_SIZES
+    given = {"dims": args.dims, "lengths": args.lengths, "check_length": args.check_length,
+             "decode_lengths": args.decode_lengths}
+    sizes = dataclasses.replace(sizes, **{key: value for key, value in given.items() if value is not None})
+    ctx = Context(flexc, torch_flex, torch_flex.flex_attention if simulated else torch.compile(torch_flex.flex_attention),
+                  "cpu" if simulated else "cuda", simulated, sizes, args.cases, not args.no_compile)
+    run = Run(args.fail_case)
+    parts = list(args.parts)
+    where = (f"simulated {args.simulate} (CPU tensors take its host decisions, kernels run in Triton's interpreter, "
+             f"tiny sizes: timings are not measurements)" if simulated else torch.cuda.get_device_name())
+    header = [f"Device: {where}", f"Stack: torch {torch.__version__}, triton {triton.__version__}, "
+              f"Python {sys.version.split()[0]}; flexc commit {git_commit()}",
+              f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; budget {budget:.0f} s; parts: "
+              f"{', '.join(parts)}"]
+    print(f"bench/gpu.py --all on {where}")
+    print("; ".join(header[1:]) + f"; markdown to {args.out}")
     try:
-        with context:
-            ok = run_correctness(flexc, tally, L, device, start + budget * (0.85 if simulated else 0.5),
-                                 args.cases)
-            if ok:
-                capture = run_capture(flexc, L, device, simulated, not args.no_compile)
-                summary["capture"] = ", ".join(f"{'CUDA graph' if k == 'graph' else 'reduce-overhead'} "
-                                               f"{'(simulated) ' if simulated and k == 'graph' else ''}{v}"
-                                               for k, v in capture.items())
-                ok = all(v.startswith("ok") or v == "not run" for v in capture.values())
-                if simulated:
-                    print("\n== 3. timing: needs a CUDA GPU (simulation runs the kernels in Triton's interpreter); "
-                          "not run ==")
-                    summary["timing"] = "timing needs a GPU (not run)"
-                else:
-                    summary["timing"] = run_timing(flexc, torch_flex, device, args, start + budget - 15, tables,
-                                                   printed)
-    except OutOfTime:
-        print("\n(time budget exhausted: what follows is partial)")
-        for title, rows in tables.items():
-            if title not in printed:
-                rows.sort(key=lambda item: item[0])
-                print_timing(title, rows)
-        summary["timing"] = "; ".join(f"{title} flexc/torch {ratio_stats(rows)}" for title, rows in tables.items())
-        summary["timing"] = summary["timing"] or "timing not run (time)"
-    except WrongResult as e:  # a capture replay differed from dense
-        summary["capture"] = "FAILED"
-        failure = str(e)
-        print(f"FAIL {failure}", flush=True)
-        ok = False
-    except Exception as e:  # a bug of this script: still the summary line, and status 1
-        traceback.print_exc()
-        crashed = short_error(e)
-        summary["timing"] = f"{summary['timing']} (stopped by {crashed})"
-        ok = False
-    finally:
-        if use_alarm:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, previous_handler)
-    failure = tally.failure or failure
-    head = (f"FAILED at {failure}; " if failure else "ok; " if ok else
-            "FAILED (capture error); " if "error" in summary["capture"] else "FAILED (an error, above); ")
-    print(f"gpu.py summary: {head}{tally.text()}; capture {summary['capture']}; {summary['timing']}; "
-          f"{time.time() - start:.0f} s")
-    return 0 if ok and not failure else 1
-
-
-def print_timing(title: str, rows: list) -> None:
-    if title == "decode":
-        print_decode_table(rows)
-    else:
-        print_table(rows, backward=title == "forward+backward")
-
-
-def run_timing(flexc, torch_flex, device: str, args, deadline: float, tables: dict, printed: set) -> str:
-    """Part 3: forward, forward + backward and decoding tables against torch's compiled
-    FlexAttention, sharing what is left of the budget (40%, 35%, the rest); a spent share leaves
-    its remaining cells as 'skipped (time)'. Returns the tables' ratio summary."""
-    compiled_flex = torch.compile(torch_flex.flex_attention)
-    dims, lengths = args.dims, spread(args.lengths)
-    shares = (("forward", 0.40), ("forward+backward", 0.35 / 0.60), ("decode", 1.0))
-    for title, share in shares:
-        table_deadline = time.time() + share * max(0.0, deadline - time.time())
-        tables[title] = []
-        for L in lengths:  # both head dims at each length before the next length
-            for D in dims:
-                if title == "decode":
-                    run_decode_table(flexc, torch_flex, device, (D,), (L,), table_deadline, rows=tables[title])
-                else:
-                    run_table(flexc, torch_flex, compiled_flex, device, (D,), (L,), table_deadline,
-                              backward=title != "forward", names=ALL_MASKS, rows=tables[title])
-        tables[title].sort(key=lambda item: item[0])
-        print_timing(title, tables[title])
-        printed.add(title)
-    return "; ".join(f"{title} flexc/torch {ratio_stats(rows)}" for title, rows in tables.items())
+        write_markdown(args.out, header, run, parts, None)
+    except OSError as e:
+        print(f"bench/gpu.py --all: cannot write --out {args.out!r} ({e}). Fix: pass a writable path.")
+        return 2
+    end = start + budget
+    with flexc.device.simulate(args.simulate) if simulated else contextlib.nullcontext():
+        for i, part in enumerate(parts):
+            begin = now()
+            # its fixed share, or more when the parts before it left time unused (never less: a part
+            # the watchdog stopped late does not eat the next part's time, it lengthens the run)
+            share = max(budget * PART_SHARES[part] / sum(PART_SHARES[p] for p in parts),
+                        (end - begin) * PART_SHARES[part] / sum(PART_SHARES[p] for p in parts[i:]))
+            print(f"\n== {i + 1}. {part} (its share: {share:.0f} s) ==", flush=True)
+            try:
+                with watchdog(share + WATCHDOG_GRACE):
+                    PARTS[part](ctx, run, begin + share)
+            except OutOfTime:
+                run.stop(part, [], f"stopped by the watchdog {WATCHDOG_GRACE:g} s past its share")
+            except Exception as e:  # outside any case's guard: the part's own set-up
+                traceback.print_exc()
+                run.fail(part, f"{part}: (the part's set-up)", e)
+            if run.sections.get(part, (None, None))[1] is not None and part not in ("correctness", "capture"):
+                print("\n" + "\n".join(section_lines(run, part, markdown=False)), flush=True)
+            run.took[part] = now() - begin
+            print(f"({part}: {run.took[part]:.0f} s of its {share:.0f} s)", flush=True)
+            try:
+                write_markdown(args.out, header, run, parts, None)
+            except OSError as e:
+                print(f"(could not write {args.out}: {e})")
+    if run.fail_case and not run.fail_case_seen:
+        run.fail("--fail-case", f"--fail-case {run.fail_case!r}",
+                 ValueError("matched no case; the case names are in the FAIL/PASS lines and the tables"))
+    summary = summary_line(run, args.out, now() - start)
+    try:
+        write_markdown(args.out, header, run, parts, summary)
+    except OSError as e:
+        print(f"(could not write {args.out}: {e})")
+    if run.failures:
+        print(f"\n== failures ({len(run.failures)}) ==")
+        for case, kind, message, where in run.failures:
+            print(f"FAIL {case}: {kind}: {message}" + (f" (at {where})" if where else ""))
+    print(summary, flush=True)
+    return 1 if run.failures else 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="D=64, L=1K and 4K only")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds before no new cell starts (540; with --all: the whole run, 450)")
+                        help=f"seconds before no new cell starts (540; with --all: the whole run, {ALL_BUDGET:.0f}, "
+                             f"shared by its parts)")
     ints = lambda text: tuple(int(x) for x in text.split(","))
-    parser.add_argument("--dims", type=ints, default=(64, 128), help="head dims, comma-separated (64,128)")
-    parser.add_argument("--lengths", type=ints, default=(1024, 2048, 4096, 8192, 16384),
-                        help="sequence lengths, comma-separated (1024,...,16384)")
+    parser.add_argument("--dims", type=ints, default=None, help="head dims, comma-separated (64,128)")
+    parser.add_argument("--lengths", type=ints, default=None,
+                        help="sequence lengths, comma-separated (1024,...,16384; with --all 8192,1024)")
     parser.add_argument("--backward", action="store_true", help="check gradients and time forward + backward")
     parser.add_argument("--decode", action="store_true", help="the decoding table of bench/decode.py on this GPU")
     parser.add_argument("--all", action="store_true",
-                        help="the prepared run: correctness (fail fast), CUDA graph capture, the timing tables, "
-                             "one summary line; under 8 minutes")
+                        help="the prepared run: correctness, capture, the timing tables, host time, block-mask "
+                             "build, every case guarded; one summary line; under 8 minutes")
     parser.add_argument("--simulate", choices=("sm_80", "sm_90", "sm_100"), default=None,
                         help="with --all, no GPU needed: CPU tensors take that GPU's host decisions, kernels run "
-                             "in Triton's interpreter (correctness and capture logic only)")
+                             "in Triton's interpreter, every problem tiny")
+    parser.add_argument("--out", default="gpu-results.md",
+                        help="with --all: the markdown file the tables are written to (gpu-results.md)")
+    parser.add_argument("--parts", type=lambda text: tuple(p.strip() for p in text.split(",")),
+                        default=tuple(PART_SHARES),
+                        help=f"with --all: the parts to run, comma-separated ({','.join(PART_SHARES)})")
+    parser.add_argument("--fail-case", default=None,
+                        help="with --all: make the case of this name fail, to prove that the run goes on")
     parser.add_argument("--check-length", type=int, default=None,
-                        help="with --all: sequence length of the correctness checks (512; simulated 128)")
+                        help="with --all: sequence length of the correctness and capture checks (512; simulated 128)")
+    parser.add_argument("--decode-lengths", type=ints, default=None,
+                        help="with --all: KV-cache lengths of the decoding table (16384,4096,1024; simulated 256)")
     parser.add_argument("--cases", type=int, default=None, help="with --all: only the first N correctness cases")
     parser.add_argument("--no-compile", action="store_true",
                         help="with --all: skip the reduce-overhead step of the capture part")
     args = parser.parse_args(argv)
     if args.simulate and not args.all:
         parser.error("--simulate goes with --all")
+    unknown = [part for part in args.parts if part not in PART_SHARES]
+    if unknown:
+        parser.error(f"--parts: unknown part(s) {', '.join(map(repr, unknown))}; the parts are "
+                     f"{', '.join(PART_SHARES)}")
     if args.all:
         return run_all(args)
+    args.dims = args.dims or (64, 128)
+    args.lengths = args.lengths or (1024, 2048, 4096, 8192, 16384)
     if args.budget is None:
         args.budget = 540.0
     if args.decode:  # one query row per head against a KV cache: flexc's split-KV decode kernel

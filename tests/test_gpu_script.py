@@ -1,13 +1,16 @@
 """``bench/gpu.py --all`` is the one prepared run a GPU machine gets, so its logic is proven here
-under simulation (CPU tensors take sm_90's host decisions, kernels run in Triton's interpreter):
-with the tiniest settings it reaches its one summary line with zero failures; a wrong result
-ends the run at once with one FAIL line, status 1 and the summary; without CUDA and without
---simulate it says so; the timing part's ratio summary and cell order."""
+under simulation (CPU tensors take sm_90's host decisions, kernels run in Triton's interpreter,
+every problem tiny): with one case forced to fail, every other case of every part still runs, the
+failure is counted and listed, the summary line and the markdown file say so, the status is 1;
+wrong results are failures that do not stop the run either; a part that spends its share of the
+budget, or hangs past it, stops and the next part starts; without CUDA and without --simulate it
+says so."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -25,30 +28,90 @@ def _lines(capsys) -> list[str]:
     return capsys.readouterr().out.strip().splitlines()
 
 
-def test_all_simulated_reaches_the_summary_with_zero_failures(capsys):
-    # two cases: ALiBi with learnable slopes (bf16; decoding fp32) and soft-capping (fp32; decoding
-    # bf16), each forward + lse, backward and decoding with 1 and 16 rows; then the capture logic
-    assert bench.main(TINY + ["--cases", "2"]) == 0
+def test_a_case_forced_to_fail_is_counted_and_listed_and_every_other_case_runs(tmp_path, capsys):
+    out = tmp_path / "results.md"
+    forced = "forward: D=64 L=128 document"
+    assert bench.main(TINY + ["--cases", "2", "--out", str(out), "--fail-case", forced]) == 1
     lines = _lines(capsys)
-    summary = [line for line in lines if line.startswith("gpu.py summary:")]
-    assert summary == [lines[-1]], lines
-    assert summary[0].startswith("gpu.py summary: ok; correctness 8 pass, 0 fail, 0 not run;"), summary
-    assert "CUDA graph (simulated) ok" in summary[0] and "timing needs a GPU (not run)" in summary[0]
-    assert not any(line.startswith("FAIL") for line in lines)
-    assert sum(line.startswith("PASS") for line in lines) == 2
-    assert any(line.startswith("graph: 4 replays with input_pos advanced in place equal dense") for line in lines)
+    # every part ran every one of its cases; only the forced one failed
+    assert sum(line.startswith("PASS ") for line in lines) == 2
+    assert any(line.startswith("CUDA graph: 4 replays with input_pos advanced in place equal dense") for line in lines)
+    for part, cases in (("forward", 5), ("forward+backward", 5), ("decode", 2), ("host time", 2),
+                        ("block-mask build", 1)):
+        assert sum(line.startswith(f"{part} ") and ": flexc " in line for line in lines) == cases - (part == "forward")
+    failures = [line for line in lines if line.startswith("FAIL")]
+    assert failures == [f"FAIL {forced}: ForcedFailure: forced by --fail-case {forced!r}"] * 2, failures
+    summary = lines[-1]
+    assert summary.startswith(f"gpu.py summary: FAILED; 17 passed, 1 failed ({forced}), 0 not run (passed/cases: "
+                              "correctness 2/2, capture 1/1, forward 4/5, forward+backward 5/5, decode 2/2, "
+                              "host time 2/2, block-mask build 1/1); flexc/torch speed: forward worst "), summary
+    assert f"tables in {out};" in summary
+    table = [line for line in lines if line.split()[:4] == ["64", "128", "-", "document"]]
+    assert len(table) == 1 and table[0].endswith("FAILED")
+    # the markdown file: the failure, the summary, and a table per part with its ratio column
+    text = out.read_text()
+    assert f"## Failures (1)\n\n- `{forced}`: ForcedFailure:" in text and summary in text
+    for title in ("## Correctness", "## Capture", "## Forward:", "## Forward+backward:", "## Decode per token",
+                  "## Per-call host time", "## Block-mask build"):
+        assert title in text, title
+    assert "| D | L | B | mask | flexc ms | torch ms | SDPA ms | flexc TFLOP/s | torch TFLOP/s | flexc/torch |" in text
+    assert "| 64 | 128 | 1 | causal |" in text and "| D | S | mask | flexc us | torch us | flexc/torch |" in text
 
 
-def test_a_wrong_result_fails_fast_with_one_line(monkeypatch, capsys):
+def test_wrong_results_are_failures_that_do_not_stop_the_run(monkeypatch, capsys, tmp_path):
     strict = {dtype: dict.fromkeys(tol, 0.0) for dtype, tol in bench.TOLERANCE.items()}
     monkeypatch.setattr(bench, "TOLERANCE", strict)  # every rounding error is now a wrong result
-    assert bench.main(TINY + ["--cases", "3"]) == 1
+    assert bench.main(TINY + ["--cases", "2", "--parts", "correctness,capture", "--out", str(tmp_path / "r.md")]) == 1
     lines = _lines(capsys)
     failures = [line for line in lines if line.startswith("FAIL")]
-    assert len(failures) == 1 and failures[0].startswith("FAIL forward alibi (no mask) bf16: out max|error|"), lines
-    assert lines[-1].startswith("gpu.py summary: FAILED at forward alibi (no mask) bf16: out max|error|")
-    assert "correctness 0 pass, 1 fail, 11 not run" in lines[-1] and "capture not run" in lines[-1]
-    assert not any(line.startswith("PASS") or line.startswith("graph:") for line in lines)
+    assert [line.split(": WrongResult: ")[0] for line in failures[:3]] == [
+        "FAIL correctness: alibi (no mask)", "FAIL correctness: softcap (no mask)", "FAIL capture: CUDA graph"]
+    assert failures[0].endswith("forward alibi (no mask) bf16: out max|error| "
+                                + failures[0].split("out max|error| ")[1])
+    assert lines[-1].startswith("gpu.py summary: FAILED; 0 passed, 3 failed (correctness: alibi (no mask); "
+                                "correctness: softcap (no mask); capture: CUDA graph), 0 not run")
+
+
+def test_a_part_that_spends_its_share_stops_and_the_next_part_starts(monkeypatch, capsys, tmp_path):
+    clock = [0.0]
+    monkeypatch.setattr(bench, "now", lambda: clock[0])
+
+    def ten_seconds(*args, **kwargs):
+        clock[0] += 10.0
+        return "stub"
+    monkeypatch.setattr(bench, "check_case", ten_seconds)
+    monkeypatch.setattr(bench, "capture_graph", ten_seconds)
+    # budget 115 s: correctness 90 (its weight, 90 of the two parts' 115), capture what is left
+    args = ["--budget", "115", "--cases", "12", "--parts", "correctness,capture", "--out", str(tmp_path / "r.md")]
+    assert bench.main(TINY + args) == 0
+    lines = _lines(capsys)
+    assert sum(line.startswith("PASS ") for line in lines) == 10  # started at 0, 10, ..., 90 s
+    assert "(correctness: its share of the budget is spent; 2 cases not run (" in "\n".join(lines)
+    assert "CUDA graph: stub" in lines
+    assert lines[-1].startswith("gpu.py summary: ok; 11 passed, 0 failed, 2 not run (passed/cases: "
+                                "correctness 10/12, capture 1/1)")
+
+
+def test_a_part_stuck_past_its_share_is_stopped_by_the_watchdog(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(bench, "WATCHDOG_GRACE", 0.3)
+    monkeypatch.setattr(bench, "check_case", lambda *args, **kwargs: time.sleep(30))
+    monkeypatch.setattr(bench, "capture_graph", lambda *args, **kwargs: "stub")
+    start = time.monotonic()
+    args = ["--budget", "2", "--cases", "3", "--parts", "correctness,capture", "--out", str(tmp_path / "r.md")]
+    assert bench.main(TINY + args) == 0
+    assert time.monotonic() - start < 20
+    lines = _lines(capsys)
+    assert ("(correctness: stopped by the watchdog 0.3 s past its share, in correctness: alibi (no mask); 3 cases not "
+            "run (") in "\n".join(lines)
+    assert "CUDA graph: stub" in lines and lines[-1].startswith("gpu.py summary: ok; 1 passed, 0 failed, 3 not run")
+
+
+def test_a_fail_case_that_names_no_case_fails_the_run(capsys, tmp_path):
+    args = ["--parts", "block-mask build", "--fail-case", "forward: no such case", "--out", str(tmp_path / "r.md")]
+    assert bench.main(TINY + args) == 1
+    lines = _lines(capsys)
+    assert "FAIL --fail-case 'forward: no such case': ValueError: matched no case" in lines[-2]
+    assert lines[-1].startswith("gpu.py summary: FAILED; 1 passed, 1 failed")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: --all would run for minutes")
@@ -59,47 +122,22 @@ def test_all_without_cuda_or_simulation_says_so(capsys):
     assert lines[-1] == "gpu.py summary: nothing run (no CUDA device)"
 
 
-def test_ratio_summary_and_cell_order():
-    rows = [((64, 1024, "causal"), {"flexc": 2.0, "torch": 1.0}), ((64, 2048, "causal"), {"flexc": 1.0, "torch": 2.0}),
-            ((64, 4096, "causal"), {"flexc": "skipped (time)"}), ((128, 1024, "causal"), {"flexc": 3.0, "torch": "x"})]
-    assert bench.ratio_stats(rows) == "worst 0.50 geomean 1.00 (2 cells)"
+def test_ratios_and_tables():
+    rows = [("a", {"flexc_ms": 2.0, "torch_ms": 1.0}), ("b", {"flexc_ms": 1.0, "torch_ms": 2.0}),
+            ("c", {"flexc": "not run"}), ("d", {"flexc_ms": 3.0, "torch": "RuntimeError: x"})]
+    assert bench.ratio_stats(rows) == "worst 0.50 (a) geomean 1.00 (2 cells)"
     assert bench.ratio_stats(rows[2:]) == "no cells"
-    assert bench.spread((1024, 2048, 4096, 8192, 16384)) == (1024, 4096, 16384, 2048, 8192)
+    assert bench.render(("x", "name"), [["1", "a|b"]], markdown=True) == ["| x | name |", "|---|---|",
+                                                                            "| 1 | a\\|b |"]
+    assert bench.render(("x", "name"), [["10", "a"]], markdown=False) == [" x  name", "10     a"]
 
 
-def test_timing_tables_share_the_budget_and_keep_measured_cells(monkeypatch, capsys):
-    # the GPU's cells stubbed (they need CUDA): the tables' flow, shares, printing and ratio summary
-    import argparse
-    import time
-
-    import flexc
-    from torch.nn.attention import flex_attention as torch_flex
-
-    cells = []
-
-    def fake_cell(flexc, torch_flex, compiled_flex, name, L, D, device, deadline, backward=False):
-        cells.append(("fwd+bwd" if backward else "fwd", D, L, name))
-        return {"B": 1, "flexc": 2.0, "torch": 1.0 if L == 1024 else 4.0}
-
-    def fake_decode_cell(flexc, torch_flex, name, S, D, device, deadline):
-        cells.append(("decode", D, S, name))
-        if len([c for c in cells if c[0] == "decode"]) == 3:
-            raise bench.OutOfTime()  # the hard stop in the middle of the decoding table
-        return {"B": 4, "flexc": 1.0, "torch": 1.0, "flexc_us": 10.0, "torch_us": 10.0, "flexc_w4_us": 12.5}
-
-    monkeypatch.setattr(bench, "run_cell", fake_cell)
-    monkeypatch.setattr(bench, "run_decode_cell", fake_decode_cell)
-    args = argparse.Namespace(dims=(64, 128), lengths=(1024, 2048, 4096))
-    tables, printed = {}, set()
-    with pytest.raises(bench.OutOfTime):
-        bench.run_timing(flexc, torch_flex, "cpu", args, time.time() + 600, tables, printed)
-    # lengths spread (1K, 4K, then 2K), both head dims at each, both masks at each
-    assert [c[1:3] for c in cells if c[0] == "fwd"][::2] == [(64, 1024), (128, 1024), (64, 4096), (128, 4096),
-                                                             (64, 2048), (128, 2048)]
-    assert printed == {"forward", "forward+backward"} and len(tables["decode"]) == 2  # kept before the stop
-    assert bench.ratio_stats(tables["forward"]) == "worst 0.50 geomean 0.79 (12 cells)"
-    assert [key for key, _ in tables["forward"]][:3] == [(64, 1024, "causal"), (64, 1024, "document"),
-                                                         (64, 2048, "causal")]  # printed in order
-    bench.print_decode_table(tables["decode"])
-    out = capsys.readouterr().out
-    assert "forward + backward TFLOP/s" in out and "time ratio geomean 0.80 (2 cells)" in out
+def test_the_correctness_plan_rotates_checks_dtypes_and_score_mods():
+    cases = bench.check_cases(2, 4, 64, "cpu")
+    plans = [bench.check_plan(i) for i in range(len(cases))]
+    assert all(plan[2] == bench.EXTRA_CHECKS for plan in plans[:3])  # the score_mods alone: every check
+    backward = [case[3] for case, plan in zip(cases, plans) if plan[2] == ("backward",)]
+    assert {"alibi", "softcap", "rel_bias", None} <= set(backward)  # backward meets every score_mod
+    assert {plan[0] for plan in plans} == {torch.bfloat16, torch.float32}
+    assert all(plan[0] != plan[1] for plan in plans)
+    assert len(cases) == len({case[1] for case in cases[3:]}) + 3  # every catalogue mask once
