@@ -472,7 +472,7 @@ def _shared_dropout(dropout_p: float, generator: Any, group: Any, like: torch.Te
     generator), rank 0's is broadcast (on ``like``'s device, which NCCL needs)."""
     seed = dropout.seed_tensor(generator).to(like.device)
     dist.broadcast(seed, src=_global_rank(group, 0), group=group)
-    return dropout.Dropout(dropout_p, int(seed))
+    return dropout.from_seed(dropout_p, seed)  # (on the device: reading it would sync)
 
 
 def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
