@@ -92,7 +92,7 @@ def _target_device(args, kwargs):
 class _Tracker(TorchDispatchMode):
     """Counts host reads of device tensors, and marks what torch computes from host tensors alone."""
 
-    def __init__(self, sites: list, host: weakref.WeakSet):
+    def __init__(self, sites: list, host: _Tensors):
         super().__init__()
         self.sites, self.host = sites, host
 
@@ -111,6 +111,20 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
+class _Tensors:
+    """A set of tensors by identity, holding none alive (a WeakSet compares tensors with ``==``)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        self._refs[id(t)] = weakref.ref(t)
+
+    def __contains__(self, t: object) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+
 def _leaves(tree):
     if isinstance(tree, (list, tuple)):
         for x in tree:
@@ -127,7 +141,7 @@ def counting_host_reads() -> Iterator[list]:
     """Within the block, the returned list collects ``"what at flexc/file.py:line"`` per host read,
     device-to-host copy, host-to-device copy, and host tensor handed to a kernel launch."""
     sites: list = []
-    host: weakref.WeakSet = weakref.WeakSet()
+    host = _Tensors()
     patched: list = []
 
     def patch(owner, name, make):
