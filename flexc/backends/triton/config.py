@@ -262,6 +262,22 @@ def smaller_config(spec: ForwardSpec) -> ForwardSpec | None:
     return None
 
 
+def within_shared_memory(spec: ForwardSpec, device: torch.device) -> ForwardSpec:
+    """``spec`` made smaller (:func:`smaller_config`) until flexc's estimate of its shared memory
+    (:func:`flexc.device.shared_memory_estimate`) fits the GPU's per-block limit, e.g. sm_80's 163 KB
+    for the tiles chosen for Hopper (fp64 at head dim 128: 288 KB with 3 stages, 160 KB with 2); the
+    CPU's and an estimate-free spec unchanged."""
+    if not gpu.is_gpu(device) or spec.target != "cuda":
+        return spec
+    limit = gpu.facts(device).shared_memory
+    while (gpu.shared_memory_estimate(spec) or 0) > limit:
+        smaller = smaller_config(spec)
+        if smaller is None:
+            break
+        spec = smaller
+    return spec
+
+
 def fp32_precision(target: str) -> str:
     """How fp32 dots run: TF32 where torch allows it on CUDA, else IEEE."""
     if target == "cuda" and gpu.allows_tf32():
@@ -321,4 +337,5 @@ def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod |
 __all__ = ["BACKWARD_OPTIONS", "CallLayout", "FLAG_OPTIONS", "FORWARD_OPTIONS", "block_sizes", "call_layout",
            "check_int_option", "decode_stages", "default_backward_config", "default_config", "default_splits",
            "default_warps", "flags", "fp32_precision", "largest_pow2_divisor", "pass_options", "requested_splits",
-           "resolve_backward_config", "resolve_config", "resolve_decode_config", "resolve_tiles", "smaller_config"]
+           "resolve_backward_config", "resolve_config", "resolve_decode_config", "resolve_tiles", "smaller_config",
+           "within_shared_memory"]
