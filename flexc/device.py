@@ -268,7 +268,8 @@ def check_launch(grid: tuple, spec, device: torch.device, args: list) -> None:
                              f"allows at most {limit} programs along axis {'xyz'[axis]}. Fix: split the call "
                              f"(e.g. the batch into chunks) so that each launch stays within the limit.")
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.device != device:
+        if isinstance(a, torch.Tensor) and (a.device.type != device.type or None not in (a.device.index, device.index)
+                                            and a.device.index != device.index):
             raise ValueError(f"flexc: kernel argument {i} of a {type(spec).__name__} launch is a tensor on "
                              f"{a.device} {tuple(a.shape)}, but the kernel runs on {device}: a GPU kernel cannot "
                              f"read it. Fix: create that tensor on {device}.")
