@@ -208,13 +208,13 @@ def counting_host_reads() -> Iterator[list]:
         return method
 
     def launching(original):
-        def launch(fn, grid, spec, device, args, constants):
+        def launch(fn, grid, spec, device, args, *rest, **options):
             frame = _flexc_frame()
             for i, a in enumerate(args):
                 if isinstance(a, torch.Tensor) and a in host:
                     sites.append(f"host tensor handed to a launch (argument {i}) at "
                                  f"{_site(frame) if frame is not None else '?'}")
-            return original(fn, grid, spec, device, args, constants)
+            return original(fn, grid, spec, device, args, *rest, **options)
         return launch
 
     for name in _METHODS:
