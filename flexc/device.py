@@ -262,7 +262,7 @@ def check_launch(grid: tuple, spec, device: torch.device, args: list) -> None:
     ``OutOfResources``, as a compile for the real one raises; :func:`shared_memory_estimate`)."""
     if not is_gpu(device) or spec.target != "cuda":
         return
-    for axis, (extent, limit) in enumerate(zip(grid, GRID_LIMITS)):
+    for axis, (extent, limit) in enumerate(zip(grid if isinstance(grid, tuple) else (), GRID_LIMITS)):
         if extent > limit:
             raise ValueError(f"flexc: a launch of {type(spec).__name__} needs a grid of {tuple(grid)}, but CUDA "
                              f"allows at most {limit} programs along axis {'xyz'[axis]}. Fix: split the call "
