@@ -298,7 +298,9 @@ def launching(device: torch.device) -> Iterator[None]:
 
 def launch(fn, grid: tuple, spec, device: torch.device, args: list, constants: dict) -> None:
     """Launch the ``@triton.jit`` kernel ``fn`` of ``spec`` on ``grid`` for tensors on ``device``:
-    compiled in the device's CUDA context, or in Triton's interpreter for CPU tensors."""
+    compiled in the device's CUDA context, or in Triton's interpreter for CPU tensors (after
+    :func:`check_launch`: a simulated GPU refuses what the real one would)."""
+    check_launch(grid, spec, device, args)
     with launching(device):
         fn[grid](*args, **constants, **launch_options(spec, device))
 
@@ -333,3 +335,75 @@ def stream_token(device: torch.device):
     if torch.cuda.is_current_stream_capturing():
         return object()  # equal to nothing else: never served again
     return torch.cuda.current_stream(device)
+
+
+# ---- what CUDA enforces and Triton's interpreter does not ----------------------------------
+# Checked for real and simulated GPUs alike, so a CPU run under FLEXC_SIMULATE_DEVICE fails where a
+# GPU would (docs/architecture.md, "What the simulated GPU enforces").
+
+# torch._assert_async on CUDA refuses a message of 255 characters or more
+ASSERT_MESSAGE_LIMIT = 254
+# a CUDA grid's y and z extents (x may reach 2**31 - 1)
+GRID_LIMITS = (2 ** 31 - 1, 65535, 65535)
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async(condition, message)``: the stream stops with ``message`` where
+    ``condition`` is False, without a sync. On a GPU (real or simulated) ``message`` must fit
+    :data:`ASSERT_MESSAGE_LIMIT` (shorten it with :func:`fit_message`): CUDA raises otherwise, here too."""
+    if len(message) > ASSERT_MESSAGE_LIMIT and is_gpu(condition.device):
+        raise RuntimeError(f"Message length must be smaller than {ASSERT_MESSAGE_LIMIT + 1} (got {len(message)} "
+                           f"characters: {message[:80]!r}...): torch._assert_async on CUDA refuses it")
+    torch._assert_async(condition, message)
+
+
+def fit_message(required: str, *optional: str, limit: int = ASSERT_MESSAGE_LIMIT) -> str:
+    """``required`` (cut to ``limit`` characters, ending in ``...``, if it is longer) followed by each of
+    ``optional`` that still fits, in order: a device-side assert message CUDA accepts."""
+    text = required if len(required) <= limit else required[:limit - 3] + "..."
+    for extra in optional:
+        if len(text) + len(extra) <= limit:
+            text += extra
+    return text
+
+
+def check_launch(grid: tuple, spec, device: torch.device, args: list) -> None:
+    """Raise where a GPU launch of ``spec`` on ``grid`` with ``args`` would fail: a grid extent past
+    CUDA's limits, a tensor that is not on ``device`` (a host tensor handed to a GPU kernel), or, on
+    a simulated GPU, more shared memory than the simulated one has per block (Triton's
+    ``OutOfResources``, as a compile for the real one raises; :func:`shared_memory_estimate`)."""
+    if not is_gpu(device) or spec.target != "cuda":
+        return
+    for axis, (extent, limit) in enumerate(zip(grid if isinstance(grid, tuple) else (), GRID_LIMITS)):
+        if extent > limit:
+            raise ValueError(f"flexc: a launch of {type(spec).__name__} needs a grid of {tuple(grid)}, but CUDA "
+                             f"allows at most {limit} programs along axis {'xyz'[axis]}. Fix: split the call "
+                             f"(e.g. the batch into chunks) so that each launch stays within the limit.")
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and (a.device.type != device.type or None not in (a.device.index, device.index)
+                                            and a.device.index != device.index):
+            raise ValueError(f"flexc: kernel argument {i} of a {type(spec).__name__} launch is a tensor on "
+                             f"{a.device} {tuple(a.shape)}, but the kernel runs on {device}: a GPU kernel cannot "
+                             f"read it. Fix: create that tensor on {device}.")
+    if is_simulated(device):
+        needed = shared_memory_estimate(spec)
+        limit = _state["simulated"].shared_memory
+        if needed is not None and needed > limit:
+            from triton.runtime.errors import OutOfResources
+            raise OutOfResources(needed, limit, "shared memory")
+
+
+def shared_memory_estimate(spec) -> int | None:
+    """Bytes of shared memory a launch of ``spec`` needs at least, or None where flexc has no
+    estimate: the ring of ``num_stages - 1`` key and value tiles the pipeliner keeps in flight, and
+    the query tile, for the forward (``ForwardSpec``) and decode (``DecodeSpec``) kernels. A lower
+    bound (the compiler may add scratch, e.g. for layout conversions): what the simulation cannot
+    see is listed in docs/architecture.md."""
+    block_m, block_n = getattr(spec, "block_m", None), getattr(spec, "block_n", None)
+    head_dim, v_head_dim = getattr(spec, "head_dim", None), getattr(spec, "v_head_dim", None)
+    dtype = getattr(spec, "dtype", None)
+    if None in (block_m, block_n, head_dim, v_head_dim) or not isinstance(dtype, torch.dtype):
+        return None
+    size = torch.empty((), dtype=dtype).element_size()
+    d, dv = (max(16, 1 << max(0, (x - 1).bit_length())) for x in (head_dim, v_head_dim))  # as the kernels pad
+    return (max(1, spec.num_stages - 1) * block_n * (d + dv) + block_m * d) * size

@@ -14,6 +14,7 @@ range, on every backend alike; the generated kernels therefore never read out of
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from ..mods import ir
-from ..device import is_gpu
+from ..device import ASSERT_MESSAGE_LIMIT, assert_async, fit_message, is_gpu
 from ..mods.evaluate import evaluate, index_grid
 from ..mods.lifted_cells import structure
 from .ranges import domain_bounds
@@ -232,13 +233,30 @@ def _assert_on_device(traced: TracedMod, check: tuple, sizes: dict, where: str, 
         bad = out if bad is None else bad | out
     if bad is None:
         return
+    assert_async(~bad, _device_message(traced, check, sizes, where))
+
+
+def _device_message(traced: TracedMod, check: tuple, sizes: dict, where: str) -> str:
+    """The device-side assert's message: the mod, its line, what failed and the fix, in the
+    :data:`flexc.device.ASSERT_MESSAGE_LIMIT` characters CUDA accepts (the file's name without its
+    folders; the expression and the source line only where they fit)."""
+    node, dim, expr, size = check
     site, source = traced.sites.get(node, ("", ""))
-    what = (f"divides by zero (divisor `{ir.format_expr(expr, traced.buffer_names)}`)" if size is None else
-            f"indexed `{traced.buffer_names[node.args[0].attr[0]]}` out of range in dimension {dim} "
-            f"(valid: {-size}..{size - 1}) at `{ir.format_expr(expr, traced.buffer_names)}`")
-    torch._assert_async(~bad, f"{where}: {traced.kind} {traced.name}{site} {what} for B={sizes['b']}, "
-                                    f"H={sizes['h']}, Q_LEN={sizes['q_idx']}, KV_LEN={sizes['kv_idx']} (checked on "
-                                    f"the device). {source}")
+    if site:  # " (/long/path/to/file.py:12)" -> " (file.py:12)"
+        site = f" ({os.path.basename(site.strip(' ()'))})"
+    head = f"{where}: {traced.kind} {traced.name}{site}"
+    domain = f" for B={sizes['b']}, H={sizes['h']}, Q_LEN={sizes['q_idx']}, KV_LEN={sizes['kv_idx']}."
+    if size is None:
+        what = " divides by zero. Fix: keep the divisor non-zero, e.g. torch.where(d == 0, 1, d)."
+        detail = f" Divisor: `{ir.format_expr(expr, traced.buffer_names)}`."
+    else:
+        what = (f" indexed `{traced.buffer_names[node.args[0].attr[0]]}` out of range in dim {dim} (valid "
+                f"{-size}..{size - 1}). Fix: clamp it, e.g. .clamp(0, {size - 1}), or capture a larger tensor.")
+        detail = f" Index: `{ir.format_expr(expr, traced.buffer_names)}`."
+    room = ASSERT_MESSAGE_LIMIT - len(what)  # the fix always fits; a long name or file name is cut
+    if len(head) > room:
+        head = head[:max(0, room - 3)] + "..."
+    return fit_message(head + what, domain, detail, f" {source}" if source else "")
 
 
 def _message(traced: TracedMod, check: tuple, sizes: dict, where: str, low: int, high: int, first: tuple,

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..device import is_gpu
+
 _M32 = 0xFFFFFFFF
 # Philox 4x32 constants (Salmon et al. 2011), as in Triton's triton.language.random
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -32,7 +34,7 @@ class Dropout(NamedTuple):
     sequence (:mod:`flexc.call.distributed`). None: the call's own indices."""
 
     p: float
-    seed: int
+    seed: int | torch.Tensor  # a 0-d int64 tensor when drawn on a GPU (flexc.backends.dropout.draw)
     q_positions: torch.Tensor | None = None
     kv_positions: torch.Tensor | None = None
 
@@ -69,8 +71,17 @@ def seed_tensor(generator: torch.Generator | None) -> torch.Tensor:
 
 
 def draw(dropout_p: float, generator: torch.Generator | None) -> Dropout:
-    """This call's dropout, its seed drawn by :func:`seed_tensor`."""
-    return Dropout(dropout_p, int(seed_tensor(generator)))
+    """This call's dropout, its seed drawn by :func:`seed_tensor`: a Python int from a host generator,
+    the 0-d tensor itself from a GPU's (reading it on the host would sync the device every call;
+    :func:`philox` and the Triton launcher take either)."""
+    seed = seed_tensor(generator)
+    return from_seed(dropout_p, seed) if generator is not None else Dropout(dropout_p, int(seed))
+
+
+def from_seed(dropout_p: float, seed: torch.Tensor) -> Dropout:
+    """The dropout of a call whose 0-d int64 ``seed`` is drawn: kept a tensor on a GPU (real or
+    simulated), read into an int on the host."""
+    return Dropout(dropout_p, seed if is_gpu(seed.device) else int(seed))
 
 
 def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +93,9 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def philox(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> torch.Tensor:
+def philox(seed: int | torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> torch.Tensor:
     """The first 32-bit output (as int64 in [0, 2**32)) of Philox 4x32-10 for counters ``c0..c3``
-    (broadcastable int64 tensors of 32-bit values) and a 64-bit ``seed``: Triton's
+    (broadcastable int64 tensors of 32-bit values) and a 64-bit ``seed`` (an int or a 0-d int64 tensor): Triton's
     ``tl.philox(seed, c0, c1, c2, c3)[0]``, bit for bit."""
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     c0, c1, c2, c3 = torch.broadcast_tensors(*(c.to(torch.int64) & _M32 for c in (c0, c1, c2, c3)))

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ..device import is_gpu
 from .versioned_memo import VersionedMemo
 
 
@@ -40,14 +41,18 @@ def matmul_skipping_zeros(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     A plain matmul gives ``0 * NaN = NaN``, so a masked key (probability 0) whose value row holds
     NaN would poison its query row. Here non-finite entries of ``b`` are zeroed for the product and
     what the nonzero entries of ``a`` make of them (NaN, +inf or -inf per output element) is added
-    back, from 0/1 products over the few key rows (dim -2 of ``b``) that hold such entries.
+    back, from 0/1 products over the few key rows (dim -2 of ``b``) that hold such entries (on a GPU,
+    over every row: finding the few would read them on the host).
     """
     bad = ~torch.isfinite(b)
-    rows = bad.any(-1).reshape(-1, b.shape[-2]).any(0).nonzero().flatten()
-    if rows.numel() == 0:
-        return torch.matmul(a, b)
+    if is_gpu(b.device):  # every key row: finding the few would read them on the host (a sync)
+        a_sel, b_sel = a, b
+    else:
+        rows = bad.any(-1).reshape(-1, b.shape[-2]).any(0).nonzero().flatten()
+        if rows.numel() == 0:
+            return torch.matmul(a, b)
+        a_sel, b_sel = a[..., rows], b[..., rows, :]
     out = torch.matmul(a, b.masked_fill(bad, 0.0))
-    a_sel, b_sel = a[..., rows], b[..., rows, :]
     pos, neg = (a_sel > 0).to(out.dtype), (a_sel < 0).to(out.dtype)
     is_nan = b_sel.isnan().to(out.dtype)
     is_pinf, is_ninf = (b_sel == float("inf")).to(out.dtype), (b_sel == float("-inf")).to(out.dtype)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from . import attention as _attention
 from ..backends import dropout
+from ..backends.cpu.block_plan import memo_by_tables
 from ..mods import derived
 from ..masks.mask_mods import noop_mask
 from .sinks import check_sinks
@@ -145,11 +146,15 @@ def _square_block_mask(where: str, block_mask: Any) -> tuple[int, int]:
 
 
 def _tile_classes(block_mask: Any) -> torch.Tensor:
-    """int64 ``[B, H, nQ, nKV]`` tile classes (0 empty, 1 partial, 2 full) of flexc's or torch's BlockMask."""
+    """int64 ``[B, H, nQ, nKV]`` tile classes (0 empty, 1 partial, 2 full) of flexc's or torch's BlockMask,
+    on the host; remembered while its tables are unmodified (copying a GPU's to the host is a sync,
+    and every call of a training loop asks again)."""
     from ..masks.block_mask import BlockMask
 
-    bm = block_mask if isinstance(block_mask, BlockMask) else BlockMask.from_torch(block_mask)
-    return bm._tile_classes().cpu()
+    def build() -> torch.Tensor:
+        bm = block_mask if isinstance(block_mask, BlockMask) else BlockMask.from_torch(block_mask)
+        return bm._tile_classes().cpu()
+    return memo_by_tables(block_mask, ("context-parallel tile classes",), build)
 
 
 def _chunks_by(weights: list[int], parts: int) -> list[int]:
@@ -472,7 +477,7 @@ def _shared_dropout(dropout_p: float, generator: Any, group: Any, like: torch.Te
     generator), rank 0's is broadcast (on ``like``'s device, which NCCL needs)."""
     seed = dropout.seed_tensor(generator).to(like.device)
     dist.broadcast(seed, src=_global_rank(group, 0), group=group)
-    return dropout.Dropout(dropout_p, int(seed))
+    return dropout.from_seed(dropout_p, seed)  # (on the device: reading it would sync)
 
 
 def flex_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,

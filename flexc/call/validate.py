@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..device import is_gpu, same_device
+from ..device import assert_async, fit_message, is_gpu, same_device
 from ..codegen.spec import precision_option
 from ..errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError, warn_once
 from ..mods.traced_mod import check_captured  # noqa: F401  (validation of a call's mods)
@@ -353,8 +353,8 @@ def _assert_entries_on_device(tables: list, n_kv: int) -> None:
         listed = torch.where(valid, index, n_kv).clamp(0, n_kv)
         used.scatter_add_(-1, listed.long(), valid.to(torch.int32))
     bad = bad | (used[..., :n_kv] > 1).any()
-    torch._assert_async(~bad, "flex_attention: `block_mask` has a count outside [0, nKV], an index outside "
-                        f"[0, nKV) (or negative) or a key block listed twice in a row. {_REBUILD}")
+    assert_async(~bad, fit_message("flex_attention: `block_mask` has a count outside [0, nKV], an index outside "
+                                   f"[0, nKV) (or negative) or a key block listed twice in a row. {_REBUILD}"))
 
 
 def _check_entries_in_python(contents: TableContents) -> None:

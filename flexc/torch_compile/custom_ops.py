@@ -29,7 +29,7 @@ from ..mods.mod_key import traced_from_key
 from ..mods.traced_mod import unless_identity
 from ..call.plan import dropout_backend, generated_backward_applies, warn_fallback
 from ..call.sinks import sink_grad
-from ..backends.dropout import Dropout
+from ..backends.dropout import Dropout, from_seed
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
 # The forward and the backward walk query rows, so the q-direction tables are never needed.
@@ -131,7 +131,7 @@ def _forward_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def _dropout(dropout_p: float, seed: Optional[torch.Tensor]) -> Dropout | None:
     """The ops' dropout arguments as the row loop's :class:`~flexc.backends.dropout.Dropout` (None: none)."""
-    return Dropout(dropout_p, int(seed)) if dropout_p and seed is not None else None
+    return from_seed(dropout_p, seed) if dropout_p and seed is not None else None
 
 
 def _saves_stats(kernel_options: str, dropout_p: float) -> bool:

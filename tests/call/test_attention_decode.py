@@ -252,3 +252,33 @@ def test_two_products_mask_the_columns_a_striped_mask_blocks(monkeypatch):
     _close(lse, ref_lse)
     (_, _, _, masked, *_), = calls
     assert masked  # (the striped blocks' columns were masked, not narrowed away)
+
+
+def test_a_simulated_gpu_decodes_every_catalogue_mask_on_the_torch_backend_without_host_copies():
+    """On a GPU the one-row plan masks every partial span on the device (its verdicts are not read
+    on the host, which would sync and copy both ways every call): same results, nothing counted."""
+    from host_reads import counting_host_reads
+
+    L, offset = 3, 150
+    q, k, v = random_qkv(1, 1, 1, L, S, E, seed=4)
+    with flexc.device.simulate("sm_90"):
+        for name in sorted(MASKS):
+            mask_mod = shifted(MASKS[name], offset)
+            one_row = flexc.create_block_mask(mask_mod, 1, 1, L, S, BLOCK_SIZE=BLOCK)
+            call = lambda: flexc.flex_attention(q, k, v, block_mask=one_row, return_lse=True,
+                                                kernel_options={"BACKEND": "TORCH"})
+            call()
+            with counting_host_reads() as reads:
+                out, lse = call()
+            assert reads == [], f"{name}: {reads}"
+            ref_out, ref_lse, _ = dense_attention(q, k, v, mask_mod=mask_mod)
+            _close(out, ref_out)
+            _close(lse, ref_lse)
+    # an uninitialised cache past the causal rows: NaN and inf in masked keys' values stay out
+    causal = shifted(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, offset)
+    bad_v = v.clone()
+    bad_v[..., 160, :], bad_v[..., 165, :] = float("nan"), float("inf")
+    with flexc.device.simulate("sm_90"):
+        mask = flexc.create_block_mask(causal, 1, 1, L, S, BLOCK_SIZE=BLOCK)
+        out = flexc.flex_attention(q, k, bad_v, block_mask=mask, kernel_options={"BACKEND": "TORCH"})
+    _close(out, dense_attention(q, k, v, mask_mod=causal)[0])

@@ -288,3 +288,14 @@ def test_flex_attention_errors_name_the_fix():
 def test_plan_reads_torch_block_masks():
     bm = flexc.create_block_mask(lambda b, h, q, kv: (kv < 64) | (q >= kv), None, None, 512, 512, BLOCK_SIZE=64)
     assert cp.plan_context_parallel(bm.to_torch(), 2) == cp.plan_context_parallel(bm, 2)
+
+
+def test_each_call_finds_the_tile_classes_without_copying_the_tables_to_the_host_again():
+    from host_reads import counting_host_reads
+
+    with flexc.device.simulate("sm_90"):
+        bm = flexc.create_block_mask(_causal, 1, 1, 128, 128, BLOCK_SIZE=32)
+        first = cp._tile_classes(bm)
+        with counting_host_reads() as reads:
+            again = cp._tile_classes(bm)
+    assert reads == [] and again is first

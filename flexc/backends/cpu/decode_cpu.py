@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ... import device as gpu
+from ...device import is_gpu, is_plain_cpu
 from ...constants import DECODE_MAX_ROWS as MAX_ROWS, LN2, LOG2E
 from ...mods import ir
 from ...mods.evaluate import evaluate
@@ -239,6 +240,22 @@ def _visited_positions(block_mask: Any, L: int, S: int, device: torch.device):
     return positions, start, partial[..., cols], (full[..., cols] if full is not None else None)
 
 
+def _masked_columns_on_device(mask_mod: TracedMod, plan: _RowPlan, index: dict, n: int) -> tuple[list, int, int]:
+    """:func:`_masked_columns` for a GPU's tensors: every partial span masked on the device and no
+    column range narrowed (deciding which spans block a pair would read the verdicts on the host, a
+    sync and copies both ways on every call)."""
+    allowed = evaluate(mask_mod, **{k: (plan.span_kv if k == "kv_idx" else index[k]) for k in _reads(mask_mod)})
+    blocked = ~torch.as_tensor(allowed).to(torch.bool)
+    width = plan.span_kv.shape[-1]
+    if blocked.shape[-1] != width:  # a mask_mod that ignores kv_idx gives one verdict column
+        blocked = blocked.expand(*blocked.shape[:-1], width)
+    masked, column = [], 0
+    for offset, length in plan.spans:
+        masked.append((offset, length, blocked[..., column:column + length]))
+        column += length
+    return masked, 0, n
+
+
 def _masked_columns(mask_mod: TracedMod, plan: _RowPlan, index: dict, n: int) -> tuple[list, int, int]:
     """``(masked, lo, hi)``: ``(offset, length, blocked)`` of the partial spans of ``plan`` whose
     mask_mod verdicts block some pair (``blocked`` a bool tensor over the span's columns, offsets
@@ -253,6 +270,8 @@ def _masked_columns(mask_mod: TracedMod, plan: _RowPlan, index: dict, n: int) ->
     ends narrowed to the allowed keys when a span at an end is blocked up to (or from) some column:
     the causal diagonal and a sliding window's trailing edge then need no mask at all.
     """
+    if is_gpu(plan.span_kv.device):
+        return _masked_columns_on_device(mask_mod, plan, index, n)
     verdicts = None
     if plan.span_kv_array is not None:  # (None: a mask on another device)
         verdicts = evaluate_small(mask_mod, {k: (plan.span_kv_array if k == "kv_idx" else _index_array(index[k].shape))
@@ -503,7 +522,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
     else:
         read = positions[lo:hi]
         k_sel, v_sel = key.index_select(2, read), value.index_select(2, read)
-    if (score_mod is None and not need_max and fused_cpu.FLASH is not None and query.is_cpu
+    if (score_mod is None and not need_max and fused_cpu.FLASH is not None and is_plain_cpu(query.device)
             and query.dtype in (torch.float32, torch.float64) and E == Ev
             and (block_mask is None or spans is not None)
             and (not masked or _reads(mask_mod) <= {"q_idx", "kv_idx"})
@@ -545,8 +564,9 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
     # has l = 0, P = 0 and m = -inf: clamping l to 1 gives it output 0 and lse -inf without a branch
     l = s4.sum(-1, keepdim=True).clamp_min_(1.0)
     # masked keys' NaN/inf values must not reach P @ V through 0 * NaN (an uninitialised cache);
-    # on one-row plans only the masked columns can hold such keys
-    finite = all_finite(v_sel) if allowed is not None else _finite_columns(masked, v_sel)
+    # on one-row plans only the masked columns can hold such keys; a GPU's values are not read on
+    # the host to decide (a sync every call, the gathered columns being new tensors): the safe product
+    finite = not is_gpu(v_sel.device) and (all_finite(v_sel) if allowed is not None else _finite_columns(masked, v_sel))
     matmul = torch.matmul if finite else matmul_skipping_zeros
     o = matmul(s, v_sel.to(work)).view(B, Hq, L, Ev).div_(l)
     lse = m.add_(l.log2_()).mul_(LN2).squeeze(-1) if not need_max else (m + l.log2()).mul_(LN2).squeeze(-1)

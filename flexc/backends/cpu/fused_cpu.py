@@ -30,6 +30,7 @@ import functools
 
 import torch
 
+from ...device import is_plain_cpu
 from ...mods.evaluate import evaluate
 from .block_plan import Chunk, add_chunk_rows, chunk_kv_index, chunk_rows, fused_pieces, shared_full_columns, tree_calls
 
@@ -51,7 +52,7 @@ MIN_COST_PER_WORKER = 2e6
 def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) -> bool:
     """Whether the fused kernel computes this forward exactly as the plain-torch path would
     (``mods`` None: attention without mods)."""
-    return (FLASH is not None and not need_max and query.is_cpu
+    return (FLASH is not None and not need_max and is_plain_cpu(query.device)
             and query.dtype in (torch.float32, torch.float64)
             and query.shape[-1] == value.shape[-1]
             and (mods is None or mods.score_mod is None or mods.bias_node is not None))

@@ -344,6 +344,22 @@ def fp32_precision(target: str, kernel_options: dict | None = None) -> str:
         return asked
     return "tf32" if gpu.allows_tf32() else "ieee"
 
+def within_shared_memory(spec: ForwardSpec, device: torch.device) -> ForwardSpec:
+    """``spec`` made smaller (:func:`smaller_config`) until flexc's estimate of its shared memory
+    (:func:`flexc.device.shared_memory_estimate`) fits the GPU's per-block limit, e.g. sm_80's 163 KB
+    for the tiles chosen for Hopper (fp64 at head dim 128: 288 KB with 3 stages, 160 KB with 2); the
+    CPU's and an estimate-free spec unchanged."""
+    if not gpu.is_gpu(device) or spec.target != "cuda":
+        return spec
+    limit = gpu.facts(device).shared_memory
+    while (gpu.shared_memory_estimate(spec) or 0) > limit:
+        smaller = smaller_config(spec)
+        if smaller is None:
+            break
+        spec = smaller
+    return spec
+
+
 
 
 # ---- what the call fixes ------------------------------------------------------------------
@@ -395,8 +411,9 @@ def call_layout(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod |
     return CallLayout(size, has_full, width, gpu.target(query.device), float_indices(B, Hq, L, value.shape[-2]))
 
 
-__all__ = ["BACKWARD_OPTIONS", "DEPARTURES", "FORWARD_TABLE", "TORCH_SM90_DECODE", "TORCH_SM90_FORWARD", "CallLayout", "Departure",
-           "FLAG_OPTIONS", "FORWARD_OPTIONS", "block_sizes", "call_layout", "check_int_option", "default_backward_config",
-           "default_config", "default_splits", "default_warps", "departure", "flags", "fp32_precision",
-           "largest_pow2_divisor", "pass_options", "requested_splits", "resolve_backward_config", "resolve_config",
-           "resolve_decode_config", "resolve_tiles", "smaller_config", "tiles_text", "torch_backward_pick", "torch_forward_pick"]
+__all__ = ["BACKWARD_OPTIONS", "DEPARTURES", "FORWARD_TABLE", "TORCH_SM90_DECODE", "TORCH_SM90_FORWARD", "CallLayout",
+           "Departure", "FLAG_OPTIONS", "FORWARD_OPTIONS", "block_sizes", "call_layout", "check_int_option",
+           "default_backward_config", "default_config", "default_splits", "default_warps", "departure", "flags",
+           "fp32_precision", "largest_pow2_divisor", "pass_options", "requested_splits", "resolve_backward_config",
+           "resolve_config", "resolve_decode_config", "resolve_tiles", "smaller_config", "tiles_text",
+           "torch_backward_pick", "torch_forward_pick", "within_shared_memory"]

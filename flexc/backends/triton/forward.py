@@ -57,9 +57,12 @@ def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod
                   dropout: bool = False, sinks: bool = False) -> ForwardSpec:
     """The forward kernel's spec that a flex_attention call with these (validated) arguments runs."""
     layout = config.call_layout(query, value, score_mod, mask_mod, block_mask, kernel_options)
-    return make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], layout.block_size,
+    spec = make_spec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], layout.block_size,
                      kernel_options, layout.target, need_lse, layout.has_full_blocks, layout.index_dtype, training,
                      dropout, sinks, layout.float_indices)
+    if config.pass_options(kernel_options, config.FORWARD_OPTIONS, "fwd_"):
+        return spec  # the user's tiles: a GPU that lacks the memory says so, and the launch retries smaller
+    return config.within_shared_memory(spec, query.device)
 
 
 class ForwardPlan(NamedTuple):

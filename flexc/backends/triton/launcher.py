@@ -154,8 +154,16 @@ def dropout_arguments(dropout: Dropout | None, device: torch.device) -> list:
     if dropout.q_positions is not None or dropout.kv_positions is not None:
         raise ValueError("flexc: the Triton kernels draw dropout at the call's own indices; a context-parallel "
                          "shard's positions run on the TORCH backend (flexc.call.plan.dropout_backend)")
-    pair = torch.tensor([dropout.seed, dropout.threshold], dtype=torch.int64, device=device)
-    return [pair, dropout.scale]
+    return [_seed_pair(dropout, device), dropout.scale]
+
+
+def _seed_pair(dropout: Dropout, device: torch.device) -> torch.Tensor:
+    """The int64 ``(seed, threshold)`` pair on ``device``, written there by fills (a seed drawn on the
+    GPU: a device copy): ``torch.tensor([...], device=)`` would copy from pageable host memory on
+    every call, a wait for the host that CUDA graph capture refuses."""
+    pair = torch.full((2,), dropout.threshold, dtype=torch.int64, device=device)
+    pair[0] = dropout.seed
+    return pair
 
 
 def check_sinks(spec, sinks: torch.Tensor | None) -> None:

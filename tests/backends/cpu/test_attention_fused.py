@@ -245,3 +245,14 @@ def test_a_gradient_into_the_logsumexp_takes_the_row_loop(monkeypatch):
     ref_out, ref_lse, _ = dense_attention(q, k, v, None, _window)
     for a, b in zip(mine, torch.autograd.grad(ref_out.sum() + ref_lse.sum(), (q, k, v))):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+def test_a_simulated_gpu_takes_the_gpus_path_not_the_cpu_kernels():
+    # torch's fused CPU kernel (and the causal calls built on it) exist for CPU tensors only: a
+    # simulated GPU's calls take the path a GPU's take, where the counted host reads are the GPU's
+    q = torch.randn(1, 2, 64, 16)
+    if fused_cpu.FLASH is None:
+        pytest.skip("torch has no fused CPU kernel here")
+    assert fused_cpu.supported(q, q, None, False)
+    with flexc.device.simulate("sm_90"):
+        assert not fused_cpu.supported(q, q, None, False)

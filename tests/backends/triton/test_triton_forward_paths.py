@@ -6,6 +6,7 @@ ROWS_GUARANTEED_SAFE and BLOCKS_ARE_CONTIGUOUS options."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -137,3 +138,19 @@ def test_option_flags_must_be_bools():
     q, k, v = random_qkv(1, 1, 1, 32, 32, 16)
     with pytest.raises(TypeError, match="PRESCALE_QK"):
         run(q, k, v, PRESCALE_QK="yes")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_default_forward_tiles_fit_the_gpus_shared_memory_and_a_simulated_launch_takes_them(arch):
+    # the tiles chosen for Hopper, checked against each architecture's per-block limit (sm_80: 163 KB)
+    with flexc.device.simulate(arch) as facts:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            for d in (16, 64, 128, 256):
+                q = torch.empty(1, 1, 16, d, dtype=dtype)
+                spec = triton_forward.spec_for_call(q, q, None, None, None, None, need_lse=True)
+                assert flexc.device.shared_memory_estimate(spec) <= facts.shared_memory, (dtype, d, spec)
+        q, k, v = random_qkv(1, 1, 1, 32, 32, 128, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no out-of-resources retry: the tiles fit from the start
+            out = flexc.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
+    torch.testing.assert_close(out, dense_attention(q, k, v)[0], atol=1e-10, rtol=0)
