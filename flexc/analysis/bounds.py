@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -25,10 +24,10 @@ from ..mods.evaluate import evaluate, index_grid
 from ..mods.lifted_cells import structure
 from .ranges import domain_bounds
 from ..mods.trace import TracedMod
-from ..versions import write_count
+from ..versions import contents_states, pinned
 
 # Passed checks: (root, sizes, buffer shapes) -> None when the proof holds for any captured values,
-# else the captured tensors it read, as (weak reference, version) pairs that must still match.
+# else the contents states of the captured tensors it read (pinned), which must still match.
 _proven: "OrderedDict[tuple, tuple | None]" = OrderedDict()
 _proven_lock = threading.Lock()
 _MAX_PROVEN = 512
@@ -66,8 +65,7 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
         proven_before = key in _proven
         if proven_before:
             values = _proven[key]
-            if values is None or all(ref() is t and write_count(t) == version
-                                     for (ref, version), t in zip(values, traced.buffers)):
+            if values is None or values == contents_states(traced.buffers):
                 _proven.move_to_end(key)
                 return
     if proven_before and is_gpu(device):
@@ -85,7 +83,7 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
         if not _proven_by(bounds.get(id(expr)), check):
             _exact_check(traced, check, sizes, where)
     # a proof that read captured values holds while those very tensors are unchanged
-    values = tuple((weakref.ref(t), write_count(t)) for t in traced.buffers) if data_dependent else None
+    values = pinned(contents_states(traced.buffers), traced.buffers) if data_dependent else None
     with _proven_lock:
         _proven[key] = values
         while len(_proven) > _MAX_PROVEN:

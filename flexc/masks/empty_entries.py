@@ -6,8 +6,8 @@ table, and a batch with no reserved pages maps them to -1. torch's kernels accep
 inside a row's count as a block that is never visited. Rather than teach every backend (the CPU
 planner, the decode path, the Triton forward, backward and decode kernels) to skip them, the call
 gets tables with each row's non-negative entries first and the count reduced: device ops only (no
-host reads on a GPU), done once per tables' identity and version, so steady-state calls pay one
-dictionary look-up.
+host reads on a GPU), done once per tables' contents (:func:`flexc.versions.contents_state`), so
+steady-state calls pay one dictionary look-up.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..device import is_gpu
-from ..versions import table_states
+from ..versions import pinned, table_states
 from .kv_tables import block_sizes_of, kv_tables
 
 # id(kv_indices) -> (a weak reference to it, the tables' states, the compacted mask (None: the mask itself))
@@ -64,7 +64,7 @@ def without_empty_entries(block_mask: Any) -> Any:
     rebuilt = None if new is None else _rebuilt(block_mask, new)
     if len(_compacted) >= _MAX_REMEMBERED:
         _compacted.clear()
-    _compacted[id(tables[1])] = (weakref.ref(tables[1]), state, rebuilt)
+    _compacted[id(tables[1])] = (weakref.ref(tables[1]), pinned(state, tables), rebuilt)
     return block_mask if rebuilt is None else rebuilt
 
 
@@ -76,7 +76,7 @@ def _free_of_empty(parent: tuple, parent_state: tuple) -> bool:
         return False
     seen = _clean_parents.get(id(parent[1]))
     if seen is None or seen[0]() is not parent[1] or seen[1] != parent_state:
-        seen = (weakref.ref(parent[1]), parent_state, compact_tables(parent, read=True) is None)
+        seen = (weakref.ref(parent[1]), pinned(parent_state, parent), compact_tables(parent, read=True) is None)
         if len(_clean_parents) >= _MAX_REMEMBERED:
             _clean_parents.clear()
         _clean_parents[id(parent[1])] = seen
