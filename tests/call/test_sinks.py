@@ -206,19 +206,21 @@ def test_sinks_of_any_shape_broadcasting_to_batch_and_heads_equal_dense(backend,
     """Sinks of shape [], [1], [B, 1], [1, 1] ... (one logit for several heads or batches): output,
     lse and gradients equal dense attention with each head's broadcast logit, and the sinks'
     gradient has their own shape (summed over the heads and batches they broadcast over), for the
-    forward kernel and decoding, with per-head tables or not."""
+    forward kernel and decoding, with per-head tables or not, and with the host decisions of an sm_90
+    GPU (its decode kernel and launch choices)."""
     @examples(n)
     @given(shape=st.sampled_from(BROADCAST_SHAPES), rows=st.sampled_from([24, 2]), per_head=st.sampled_from([True, False]),
-           seed=st.integers(0, 1 << 16))
-    def check(shape, rows, per_head, seed):
+           simulated=st.sampled_from([None, "sm_90"]), seed=st.integers(0, 1 << 16))
+    def check(shape, rows, per_head, simulated, seed):
         q, k, v, sinks = _broadcast_sinks_problem(shape, rows, seed)
         mask_mod = _per_head_window(rows, SMALL_S)
         block_mask = flexc.create_block_mask(mask_mod, None, HQ if per_head else None, rows, SMALL_S, BLOCK_SIZE=16)
-        out, lse = flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True,
-                                        sinks=sinks, kernel_options={"BACKEND": backend})
-        ref_out, ref_lse = dense_with_sinks(q, k, v, sinks, mask_mod=mask_mod)
-        _check(out, lse, ref_out, ref_lse, f"{backend} sinks {list(shape)}")
-        _check_grads(out, lse, ref_out, ref_lse, [q, k, v, sinks], seed)
+        with flexc.device.simulate(simulated):
+            out, lse = flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True,
+                                            sinks=sinks, kernel_options={"BACKEND": backend})
+            ref_out, ref_lse = dense_with_sinks(q, k, v, sinks, mask_mod=mask_mod)
+            _check(out, lse, ref_out, ref_lse, f"{backend} sinks {list(shape)}")
+            _check_grads(out, lse, ref_out, ref_lse, [q, k, v, sinks], seed)
     check()
 
 
