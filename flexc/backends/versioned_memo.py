@@ -31,6 +31,7 @@ class VersionedMemo:
         self._entries: OrderedDict = OrderedDict()
         self._size = size
         self._lock = threading.Lock()
+        self._newest: Any = _MISSING  # the value used or filed last (equal values: any of them)
 
     def get(self, tensors: Sequence, key: Any, build: Callable[[], Any],
             unversioned: Callable[[], Any] | None = None) -> Any:
@@ -41,15 +42,18 @@ class VersionedMemo:
         full_key = (states, key)
         value = self._entries.get(full_key, _MISSING)  # (a dict read is atomic: no lock on the per-call hit)
         if value is not _MISSING:
-            with self._lock:
-                if full_key in self._entries:
-                    self._entries.move_to_end(full_key)
+            if value is not self._newest:  # (the value used last is already at the end: no rehashing)
+                with self._lock:
+                    if full_key in self._entries:
+                        self._entries.move_to_end(full_key)
+                        self._newest = value
             return value
         if not rememberable(states):
             return (unversioned or build)()
         value = build()
         with self._lock:  # (pinned: no other storage takes the place of one in the key while it is kept)
             self._entries[(pinned(states, tensors), key)] = value
+            self._newest = value
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
         return value
