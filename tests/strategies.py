@@ -347,3 +347,38 @@ def packed_causal_masks(draw):
             return (ids[b, q] == ids[b, kv]) & (q + 1 >= kv)
         return base
     return mask_mod, B, L, S, block, kind
+
+
+# ---- contents changed between calls without moving the tensor's version counter -----------------
+
+# ways to give a tensor other elements: the first three leave its version counter where it was
+SWAPS = (".data = new", ".data = a view of another storage", "vector_to_parameters", "set_", "in-place write")
+
+
+def swap_in(t: torch.Tensor, new: torch.Tensor, how: str) -> None:
+    """Give ``t`` the values of ``new`` as ``how`` (one of :data:`SWAPS`) says; ``t``'s old storage is
+    then free unless something else holds it."""
+    with torch.no_grad():
+        if how == ".data = new":
+            t.data = new.clone()
+        elif how == ".data = a view of another storage":  # (offset 3 in a larger storage)
+            base = torch.empty(new.numel() + 3, dtype=new.dtype)
+            base[3:] = new.flatten()
+            t.data = base[3:].view(new.shape)
+        elif how == "vector_to_parameters":  # (it sets each parameter's .data)
+            torch.nn.utils.vector_to_parameters(new.flatten().clone(), [t])
+        elif how == "set_":
+            t.set_(new.clone())
+        else:
+            t.copy_(new)
+
+
+@st.composite
+def document_ids(draw, n: int, max_documents: int = 3) -> torch.Tensor:
+    """``[n]`` int64 document ids: up to ``max_documents`` runs of at least ``n // 4`` positions (long
+    enough for flexc's causal kernel calls), in order."""
+    cuts = draw(st.lists(st.integers(1, 3), max_size=max_documents - 1, unique=True))
+    ids = torch.zeros(n, dtype=torch.long)
+    for c in cuts:
+        ids[c * n // 4:] += 1
+    return ids

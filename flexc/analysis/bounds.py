@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -28,10 +27,10 @@ from ..mods.evaluate import evaluate, index_grid
 from ..mods.lifted_cells import structure
 from .ranges import domain_bounds
 from ..mods.trace import TracedMod
-from ..versions import write_count
+from ..versions import contents_states, pinned
 
 # Passed checks: (root, sizes, buffer shapes) -> None when the proof holds for any captured values,
-# else the captured tensors it read, as (weak reference, version) pairs that must still match.
+# else the contents states of the captured tensors it read (pinned), which must still match.
 _proven: "OrderedDict[tuple, tuple | None]" = OrderedDict()
 _proven_lock = threading.Lock()
 _MAX_PROVEN = 512
@@ -73,8 +72,8 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
         proven_before = key in _proven
         if proven_before:
             values = _proven[key]
-            if values is None or (len(values) == len(watched) and all(
-                    ref() is t and write_count(t) == version for (ref, version), t in zip(values, watched))):
+            if values is None or values == contents_states(traced.buffers) or (
+                    visited is not None and values == contents_states(watched)):
                 _proven.move_to_end(key)
                 return
     if proven_before and is_gpu(device):
@@ -95,7 +94,8 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
     # needed the listed tiles, while the BlockMask's tables are unchanged too
     values = None
     if data_dependent or restricted:
-        values = tuple((weakref.ref(t), write_count(t)) for t in (watched if restricted else traced.buffers))
+        kept = watched if restricted else traced.buffers
+        values = pinned(contents_states(kept), kept)
     with _proven_lock:
         _proven[key] = values
         while len(_proven) > _MAX_PROVEN:

@@ -22,12 +22,12 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element is finite: one sum per tensor (NaN and inf survive a sum), read as a
     Python float (a tensor isfinite costs as much again as the sum of a small tensor). A sum that
     overflows reports False, which only costs the slower NaN-safe path. The answer is remembered
-    while the tensors are unmodified (their identities and version counters, one lookup for the
-    group): a training step's backward asks again about the inputs its forward saved."""
+    while the tensors hold the same elements, unmodified (:mod:`flexc.backends.versioned_memo`, one
+    lookup for the group): a training step's backward asks again about the inputs its forward saved."""
     return _VERDICTS.get(tensors, None, lambda: all(_finite(t) for t in tensors))
 
 
-# the verdicts of recently checked groups of tensors, while unmodified (one lookup per call)
+# the verdicts of recently checked groups of tensors, while their contents stay (one lookup per call)
 _VERDICTS = VersionedMemo(64)
 
 

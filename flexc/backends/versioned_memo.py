@@ -1,14 +1,13 @@
-"""Values remembered for tensors as they are now: the tensors and their version counters are the key.
+"""Values remembered for tensors as they are now: what identifies their contents is the key.
 
-A value is filed twice: under the tensor objects' identities (the same objects again, as an eager
-call passes its block mask's tables, are found without reading their storages) and under where
-their data lives (storage, offset, shape, strides, dtype): another tensor object over the same
-elements finds it too, as a compiled backward's autograd-saved aliases of the tables do, new
-objects every step. Both keys carry the version counters: a tensor written in place (or through a
-view or an alias: they share the counter) bumps its version, so a value computed from its contents
-is asked for again, never served stale. Entries hold tensors and storages weakly (a remembered value
-never keeps its tensors alive; a storage's address is not reused while a weak reference to it
-lives, and an entry whose tensors or storages were freed is never served), and the most recently
+A value is filed under each tensor's :func:`flexc.versions.contents_state`: its storage, offset,
+shape, strides, dtype and version counter. So the same tensor objects again find it (an eager
+call passing its block mask's tables), and so do other tensor objects over the same elements (a
+compiled backward's autograd-saved aliases of the tables, new objects every step); a tensor
+written in place (or through a view or an alias: they share the counter), given other elements
+(``.data = new``, ``set_``) or freed and its memory reused asks for the value again, never served
+stale. Entries hold storages weakly (a remembered value never keeps its tensors alive, and a
+storage is not replaced at its place while a weak reference to it lives), and the most recently
 used ``size`` values are kept. Tensors made under inference mode have no version counter, and
 tensors with no storage (fake or meta tensors, some subclasses) no address: their values cannot
 be remembered.
@@ -16,54 +15,47 @@ be remembered.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
-from torch.multiprocessing.reductions import StorageWeakRef
+from ..versions import contents_states, pinned, rememberable
+
+
+_MISSING = object()
 
 
 class VersionedMemo:
-    """A thread-safe, least-recently-used memo keyed by tensors' data and version counters."""
+    """A thread-safe, least-recently-used memo keyed by tensors' contents (storage, layout, version)."""
 
     def __init__(self, size: int):
         self._entries: OrderedDict = OrderedDict()
-        self._size = 2 * size  # (each value is filed under two keys)
+        self._size = size
         self._lock = threading.Lock()
+        self._newest: Any = _MISSING  # the value used or filed last (equal values: any of them)
 
     def get(self, tensors: Sequence, key: Any, build: Callable[[], Any],
             unversioned: Callable[[], Any] | None = None) -> Any:
-        """``build()``, remembered for ``tensors`` (unmodified since) and ``key``. When a tensor has
-        no version counter or no storage, ``unversioned()`` (default ``build()``) answers, unremembered."""
-        try:
-            # the same tensor objects again (an eager call's tables): found without reading storages
-            object_key = ("objects", tuple([(id(t), t._version) for t in tensors]), key)
-        except RuntimeError:  # inference tensors track no version
+        """``build()``, remembered for ``tensors`` (the same elements, unmodified since) and ``key``.
+        When a tensor has no version counter or no storage, ``unversioned()`` (default ``build()``)
+        answers, unremembered."""
+        states = contents_states(tensors)
+        full_key = (states, key)
+        value = self._entries.get(full_key, _MISSING)  # (a dict read is atomic: no lock on the per-call hit)
+        if value is not _MISSING:
+            if value is not self._newest:  # (the value used last is already at the end: no rehashing)
+                with self._lock:
+                    if full_key in self._entries:
+                        self._entries.move_to_end(full_key)
+                        self._newest = value
+            return value
+        if not rememberable(states):
             return (unversioned or build)()
-        entry = self._entries.get(object_key)  # (a dict read is atomic: no lock on the per-call hit)
-        if entry is not None and all([ref() is t for ref, t in zip(entry[0], tensors)]):
-            return self._used(object_key, entry[1])
-        try:
-            storages = [t.untyped_storage() for t in tensors]
-        except (RuntimeError, NotImplementedError, TypeError):  # fake, meta or storage-less tensors
-            return (unversioned or build)()
-        data_key = ("data", tuple([(s._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
-                                   for s, t in zip(storages, tensors)]), key)
-        entry = self._entries.get(data_key)
-        if entry is not None and not any([ref.expired() for ref in entry[0]]):
-            return self._used(data_key, entry[1])
         value = build()
-        with self._lock:
-            self._entries[object_key] = ([weakref.ref(t) for t in tensors], value)
-            self._entries[data_key] = ([StorageWeakRef(s) for s in storages], value)
+        with self._lock:  # (pinned: no other storage takes the place of one in the key while it is kept)
+            self._entries[(pinned(states, tensors), key)] = value
+            self._newest = value
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
-        return value
-
-    def _used(self, full_key: tuple, value: Any) -> Any:
-        with self._lock:
-            if full_key in self._entries:
-                self._entries.move_to_end(full_key)
         return value
 
 

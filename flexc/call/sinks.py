@@ -30,7 +30,10 @@ import torch
 
 
 def check_sinks(sinks, query: torch.Tensor, where: str = "flex_attention") -> torch.Tensor:
-    """``sinks`` as a ``[B or 1, Hq, 1]`` view to broadcast over the rows, after checking it."""
+    """``sinks`` as a ``[B or 1, Hq, 1]`` view to broadcast over the rows, after checking it: any
+    shape that broadcasts to ``[B, Hq]`` (``[]``, ``[1]``, ``[Hq]``, ``[B, 1]``, ...) is expanded over
+    the heads, so every path reads one logit per head (autograd sums the gradient back to the
+    sinks' own shape)."""
     B, Hq = query.shape[0], query.shape[1]
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"{where}: sinks must be a tensor of shape [Hq] (or broadcastable to [B, Hq]), got "
@@ -49,7 +52,7 @@ def check_sinks(sinks, query: torch.Tensor, where: str = "flex_attention") -> to
         raise ValueError(f"{where}: sinks must have shape [Hq] = [{Hq}] or broadcast to [B, Hq] = [{B}, {Hq}], "
                          f"got {list(sinks.shape)}. Fix: pass one logit per query head, e.g. shape [{Hq}].")
     rows = sinks if sinks.dim() == 2 else sinks.view(1, -1) if sinks.dim() == 1 else sinks.view(1, 1)
-    return rows.unsqueeze(-1)
+    return rows.expand(rows.shape[0], Hq).unsqueeze(-1)
 
 
 def sink_grad(sinks: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,

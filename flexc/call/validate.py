@@ -22,7 +22,7 @@ from ..errors import AssertedValueError, InvalidValueError, UnsupportedInputErro
 from ..mods.traced_mod import check_captured  # noqa: F401  (validation of a call's mods)
 from ..masks.kv_tables import KV_TABLE_NAMES, block_sizes_of, kv_tables
 from ..masks.table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_lists
-from ..versions import table_states
+from ..versions import pinned, table_states
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
@@ -205,7 +205,8 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
             _check_rows_cover(block_mask, contents.num_shape[-1], L)
             return
     else:
-        state = (table_states(tables), L, S)
+        states = table_states(tables)
+        state = (states, L, S)
         seen = _valid_tables.get(id(tables[1]))
         if seen is not None and seen[0]() is tables[1] and seen[1] == state:
             return
@@ -218,7 +219,7 @@ def check_block_tables(block_mask: Any, L: int, S: int) -> None:
         _valid_contents.add(contents)
         return
     _check_entries(tables, n_kv)
-    _remember_valid(tables, state)
+    _remember_valid(tables, (pinned(states, tables), L, S))
 
 
 def _remember_valid(tables: list, state: tuple) -> None:

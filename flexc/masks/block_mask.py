@@ -29,7 +29,7 @@ from ..analysis.ranges import MIXED
 from ..mods.trace import MASK_MOD, TracedMod, mod_kind, trace
 from ..mods.traced_mod import check_captured
 from .table_lists import TableContents, row_contents
-from ..versions import table_states
+from ..versions import pinned, table_states
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -499,7 +499,8 @@ class BlockMask:
                            *(((DERIVED,) * 4) if self._has_q_tables() else ((None,) * 4)), BLOCK_SIZE=self.BLOCK_SIZE,
                            mask_mod=_sliced_mask_mod_error, dq_kv_order_spt=self.dq_kv_order_spt)
         parent = self._kv()
-        sliced.sliced_from = (parent, table_states(parent), table_states(sliced._kv()))
+        own = sliced._kv()
+        sliced.sliced_from = (parent, pinned(table_states(parent), parent), pinned(table_states(own), own))
         return sliced
 
     def _row_slice(self, row: int) -> "BlockMask | None":

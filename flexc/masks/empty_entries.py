@@ -6,9 +6,9 @@ table, and a batch with no reserved pages maps them to -1. torch's kernels accep
 inside a row's count as a block that is never visited. Rather than teach every backend (the CPU
 planner, the decode path, the Triton forward, backward and decode kernels) to skip them, the call
 gets tables with each row's non-negative entries first and the count reduced: device ops only (no
-host reads on a GPU), done once per tables' identity and version (and CUDA stream: the compacted
-tables are served only to the stream that made them), so steady-state calls pay one dictionary
-look-up.
+host reads on a GPU), done once per tables' contents (:func:`flexc.versions.contents_state`) and
+CUDA stream (the compacted tables are served only to the stream that made them), so steady-state
+calls pay one dictionary look-up.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import device as gpu
-from ..versions import table_states
+from ..versions import pinned, table_states
 from .kv_tables import block_sizes_of, kv_tables
 
 # id(kv_indices) -> (a weak reference to it, the tables' states, the stream the compacted tables were made
@@ -75,7 +75,7 @@ def without_empty_entries(block_mask: Any) -> Any:
         stream = gpu.stream_token(tables[1].device)
     if len(_compacted) >= _MAX_REMEMBERED:
         _compacted.clear()
-    _compacted[id(tables[1])] = (weakref.ref(tables[1]), state, stream, rebuilt)
+    _compacted[id(tables[1])] = (weakref.ref(tables[1]), pinned(state, tables), stream, rebuilt)
     return block_mask if rebuilt is None else rebuilt
 
 
@@ -87,7 +87,7 @@ def _free_of_empty(parent: tuple, parent_state: tuple) -> bool:
         return False
     seen = _clean_parents.get(id(parent[1]))
     if seen is None or seen[0]() is not parent[1] or seen[1] != parent_state:
-        seen = (weakref.ref(parent[1]), parent_state, compact_tables(parent, read=True) is None)
+        seen = (weakref.ref(parent[1]), pinned(parent_state, parent), compact_tables(parent, read=True) is None)
         if len(_clean_parents) >= _MAX_REMEMBERED:
             _clean_parents.clear()
         _clean_parents[id(parent[1])] = seen

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..versions import table_states, write_count
+from ..versions import contents_states, pinned, table_states
 from .kv_tables import kv_tables
 
 LIMIT = 4096  # entries of kv_indices up to which tables are read as lists
@@ -38,7 +38,7 @@ class TableContents(NamedTuple):
 def table_lists(tables: tuple) -> TableContents | None:
     """The contents of ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)``, or None
     when they are not small tensors (at most :data:`LIMIT` index entries)."""
-    identity = tuple((id(t), write_count(t)) if isinstance(t, torch.Tensor) else id(t) for t in tables)
+    identity = contents_states(tables)  # (equal to no earlier one when an entry is not a tensor)
     if _last[0] == identity:
         return _last[2]
     num, idx = tables[0], tables[1]
@@ -48,7 +48,7 @@ def table_lists(tables: tuple) -> TableContents | None:
     flat = [_flat_values(t) if t is not None else None for t in tables]
     layout = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in tables)
     contents = TableContents(layout, tuple(num.shape), idx.shape[-1], *flat)
-    _last[:] = [identity, tables, contents]
+    _last[:] = [pinned(identity, tables), tables, contents]
     return contents
 
 
@@ -72,7 +72,7 @@ def row_blocks(contents: TableContents, row: int) -> tuple[tuple, tuple]:
     return partial, contents.full_indices[row * n_kv: row * n_kv + contents.full_counts[row]]
 
 
-# (identity and version of a mask's four kv tables, row) -> (kv_indices, the row's TableContents):
+# (contents states of a mask's four kv tables, row) -> (kv_indices, the row's TableContents):
 # a decoding loop slices one query-block row for every token of that block
 _ROWS: OrderedDict = OrderedDict()
 _MAX_ROWS = 64
@@ -85,14 +85,14 @@ def row_contents(tables: tuple, row: int) -> TableContents | None:
     idx = tables[1]
     if not idx.is_cpu or idx.dim() != 4:
         return None
-    key = (table_states(tables), row)
-    hit = _ROWS.get(key)
+    states = table_states(tables)
+    hit = _ROWS.get((states, row))
     if hit is not None and hit[0] is idx:  # (the kept tensor keeps its id from being reused)
         return hit[1]
     if idx.shape[0] * idx.shape[1] * idx.shape[3] > LIMIT:
         return None
     contents = table_lists(tuple(t.narrow(2, row, 1) if t is not None else None for t in tables))
-    _ROWS[key] = (idx, contents)
+    _ROWS[(pinned(states, tables), row)] = (idx, contents)
     while len(_ROWS) > _MAX_ROWS:
         _ROWS.popitem(last=False)
     return contents

@@ -7,8 +7,9 @@ optimizer step or ``pos.fill_(25)`` changes the tensors it was computed from, no
 result computed with autograd keeps a graph that one backward frees.
 
 So the tracer records each such operation as a :class:`Step`, and :func:`current` replays the steps
-whenever the result could differ: when a tensor they read was written since the last replay (its
-version counter), or when gradients must flow through them (each forward needs its own graph).
+whenever the result could differ: when a tensor they read was written since the last replay, or
+given other elements (``.data = new``: :func:`flexc.versions.contents_state`), or when gradients
+must flow through them (each forward needs its own graph).
 Captured tensors stay parameters, as the design promises, whether the mod reads them directly or
 through a computation.
 """
@@ -21,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .. import device as gpu
-from ..versions import write_count
+from ..versions import contents_states, pinned
 
 _CPU = torch.device("cpu")
 
@@ -44,16 +45,16 @@ class Derivations:
 
     ``slots`` maps buffer slot -> the step that makes it; ``sources`` are the captured tensors the
     steps read (made outside the mod). ``latest`` holds the last replay without autograd, reused
-    while no source was written, on the stream that made it.
+    while the sources hold the same contents, on the stream that made it.
     """
 
     steps: tuple  # of Step, in the order the mod ran them (a step's inputs come before it)
     slots: dict  # buffer slot -> Step
     sources: tuple
-    latest: tuple | None = field(default=None, repr=False)  # (trace, source versions, stream, refreshed trace)
+    latest: tuple | None = field(default=None, repr=False)  # (trace, sources' pinned states, stream, refreshed trace)
 
     def source_states(self) -> tuple:
-        return tuple([write_count(t) for t in self.sources])
+        return contents_states(self.sources)
 
     def device(self) -> torch.device:
         """Where the replay makes its buffers: the first derived buffer's device off the CPU, else the CPU."""
@@ -161,7 +162,7 @@ def current(traced: Any, substitute: dict | None = None) -> Any:
     ``substitute`` (``id(captured tensor) -> tensor``) swaps captured tensors, both the buffers the
     mod reads directly and the sources of derived buffers (context parallelism swaps trainable
     tensors for ones whose gradient is summed over ranks). Without substitutions, a replay without
-    autograd is reused while no source has been written.
+    autograd is reused while every source holds the same contents.
     """
     derivations: Derivations | None = traced.derivations
     if derivations is None:
@@ -178,7 +179,7 @@ def current(traced: Any, substitute: dict | None = None) -> Any:
             if latest is not None and latest[0] is traced and latest[1] == states and latest[2] == stream:
                 return latest[3]
             refreshed = _rebuilt(traced, derivations, None)
-            derivations.latest = (traced, states, stream, refreshed)
+            derivations.latest = (traced, pinned(states, derivations.sources), stream, refreshed)
             return refreshed
     return _rebuilt(traced, derivations, substitute)
 

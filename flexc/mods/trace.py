@@ -84,7 +84,8 @@ def _from_template(fn: Callable, kind: str, token: Any) -> TracedMod | None:
     except Exception:  # any failure: the trace with the values decides (and raises its own error)
         template = None
     trace_cache.remember_template(token, template)
-    return trace_cache.instance(template, fn, token.key[1], token.keep) if template is not None else None
+    return (trace_cache.instance(template, fn, token.key[1], token.keep, token.located) if template is not None
+            else None)
 
 
 # ---- the tracer ---------------------------------------------------------------------------

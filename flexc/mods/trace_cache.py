@@ -15,8 +15,11 @@ Python numbers, strings and dtypes are compared by value (``1``, ``1.0`` and ``T
 their traces do); tensors by identity plus dtype, shape and device, so new values written into a
 captured tensor reuse the trace (its buffers are the same tensors) while a rebound name re-traces.
 A tensor that does not require grad also matches an earlier one viewing the same memory (same
-address, shape, strides, dtype): ``input_pos[0]`` makes a new view each decoding step, but
-the old view, kept alive by the cache, always holds the same values. torch's own functions and
+address, shape, strides, dtype): ``input_pos[0]`` makes a new view each decoding step, and the old
+view, kept alive by the cache, holds the same values while it still views that memory. A trace is
+served only while every tensor it was keyed by memory still views what it viewed then: after
+``old.data = new`` the old view reads other elements, and a new tensor at the old address (the
+allocator reuses freed memory) must not find the trace that reads it. torch's own functions and
 modules, builtins and other C objects are compared by identity.
 
 The cache is keyed by the code object, so a closure re-created each step with the same captured
@@ -97,6 +100,7 @@ class _Snapshot:
         self.values: list = []
         self.tensors: set[int] = set()  # ids of the tensors met outside lifted cells
         self.lifted_tensors: list[int] = []
+        self.located: list = []  # (tensor, its memory) of the tensors keyed by memory
 
     def ident(self, tag: str, obj: Any) -> tuple:
         self.keep.append(obj)
@@ -173,11 +177,12 @@ class _Snapshot:
             except (RuntimeError, NotImplementedError):  # fake or meta tensors: identity only
                 address = 0
             if address:
-                # the same memory: a view made anew each call reads what the kept one reads (the
-                # entry keeps x alive, so no other live tensor starts at its address unless it
-                # shares x's storage)
+                # the same memory: a view made anew each call reads what the kept one reads, while
+                # the kept one still views it (:func:`still_located`)
                 self.keep.append(x)
-                return ("memory", address, x.shape, x.stride(), x.dtype, _CPU if x.is_cpu else x.device)
+                where = ("memory", address, x.shape, x.stride(), x.dtype, _CPU if x.is_cpu else x.device)
+                self.located.append((x, where))
+                return where
         return (*self.ident("tensor", x), x.dtype, x.shape, x.device)
 
     def lifted(self, x: Any) -> tuple:
@@ -236,21 +241,33 @@ class _Snapshot:
                 _NO_DEFAULTS if kwdefaults is None else self.value(kwdefaults, names, inner), tuple(cells), reads)
 
 
-def snapshot(fn: Callable, lift: tuple[int, ...] = ()) -> tuple[Any, tuple | None, list] | None:
-    """``(key, values of the lifted cells or None, kept objects)`` describing everything ``fn``'s
-    trace can depend on, or None if unknown. ``lift``: cells of ``fn`` keyed by kind (a tensor in
+def snapshot(fn: Callable, lift: tuple[int, ...] = ()) -> tuple[Any, tuple | None, list, tuple] | None:
+    """``(key, values of the lifted cells or None, kept objects, located)`` describing everything
+    ``fn``'s trace can depend on, or None if unknown; ``located``: each tensor keyed by its memory
+    with that memory (:func:`still_located`). ``lift``: cells of ``fn`` keyed by kind (a tensor in
     one of them that is also reached another way is not lifted: the template would share its slot)."""
     snap = _Snapshot(lift)
     try:
         key = snap.value(fn, frozenset(), 0)
     except (_Unknown, RecursionError):
         return None
+    located = tuple(snap.located)
     if not lift:
-        return key, None, snap.keep
+        return key, None, snap.keep, located
     ids = snap.lifted_tensors
     if len(set(ids)) != len(ids) or not snap.tensors.isdisjoint(ids):
         return snapshot(fn)
-    return key, tuple(snap.values), snap.keep
+    return key, tuple(snap.values), snap.keep, located
+
+
+def still_located(located: tuple) -> bool:
+    """Whether each tensor a trace was keyed by memory still views that memory (no ``.data = new``
+    or ``set_`` since): then a tensor that views it now reads, through the trace, its own elements."""
+    for x, where in located:
+        if (x.data_ptr() != where[1] or x.shape != where[2] or x.stride() != where[3] or x.dtype != where[4]
+                or (_CPU if x.is_cpu else x.device) != where[5]):
+            return False
+    return True
 
 
 def _lift_cells(fn: Callable) -> tuple[int, ...]:
@@ -305,6 +322,7 @@ class _Token(NamedTuple):
     store: OrderedDict
     key: Any
     keep: list
+    located: tuple  # the snapshot's tensors keyed by memory, checked before the trace is served
     generic: Any = None  # the key by cell kinds, for the template
     cells: tuple = ()
 
@@ -319,34 +337,34 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
     snap = snapshot(fn, cells)
     if snap is None:
         return None, None
-    key, values, keep = snap
+    key, values, keep, located = snap
     if values is None:
         entry = store.get(key)
-        if entry is not None and (kind is None or entry[0].kind == kind):
+        if entry is not None and (kind is None or entry[0].kind == kind) and still_located(entry[2]):
             if len(store) > 1:  # (a decoding loop's closure has one entry: no second hashing of its key)
                 store.move_to_end(key)
             return entry[0], None
-        return None, _Token(store, key, keep)
+        return None, _Token(store, key, keep, located)
     # lifted cells: the template for these kinds gives the trace for these values
     generic = store.get(key)
-    if generic is None:
-        return None, _Token(store, (key, values), keep, key, cells)
+    if generic is None or not still_located(generic[2]):
+        return None, _Token(store, (key, values), keep, located, key, cells)
     if len(store) > 1:
         store.move_to_end(key)
     template = generic[0]
     if template is _NO_TEMPLATE:  # traces per value, as for cells that are not lifted
         exact = (key, values)
         entry = store.get(exact)
-        if entry is not None and (kind is None or entry[0].kind == kind):
+        if entry is not None and (kind is None or entry[0].kind == kind) and still_located(entry[2]):
             store.move_to_end(exact)
             return entry[0], None
-        return None, _Token(store, exact, keep)
+        return None, _Token(store, exact, keep, located)
     if kind is not None and template.traced.kind != kind:
-        return None, _Token(store, (key, values), keep)  # (the tracer raises the kind's error)
+        return None, _Token(store, (key, values), keep, located)  # (the tracer raises the kind's error)
     latest = template.latest
-    if latest is not None and latest[0] == values:  # the same values again (a tensor advanced in place)
-        return latest[1], None
-    return instance(template, fn, values, keep), None
+    if latest is not None and latest[0] == values and still_located(latest[3]):
+        return latest[1], None  # the same values again (a tensor advanced in place)
+    return instance(template, fn, values, keep, located), None
 
 
 def wants_template(token: Any) -> bool:
@@ -361,16 +379,17 @@ def template_cells(token: Any) -> tuple[int, ...]:
 def remember_template(token: Any, template: Any) -> None:
     """Store the template for ``token``'s key, or that there is none (None)."""
     # (keep: the key's ids stay valid while the entry lives)
-    token.store[token.generic] = (_NO_TEMPLATE if template is None else template, token.keep)
+    token.store[token.generic] = (_NO_TEMPLATE if template is None else template, token.keep, token.located)
     _trim(token.store)
 
 
-def instance(template: Any, fn: Callable, values: tuple, keep: list) -> Any:
+def instance(template: Any, fn: Callable, values: tuple, keep: list, located: tuple) -> Any:
     """``fn``'s trace from ``template`` (None if not exact), kept as the template's latest for
-    ``values`` (the snapshot of the lifted cells; ``keep`` holds what its ids name)."""
+    ``values`` (the snapshot of the lifted cells; ``keep`` holds what its ids name, ``located``
+    the snapshot's tensors keyed by memory)."""
     traced = lifted_cells.instantiate(template, fn)  # (a template has no derived buffers)
     if traced is not None:
-        template.latest = (values, traced, keep)
+        template.latest = (values, traced, keep, located)
     return traced
 
 
@@ -379,7 +398,7 @@ def remember(token: Any, traced: Any) -> None:
     if token is None:
         return
     store, key = token.store, token.key
-    store[key] = (traced, token.keep)  # keep: the snapshot's ids stay valid while the entry lives
+    store[key] = (traced, token.keep, token.located)  # keep: the snapshot's ids stay valid while the entry lives
     store.move_to_end(key)
     _trim(store)
 

@@ -56,3 +56,27 @@ def test_inference_tensors_are_built_every_time():
         t = torch.zeros(4)
     get(t), get(t)
     assert len(builds) == 2
+
+
+def test_the_same_object_given_other_elements_without_a_version_bump_is_built_again():
+    """``.data = new`` (no version bump), ``.data = <another view of its own storage>``, ``set_``
+    and a storage freed and reused under the same object: each is asked for again."""
+    get, builds = _counting_memo()
+    t = torch.arange(12.0)
+    version = t._version
+    assert get(t) == 1 and get(t) == 1
+    t.data = torch.arange(12.0) + 1  # another storage
+    assert t._version == version and get(t) == 2
+    t.data = t.data[2:]  # the same storage, another offset and shape
+    assert get(t) == 3
+    t.data = t.data.view(2, 5)  # the same elements, another shape
+    assert get(t) == 4
+    t.data = t.data.view(torch.int32)  # the same bytes, another dtype
+    assert get(t) == 5
+    for _ in range(10):  # new storages of one size: the allocator reuses freed memory
+        t.data = torch.zeros(12)
+        get(t)
+    assert len(builds) == 15
+    with torch.no_grad():
+        t.set_(torch.ones(12))
+    assert get(t) == 16

@@ -8,9 +8,11 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import flexc
 from reference import index_tensors, random_qkv
+from strategies import examples
 
 B, HQ, HKV, L, S, E = 2, 4, 2, 72, 88, 16
 
@@ -27,8 +29,7 @@ def dense_with_sinks(q, k, v, sinks, score_mod=None, mask_mod=None):
         s = torch.broadcast_to(score_mod(s, b, h, qi, kv), s.shape).double()
     if mask_mod is not None:
         s = torch.where(torch.broadcast_to(mask_mod(b, h, qi, kv), s.shape), s, -math.inf)
-    sink = torch.broadcast_to(sinks.double().view(-1, Hq, 1, 1) if sinks.dim() == 2 else
-                              sinks.double().view(1, Hq, 1, 1), (Bq, Hq, Lq, 1))
+    sink = torch.broadcast_to(torch.broadcast_to(sinks.double(), (Bq, Hq)).view(Bq, Hq, 1, 1), (Bq, Hq, Lq, 1))
     full = torch.cat([s, sink], dim=-1)
     lse = torch.logsumexp(full, dim=-1)
     p = torch.exp(full - lse.unsqueeze(-1))[..., :-1]
@@ -183,10 +184,68 @@ def test_custom_ops_with_sinks_pass_opcheck():
     assert torch.equal(d_sinks, torch.autograd.grad(out, sinks, grad_out)[0])
 
 
+# every shape that broadcasts to [B, Hq] = [2, 4]
+BROADCAST_SHAPES = [(), (1,), (HQ,), (1, 1), (B, 1), (1, HQ), (B, HQ)]
+SMALL_S = 40  # (keys of the broadcast-shape problems: the Triton interpreter runs them)
+
+
+def _per_head_window(rows: int, S: int):
+    def per_head_window(b, h, q_idx, kv_idx):  # differs per head: per-head block tables
+        return (q_idx + (S - rows) >= kv_idx) & (kv_idx % (h + 2) != 0)
+    return per_head_window
+
+
+def _broadcast_sinks_problem(shape, rows: int, seed: int):
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, HQ, HKV, rows, SMALL_S, E, seed=seed))
+    sinks = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    return q, k, v, sinks
+
+
+@pytest.mark.parametrize("backend,n", [("TORCH", 8), ("TRITON", 3)])
+def test_sinks_of_any_shape_broadcasting_to_batch_and_heads_equal_dense(backend, n):
+    """Sinks of shape [], [1], [B, 1], [1, 1] ... (one logit for several heads or batches): output,
+    lse and gradients equal dense attention with each head's broadcast logit, and the sinks'
+    gradient has their own shape (summed over the heads and batches they broadcast over), for the
+    forward kernel and decoding, with per-head tables or not, and with the host decisions of an sm_90
+    GPU (its decode kernel and launch choices)."""
+    @examples(n)
+    @given(shape=st.sampled_from(BROADCAST_SHAPES), rows=st.sampled_from([24, 2]), per_head=st.sampled_from([True, False]),
+           simulated=st.sampled_from([None, "sm_90"]), seed=st.integers(0, 1 << 16))
+    def check(shape, rows, per_head, simulated, seed):
+        q, k, v, sinks = _broadcast_sinks_problem(shape, rows, seed)
+        mask_mod = _per_head_window(rows, SMALL_S)
+        block_mask = flexc.create_block_mask(mask_mod, None, HQ if per_head else None, rows, SMALL_S, BLOCK_SIZE=16)
+        with flexc.device.simulate(simulated):
+            out, lse = flexc.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True,
+                                            sinks=sinks, kernel_options={"BACKEND": backend})
+            ref_out, ref_lse = dense_with_sinks(q, k, v, sinks, mask_mod=mask_mod)
+            _check(out, lse, ref_out, ref_lse, f"{backend} sinks {list(shape)}")
+            _check_grads(out, lse, ref_out, ref_lse, [q, k, v, sinks], seed)
+    check()
+
+
+def test_sinks_broadcasting_over_heads_under_compile_equal_dense():
+    """The compiled call takes them too, its backward summing the sinks' gradient to their shape [1]."""
+    q, k, v, sinks = _broadcast_sinks_problem((1,), 24, seed=9)
+    mask_mod = _per_head_window(24, SMALL_S)
+    block_mask = flexc.create_block_mask(mask_mod, None, HQ, 24, SMALL_S, BLOCK_SIZE=16)
+    torch._dynamo.reset()
+    call = torch.compile(flexc.flex_attention, backend="aot_eager", fullgraph=True)
+    out, lse = call(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True, sinks=sinks,
+                    kernel_options={"BACKEND": "TORCH"})
+    ref_out, ref_lse = dense_with_sinks(q, k, v, sinks, mask_mod=mask_mod)
+    _check(out, lse, ref_out, ref_lse, "compiled sinks [1]")
+    _check_grads(out, lse, ref_out, ref_lse, [q, k, v, sinks], seed=10)
+    torch._dynamo.reset()
+
+
 def test_bad_sinks_name_the_argument_and_the_fix():
     q = torch.randn(1, 4, 8, 16)
     with pytest.raises(ValueError, match=r"sinks must have shape \[Hq\] = \[4\].*got \[3\].*Fix"):
         flexc.flex_attention(q, q, q, sinks=torch.zeros(3))
+    for shape in [(2, 4), (1, 1, 4), (3, 1)]:  # (the query's batch is 1: none of these broadcasts to [1, 4])
+        with pytest.raises(ValueError, match=r"sinks must have shape .*broadcast to \[B, Hq\] = \[1, 4\].*Fix"):
+            flexc.flex_attention(q, q, q, sinks=torch.zeros(shape))
     with pytest.raises(TypeError, match=r"sinks must be a floating-point tensor.*Fix"):
         flexc.flex_attention(q, q, q, sinks=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"sinks must be a tensor"):

@@ -176,11 +176,12 @@ def check_sinks(spec, sinks: torch.Tensor | None) -> None:
 def sink_arguments(sinks: torch.Tensor | None, dtype: torch.dtype) -> list:
     """A sink kernel's arguments (after the dropout ones): the sinks ``[B or 1, Hq]`` in ``dtype`` (the
     kernel's accumulator dtype; from :func:`flexc.call.sinks.check_sinks`'s ``[B or 1, Hq, 1]``), their
-    batch stride (0 when they broadcast over the batch) and head stride; none without sinks."""
+    batch stride and head stride (0 along a dimension they broadcast over: one logit for every batch
+    or every head); none without sinks."""
     if sinks is None:
         return []
     rows = sinks.detach().reshape(sinks.shape[0], sinks.shape[1]).to(dtype).contiguous()
-    return [rows, rows.stride(0) if rows.shape[0] > 1 else 0, rows.stride(1)]
+    return [rows, rows.stride(0) if rows.shape[0] > 1 else 0, rows.stride(1) if rows.shape[1] > 1 else 0]
 
 
 def kernel_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outputs: list, tables: list,
