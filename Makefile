@@ -36,7 +36,8 @@ OLDEST_TORCH := 2.11.0
 OLDEST_TRITON := 3.6.0
 OLDEST := .venv-oldest
 OLDEST_TESTS := tests/torch_compile tests/test_simulated_gpu.py tests/test_gpu_script.py tests/masks \
-	tests/tools/test_plot.py $(wildcard tests/call/test_dropin_*.py) tests/backends/triton/test_triton_forward.py
+	tests/tools/test_plot.py $(wildcard tests/call/test_dropin_*.py) tests/call/test_differences.py \
+	tests/backends/triton/test_triton_forward.py
 
 $(OLDEST)/.installed-$(OLDEST_TORCH)-$(OLDEST_TRITON): pyproject.toml
 	$(PYTHON) -m venv $(OLDEST)
