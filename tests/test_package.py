@@ -88,13 +88,14 @@ def test_readme_tested_versions_are_the_ones_this_suite_runs_with():
     assert "%d.%d" % sys.version_info[:2] == table["Python"]
 
 
-def test_the_oldest_triton_allowed_is_the_one_ci_tests():
-    oldest = re.search(r"^\| triton, the oldest allowed \| ([0-9.]+) \|", README, re.M).group(1)
+@pytest.mark.parametrize("package", ["torch", "triton"])
+def test_the_oldest_version_allowed_is_the_one_ci_tests(package):
+    oldest = re.search(rf"^\| {package}, the oldest allowed \| ([0-9.]+) \|", README, re.M).group(1)
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(rf"^OLDEST_TRITON := {re.escape(oldest)}$", makefile, re.M)
+    assert re.search(rf"^OLDEST_{package.upper()} := {re.escape(oldest)}$", makefile, re.M)
     floor = ".".join(oldest.split(".")[:2])
-    assert f'"triton>={floor}"' in (ROOT / "pyproject.toml").read_text()
-    assert "make test-oldest-triton" in (ROOT / ".ci" / "run").read_text()
+    assert f'"{package}>={floor}"' in (ROOT / "pyproject.toml").read_text()
+    assert "make test-oldest" in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
 def _public_callables():

@@ -168,10 +168,12 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph
 def _decode_step_inputs(device):
     import importlib.util
     import pathlib
+    import sys
 
     path = pathlib.Path(__file__).parent.parent / "examples" / "kv_cache_decode.py"
     spec = importlib.util.spec_from_file_location("kv_cache_decode", path)
     example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # (dynamo imports the module of the functions it traces)
     spec.loader.exec_module(example)
     mask_mod = example.mask_mod
     S = example.MAX_LEN
@@ -218,3 +220,25 @@ def test_decoding_step_runs_under_reduce_overhead_compile():
                               score_mod=example.shifted_score(example.alibi, position))[0]
         torch.testing.assert_close(out.cpu().double(), ref, atol=2e-4, rtol=0)
         input_pos += 1
+
+
+def test_compiled_decoding_step_with_a_score_mod_is_one_graph_on_the_simulated_gpu():
+    # the decoding step reduce-overhead compiles on a GPU, here in one graph (aot_eager): a score_mod
+    # and a BlockMask sliced at a tensor position inside the compiled region, both of which torch
+    # 2.11's dynamo refused (requires_grad_() in the mod's subgraph; id() of the sliced tables)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    with flexc.device.simulate("sm_90"):
+        step, input_pos, (q, k, v, mask_mod, example, S) = _decode_step_inputs("cpu")
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        for _ in range(2):
+            out = compiled()
+            position = int(input_pos)
+            ref = dense_attention(q, k, v, mask_mod=_shifted(mask_mod, position),
+                                  score_mod=example.shifted_score(example.alibi, position))[0]
+            torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=0)
+            input_pos += 1
+    assert counter.frame_count == 1
+    torch._dynamo.reset()

@@ -100,9 +100,10 @@ def _vmap_for_bhqkv(fn: Callable[..., _R], prefix: tuple, suffix: tuple = (), ou
     return mapped
 
 
-def _ordered_to_dense(num_blocks_in_row: Tensor, col_indices: Tensor, num_cols: int) -> Tensor:
-    """int32 block occupancy ``[..., rows, num_cols]`` from a ``(num_blocks, indices)`` table pair."""
-    return ordered_to_dense(num_blocks_in_row, col_indices, num_cols)
+def _ordered_to_dense(num_blocks_in_row: Tensor, col_indices: Tensor, num_cols: int | None = None) -> Tensor:
+    """int32 block occupancy ``[..., rows, num_cols]`` from a ``(num_blocks, indices)`` table pair.
+    ``num_cols`` defaults to the table's width, as torch 2.11's two-argument form reads it."""
+    return ordered_to_dense(num_blocks_in_row, col_indices, col_indices.shape[-1] if num_cols is None else num_cols)
 
 
 def _dense_to_ordered(dense_mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -12,6 +12,8 @@ remaining tiles exactly, a bounded batch at a time.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Any, Callable, Sequence
 
@@ -287,24 +289,29 @@ class BlockMask:
 
     @classmethod
     def from_torch(cls, block_mask: Any) -> "BlockMask":
-        """The same mask as flexc's BlockMask; tables are shared, not copied."""
-        if not all(hasattr(block_mask, name) for name in TENSOR_ATTRS + ("seq_lengths", "BLOCK_SIZE", "mask_mod")):
+        """The same mask as flexc's BlockMask; tables are shared, not copied. The dQ order tables
+        (``dq_write_order``, ``dq_kv_order``, ...) are read where the torch version has them (2.13; not 2.11)."""
+        if not all(hasattr(block_mask, name) for name in _TABLE_NAMES + ("seq_lengths", "BLOCK_SIZE", "mask_mod")):
             raise TypeError(f"BlockMask.from_torch: expected a torch.nn.attention.flex_attention.BlockMask, "
                             f"got {type(block_mask).__name__}.")
-        tables = {name: getattr(block_mask, name) for name in TENSOR_ATTRS}
+        tables = {name: getattr(block_mask, name, None) for name in TENSOR_ATTRS}
         return cls(block_mask.seq_lengths, **tables, BLOCK_SIZE=block_mask.BLOCK_SIZE,
                    mask_mod=_mask_mod_from_torch(block_mask.mask_mod),
                    dq_kv_order_spt=getattr(block_mask, "dq_kv_order_spt", None))
 
     def to_torch(self) -> Any:
-        """The same mask as torch's BlockMask (needs torch's FlexAttention); tables are shared."""
+        """The same mask as torch's BlockMask (needs torch's FlexAttention); tables are shared.
+
+        The dQ order tables and ``dq_kv_order_spt`` (metadata for torch 2.13's FLASH backward) go
+        along where the installed torch's BlockMask takes them; torch 2.11's has no such fields and
+        no kernel that reads them, so there they are left out and the mask is the same."""
         try:
             from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
         except ImportError as e:  # pragma: no cover - torch without FlexAttention
             raise RuntimeError(f"BlockMask.to_torch needs torch.nn.attention.flex_attention: {e}") from None
-        tables = {name: getattr(self, name) for name in TENSOR_ATTRS}
-        return TorchBlockMask(self.seq_lengths, **tables, BLOCK_SIZE=self.BLOCK_SIZE,
-                              mask_mod=_mask_mod_to_torch(self.mask_mod), dq_kv_order_spt=self.dq_kv_order_spt)
+        extras = {name: getattr(self, name) for name in _DQ_ORDER_FIELDS if _torch_has_dq_orders()}
+        return TorchBlockMask(self.seq_lengths, *(getattr(self, name) for name in _TABLE_NAMES),
+                              BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_mask_mod_to_torch(self.mask_mod), **extras)
 
     # -- views --
     @property
@@ -454,12 +461,13 @@ class BlockMask:
                 f"\n    sparsity={self.sparsity():.2f}%,\n    mask_mod={name}\n)")
 
     def as_tuple(self, flatten: bool = True) -> tuple:
-        """torch's 17-field tuple (lengths, 8 tables, 4 dQ-order fields, block sizes, mask_mod);
-        with ``flatten=False`` the lengths and block sizes stay pairs (15 fields)."""
+        """The installed torch's tuple: in 2.13 17 fields (lengths, 8 tables, 4 dQ-order fields, block
+        sizes, mask_mod), in 2.11 13 (no dQ-order fields); with ``flatten=False`` the lengths and
+        block sizes stay pairs (15 or 11 fields)."""
         lengths = tuple(self.seq_lengths) if flatten else (tuple(self.seq_lengths),)
         blocks = tuple(self.BLOCK_SIZE) if flatten else (tuple(self.BLOCK_SIZE),)
-        return (*lengths, *(getattr(self, n) for n in _TABLE_NAMES), self.dq_write_order,
-                self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt, *blocks, self.mask_mod)
+        orders = tuple(getattr(self, name) for name in _DQ_ORDER_FIELDS) if _torch_has_dq_orders() else ()
+        return (*lengths, *(getattr(self, n) for n in _TABLE_NAMES), *orders, *blocks, self.mask_mod)
 
     # -- derived masks --
     def __getitem__(self, index: Any) -> "BlockMask":
@@ -498,9 +506,10 @@ class BlockMask:
         sliced = BlockMask(self.seq_lengths, take(self.kv_num_blocks), take(self.kv_indices), *full,
                            *(((DERIVED,) * 4) if self._has_q_tables() else ((None,) * 4)), BLOCK_SIZE=self.BLOCK_SIZE,
                            mask_mod=_sliced_mask_mod_error, dq_kv_order_spt=self.dq_kv_order_spt)
-        parent = self._kv()
-        own = sliced._kv()
-        sliced.sliced_from = (parent, pinned(table_states(parent), parent), pinned(table_states(own), own))
+        if not torch.compiler.is_compiling():  # (eager caches' provenance: no tensor identities in a graph,
+            parent = self._kv()                # and dynamo 2.11 cannot take id() of a tensor made in one)
+            own = sliced._kv()
+            sliced.sliced_from = (parent, pinned(table_states(parent), parent), pinned(table_states(own), own))
         return sliced
 
     def _row_slice(self, row: int) -> "BlockMask | None":
@@ -751,6 +760,20 @@ def _disjoint(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch
         if bool((marked & b_valid[rows]).any()):
             return False
     return True
+
+
+# torch 2.13's BlockMask fields for its FLASH backward, which torch 2.11's BlockMask does not have
+_DQ_ORDER_FIELDS = ("dq_write_order", "dq_write_order_full", "dq_kv_order", "dq_kv_order_spt")
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_has_dq_orders() -> bool:
+    """Whether the installed torch's BlockMask takes the dQ-order fields (read from its signature)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    except ImportError:  # pragma: no cover - torch without FlexAttention
+        return False
+    return set(_DQ_ORDER_FIELDS) <= set(inspect.signature(TorchBlockMask.__init__).parameters)
 
 
 def _mask_mod_to_torch(mod: Callable) -> Callable:

@@ -93,27 +93,28 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                     tuple(t is not None for t in tables), len(block_size),
                     tuple(sorted(options.items())), need_max, need_lse, dropout, sinks is not None)
     # the mods' arguments: 0-d tensors, as the mods see in eager calls (see the module docstring)
-    score0 = torch.zeros((), dtype=score_dtype, device=query.device)
+    # the score requires grad where the query's or key's gradient flows through it, so dynamo records an
+    # autograd.Function the mod calls with its backward (``autograd_function_apply``) rather than
+    # inlining its forward (as torch's flex does for its own mods). Derived from the inputs (an empty
+    # slice's sum: zero, O(1)), not made with ``requires_grad_()``: dynamo 2.11 refuses that in a subgraph.
+    score0 = query.narrow(-1, 0, 0).sum(dtype=score_dtype) + key.narrow(-1, 0, 0).sum(dtype=score_dtype)
     b0, h0, q0, kv0 = [torch.zeros((), dtype=torch.int32, device=query.device) for _ in range(4)]
 
-    def inner(score, b, h, q_idx, kv_idx, query, key, value, *tables):
+    def inner(score, b, h, q_idx, kv_idx, query, key, value, *present):
+        if not torch.compiler.is_compiling():  # dynamo could not trace a mod and runs the call eagerly (_wrapper)
+            return (*_eager_call(spec, score_mod, mask_mod, query, key, value, tables, block_size, scale,
+                                 dropout_p, seed, sinks), None, None)
         # one node that reads the five mod arguments in order, so the wrapper can find them
         torch.stack([score, b, h, q_idx, kv_idx])
         # one node per tensor argument, in order, for the same reason
-        for t in (query, key, value, *tables):
+        for t in (query, key, value, *present):
             t.detach()
         # the call's numbers, one node each: constants of the graph, or inputs of this subgraph where
         # dynamo made them symbolic (dynamic=True, or a scale that changed between calls); the
         # wrapper reads them from these nodes' arguments (a spec constant cannot be symbolic)
         for number in (scale, dropout_p, *block_size):
             torch.full((), number, dtype=torch.float64)
-        score_out = score
-        if score_mod is not None:
-            # requiring grad, the score makes dynamo record a Function the mod calls with its backward
-            tracked = score.detach().requires_grad_()
-            score_out = score_mod(tracked, b, h, q_idx, kv_idx)
-            if score_out is tracked:  # (dynamo cannot return a tensor made to require grad inside)
-                score_out = score
+        score_out = score_mod(score, b, h, q_idx, kv_idx) if score_mod is not None else score
         mask_out = mask_mod(b, h, q_idx, kv_idx) if mask_mod is not None else q_idx >= 0
         return (*_output_meta(query, value, need_max, need_lse), score_out, mask_out)
 
@@ -226,6 +227,10 @@ _plans: "weakref.WeakKeyDictionary[torch.fx.GraphModule, _Plan]" = weakref.WeakK
 
 
 def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
+    if not isinstance(gm, torch.fx.GraphModule):
+        # dynamo could not speculate the mods (a graph break in one) and calls the op eagerly with the
+        # inner function itself, which then runs the call (its first lines)
+        return gm
     plan = _plans.get(gm)
     if plan is None:
         plan = _plans[gm] = _read_plan(gm, 5, 3 + sum(spec.tables) + spec.dropout + spec.sinks, 2 + spec.block_dims)
@@ -238,23 +243,10 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         inputs = _with_numbers(gm, plan, inputs, query.device)
         tables = iter(present)
         tables = [next(tables) if p else None for p in spec.tables]
-        score_key, score_buffers = _mod(gm, plan, inputs, SCORE_MOD, spec.score_name)
-        mask_key, mask_buffers = _mod(gm, plan, inputs, MASK_MOD, spec.mask_name)
-        # the BlockMask's lengths are the inputs' (checked before): symbolic under dynamic shapes (a
-        # growing KV cache), so they come from the tensors, not the constant spec
-        seq_lengths = [query.shape[-2], key.shape[-2]] if spec.block_dims else []
-        # (decided while tracing: dynamo guards on grad mode and requires_grad, so it holds for the graph)
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value, *score_buffers, *([sinks] if spec.sinks else [])))
-        arguments = (query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key,
-                     block_size, seq_lengths, scale, custom_ops.options_key(dict(spec.options)),
-                     spec.need_max)
-        if needs_grad:
-            out, lse, row_max, _ = custom_ops.flex_attention_op(*arguments, dropout_p, seed, sinks)
-            lse = lse if spec.need_lse else lse.new_empty((0,))
-        else:
-            out, lse, row_max = custom_ops.flex_attention_inference_op(*arguments, spec.need_lse, dropout_p,
-                                                                       seed, sinks)
+        score = _mod(gm, plan, inputs, SCORE_MOD, spec.score_name)
+        mask = _mod(gm, plan, inputs, MASK_MOD, spec.mask_name)
+        out, lse, row_max = _call_op(spec, query, key, value, tables, score, mask, block_size, scale, dropout_p,
+                                     seed, sinks)
         # the subgraph also returned the mods' values (so its nodes were kept); stand-ins of
         # the same type, never read
         fill = lambda node: torch.zeros(node.meta["example_value"].shape, dtype=node.meta["example_value"].dtype,
@@ -262,6 +254,46 @@ def _wrapper(spec: CallSpec, gm: torch.fx.GraphModule) -> Callable:
         return out, lse, row_max, fill(plan.mod_outs[SCORE_MOD]), fill(plan.mod_outs[MASK_MOD])
 
     return run
+
+
+def _call_op(spec: CallSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: list,
+             score: tuple[str, list], mask: tuple[str, list], block_size: Sequence, scale: Any, dropout_p: Any,
+             seed: torch.Tensor | None, sinks: torch.Tensor | None) -> tuple:
+    """``(out, lse, row_max)`` from the op of one call; ``score`` and ``mask`` are ``(mod_key, buffers)``."""
+    (score_key, score_buffers), (mask_key, mask_buffers) = score, mask
+    # the BlockMask's lengths are the inputs' (checked before): symbolic under dynamic shapes (a
+    # growing KV cache), so they come from the tensors, not the constant spec
+    seq_lengths = [query.shape[-2], key.shape[-2]] if spec.block_dims else []
+    # (decided while tracing: dynamo guards on grad mode and requires_grad, so it holds for the graph)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, *score_buffers, *([sinks] if spec.sinks else [])))
+    arguments = (query, key, value, tables, score_buffers, mask_buffers, score_key, mask_key,
+                 list(block_size), seq_lengths, scale, custom_ops.options_key(dict(spec.options)), spec.need_max)
+    if needs_grad:
+        out, lse, row_max, _ = custom_ops.flex_attention_op(*arguments, dropout_p, seed, sinks)
+        return out, lse if spec.need_lse else lse.new_empty((0,)), row_max
+    return custom_ops.flex_attention_inference_op(*arguments, spec.need_lse, dropout_p, seed, sinks)
+
+
+def _eager_call(spec: CallSpec, score_mod: Callable | None, mask_mod: Callable | None, query: torch.Tensor,
+                key: torch.Tensor, value: torch.Tensor, tables: list, block_size: tuple, scale: float,
+                dropout_p: float, seed: torch.Tensor | None, sinks: torch.Tensor | None) -> tuple:
+    """The call dynamo hands back after a graph break in a mod: the same op, its mods traced eagerly."""
+    _warn_call_runs_eagerly()
+    traced = [trace(fn, kind) if fn is not None else None for fn, kind in ((score_mod, SCORE_MOD), (mask_mod, MASK_MOD))]
+    score, mask = (("", []) if t is None else (mod_key(t), list(t.buffers)) for t in traced)
+    return _call_op(spec, query, key, value, tables, score, mask, block_size, scale, dropout_p, seed, sinks)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_call_runs_eagerly() -> None:
+    import warnings
+
+    from ..call.plan import FallbackWarning
+    warnings.warn("flexc: torch.compile could not trace a score_mod or mask_mod (a graph break in it, reported by "
+                  "dynamo): its flex_attention or create_block_mask call runs eagerly, outside the compiled graph, "
+                  "with the same result. Fix: compile with fullgraph=True to see the break, and keep the mod to tensor "
+                  "arithmetic dynamo traces.", FallbackWarning, stacklevel=2)
 
 
 def _with_numbers(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, device: torch.device) -> tuple:
@@ -535,6 +567,10 @@ def _compiled_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN
     b0, h0, q0, kv0 = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
 
     def inner(b, h, q_idx, kv_idx):
+        if not torch.compiler.is_compiling():  # dynamo could not trace the mod (_mask_wrapper, as above)
+            _warn_call_runs_eagerly()
+            traced = trace(mask_mod, MASK_MOD)
+            return (*custom_ops.create_block_mask_op(list(traced.buffers), mod_key(traced), *sizes, device), None)
         torch.stack([b, h, q_idx, kv_idx])  # finds the mod arguments for the wrapper, as above
         return (*_tables_meta(sizes, device), mask_mod(b, h, q_idx, kv_idx))
 
@@ -575,6 +611,8 @@ def _tables_meta(sizes: tuple, device: torch.device):
 
 
 def _mask_wrapper(spec: tuple, gm: torch.fx.GraphModule) -> Callable:
+    if not isinstance(gm, torch.fx.GraphModule):  # the inner function, run eagerly (see _wrapper)
+        return gm
     name, sizes, device = spec
     plan = _plans.get(gm)
     if plan is None:

@@ -13,6 +13,7 @@ import torch.nn.attention.flex_attention as torch_flex
 
 import flexc
 from repo import TESTS
+from torch_api import OLDER_TORCH, takes
 
 _TORCH_IMPORT = "from torch.nn.attention.flex_attention import"
 
@@ -80,9 +81,17 @@ def test_shared_functions_and_methods_take_torchs_parameter_names(name, ours, th
     keyword-only and have defaults, so torch's calls are unaffected."""
     mine, torchs = _parameters(ours), _parameters(theirs)
     extra = _OWN_KEYWORDS.get(name, ())
-    assert [p for p in mine if p[0] not in extra] == torchs, name
-    added = [p for p in mine if p[0] in extra]
-    assert mine[len(torchs):] == added and all(kind == inspect.Parameter.KEYWORD_ONLY for _, kind, _ in added), name
+    core, added = [p for p in mine if p[0] not in extra], [p for p in mine if p[0] in extra]
+    # torch's parameters, by name and kind, each default torch has also flexc's (flexc may default one
+    # torch requires: _ordered_to_dense's num_cols, which torch 2.11 read from the table)
+    assert [p[:2] for p in core[:len(torchs)]] == [p[:2] for p in torchs], name
+    assert all(ours_default for (_, _, ours_default), (_, _, default) in zip(core, torchs) if default), name
+    if OLDER_TORCH:  # then the parameters a later torch added (flexc follows it), each with a default
+        assert all(default for _, _, default in core[len(torchs):]), name
+    else:
+        assert len(core) == len(torchs), name
+    assert mine[len(mine) - len(added):] == added, name
+    assert all(kind == inspect.Parameter.KEYWORD_ONLY for _, kind, _ in added), name
 
 
 # flexc's own keyword-only extensions (docs/differences.md)
@@ -143,7 +152,9 @@ def test_block_table_converters_match_torch():
     dense = (torch.rand(2, 3, 5, 6, generator=g) < 0.4).to(torch.int32)
     ours, theirs = flexc._dense_to_ordered(dense), torch_flex._dense_to_ordered(dense)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, theirs))
-    assert torch.equal(flexc._ordered_to_dense(*ours, 6), torch_flex._ordered_to_dense(*theirs, 6))
+    width = (6,) if takes(torch_flex._ordered_to_dense, "num_cols") else ()  # (torch 2.11: the table's width)
+    assert torch.equal(flexc._ordered_to_dense(*ours, 6), torch_flex._ordered_to_dense(*theirs, *width))
+    assert torch.equal(flexc._ordered_to_dense(*ours), flexc._ordered_to_dense(*ours, 6))  # 2.11's two-argument form
     square = dense[..., :5]
     pair = torch_flex._dense_to_ordered(square)
     assert all(torch.equal(a, b) for a, b in zip(flexc._transpose_ordered(*pair), torch_flex._transpose_ordered(*pair)))

@@ -14,6 +14,7 @@ from torch.nn.attention import flex_attention as tfa
 
 import flexc
 from reference import dense_attention
+from torch_api import OLDER_TORCH
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -77,6 +78,11 @@ CASES = {
 }
 
 
+# cases whose sentence a torch older than the one flexc follows does not say (torch 2.11 fails nested
+# inputs inside dynamo instead); flexc still raises the later torch's error
+_NEWER_SENTENCES = {"nested"}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_errors_are_torchs_type_and_hold_torchs_sentence(name):
     call, sentence = CASES[name]
@@ -87,8 +93,9 @@ def test_errors_are_torchs_type_and_hold_torchs_sentence(name):
             call(lib)
         errors.append(info.value)
     theirs, ours = errors
-    assert re.search(sentence, str(theirs)), f"torch's own message changed: {theirs}"
-    assert isinstance(ours, type(theirs)), f"torch raises {type(theirs).__name__}, flexc {type(ours).__name__}: {ours}"
+    if not (OLDER_TORCH and name in _NEWER_SENTENCES):
+        assert re.search(sentence, str(theirs)), f"torch's own message changed: {theirs}"
+        assert isinstance(ours, type(theirs)), f"torch raises {type(theirs).__name__}, flexc {type(ours).__name__}: {ours}"
     assert re.search(sentence, str(ours)), f"torch's sentence missing from flexc's message: {ours}"
     # flexc's own rule still holds: bad inputs raise TypeError/ValueError
     assert isinstance(ours, (TypeError, ValueError))

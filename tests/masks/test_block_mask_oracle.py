@@ -10,6 +10,7 @@ from torch.nn.attention import flex_attention as tfa
 
 import flexc
 from catalogue import mask_catalogue, score_catalogue
+from torch_api import takes
 
 TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -92,6 +93,8 @@ def test_tile_classes_are_sound_against_element_evaluation(shape_name):
         assert (allowed <= inside).all()
 
 
+@pytest.mark.skipif(not takes(tfa.create_block_mask, "separate_full_blocks"),
+                    reason="the installed torch's create_block_mask has no separate_full_blocks (2.11)")
 def test_separate_full_blocks_false_puts_every_computed_tile_in_the_partial_table():
     B, H, Q_LEN, KV_LEN, block = SHAPES["explicit_ragged_333x1000_128"]
     for name, mod in list(_catalogue("explicit_ragged_333x1000_128").items())[:12]:

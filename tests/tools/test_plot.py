@@ -18,17 +18,12 @@ from catalogue import mask_catalogue, score_catalogue  # noqa: E402
 from flexc.tools.plot import COLORS, EMPTY, FULL, LABELS, PARTIAL_ALLOWED, PARTIAL_MASKED, raster  # noqa: E402
 from reference import index_tensors  # noqa: E402
 from repo import ROOT
+from torch_api import torch_tile_classes
 
 
 
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
-
-
-def _torch_tile_classes(ref):
-    """0 empty / 1 partial / 2 full per tile, read from torch's own tables."""
-    dense = lambda num, idx: tfa._ordered_to_dense(num, idx, idx.shape[-1])
-    return dense(ref.kv_num_blocks, ref.kv_indices) + 2 * dense(ref.full_kv_num_blocks, ref.full_kv_indices)
 
 
 @pytest.mark.parametrize("name", ["document_causal", "per_head_window", "padding_per_batch", "strided_keys_every_4"])
@@ -37,7 +32,7 @@ def test_raster_shows_every_element_as_torch_masks_it_and_tiles_as_torch_classif
     mod = mask_catalogue(B, H, L, S)[name]
     allowed = tfa.create_mask(mod, B, H, L, S, device="cpu")
     ref = tfa.create_block_mask(mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
-    classes = _torch_tile_classes(ref)
+    classes = torch_tile_classes(ref)
     block_mask = flexc.create_block_mask(mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
     for b, h in ((0, 0), (1, 2)):
         r = raster(block_mask, batch=b, head=h)

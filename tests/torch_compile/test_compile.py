@@ -470,3 +470,52 @@ def test_a_compiled_training_step_decides_the_causal_mode_once_not_every_backwar
     assert len(decided) == 1
     (ref,) = torch.autograd.grad(flexc.flex_attention(q, q, q, block_mask=bm).sum(), (q,))
     torch.testing.assert_close(g, ref)
+
+
+def test_a_mod_dynamo_cannot_trace_runs_its_calls_eagerly_with_a_warning():
+    # a graph break in a mod: dynamo hands the calls back to run eagerly (not fullgraph), which used to
+    # crash reading the plan of a subgraph that never was ('function' object has no attribute 'graph')
+    bias = torch.randn(2, generator=torch.Generator().manual_seed(15)).requires_grad_()
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        torch._dynamo.graph_break()
+        return score + bias[h] * (kv_idx - q_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        torch._dynamo.graph_break()
+        return q_idx >= kv_idx
+
+    def f(q, k, v):
+        bm = flexc.create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+        return flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=bm)
+
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(16), requires_grad=True)
+               for _ in range(3))
+    under_compile._warn_call_runs_eagerly.cache_clear()
+    with pytest.warns(flexc.FallbackWarning, match="runs eagerly, outside the compiled graph"):
+        out = torch.compile(f, backend="aot_eager")(q, k, v)
+    want = f(q, k, v)
+    torch.testing.assert_close(out, want)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v, bias)), torch.autograd.grad(want.sum(), (q, k, v, bias))):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_function_in_a_mod_compiles_where_no_gradient_flows_through_the_score():
+    # the score requires grad only where the query's or key's gradient flows through it (it is derived
+    # from them: dynamo 2.11 refuses requires_grad_() in a subgraph); elsewhere dynamo inlines the
+    # Function's forward, whose backward no gradient needs
+    from catalogue import ScaledGrad
+
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(1, 2, 32, 8, generator=g) for _ in range(3))
+    v.requires_grad_()  # dV does not pass through the score
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: ScaledGrad.apply(s) * 0.5)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out, want = compiled(q, k, v), f(q, k, v)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), v)[0], torch.autograd.grad(want.sum(), v)[0])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
