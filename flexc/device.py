@@ -333,8 +333,20 @@ def stream_token(device: torch.device):
     if runs_interpreted(device):
         return None
     if torch.cuda.is_current_stream_capturing():
-        return object()  # equal to nothing else: never served again
+        return _CaptureToken()  # equal to nothing else: never served again
     return torch.cuda.current_stream(device)
+
+
+class _CaptureToken:
+    """The stream token of work being captured into a CUDA graph (see :func:`keeps`)."""
+
+
+def keeps(token) -> bool:
+    """Whether a value made under stream ``token`` may be kept in a cache. Not while a CUDA graph is
+    being captured: the value's memory is the graph's pool, and torch.compile's CUDA graphs
+    (mode="reduce-overhead") refuse pool memory that outlives the capture untracked ("tensor(s) in
+    the cudagraph pool not tracked as outputs", seen on an H200)."""
+    return not isinstance(token, _CaptureToken)
 
 
 # ---- what CUDA enforces and Triton's interpreter does not ----------------------------------

@@ -28,6 +28,7 @@ import weakref
 from typing import Iterator
 
 import torch
+import torch._dynamo  # noqa: F401  (imported before any patch: dynamo's tables record torch's own factories)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexc

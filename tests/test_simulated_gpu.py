@@ -175,6 +175,7 @@ def _decode_step_inputs(device):
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example  # (dynamo imports the module of the functions it traces)
     spec.loader.exec_module(example)
+    example.document_id = example.document_id.to(device)  # (the mask_mod's captured tensor, on the call's device)
     mask_mod = example.mask_mod
     S = example.MAX_LEN
     block_mask = flexc.create_block_mask(mask_mod, None, None, S, S, device=device)

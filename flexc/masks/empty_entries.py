@@ -73,6 +73,8 @@ def without_empty_entries(block_mask: Any) -> Any:
     rebuilt = None if new is None else _rebuilt(block_mask, new)
     if rebuilt is not None and stream is None:
         stream = gpu.stream_token(tables[1].device)
+    if not gpu.keeps(stream):  # (made while a CUDA graph is captured: the graph's, not kept)
+        return block_mask if rebuilt is None else rebuilt
     if len(_compacted) >= _MAX_REMEMBERED:
         _compacted.clear()
     _compacted[id(tables[1])] = (weakref.ref(tables[1]), pinned(state, tables), stream, rebuilt)

@@ -179,7 +179,8 @@ def current(traced: Any, substitute: dict | None = None) -> Any:
             if latest is not None and latest[0] is traced and latest[1] == states and latest[2] == stream:
                 return latest[3]
             refreshed = _rebuilt(traced, derivations, None)
-            derivations.latest = (traced, pinned(states, derivations.sources), stream, refreshed)
+            if gpu.keeps(stream):  # (not a replay made while a CUDA graph is captured: the graph's)
+                derivations.latest = (traced, pinned(states, derivations.sources), stream, refreshed)
             return refreshed
     return _rebuilt(traced, derivations, substitute)
 

@@ -79,7 +79,10 @@ _MAX_SPANS = 4  # more partial spans than this: the mask_mod is evaluated over e
 def _index_tensor(shape: tuple, device: torch.device) -> torch.Tensor:
     """``arange`` laid along the one non-1 dim of ``shape`` (b, h or q_idx); never written to. Made once
     per stream (:func:`flexc.device.stream_token`: a device tensor is read only on the stream that made it)."""
-    return _index_tensor_on(shape, device, gpu.stream_token(device))
+    stream = gpu.stream_token(device)
+    if not gpu.keeps(stream):  # (being captured into a CUDA graph: made, not kept)
+        return torch.arange(max(shape), device=device).view(shape)
+    return _index_tensor_on(shape, device, stream)
 
 
 @functools.lru_cache(maxsize=64)
