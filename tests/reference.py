@@ -40,12 +40,12 @@ def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=to
     kk = k.to(dtype).repeat_interleave(G, dim=1).expand(B, Hq, S, E)
     vv = v.to(dtype).repeat_interleave(G, dim=1).expand(B, Hq, S, v.shape[-1])
     scores = (q.to(dtype) @ kk.transpose(-1, -2)) * scale
-    b, h, qi, kv = index_tensors(B, Hq, L, S)
+    b, h, qi, kv = (t.to(q.device) for t in index_tensors(B, Hq, L, S))  # (a CUDA reference on CUDA)
     if score_mod is not None:
         scores = torch.broadcast_to(score_mod(scores, b, h, qi, kv), scores.shape).to(dtype)
     if mask_mod is not None:
         allowed = torch.broadcast_to(mask_mod(b, h, qi, kv), scores.shape)
-        scores = torch.where(allowed, scores, torch.tensor(-math.inf, dtype=dtype))
+        scores = torch.where(allowed, scores, torch.tensor(-math.inf, dtype=dtype, device=q.device))
     dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
     # the logsumexp of a dead row is computed on zeros so its backward stays finite
     lse = torch.logsumexp(torch.where(dead, 0.0, scores), dim=-1, keepdim=True)

@@ -33,7 +33,7 @@ _clean_parents: dict[int, tuple] = {}
 _last_rows: list = [None]
 
 
-def without_empty_entries(block_mask: Any) -> Any:
+def without_empty_entries(block_mask: Any, remember: bool = True) -> Any:
     """``block_mask``, or a flexc BlockMask with the same mask_mod, block size and lengths whose kv
     tables hold no negative entry inside a row's count (each such entry dropped, the count reduced).
     On a GPU new tables are compacted without reading whether any entry is negative, except a slice
@@ -73,7 +73,10 @@ def without_empty_entries(block_mask: Any) -> Any:
     rebuilt = None if new is None else _rebuilt(block_mask, new)
     if rebuilt is not None and stream is None:
         stream = gpu.stream_token(tables[1].device)
-    if not gpu.keeps(stream):  # (made while a CUDA graph is captured: the graph's, not kept)
+    # not kept: tables made while a CUDA graph is captured (the graph's), or for a compiled graph's
+    # call (remember=False: its tables are new every call, and cudagraph trees refuse memory of their
+    # pool that a cache keeps alive)
+    if not remember or not gpu.keeps(stream):
         return block_mask if rebuilt is None else rebuilt
     if len(_compacted) >= _MAX_REMEMBERED:
         _compacted.clear()

@@ -146,7 +146,8 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
     if block_mask is not None:  # the value checks eager flex_attention makes (dynamo cannot read values)
         validate.check_block_tables(block_mask, query.shape[2], key.shape[2])
-        block_mask = without_empty_entries(block_mask)  # (negative entries in the counts: empty blocks)
+        # (negative entries in the counts: empty blocks; not remembered, see without_empty_entries)
+        block_mask = without_empty_entries(block_mask, remember=False)
     for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
         bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention",
                          block_mask)
@@ -202,7 +203,7 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     ``d_sinks`` is :func:`flexc.call.sinks.sink_grad` (shaped like ``sinks``), empty without sinks:
     computed here, in the op, so it is eager's arithmetic whatever compiles the graph."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
-    block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask))
+    block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask), remember=False)
     options = _options(kernel_options)
     score, mask = precise_math_for(options, score, mask)
     drop = _dropout(dropout_p, seed)
