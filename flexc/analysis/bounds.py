@@ -79,9 +79,12 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
     if proven_before and is_gpu(device):
         # new captured values (a decoding step's position): the checks that read them run on the
         # device, asserted there, instead of reading the values on the host (a sync per step)
+        # (over the listed tiles only where the host's proof needed them: a full-grid check costs
+        # a grid's worth of device work per call, the plain one only the inputs an index reads)
+        restricted_before = values is not None and len(values) > len(traced.buffers)
         for check in checks:
             if any(n.op == "load" for n in check[2].walk()):
-                _assert_on_device(traced, check, sizes, where, visited)
+                _assert_on_device(traced, check, sizes, where, visited if restricted_before else None)
         return
     bounds = domain_bounds(traced, sizes, device)
     data_dependent = restricted = False
