@@ -404,7 +404,7 @@ class BlockMask:
         cols = (kv_len - starts_kv).clamp(0, kv_block)
         return int((dense * rows[:, None] * cols[None, :]).sum())
 
-    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4, legend: bool = False) -> str:
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4, *, legend: bool = False) -> str:
         """An ASCII picture per (batch, head) that tells full, partial and empty tiles apart.
 
         Each cell covers a group of tiles: ``██`` all full (mask_mod skipped), two spaces all empty

@@ -95,7 +95,7 @@ def test_shared_functions_and_methods_take_torchs_parameter_names(name, ours, th
 
 
 # flexc's own keyword-only extensions (docs/differences.md)
-_OWN_KEYWORDS = {"flex_attention": ("sinks", "dropout_p", "generator")}
+_OWN_KEYWORDS = {"flex_attention": ("sinks", "dropout_p", "generator"), "BlockMask.to_string": ("legend",)}
 
 
 def test_noop_mask_takes_torchs_keywords():
