@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import shlex
 import textwrap
 
 import pytest
@@ -102,3 +103,20 @@ def test_every_repository_path_the_docs_name_exists():
 def test_the_path_check_sees_the_paths_the_docs_write():
     assert _named_paths("see `flexc/call/validate.py` and tests/tools/, not flexc/torch or ~/.cache/flexc/k.py") \
         == [(1, "flexc/call/validate.py"), (1, "tests/tools/")]
+
+
+# a `flexc` command line in a code block: `flexc show examples/mods.py:alibi,causal --q-len 1  # comment`
+CLI_LINE = re.compile(r"^[ \t]*(flexc (?:trace|show|draw) .*)$", re.M)
+
+
+def test_the_cli_examples_of_the_docs_parse_and_name_files_that_exist():
+    from flexc.tools.cli import build_parser
+    parser = build_parser()
+    lines = [(doc.relative_to(ROOT).as_posix(), line) for doc in DOCS for line in CLI_LINE.findall(doc.read_text())]
+    assert len(lines) >= 10, lines  # README's and docs/kernels.md's at least
+    for name, line in lines:
+        argv = shlex.split(line, comments=True)[1:]
+        parser.parse_args(argv)  # a misspelt flag exits here, naming it
+        target = argv[1]
+        path = target[:target.index(".py") + 3] if ".py" in target else target
+        assert (ROOT / path).is_file(), f"{name}: `{line}` names {path}, which does not exist"
