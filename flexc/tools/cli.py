@@ -12,10 +12,14 @@ function with a mod's signature is used (``show`` takes at most one of each kind
 
 Bad input ends in one message and a ``Fix:`` line (exit status 2), never a traceback; an error
 inside flexc itself says so (exit status 1; ``FLEXC_TRACEBACK=1`` prints its traceback).
+
+Arguments are parsed before torch is imported (about a second), so ``--help``, ``--version`` and
+argument errors answer at once: torch and flexc's tracer are imported inside the commands.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import linecache
 import os
 import runpy
@@ -23,15 +27,18 @@ import sys
 import sysconfig
 import traceback
 import warnings
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .._version import __version__
-from ..mods.trace import MASK_MOD, SCORE_MOD, TracedMod, TraceError, mod_kind, trace
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
+if TYPE_CHECKING:
+    import torch
+
+    from ..mods.trace import TracedMod
+
+# --dtype's spellings and the torch dtype each names
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "float32": "float32", "fp32": "float32", "float64": "float64", "fp64": "float64"}
 
 
 class CliError(Exception):
@@ -45,10 +52,14 @@ def _split_target(target: str) -> tuple[str, str | None]:
     return target, None
 
 
-def _load_namespace(path: str) -> dict[str, Any]:
+def _check_file(path: str) -> None:
     if not os.path.isfile(path):
         raise CliError(f"no such file: {path!r}. Fix: pass an existing FILE.py[:NAME], "
                        f"e.g. `flexc show masks.py:causal`.")
+
+
+def _load_namespace(path: str) -> dict[str, Any]:
+    _check_file(path)
     directory = os.path.dirname(os.path.abspath(path))
     sys.path.insert(0, directory)  # the file may import its neighbours
     try:
@@ -64,6 +75,8 @@ def _load_namespace(path: str) -> dict[str, Any]:
 
 
 def _is_mod(value: Any) -> bool:
+    from ..mods.trace import TraceError, mod_kind
+
     if not callable(value) or isinstance(value, type):
         return False
     try:
@@ -144,6 +157,8 @@ _FLEXC_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _raised_at(error: BaseException) -> tuple[str, str]:
     """`` (file:line)`` and source text of the innermost frame of ``error`` outside flexc and torch."""
+    import torch
+
     installed = (sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
     libraries = tuple(os.path.abspath(d) + os.sep for d in (_FLEXC_DIR, os.path.dirname(torch.__file__), *installed))
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
@@ -155,6 +170,9 @@ def _raised_at(error: BaseException) -> tuple[str, str]:
 
 def _trace_mod(label: str, fn: Callable) -> TracedMod:
     """``trace(fn)``; CliError for a mod that does not trace, or that raises when called on traced arguments."""
+    from ..mods.trace import MASK_MOD, SCORE_MOD, TraceError, mod_kind, trace
+
+    arguments = {SCORE_MOD: ("score", "b", "h", "q_idx", "kv_idx"), MASK_MOD: ("b", "h", "q_idx", "kv_idx")}
     try:
         return trace(fn)
     except TraceError as e:
@@ -166,10 +184,7 @@ def _trace_mod(label: str, fn: Callable) -> TracedMod:
                        f"called it with symbolic arguments."
                        + (f"\n    {line}" if line else "")
                        + f"\nFix: make {label} run on tensor arguments without raising (flexc calls it once, "
-                       f"with symbolic {', '.join(_ARGS[kind])}).") from None
-
-
-_ARGS = {SCORE_MOD: ("score", "b", "h", "q_idx", "kv_idx"), MASK_MOD: ("b", "h", "q_idx", "kv_idx")}
+                       f"with symbolic {', '.join(arguments[kind])}).") from None
 
 
 def _trace_all(mods: list[tuple[str, Callable]]) -> list[tuple[str, TracedMod]]:
@@ -268,10 +283,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     :func:`flexc.device.simulate` (``sm_90``), so it shows the CUDA source a GPU launches. ``--sinks``
     and ``--dropout P`` add flexc's ``sinks=`` (one logit per query head) and ``dropout_p=P``.
     """
+    import torch
+
     from .. import device as gpu
     from ..call.kernel_source import kernel_source
     from ..call.plan import FallbackWarning
     from ..analysis.bounds import IndexRangeError
+    from ..mods.trace import MASK_MOD, SCORE_MOD
 
     path, names = _split_target(args.target)
     mods = _find_mods(path, names)
@@ -285,7 +303,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                            f"Fix: choose with FILE.py:NAME or FILE.py:SCORE_MOD,MASK_MOD.")
     score = next((fn for (_, fn), (_, t) in zip(mods, traced) if t.kind == SCORE_MOD), None)
     mask = next((fn for (_, fn), (_, t) in zip(mods, traced) if t.kind == MASK_MOD), None)
-    dtype = _DTYPES[args.dtype]
+    dtype = getattr(torch, _DTYPES[args.dtype])
     head_dim = args.head_dim
     v_head_dim = args.v_head_dim or head_dim
     options = _check_call(args, dtype, head_dim, v_head_dim)
@@ -320,6 +338,8 @@ def _stand_in_block_mask(mask_mod: Callable, block_size: tuple[int, int], q_len:
     tile listed as partial, none full. The kernels' source depends on the tables' presence and
     block sizes, never on their contents; listing every tile makes the call's bounds check cover the
     whole grid, as it would for a mask that visits everything."""
+    import torch
+
     from ..masks.block_mask import BlockMask
 
     n_q, n_kv = -(-q_len // block_size[0]), -(-kv_len // block_size[1])
@@ -332,6 +352,8 @@ def _stand_in_block_mask(mask_mod: Callable, block_size: tuple[int, int], q_len:
 
 def _check_call(args: argparse.Namespace, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> dict:
     """Validate the call ``flexc show`` describes as flex_attention would; return its kernel_options."""
+    import torch
+
     from ..call.validate import check_kernel_options, check_tensors
 
     # One-row stand-ins: flex_attention's own checks of dtypes and head dims, on no real data.
@@ -352,6 +374,7 @@ def _check_call(args: argparse.Namespace, dtype: torch.dtype, head_dim: int, v_h
 def cmd_draw(args: argparse.Namespace) -> int:
     """Draw the named mask_mod (its BlockMask) or score_mod (a heat map, masked by a mask_mod) to a PNG."""
     from ..masks.block_mask import create_block_mask
+    from ..mods.trace import MASK_MOD, SCORE_MOD
     from .plot import plot
 
     path, names = _split_target(args.target)
@@ -426,9 +449,24 @@ def _evaluation_error(error: Exception, fns: dict[str, Callable], q_len: int, kv
                     f"sequence.")
 
 
+class _Version(argparse.Action):
+    """``--version``: flexc's and torch's versions, the latter from torch's installed metadata (no import)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, help: str | None = None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None):
+        try:
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch_version = "not installed"
+        print(f"flexc {__version__} (torch {torch_version})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexc", description="flexc: trace attention mods and show their kernels.")
-    parser.add_argument("--version", action="version", version=f"flexc {__version__} (torch {torch.__version__})")
+    parser.add_argument("--version", action=_Version, help="show flexc's and torch's versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("trace", help="print the traced expression of the mods in FILE.py[:NAME]")
     p.add_argument("target", metavar="FILE.py[:NAME]")
@@ -483,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flexc`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        _check_file(_split_target(args.target)[0])  # before a command imports torch
         return args.run(args)
     except CliError as e:
         print(f"flexc {args.command}: {e}", file=sys.stderr)

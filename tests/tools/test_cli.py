@@ -1,6 +1,7 @@
 """The ``flexc`` command: ``trace`` prints traced expressions, ``show`` prints generated kernels."""
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ import torch
 
 import flexc
 from flexc.tools.cli import main
+from repo import ROOT
 
 MODS = textwrap.dedent('''
     import torch
@@ -163,6 +165,33 @@ def test_console_script_module_runs(mods_file):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "causal (mask_mod): q_idx >= kv_idx"
+
+
+@pytest.mark.parametrize("argv,status,answer", [
+    (["--help"], 0, "usage: flexc"),
+    (["--version"], 0, f"flexc {flexc.__version__} (torch {torch.__version__})"),
+    (["show", "examples/mods.py:causal", "--head-dim", "0"], 2, "--head-dim must be >= 1, got 0"),
+    (["show", "no_such_file.py:causal"], 2, "no such file: 'no_such_file.py'"),
+])
+def test_the_command_answers_help_version_and_bad_input_without_importing_torch(argv, status, answer):
+    """`python -m flexc --help` answers in a fraction of a second: torch (about 1 s) is never imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "flexc", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == status and answer in done.stdout + done.stderr, done.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert "flexc.tools.cli" in imported and "torch" not in imported
+
+
+def test_the_readmes_show_example_prints_the_kernel_of_the_mods_it_names(capsys, monkeypatch):
+    """README's `flexc show examples/mods.py:...` line, run as written from the checkout's root."""
+    line = next(s for s in (ROOT / "README.md").read_text().splitlines() if s.startswith("flexc show"))
+    argv = shlex.split(line, comments=True)[1:]
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out.startswith("# flexc forward attention kernel")
+    for name in argv[1].partition(".py:")[2].split(","):
+        assert f" {name}: " in out.split("\n\n")[0], name  # the header names each traced mod
 
 
 # ---- argument validation: every argument checked as flex_attention checks its inputs ----------
