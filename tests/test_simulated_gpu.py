@@ -194,6 +194,13 @@ def _decode_step_inputs(device):
     return step, input_pos, (q, k, v, mask_mod, example, S)
 
 
+def _check_step(out, q, k, v, mask_mod, example, position):
+    """A decoding step's output at ``position`` against float64 dense attention."""
+    ref = dense_attention(q, k, v, mask_mod=_shifted(mask_mod, position),
+                          score_mod=example.shifted_score(example.alibi, position))[0]
+    torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=0)
+
+
 @cuda_only
 def test_decoding_step_is_captured_in_a_cuda_graph_and_replayed():
     step, input_pos, (q, k, v, mask_mod, example, S) = _decode_step_inputs("cuda")
@@ -206,10 +213,7 @@ def test_decoding_step_is_captured_in_a_cuda_graph_and_replayed():
         input_pos += 1
         graph.replay()
         torch.cuda.synchronize()
-        position = int(input_pos)
-        ref = dense_attention(q, k, v, mask_mod=_shifted(mask_mod, position),
-                              score_mod=example.shifted_score(example.alibi, position))[0]
-        torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=0)
+        _check_step(out, q, k, v, mask_mod, example, int(input_pos))
 
 
 @cuda_only
@@ -221,10 +225,7 @@ def test_decoding_step_runs_under_reduce_overhead_compile():
     compiled = torch.compile(step, mode="reduce-overhead")
     for _ in range(4):
         out = compiled()
-        position = int(input_pos)
-        ref = dense_attention(q, k, v, mask_mod=_shifted(mask_mod, position),
-                              score_mod=example.shifted_score(example.alibi, position))[0]
-        torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=0)
+        _check_step(out, q, k, v, mask_mod, example, int(input_pos))
         input_pos += 1
 
 
@@ -241,10 +242,7 @@ def test_compiled_decoding_step_with_a_score_mod_is_one_graph_on_the_simulated_g
         compiled = torch.compile(step, backend=counter, fullgraph=True)
         for _ in range(2):
             out = compiled()
-            position = int(input_pos)
-            ref = dense_attention(q, k, v, mask_mod=_shifted(mask_mod, position),
-                                  score_mod=example.shifted_score(example.alibi, position))[0]
-            torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=0)
+            _check_step(out, q, k, v, mask_mod, example, int(input_pos))
             input_pos += 1
     assert counter.frame_count == 1
     torch._dynamo.reset()
