@@ -416,6 +416,6 @@ def shared_memory_estimate(spec) -> int | None:
     dtype = getattr(spec, "dtype", None)
     if None in (block_m, block_n, head_dim, v_head_dim) or not isinstance(dtype, torch.dtype):
         return None
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     d, dv = (max(16, 1 << max(0, (x - 1).bit_length())) for x in (head_dim, v_head_dim))  # as the kernels pad
     return (max(1, spec.num_stages - 1) * block_n * (d + dv) + block_m * d) * size

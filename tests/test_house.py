@@ -201,3 +201,35 @@ def test_readme_layout_names_every_module():
     modules = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                if p.name != "__init__.py" or p.parent == PACKAGE}
     assert sorted(modules - named) == []
+
+
+# Where a backend's name may be spelled as a string in flexc (everywhere else reads flexc.backends.registry):
+# a new backend is its package plus one registry line, and no other module lists the backends.
+# (bench/, examples/ and tests/ are users of kernel_options["BACKEND"] and spell names as users do.)
+BACKEND_NAME_ALLOWED = {
+    "flexc/backends/registry.py": "the one list of backend names",
+    "flexc/call/compat.py": "the Literal type of torch's kernel_options['BACKEND'], spelled as torch's signature",
+}
+
+
+def _backend_name_strings(source: str, names: set[str]) -> list[int]:
+    """Lines of ``source`` holding a string constant that is exactly a backend name (docstrings and
+    messages hold names inside longer text, which is fine)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+
+
+def test_backend_names_are_spelled_in_the_registry_only():
+    from flexc.backends import registry
+
+    names = set(registry.names())
+    own_packages = {f"flexc/backends/{name.lower()}/" for name in names} | {"flexc/backends/cpu/"}
+    spelled = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in MODULES.values()
+               if str(path.relative_to(PACKAGE.parent)) not in BACKEND_NAME_ALLOWED
+               and not str(path.relative_to(PACKAGE.parent)).startswith(tuple(own_packages))
+               for line in _backend_name_strings(path.read_text(), names)]
+    assert spelled == [], "read the name from flexc.backends.registry (TORCH, TRITON, AUTO, names())"
+
+
+def test_backend_name_finder_finds_a_spelled_name():
+    assert _backend_name_strings('x = {"BACKEND": "TRITON"}\n"""TRITON docs"""\n', {"TRITON"}) == [1]

@@ -24,16 +24,32 @@ from typing import Callable
 
 from .cpu.torch_cpu import torch_forward
 
-BACKENDS: dict[str, Callable] = {"TORCH": torch_forward}
+# The names, spelled here only: every other module reads them from this one (tests/test_house.py checks).
+AUTO = "AUTO"  # not a backend: the call's device chooses (TRITON on a GPU where Triton is installed, else TORCH)
+TORCH = "TORCH"
+TRITON = "TRITON"
+
+BACKENDS: dict[str, Callable] = {TORCH: torch_forward}
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
 
 # backends that live in a package of their own, imported when first asked for (Triton is optional)
-_PACKAGES = {"TRITON": "flexc.backends.triton"}
+_PACKAGES = {TRITON: "flexc.backends.triton"}
 
 
 def register(name: str, forward: Callable) -> None:
-    """Make ``forward`` the backend ``name`` (the first registration wins)."""
+    """Make ``forward`` the backend ``name`` (the first registration wins); ``kernel_options["BACKEND"]``
+    then accepts ``name`` (upper case, as validation compares it) eagerly and under torch.compile."""
+    if not isinstance(name, str) or name != name.upper() or name == AUTO:
+        raise ValueError(f"flexc.backends.registry.register: name must be an upper-case str other than {AUTO!r} "
+                         f"(kernel_options['BACKEND'] is compared upper-cased), got {name!r}. Fix: register "
+                         f"{str(name).upper()!r}.")
     BACKENDS.setdefault(name, forward)
+
+
+def names() -> tuple[str, ...]:
+    """Every name ``kernel_options["BACKEND"]`` may take: AUTO, the registered backends and those whose
+    package is imported on first need."""
+    return (AUTO, *BACKENDS, *(name for name in _PACKAGES if name not in BACKENDS))
 
 
 def register_training(name: str, forward: Callable, backward: Callable) -> None:

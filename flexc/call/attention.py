@@ -161,7 +161,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
     backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
     max_scores = None
     recorded = (recorded_forward(query, key, value, traced_score, traced_mask, block_mask, scale)
-                if (plan.training and backend == "TORCH" and drop is None and sinks is None and not want_lse
+                if (plan.training and backend == registry.TORCH and drop is None and sinks is None and not want_lse
                     and not want_max) else None)
     if recorded is not None:  # torch's own autograd nodes: no Python in the backward
         out, lse = recorded, None
@@ -178,7 +178,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
     elif want_max:
         out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
                                                 lse_dtype=lse_dtype(query.dtype), dropout=drop, sinks=sinks)
-    elif backend == "TORCH" and (drop is not None or (want_lse and query.dtype == torch.float64)):
+    elif backend == registry.TORCH and (drop is not None or (want_lse and query.dtype == torch.float64)):
         # (the row loop draws the dropout; a float64 lse for float64 inputs, as torch's)
         out, lse, _ = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
                                        need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop, sinks=sinks)
@@ -228,7 +228,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     key, value = in_dtype_of(query, key), in_dtype_of(query, value)
     backend = options["BACKEND"] = choose_backend(options, query.device)
     want_max = bool(return_aux is not None and return_aux.max_scores)
-    if want_max and backend != "TORCH":
+    if want_max and backend != registry.TORCH:
         raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
                          f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
     want_lse = return_lse or bool(return_aux is not None and return_aux.lse)

@@ -58,13 +58,13 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     dropout_p = dropout.check(dropout_p, generator)
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
                      training=True if backward else None, dropout_p=dropout_p, sinks=rows, block_mask=block_mask)
-    if plan.backend != "TRITON":
+    if plan.backend != registry.TRITON:
         return _runs_instead(plan.backend, query.device, backward)
     if backward:
         if plan.generated is None:
             reason = (generated_backward_fallback(traced_score) or "").replace("\n", " ")
             why = (f"the generated backward cannot differentiate its\n# score_mod ({reason})"
-                   if "TRITON" in registry.TRAINING else "no generated backward is registered\n# for the TRITON backend")
+                   if registry.TRITON in registry.TRAINING else "no generated backward is registered\n# for the TRITON backend")
             return (f"# flexc: this call's backward runs no generated kernel: {why}, so training runs the torch "
                     f"backward\n# (flexc.backends.cpu.torch_cpu.torch_backward, per query row on {query.device}) "
                     f"after the generated forward.\n")
@@ -78,7 +78,7 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 def _runs_instead(backend: str, device: torch.device, backward: bool) -> str:
     """kernel_source's text for a call whose backend generates no kernel."""
     what = "backward" if backward else "call"
-    if backend == "TORCH":
+    if backend == registry.TORCH:
         runs = "flexc's block-sparse PyTorch path (flexc.backends.cpu.torch_cpu), forward and backward"
     else:
         runs = f"the {backend!r} backend"

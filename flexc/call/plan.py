@@ -40,13 +40,16 @@ class AuxOutput(NamedTuple):
 
 
 def choose_backend(options: dict, device: torch.device) -> str:
+    """The registered backend ``options["BACKEND"]`` names, AUTO resolved for ``device``; raises when it
+    cannot run here."""
     name = options["BACKEND"]
-    if name == "AUTO":
+    if name == registry.AUTO:
         # (a CPU device first: reading device.type builds a string, a noticeable cost per decoding call)
-        name = "TRITON" if gpu.is_gpu(device) and registry.available("TRITON") else "TORCH"
-    if name == "TRITON" and not registry.available("TRITON"):
-        raise ValueError("flex_attention: kernel_options['BACKEND']='TRITON' but no Triton backend is available "
-                         "(triton is not installed). Fix: use 'TORCH' or 'AUTO'.")
+        name = registry.TRITON if gpu.is_gpu(device) and registry.available(registry.TRITON) else registry.TORCH
+    if not registry.available(name):
+        raise ValueError(f"flex_attention: kernel_options['BACKEND']={name!r} but no {name} backend is available "
+                         f"(its package failed to import: is triton installed?). Fix: use "
+                         f"{registry.TORCH!r} or {registry.AUTO!r}.")
     return name
 
 
@@ -181,7 +184,7 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     bounds.check_mod(mask_mod, B, Hq, L, S, "flex_attention", block_mask)
     want_lse = bool(return_lse) or bool(return_aux is not None and return_aux.lse)
     want_max = bool(return_aux is not None and return_aux.max_scores)
-    if want_max and backend != "TORCH":
+    if want_max and backend != registry.TORCH:
         raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
                          f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
     slots = trainable_slots(score_mod)
@@ -194,7 +197,7 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
 
 
 # the backends whose kernels draw attention dropout (the same mask for the same seed)
-DROPOUT_BACKENDS = ("TORCH", "TRITON")
+DROPOUT_BACKENDS = (registry.TORCH, registry.TRITON)
 
 
 def dropout_backend(backend: str, dropout_p: float, positions: bool = False) -> str:
@@ -202,9 +205,9 @@ def dropout_backend(backend: str, dropout_p: float, positions: bool = False) -> 
     backend's kernels do not, or draw at the call's own indices while ``positions`` asks for a
     context-parallel shard's global ones (a :class:`FallbackWarning` once per backend and reason).
     Eager and compiled calls."""
-    if dropout_p and backend != "TORCH" and (positions or backend not in DROPOUT_BACKENDS):
+    if dropout_p and backend != registry.TORCH and (positions or backend not in DROPOUT_BACKENDS):
         _warn_dropout_runs_on_torch(backend, positions)
-        return "TORCH"
+        return registry.TORCH
     return backend
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..backends import registry
 from ..device import assert_async, fit_message, is_gpu, same_device
 from ..codegen.spec import precision_option
 from ..errors import AssertedValueError, InvalidValueError, UnsupportedInputError, UnsupportedTypeError, warn_once
@@ -25,7 +26,6 @@ from ..masks.table_lists import LIMIT as TABLE_LIST_LIMIT, TableContents, table_
 from ..versions import pinned, table_states
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-BACKEND_NAMES = ("AUTO", "TORCH", "TRITON")
 # torch's names for its own kernels (CuTe flash, split-KV decode), which flexc does not have: code
 # written for torch passes them unchanged and flexc chooses its own path, as for "AUTO", saying so once
 # (FallbackWarning).
@@ -414,7 +414,7 @@ def check_scale(scale: Any, query: torch.Tensor) -> float:
 def check_kernel_options(kernel_options: Any) -> dict:
     """A copy of ``kernel_options`` with known keys only and ``BACKEND`` upper-cased ("AUTO" by default)."""
     if kernel_options is None:
-        return {"BACKEND": "AUTO"}
+        return {"BACKEND": registry.AUTO}
     if not isinstance(kernel_options, dict):
         raise TypeError(f"flex_attention: `kernel_options` must be a dict or None, got {type(kernel_options).__name__}. "
                         f"Fix: pass e.g. {{'BACKEND': 'TORCH'}}.")
@@ -443,17 +443,17 @@ def check_kernel_options(kernel_options: Any) -> dict:
         raise InvalidValueError("flex_attention: BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION. "
                                 "Fix: drop FORCE_USE_FLEX_ATTENTION and only specify the desired BACKEND.")
     precision_option(options)  # FLOAT32_PRECISION: a value the kernels can take, on every backend
-    backend = options.get("BACKEND", "AUTO")
+    backend = options.get("BACKEND", registry.AUTO)
     if isinstance(backend, str) and backend.upper() in TORCH_ONLY_BACKENDS:
         warn_once(("BACKEND", backend.upper()),
                   f"flex_attention: kernel_options['BACKEND']={backend!r} names one of torch's own kernels, which "
                   f"flexc does not have; flexc runs 'AUTO' instead (its generated Triton kernels on CUDA, the "
                   f"TORCH block-sparse path on the CPU). Fix: pass 'AUTO', 'TRITON' or 'TORCH' to choose.",
                   stacklevel=4)
-        backend = "AUTO"
-    if not isinstance(backend, str) or backend.upper() not in BACKEND_NAMES:
+        backend = registry.AUTO
+    if not isinstance(backend, str) or backend.upper() not in registry.names():
         raise ValueError(f"flex_attention: Invalid BACKEND value {backend!r}: kernel_options['BACKEND'] must be one "
-                         f"of {list(BACKEND_NAMES)} (or torch's {list(TORCH_ONLY_BACKENDS)}, run as 'AUTO'), got "
+                         f"of {list(registry.names())} (or torch's {list(TORCH_ONLY_BACKENDS)}, run as 'AUTO'), got "
                          f"{backend!r}. Fix: use 'TORCH' for the CPU block-sparse path, 'TRITON' for generated "
                          f"kernels, or 'AUTO'.")
     options["BACKEND"] = backend.upper()

@@ -286,6 +286,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     import torch
 
     from .. import device as gpu
+    from ..backends import registry
     from ..call.kernel_source import kernel_source
     from ..call.plan import FallbackWarning
     from ..analysis.bounds import IndexRangeError
@@ -319,7 +320,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     try:
         block_mask = _stand_in_block_mask(mask, args.block_size or (128, 128), q_len, kv_len) if mask else None
         call = dict(score_mod=score, block_mask=block_mask, enable_gqa=heads != kv_heads, return_lse=args.lse,
-                    kernel_options={**options, "BACKEND": "TRITON"}, dropout_p=args.dropout, backward=args.backward)
+                    kernel_options={**options, "BACKEND": registry.TRITON}, dropout_p=args.dropout, backward=args.backward)
         sinks = torch.zeros(heads, requires_grad=trains) if args.sinks else None
         with gpu.simulate("sm_90" if args.device == "cuda" else None), torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FallbackWarning)  # (the text says what runs instead)

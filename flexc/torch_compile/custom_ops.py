@@ -19,7 +19,8 @@ import torch
 
 from ..analysis import bounds
 from ..call import validate
-from ..backends.cpu.torch_cpu import forward_with_max, torch_backward, torch_forward
+from ..backends import registry
+from ..backends.cpu.torch_cpu import forward_with_max, torch_backward
 from ..masks.block_mask import DERIVED, BlockMask, create_block_mask
 from ..codegen.printer import precise_math_for
 from ..masks.empty_entries import without_empty_entries
@@ -73,10 +74,11 @@ def _mods(score_key: str, score_buffers, mask_key: str, mask_buffers):
     return score, mask
 
 
-def _triton():
-    # imported on first use: the Triton backend loads triton (and registers itself in flexc.backends.registry)
-    from ..backends.triton import backward as triton_backward
-    return triton_backward
+def _generated(backend: str):
+    """``registry.TRAINING[backend]`` (the backend's forward that saves its backward's statistics, and that
+    backward), or None; the backend's package imported on first need (Triton registers itself then)."""
+    registry.available(backend)
+    return registry.TRAINING.get(backend)
 
 
 # A custom op's implementation runs with autograd's dispatch keys excluded; the backward needs them
@@ -135,9 +137,9 @@ def _dropout(dropout_p: float, seed: Optional[torch.Tensor]) -> Dropout | None:
 
 
 def _saves_stats(kernel_options: str, dropout_p: float) -> bool:
-    """Whether the forward runs the TRITON training forward, which returns the generated backward's
-    statistics (:func:`flexc.backends.triton.backward.forward_for_training`)."""
-    return dropout_backend(_options(kernel_options)["BACKEND"], dropout_p) == "TRITON"
+    """Whether the forward runs a backend's training forward (:data:`flexc.backends.registry.TRAINING`), which
+    returns the generated backward's statistics (e.g. :func:`flexc.backends.triton.backward.forward_for_training`)."""
+    return _generated(dropout_backend(_options(kernel_options)["BACKEND"], dropout_p)) is not None
 
 
 def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
@@ -155,14 +157,18 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
     score, mask = precise_math_for(options, score, mask)  # FAST_MATH=False, as in eager calls
     backend = dropout_backend(options["BACKEND"], drop.p if drop is not None else 0.0)
     row_max = stats = None
-    if backend == "TRITON":  # the forward that also serves the generated backward (drawing the dropout mask)
-        out, lse, stats = _triton().forward_for_training(query, key, value, score, mask, block_mask, scale, options,
-                                                         dropout=drop, sinks=sinks)
-    elif need_max or query.dtype == torch.float64 or drop is not None:  # float64: keep the logsumexp in float64
+    generated = _generated(backend)
+    if generated is not None:  # the forward that also serves the generated backward (drawing the dropout mask)
+        out, lse, stats = generated[0](query, key, value, score, mask, block_mask, scale, options, dropout=drop,
+                                       sinks=sinks)
+    elif backend == registry.TORCH and (need_max or query.dtype == torch.float64 or drop is not None):
+        # (the row loop: row maxima, dropout, and a float64 logsumexp for float64 inputs)
         out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
                                              lse_dtype=lse_dtype(query), dropout=drop, sinks=sinks)
-    else:
-        out, lse = torch_forward(query, key, value, score, mask, block_mask, scale, options, need_lse, sinks=sinks)
+    else:  # the registered forward, as an eager call runs it (validation let through only what it takes)
+        extra = {"sinks": sinks} if sinks is not None else {}
+        out, lse = registry.BACKENDS[backend](query, key, value, score, mask, block_mask, scale, options, need_lse,
+                                              **extra)
     if row_max is None:
         row_max = query.new_empty((0,), dtype=torch.float32)
     # laid out as an eager call returns it (the query's dimension order, flexc.backends.layout) whatever a
@@ -208,13 +214,13 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     score, mask = precise_math_for(options, score, mask)
     drop = _dropout(dropout_p, seed)
     # flex_attention's own rule for when the generated backward applies
-    if options["BACKEND"] == "TRITON" and generated_backward_applies(score):  # the generated kernels
-        dq, dk, dv, buf_grads = _triton().triton_backward(query, key, value, out, stats, grad_out, grad_lse, score,
-                                                          mask, block_mask, scale, tuple(grad_slots), options,
-                                                          dropout=drop, sinks=sinks)
+    generated = _generated(dropout_backend(options["BACKEND"], dropout_p))
+    if generated is not None and generated_backward_applies(score):  # the generated kernels
+        dq, dk, dv, buf_grads = generated[1](query, key, value, out, stats, grad_out, grad_lse, score, mask,
+                                             block_mask, scale, tuple(grad_slots), options, dropout=drop, sinks=sinks)
     else:
-        if options["BACKEND"] == "TRITON":  # says so, once per score_mod, as eager calls do
-            warn_fallback(score, "TRITON")
+        if generated is not None:  # says so, once per score_mod, as eager calls do
+            warn_fallback(score, options["BACKEND"])
         with _autograd_enabled():  # carries dS through the score_mod
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, lse, grad_out, grad_lse, score, mask,
                                                    block_mask, scale, tuple(grad_slots), dropout=drop, sinks=sinks)

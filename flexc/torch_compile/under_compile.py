@@ -69,7 +69,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """``(out, lse, max_scores)`` of one call, as one ``flexc::flex_attention`` node of the compiled graph
     (``flexc::flex_attention_inference`` when no gradient is needed).
 
-    ``options`` are the checked kernel_options with ``BACKEND`` resolved to "TORCH" or "TRITON";
+    ``options`` are the checked kernel_options with ``BACKEND`` resolved to a registered backend's name;
     ``lse`` is empty unless ``need_lse``. With ``dropout_p > 0``, ``seed`` is the call's 0-d int64
     seed tensor (drawn in the graph, as eager draws it), an input of the node; so are ``sinks``
     (``[B or 1, Hq, 1]``, :func:`flexc.call.sinks.check_sinks`), which the node folds into its softmax.

@@ -229,7 +229,7 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
     return sources_text((rows_spec(spec) if spec.precise else plan.kernels[0], spec), query.device)
 
 
-registry.register_training("TRITON", forward_for_training, triton_backward)
+registry.register_training(registry.TRITON, forward_for_training, triton_backward)
 
 __all__ = ["BackwardPlan", "backward_source", "forward_for_training", "launch_backward", "launch_prologue",
            "launches_nothing", "make_backward_spec", "plan_backward", "precise_gradients", "prologue_spec",

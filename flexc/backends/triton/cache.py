@@ -225,7 +225,6 @@ def get_kernel(spec: AnySpec, device: torch.device | None = None) -> Kernel:
     cache, or generated, written and imported. CPU tensors standing in for a GPU
     (:func:`flexc.device.simulate`) run the interpreter variant of a ``"cuda"`` spec, cached apart
     from the compiled one; each GPU capability has its own entries (:func:`device_key`)."""
-    runs = gpu.runnable(spec, device) if device is not None else spec
     part = device_key(spec, device)
     key = (spec.key(), *part) if part else spec.key()
     with _cache_lock:
@@ -234,6 +233,7 @@ def get_kernel(spec: AnySpec, device: torch.device | None = None) -> Kernel:
             _cache.move_to_end(key)
             _stats["hits"] += 1
             return kernel
+        runs = gpu.runnable(spec, device) if device is not None else spec  # (a miss only: a new spec per call)
         generated = generate(runs)
         module, path = import_source(generated.source, runs.target)
         kernel = Kernel(generated, getattr(module, generated.kernel_name), path)

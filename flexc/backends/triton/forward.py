@@ -210,7 +210,7 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)[:2]
 
 
-registry.register("TRITON", triton_forward)
+registry.register(registry.TRITON, triton_forward)
 
 __all__ = ["ForwardPlan", "launch", "launch_plan", "launches_nothing", "make_spec", "plan_forward", "spec_for_call",
            "triton_forward"]

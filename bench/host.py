@@ -1,0 +1,190 @@
+"""Host time per flexc call: what flexc's Python costs around its kernels (issue 38).
+
+Under ``flexc.device.simulate("sm_90")`` (CPU tensors take an H100's host decisions) with
+:func:`flexc.device.launch` replaced by a no-op that counts its calls, so each row measures everything
+a call does on the host up to the launch, and nothing of the kernel or of Triton's launcher:
+
+- forward: warm ``flex_attention`` (B=1, H=8, L=256, D=64, bf16, causal BlockMask);
+- forward + lse: the same call with ``return_lse=True``;
+- training step: that forward on inputs that require grad, then ``torch.autograd.grad``;
+- floor: a trivial ``torch.autograd.Function`` making the training step's launches (the same stub,
+  as many times forward and backward) and allocating its outputs: what any autograd op pays;
+- decode step: gpt-fast's idiom on a 1024-key cache, one query row, positions advancing:
+  ``mask = block_mask[:, :, input_pos // 128]``, a new ``mask_mod`` closure over ``input_pos[0]`` and
+  ``mask.seq_lengths = (1, 1024)`` every step, then the call (slicing included);
+- compiled forward: the forward row inside ``torch.compile(fullgraph=True)``, with
+  ``backend="aot_eager"`` (inductor's compile is minutes on a small CPU; at run time a compiled graph
+  of one custom-op node costs the guards, the runtime wrapper and the op itself, which is this).
+
+Medians over repetitions (interleaved: each repetition times every row once), one thread, µs per call.
+The last line is a one-line summary.
+
+Usage: python bench/host.py [--repeats N] [--calls N] [--cpu-time]
+  --cpu-time: time.thread_time (this thread's CPU time) instead of wall time, for a loaded machine
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT]  # this checkout's flexc
+
+import torch  # noqa: E402
+
+import flexc  # noqa: E402
+from flexc import device as gpu  # noqa: E402
+
+B, H, L, D = 1, 8, 256, 64
+CACHE = 1024  # the decode step's keys
+DTYPE = torch.bfloat16
+BLOCK = 128
+
+
+class LaunchCounter:
+    """Stands in for :func:`flexc.device.launch`: counts the launches and launches nothing."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.count += 1
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _rows(stub: LaunchCounter) -> dict[str, Callable[[], object]]:
+    """Each row's call, warm: built here and called once before timing."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=g).to(DTYPE) for _ in range(3))
+    bm = flexc.create_block_mask(causal, None, None, L, L)
+    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn(B, H, L, D, generator=g).to(DTYPE)
+
+    def forward():
+        return flexc.flex_attention(q, k, v, block_mask=bm)
+
+    def forward_lse():
+        return flexc.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+
+    def training():
+        out = flexc.flex_attention(qt, kt, vt, block_mask=bm)
+        return torch.autograd.grad(out, (qt, kt, vt), grad_out)
+
+    # the floor makes as many launches as the training step: counted on one step
+    before = stub.count
+    out = flexc.flex_attention(qt, kt, vt, block_mask=bm)
+    forward_launches = stub.count - before
+    torch.autograd.grad(out, (qt, kt, vt), grad_out)
+    backward_launches = stub.count - before - forward_launches
+
+    class Trivial(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, query, key, value):
+            for _ in range(forward_launches):
+                gpu.launch(None, (1,), None, query.device, [], {})
+            return torch.empty_like(query)
+
+        @staticmethod
+        def backward(ctx, grad):
+            for _ in range(backward_launches):
+                gpu.launch(None, (1,), None, grad.device, [], {})
+            return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)
+
+    def floor():
+        out = Trivial.apply(qt, kt, vt)
+        return torch.autograd.grad(out, (qt, kt, vt), grad_out)
+
+    # gpt-fast's decode step
+    qd = torch.randn(B, H, 1, D, generator=g).to(DTYPE)
+    kd, vd = (torch.randn(B, H, CACHE, D, generator=g).to(DTYPE) for _ in range(2))
+    parent = flexc.create_block_mask(causal, None, None, CACHE, CACHE, BLOCK_SIZE=BLOCK)
+    input_pos = torch.tensor([CACHE // 2])
+    positions = iter(range(10 ** 9))
+
+    def decode():
+        input_pos.fill_(CACHE // 2 + next(positions) % (CACHE // 2))  # advanced in place, as gpt-fast does
+        offset = input_pos[0]
+
+        def mask_mod(b, h, q_idx, kv_idx):  # a new closure every step, as gpt-fast's get_mask_mod makes it
+            return causal(b, h, q_idx + offset, kv_idx)
+
+        mask = parent[:, :, input_pos // BLOCK]
+        mask.mask_mod, mask.seq_lengths = mask_mod, (1, CACHE)
+        return flexc.flex_attention(qd, kd, vd, block_mask=mask)
+
+    def attend(query, key, value, block_mask):
+        return flexc.flex_attention(query, key, value, block_mask=block_mask)
+
+    compiled_attend = torch.compile(attend, backend="aot_eager", fullgraph=True)
+
+    def compiled():
+        return compiled_attend(q, k, v, bm)
+
+    return {"forward": forward, "forward + lse": forward_lse, "training step": training,
+            "floor (trivial autograd.Function)": floor, "decode step (gpt-fast)": decode,
+            "compiled forward (aot_eager)": compiled}
+
+
+def measure(repeats: int = 7, calls: int = 200, clock: Callable[[], float] = time.perf_counter
+            ) -> dict[str, tuple[float, int]]:
+    """``{row: (median µs per call, launches per call)}``, one thread, launches stubbed, sm_90 simulated."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    stub = LaunchCounter()
+    real_launch, gpu.launch = gpu.launch, stub
+    try:
+        with gpu.simulate("sm_90"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (flexc's "called without torch.compile"-style notes)
+            rows = _rows(stub)
+            launches = {}
+            for name, fn in rows.items():
+                fn()  # warm: kernels generated, tables built, graphs compiled
+                before = stub.count
+                fn()
+                launches[name] = stub.count - before
+            times: dict[str, list[float]] = {name: [] for name in rows}
+            for _ in range(repeats):
+                for name, fn in rows.items():
+                    start = clock()
+                    for _ in range(calls):
+                        fn()
+                    times[name].append((clock() - start) / calls * 1e6)
+    finally:
+        gpu.launch = real_launch
+        torch.set_num_threads(threads)
+    return {name: (statistics.median(t), launches[name]) for name, t in times.items()}
+
+
+def summary(results: dict[str, tuple[float, int]]) -> str:
+    t = {name: us for name, (us, _) in results.items()}
+    floor = t["floor (trivial autograd.Function)"]
+    return (f"host µs/call (sm_90 simulated, launches stubbed, 1 thread, medians): forward {t['forward']:.0f}, "
+            f"forward+lse {t['forward + lse']:.0f}, training step {t['training step']:.0f} "
+            f"({t['training step'] - floor:+.0f} over the floor's {floor:.0f}), decode step "
+            f"{t['decode step (gpt-fast)']:.0f}, compiled forward (aot_eager) {t['compiled forward (aot_eager)']:.0f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7, help="repetitions, each timing every row (median)")
+    parser.add_argument("--calls", type=int, default=200, help="calls per row per repetition")
+    parser.add_argument("--cpu-time", action="store_true", help="time this thread's CPU time, not wall time")
+    args = parser.parse_args(argv)
+    results = measure(args.repeats, args.calls, time.thread_time if args.cpu_time else time.perf_counter)
+    print(f"B={B} H={H} L={L} D={D} {str(DTYPE).removeprefix('torch.')}, causal; decode: cache {CACHE}, one row")
+    print(f"{'row':<36} {'µs/call':>9} {'launches':>9}")
+    for name, (us, launches) in results.items():
+        print(f"{name:<36} {us:>9.1f} {launches:>9}")
+    print(summary(results))
+
+
+if __name__ == "__main__":
+    main()
