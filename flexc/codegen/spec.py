@@ -43,13 +43,20 @@ class KernelSpec:
     MOD_FIELDS: ClassVar[tuple[str, ...]] = ()  # fields holding a TracedMod (or None): keyed by structure
 
     def key(self) -> tuple:
-        """The kernel cache key: the fields in order, the mods' structure, never their captured values."""
+        """The kernel cache key: the fields in order, the mods' structure, never their captured values.
+        Computed once per spec (a call looks its kernels up more than once; the spec and its mods are
+        frozen)."""
+        known = self.__dict__.get("_key")
+        if known is not None:
+            return known
         get_fields, mods = _key_plan(type(self))
         values = list(get_fields(self))
         for i in mods:
             if values[i] is not None:
                 values[i] = values[i].key
-        return self.KIND + tuple(values)
+        known = self.KIND + tuple(values)
+        object.__setattr__(self, "_key", known)  # (not a field: equality, hash and replace() ignore it)
+        return known
 
 
 @dataclass(frozen=True)

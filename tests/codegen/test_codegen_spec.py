@@ -41,3 +41,11 @@ def test_every_field_tells_keys_apart_and_captured_values_do_not():
         other = _Mod(("t",)) if f.name.endswith("_mod") else not value if isinstance(value, bool) else \
             torch.float32 if f.name == "dtype" else value * 2 if isinstance(value, int) else value + "x"
         assert dataclasses.replace(spec, **{f.name: other}).key() != spec.key(), f.name
+
+
+def test_a_spec_computes_its_key_once_and_stays_equal_to_a_fresh_spec():
+    spec = DecodeSpec(_Mod(("s",)), None, torch.float16, 64, 64, 128, 16, 32)
+    assert spec.key() is spec.key()  # (a call looks its kernels up by the key more than once)
+    fresh = dataclasses.replace(spec)
+    assert fresh == spec and hash(fresh) == hash(spec) and fresh.key() == spec.key()
+    assert dataclasses.replace(spec, block_m=32).key() != spec.key()  # replace() does not carry the key over
