@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-oldest setup clean
+.PHONY: demo test test-quick test-oldest setup clean
 
 setup: $(VENV)/.installed
 
@@ -20,10 +20,21 @@ demo: setup
 	$(PY) examples/run_all.py
 
 # One pytest worker per core (pytest-xdist), each test file on one worker: most of the suite is
-# single-threaded (Triton's interpreter), and a file's tests share fixtures and kernel caches.
+# single-threaded (Triton's interpreter), and a file's tests share fixtures and kernel caches. The 20
+# slowest tests are listed at the end, so a test that grows shows up.
 test: setup
 	$(PY) -m ruff check
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=20
+
+# The inner loop, under 2 minutes on 2 cores: property tests draw a fifth of their examples
+# (FLEXC_QUICK=1, read by tests/strategies.py), and the files that mostly run Triton's interpreter,
+# torch.compile, ptxas or a fresh virtual environment are left out. `make test` (CI) runs everything.
+QUICK_SKIPPED := tests/backends/triton tests/torch_compile tests/test_package.py tests/test_simulated_gpu.py \
+	tests/test_gpu_script.py tests/test_triton_bench.py tests/test_kernel_metrics.py \
+	tests/call/test_generated_backward_coverage.py
+test-quick: setup
+	$(PY) -m ruff check
+	FLEXC_QUICK=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=10 $(addprefix --ignore=,$(QUICK_SKIPPED))
 
 # The oldest torch and Triton pyproject allows (torch>=2.11, triton>=3.6), the stack GPU machines ship,
 # proven on CPU in a venv of its own (kept while pyproject.toml and the pins are unchanged): torch 2.11.0
