@@ -28,6 +28,7 @@ def test_make_test_runs_everything_and_lists_the_slowest_tests():
 def test_make_test_quick_draws_fewer_examples_and_skips_files_that_exist():
     recipe = _recipe("test-quick")
     assert "FLEXC_QUICK=1" in recipe and "$(addprefix --ignore=,$(QUICK_SKIPPED))" in recipe
+    assert '-k "$(QUICK_DESELECTED)"' in recipe and re.search(r"^QUICK_DESELECTED := not \w", MAKEFILE, re.M)
     skipped = re.search(r"^QUICK_SKIPPED := ((?:.*\\\n)*.*)$", MAKEFILE, re.M).group(1).replace("\\\n", " ").split()
     assert skipped and all((ROOT / path).exists() for path in skipped), skipped
     assert "make test-quick" in (ROOT / "README.md").read_text()
