@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-oldest setup clean
+.PHONY: demo test test-quick test-oldest setup clean
 
 setup: $(VENV)/.installed
 
@@ -20,10 +20,28 @@ demo: setup
 	$(PY) examples/run_all.py
 
 # One pytest worker per core (pytest-xdist), each test file on one worker: most of the suite is
-# single-threaded (Triton's interpreter), and a file's tests share fixtures and kernel caches.
+# single-threaded (Triton's interpreter), and a file's tests share fixtures and kernel caches. The 20
+# slowest tests are listed at the end, so a test that grows shows up.
 test: setup
 	$(PY) -m ruff check
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=20
+
+# The inner loop, under 2 minutes on 2 cores: property tests draw a fifth of their examples
+# (FLEXC_QUICK=1, read by tests/strategies.py), and the slowest files are left out: those that mostly
+# run Triton's interpreter, torch.compile, ptxas, a fresh virtual environment or process groups, and the
+# catalogue-wide comparisons with torch and dense references; so are the tests, wherever they are, of
+# the TRITON backend (the interpreter), torch.compile and every catalogue mod (QUICK_DESELECTED, by name):
+# 1570 of 2561 tests run. `make test` (CI) runs everything.
+QUICK_SKIPPED := tests/backends/triton tests/torch_compile tests/test_package.py tests/test_simulated_gpu.py \
+	tests/test_gpu_script.py tests/test_triton_bench.py tests/test_kernel_metrics.py \
+	tests/call/test_generated_backward_coverage.py tests/call/test_dropin_grad_accuracy.py \
+	tests/call/test_distributed.py tests/call/test_dropout.py tests/backends/test_versioned_memo.py \
+	tests/masks/test_block_mask_oracle.py tests/analysis/test_ranges_catalogue.py tests/tools/test_gallery.py
+QUICK_DESELECTED := not TRITON and not compile and not every_catalogue and not rewritten_mods
+test-quick: setup
+	$(PY) -m ruff check
+	FLEXC_QUICK=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=10 $(addprefix --ignore=,$(QUICK_SKIPPED)) \
+		-k "$(QUICK_DESELECTED)"
 
 # The oldest torch and Triton pyproject allows (torch>=2.11, triton>=3.6), the stack GPU machines ship,
 # proven on CPU in a venv of its own (kept while pyproject.toml and the pins are unchanged): torch 2.11.0

@@ -34,6 +34,7 @@ expects in :func:`compile_mod`'s namespace (the tests own the tables' values):
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Mapping, Sequence
 
@@ -48,9 +49,29 @@ LOGIC = ("&", "|", "^")
 _SLOT = re.compile(r"\{(\w+)(?::(\w+))?\}")
 
 
+# FLEXC_QUICK=1 (`make test-quick`, the inner loop) draws a fifth of each property's examples, at least
+# QUICK_MIN; unset (`make test`, CI) every property draws its full count
+QUICK_SHARE, QUICK_MIN = 5, 3
+
+
+def quick_run(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` asks for the quick loop: FLEXC_QUICK set to anything but empty or ``0``."""
+    return environ.get("FLEXC_QUICK", "") not in ("", "0")
+
+
+QUICK = quick_run(os.environ)
+
+
+def example_count(n: int, quick: bool | None = None) -> int:
+    """How many examples a property of ``n`` draws: ``n``, or a fifth (at least QUICK_MIN, at most
+    ``n``) in the quick loop (``quick``; by default this run's FLEXC_QUICK)."""
+    return min(n, max(QUICK_MIN, n // QUICK_SHARE)) if (QUICK if quick is None else quick) else n
+
+
 def examples(n: int, *, slow: bool = False) -> settings:
-    """``n`` examples and no deadline; ``slow`` also lifts the health checks on slow or large draws."""
-    return settings(max_examples=n, deadline=None,
+    """``n`` examples (fewer under FLEXC_QUICK=1, see :func:`example_count`) and no deadline; ``slow``
+    also lifts the health checks on slow or large draws."""
+    return settings(max_examples=example_count(n), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large] if slow else [])
 
 

@@ -185,11 +185,11 @@ def test_import_paths_from_before_the_folders_give_the_same_modules(old, new):
     assert importlib.import_module(old) is importlib.import_module(new)
 
 
-def test_readme_layout_names_every_module():
-    """README's layout table names each module: a path below the folder of the bold row above it
-    (or below flexc/ itself)."""
-    readme = (PACKAGE.parent / "README.md").read_text()
-    table = readme[readme.index("## Layout"):readme.index("## Documentation")]
+def test_the_module_table_of_the_architecture_names_every_module():
+    """docs/architecture.md's module-by-module table names each module: a path below the folder of
+    the bold row above it (or below flexc/ itself)."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("## Module by module"):doc.index("## Where a new thing goes")]
     named, folder = set(), "flexc/"
     for row in table.splitlines():
         first = row.split("|")[1] if row.startswith("| ") else ""

@@ -415,27 +415,33 @@ class BlockMask:
         (the grid is used for tables that are not ordered; see :meth:`sparsity`). ``legend=True``
         adds the key to the glyphs (:data:`TEXT_LEGEND`) as a last line; by default the text has
         torch's lines, in number and order, so tools and tests that read torch's text read flexc's.
+        When a cell covers several tiles, ``legend=True`` also draws ``▓▓`` for a cell that holds
+        full tiles among others (``░░`` in torch's layout, where a full tile would not show) and
+        says how many tiles a cell covers (:func:`cells_note`).
         """
-        text = self._pictures_text(grid_size, limit)
-        return f"{text.rstrip()}\n{TEXT_LEGEND}\n" if legend else text
+        text = self._pictures_text(grid_size, limit, mark_full=legend)
+        if not legend:
+            return text
+        steps = _grid_steps(*self.kv_indices.shape[-2:], grid_size)
+        return f"{text.rstrip()}\n{TEXT_LEGEND}\n" + (f"{cells_note(*steps)}\n" if steps != (1, 1) else "")
 
-    def _pictures_text(self, grid_size: int | tuple[int, int], limit: int) -> str:
+    def _pictures_text(self, grid_size: int | tuple[int, int], limit: int, mark_full: bool = False) -> str:
         *batch_dims, rows, cols = self.kv_indices.shape
         if self.full_kv_indices is not None and self.full_kv_indices.shape != self.kv_indices.shape:
-            return self._to_string_dense(grid_size, limit)
+            return self._to_string_dense(grid_size, limit, mark_full)
         row_step, col_step = _grid_steps(rows, cols, grid_size)
 
         def draw(index):
             ordered = self._ordered_tables(index) if rows and cols else None
-            return None if ordered is None else _draw_counts(ordered, rows, cols, row_step, col_step)
+            return None if ordered is None else _draw_counts(ordered, rows, cols, row_step, col_step, mark_full)
         pictures = _pictures(batch_dims, limit, draw)
-        return self._to_string_dense(grid_size, limit) if pictures is None else pictures
+        return self._to_string_dense(grid_size, limit, mark_full) if pictures is None else pictures
 
-    def _to_string_dense(self, grid_size: int | tuple[int, int], limit: int) -> str:
+    def _to_string_dense(self, grid_size: int | tuple[int, int], limit: int, mark_full: bool = False) -> str:
         dense = self._tile_classes().cpu()
         *batch_dims, rows, cols = dense.shape
         row_step, col_step = _grid_steps(rows, cols, grid_size)
-        return _pictures(batch_dims, limit, lambda index: _draw(dense[index], row_step, col_step))
+        return _pictures(batch_dims, limit, lambda index: _draw(dense[index], row_step, col_step, mark_full))
 
     def __str__(self) -> str:
         # torch's layout line for line (torch's own tests count them); to_string(legend=True) and
@@ -628,6 +634,12 @@ def _product(dims: Sequence[int]):
 TEXT_LEGEND = "legend: ██ full (mask_mod skipped)  ░░ partial or mixed (mask_mod runs)  blank: empty (never visited)"
 
 
+def cells_note(row_step: int, col_step: int) -> str:
+    """The legend's line for a picture whose cells cover ``row_step x col_step`` tiles each."""
+    return (f"each cell covers {row_step} x {col_step} tiles (query x key blocks; the last row and column "
+            f"may cover fewer): ██ all full, ▓▓ full tiles among others")
+
+
 _MORE_PICTURES = ["...", "To print out more, set BlockMask.to_string(limit=N)",
                   "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
 
@@ -643,15 +655,18 @@ def _grid_steps(rows: int, cols: int, grid_size: int | tuple[int, int]) -> tuple
     return max(1, cdiv(rows, max(1, max_rows))), max(1, cdiv(cols, max(1, max_cols)))
 
 
-def _cells(some: torch.Tensor, all_full: torch.Tensor) -> str:
-    chars = [["█" if full else ("░" if s else " ") for s, full in zip(srow, frow)]
-             for srow, frow in zip(some.tolist(), all_full.tolist())]
+def _cells(some: torch.Tensor, all_full: torch.Tensor, any_full: torch.Tensor | None = None) -> str:
+    """The picture's text: ``██`` all full, ``░░`` some tile computed, blank none; with ``any_full``
+    (the legend's picture), ``▓▓`` where a cell that is not all full holds a full tile."""
+    mixed = (any_full & ~all_full).tolist() if any_full is not None else [[False] * len(r) for r in all_full.tolist()]
+    chars = [["█" if full else ("▓" if mix else ("░" if s else " ")) for s, full, mix in zip(srow, frow, mrow)]
+             for srow, frow, mrow in zip(some.tolist(), all_full.tolist(), mixed)]
     return "".join("".join(ch * 2 for ch in line) + "\n" for line in chars)
 
 
-def _draw(classes: torch.Tensor, row_step: int, col_step: int) -> str:
+def _draw(classes: torch.Tensor, row_step: int, col_step: int, mark_full: bool = False) -> str:
     """Rows of 2-character cells; each cell summarises a row_step x col_step group of tile classes
-    (0 empty, 1 partial, 2 full)."""
+    (0 empty, 1 partial, 2 full); ``mark_full``: see :func:`_cells`' ``any_full``."""
     rows, cols = classes.shape
     r, c = cdiv(rows, row_step), cdiv(cols, col_step)
     pad = (0, c * col_step - cols, 0, r * row_step - rows)
@@ -659,10 +674,10 @@ def _draw(classes: torch.Tensor, row_step: int, col_step: int) -> str:
     grouped = lambda value: torch.nn.functional.pad(classes, pad, value=value).view(r, row_step, c, col_step)
     some = grouped(0).amax(dim=(1, 3))
     all_full = grouped(2).amin(dim=(1, 3)) == 2
-    return _cells(some, all_full)
+    return _cells(some, all_full, some == 2 if mark_full else None)
 
 
-def _draw_counts(ordered: list, rows: int, cols: int, row_step: int, col_step: int) -> str:
+def _draw_counts(ordered: list, rows: int, cols: int, row_step: int, col_step: int, mark_full: bool = False) -> str:
     """:func:`_draw` of one picture from its ordered tables (``[(entries, counts)]``, partial then
     full, ``rows`` rows each): the tiles of each table per cell, counted by searching the cells'
     column bounds in every row and summing the rows of each group. A cell is all full when the full
@@ -678,7 +693,8 @@ def _draw_counts(ordered: list, rows: int, cols: int, row_step: int, col_step: i
     tiles_down = (rows - torch.arange(r, device=device) * row_step).clamp(max=row_step)
     tiles_across = (cols - torch.arange(c, device=device) * col_step).clamp(max=col_step)
     full = per_cell[1] if len(per_cell) == 2 else torch.zeros_like(per_cell[0])
-    return _cells(per_cell[0] + full > 0, full == tiles_down[:, None] * tiles_across[None, :])
+    return _cells(per_cell[0] + full > 0, full == tiles_down[:, None] * tiles_across[None, :],
+                  full > 0 if mark_full else None)
 
 
 # rows of an ordered table checked per chunk of about this many entries (the temporaries stay in cache)

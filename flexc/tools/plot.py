@@ -178,6 +178,15 @@ def _length(upper: str, upper_value: int | None, lower: str, lower_value: int | 
     return upper_value if upper_value is not None else lower_value
 
 
+def sampling_note(r: Raster) -> str:
+    """The title's note on a downsampled picture: how many elements each cell stands for (it shows
+    the one at its centre); empty when every element has a cell."""
+    (q_len, kv_len), (rows, cols) = r.seq_lengths, r.codes.shape
+    if rows >= q_len and cols >= kv_len:
+        return ""
+    return f"\nsampled: each cell shows 1 of {q_len / max(rows, 1):.3g} x {kv_len / max(cols, 1):.3g} elements"
+
+
 def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | None = None,
          KV_LEN: int | None = None, *, mask_mod: Callable | BlockMask | None = None, batch: int = 0,
          head: int = 0, BLOCK_SIZE: int | tuple[int, int] = 128, max_pixels: int = 1024,
@@ -250,7 +259,7 @@ def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | N
     name = getattr(score_mod or block_mask.mask_mod, "__name__", "mask")
     ax.set_title(title if title is not None else
                  f"{name}  (b={batch}, h={head}, {q_len}x{kv_len}, tiles {q_block}x{kv_block}, "
-                 f"sparsity {block_mask.sparsity():.1f}%)", fontsize=9)
+                 f"sparsity {block_mask.sparsity():.1f}%){sampling_note(r)}", fontsize=9)
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     if path is not None:
@@ -258,4 +267,5 @@ def plot(target: Any, B: int | None = None, H: int | None = None, Q_LEN: int | N
     return fig
 
 
-__all__ = ["COLORS", "EMPTY", "FULL", "LABELS", "PARTIAL_ALLOWED", "PARTIAL_MASKED", "Raster", "plot", "raster"]
+__all__ = ["COLORS", "EMPTY", "FULL", "LABELS", "PARTIAL_ALLOWED", "PARTIAL_MASKED", "Raster", "plot", "raster",
+           "sampling_note"]

@@ -215,3 +215,34 @@ def test_plot_rejects_a_length_given_in_both_spellings(given, words):
     with pytest.raises(ValueError, match="Fix: pass only one of them") as info:
         flexc.plot(causal, **given)
     assert all(word in str(info.value) for word in words)
+
+
+def sliding_window_256(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= 256)
+
+
+def test_a_downsampled_legend_says_what_a_cell_covers_and_shows_every_full_tile():
+    # 32 x 32 tiles in 16 x 16 cells: each 2 x 2 group of a 256-key window holds a full tile among partial ones
+    bm = flexc.create_block_mask(sliding_window_256, None, None, 4096, 4096, device="cpu")
+    plain, keyed = bm.to_string(), bm.to_string(legend=True)
+    lines = keyed.splitlines()
+    assert lines[-1] == flexc.masks.block_mask.cells_note(2, 2) and lines[-2] == flexc.masks.block_mask.TEXT_LEGEND
+    # torch's layout is kept without the legend: ▓▓ appears only in the legend's picture, where ░░ stood
+    assert "▓" not in plain and [line.replace("▓", "░") for line in lines[:-2]] == plain.rstrip().splitlines()
+    fine = [line.ljust(64) for line in bm.to_string(grid_size=-1).splitlines()[1:33]]
+    coarse = [line.ljust(32) for line in lines[1:17]]
+    for i in range(16):
+        for j in range(16):
+            group = [fine[2 * i + a][4 * j + 2 * b] for a in (0, 1) for b in (0, 1)]
+            expected = ("█" if set(group) == {"█"} else "▓" if "█" in group else "░" if "░" in group else " ")
+            assert coarse[i][2 * j] == expected, (i, j, group)
+    assert "▓▓" in keyed
+    # one tile per cell: nothing to say
+    assert "each cell covers" not in bm.to_string(grid_size=-1, legend=True)
+
+
+def test_a_plot_title_says_when_cells_sample_the_elements(tmp_path):
+    sampled = flexc.plot(causal, Q_LEN=1024, KV_LEN=512, max_pixels=256, path=str(tmp_path / "s.png"), dpi=30)
+    assert "sampled: each cell shows 1 of 4 x 2 elements" in sampled.axes[0].get_title()
+    whole = flexc.plot(causal, Q_LEN=96, KV_LEN=160, BLOCK_SIZE=32, path=str(tmp_path / "w.png"), dpi=30)
+    assert "sampled" not in whole.axes[0].get_title()
