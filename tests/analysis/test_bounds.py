@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
+from strategies import examples
 from flexc.analysis import bounds
 from flexc.analysis.bounds import IndexRangeError
 from reference import dense_attention, random_qkv
@@ -137,7 +138,7 @@ def test_a_captured_index_table_changed_in_place_is_checked_again():
         bounds.check_mod(traced, 1, 1, L, S, "test")
 
 
-@settings(max_examples=60, deadline=None)
+@examples(60)
 @given(a=st.integers(-2, 2), c=st.integers(-2, 2), d=st.integers(-60, 60), size=st.integers(1, 80),
        lengths=st.tuples(st.integers(1, 40), st.integers(1, 40)), nested=st.booleans())
 def test_the_check_raises_exactly_when_torch_does(a, c, d, size, lengths, nested):

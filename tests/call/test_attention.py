@@ -3,10 +3,11 @@ reference, over the mod catalogue, GQA, non-square and ragged lengths, B/H broad
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexc
+from strategies import examples
 from catalogue import mask_catalogue, score_catalogue
 from reference import dense_attention, random_qkv
 
@@ -169,7 +170,7 @@ def test_blocks_listed_as_full_skip_the_mask_mod_as_in_torchs_kernels():
     _close(out, ref, atol=2e-5)
 
 
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(
     b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3),
     q_len=st.integers(1, 150), kv_len=st.integers(1, 150), e=st.sampled_from([4, 8, 16]),

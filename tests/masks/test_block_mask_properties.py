@@ -1,10 +1,11 @@
 """Property test: for random window/stride masks, lengths and block sizes, create_block_mask's tables
 equal torch's, with and without tile analysis."""
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 from torch.nn.attention import flex_attention as tfa
 
 import flexc
+from strategies import examples
 
 TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -17,7 +18,7 @@ def _window_mask(shift, low, high, stride, per_head):
     return window
 
 
-@settings(max_examples=25, deadline=None)
+@examples(25)
 @given(
     q_len=st.integers(1, 300), kv_len=st.integers(1, 300),
     q_block=st.sampled_from([16, 32, 64]), kv_block=st.sampled_from([16, 32, 128]),

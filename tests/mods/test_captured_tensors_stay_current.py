@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import flexc
+from strategies import examples
 from reference import dense_attention
 
 B, H, L, S, D = 1, 2, 40, 56, 16
@@ -106,7 +107,7 @@ def _eager(q, k, v, score_mod, block_mask, backend):
                                 kernel_options={"BACKEND": backend})
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(12, slow=True)
 @given(backend=st.sampled_from(["TORCH", "TRITON"]),
        terms=st.lists(st.sampled_from(sorted(SCORE_TERMS)), min_size=1, max_size=3, unique=True),
        mask=st.sampled_from(sorted(MASKS)), how=st.sampled_from(["optimizer", "fill", "values"]),

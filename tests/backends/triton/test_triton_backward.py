@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import flexc
+from strategies import examples
 import flexc.call.attention
 from catalogue import mask_catalogue, score_catalogue
 from reference import dense_attention, random_qkv
@@ -259,7 +260,7 @@ def test_fully_masked_rows_get_zero_gradients():
     assert torch.all(dq[:, :, ::5] == 0) and dq[:, :, 1:5].abs().sum() > 0
 
 
-@settings(max_examples=4, deadline=None)
+@examples(4)
 @given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 3]), bkv_one=st.booleans(),
        q_len=st.integers(1, 64), kv_len=st.integers(1, 64), block=st.sampled_from([(16, 32), (32, 16), (64, 64)]),
        dims=st.sampled_from([(16, 16), (8, 24), (40, 16)]), window=st.integers(0, 40), seed=st.integers(0, 2**16))
