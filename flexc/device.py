@@ -392,8 +392,7 @@ def check_launch(grid: tuple, spec, device: torch.device, args: list) -> None:
                              f"allows at most {limit} programs along axis {'xyz'[axis]}. Fix: split the call "
                              f"(e.g. the batch into chunks) so that each launch stays within the limit.")
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and (a.device.type != device.type or None not in (a.device.index, device.index)
-                                            and a.device.index != device.index):
+        if isinstance(a, torch.Tensor) and not same_device(a.device, device):
             raise ValueError(f"flexc: kernel argument {i} of a {type(spec).__name__} launch is a tensor on "
                              f"{a.device} {tuple(a.shape)}, but the kernel runs on {device}: a GPU kernel cannot "
                              f"read it. Fix: create that tensor on {device}.")
@@ -406,16 +405,8 @@ def check_launch(grid: tuple, spec, device: torch.device, args: list) -> None:
 
 
 def shared_memory_estimate(spec) -> int | None:
-    """Bytes of shared memory a launch of ``spec`` needs at least, or None where flexc has no
-    estimate: the ring of ``num_stages - 1`` key and value tiles the pipeliner keeps in flight, and
-    the query tile, for the forward (``ForwardSpec``) and decode (``DecodeSpec``) kernels. A lower
-    bound (the compiler may add scratch, e.g. for layout conversions): what the simulation cannot
-    see is listed in docs/architecture.md."""
-    block_m, block_n = getattr(spec, "block_m", None), getattr(spec, "block_n", None)
-    head_dim, v_head_dim = getattr(spec, "head_dim", None), getattr(spec, "v_head_dim", None)
-    dtype = getattr(spec, "dtype", None)
-    if None in (block_m, block_n, head_dim, v_head_dim) or not isinstance(dtype, torch.dtype):
-        return None
-    size = dtype.itemsize
-    d, dv = (max(16, 1 << max(0, (x - 1).bit_length())) for x in (head_dim, v_head_dim))  # as the kernels pad
-    return (max(1, spec.num_stages - 1) * block_n * (d + dv) + block_m * d) * size
+    """Bytes of shared memory a launch of ``spec`` needs at least (its ``shared_memory()``), or None
+    where flexc has no estimate (kernels other than the forward and decode): what the simulation
+    cannot see is listed in docs/architecture.md."""
+    estimate = getattr(spec, "shared_memory", None)
+    return estimate() if callable(estimate) else None

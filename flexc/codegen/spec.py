@@ -87,6 +87,17 @@ class AttentionSpec(KernelSpec):
         """Whether the head dim and the value head dim are padded (their tiles need bounds checks)."""
         return self.head_dim != padded_head_dim(self.head_dim), self.v_head_dim != padded_head_dim(self.v_head_dim)
 
+    def shared_memory(self) -> int | None:
+        """Bytes of shared memory a launch needs at least, for the kernels with one query and one key
+        tile (the forward's and decode's ``block_m``/``block_n``; None for the others): the ring of
+        ``num_stages - 1`` key and value tiles the pipeliner keeps in flight, and the query tile. A
+        lower bound (the compiler may add scratch, e.g. for layout conversions)."""
+        block_m, block_n = getattr(self, "block_m", None), getattr(self, "block_n", None)
+        if block_m is None or block_n is None:
+            return None
+        d, dv = padded_head_dim(self.head_dim), padded_head_dim(self.v_head_dim)
+        return (max(1, self.num_stages - 1) * block_n * (d + dv) + block_m * d) * self.dtype.itemsize
+
     @property
     def acc_dtype(self) -> str:
         """The Triton dtype of the softmax state and gradient accumulators."""
