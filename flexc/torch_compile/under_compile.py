@@ -40,6 +40,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 
 from .. import device as gpu
+from ..errors import warn_once
 from ..masks import block_mask
 from . import custom_ops
 from ..masks.block_mask import DERIVED, BlockMask
@@ -285,15 +286,12 @@ def _eager_call(spec: CallSpec, score_mod: Callable | None, mask_mod: Callable |
     return _call_op(spec, query, key, value, tables, score, mask, block_size, scale, dropout_p, seed, sinks)
 
 
-@functools.lru_cache(maxsize=None)
 def _warn_call_runs_eagerly() -> None:
-    import warnings
-
-    from ..call.plan import FallbackWarning
-    warnings.warn("flexc: torch.compile could not trace a score_mod or mask_mod (a graph break in it, reported by "
-                  "dynamo): its flex_attention or create_block_mask call runs eagerly, outside the compiled graph, "
-                  "with the same result. Fix: compile with fullgraph=True to see the break, and keep the mod to tensor "
-                  "arithmetic dynamo traces.", FallbackWarning, stacklevel=2)
+    warn_once("compiled call runs eagerly",
+              "flexc: torch.compile could not trace a score_mod or mask_mod (a graph break in it, reported by "
+              "dynamo): its flex_attention or create_block_mask call runs eagerly, outside the compiled graph, "
+              "with the same result. Fix: compile with fullgraph=True to see the break, and keep the mod to tensor "
+              "arithmetic dynamo traces.")
 
 
 def _with_numbers(gm: torch.fx.GraphModule, plan: _Plan, inputs: tuple, device: torch.device) -> tuple:
