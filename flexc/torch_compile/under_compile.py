@@ -589,15 +589,11 @@ def _warn_if_sizes_are_symbolic(ctx) -> None:
         _warn_symbolic_sizes()
 
 
-@functools.lru_cache(maxsize=None)
 def _warn_symbolic_sizes() -> None:
-    import warnings
-
-    from ..call.plan import FallbackWarning
-    warnings.warn("flexc: create_block_mask inside torch.compile at symbolic (dynamic) sizes specializes the graph "
-                  "to each call's sizes: every new length compiles anew, up to torch._dynamo's recompile limit. "
-                  "Fix: build the mask outside the compiled region and pass it in to keep one dynamic graph.",
-                  FallbackWarning, stacklevel=2)
+    warn_once("create_block_mask at symbolic sizes",
+              "flexc: create_block_mask inside torch.compile at symbolic (dynamic) sizes specializes the graph "
+              "to each call's sizes: every new length compiles anew, up to torch._dynamo's recompile limit. "
+              "Fix: build the mask outside the compiled region and pass it in to keep one dynamic graph.")
 
 
 def _tables_meta(sizes: tuple, device: torch.device):

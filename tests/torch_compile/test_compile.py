@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 
 import flexc
-from flexc.torch_compile import custom_ops, under_compile
+from flexc.torch_compile import custom_ops
 from flexc.mods.mod_key import mod_key, traced_from_key
 from catalogue import mask_catalogue, score_catalogue
 from models import Block
@@ -230,7 +230,7 @@ def test_a_block_mask_created_at_symbolic_lengths_specializes_each_length_and_sa
         bm = flexc.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, BLOCK_SIZE=16)
         return flexc.flex_attention(q, k, v, block_mask=bm)
 
-    under_compile._warn_symbolic_sizes.cache_clear()
+    flexc.errors._warned_once.discard("create_block_mask at symbolic sizes")  # (warned once per process)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, backend=counter, dynamic=True, fullgraph=True)
     frames = []
