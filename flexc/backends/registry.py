@@ -30,20 +30,27 @@ TORCH = "TORCH"
 TRITON = "TRITON"
 
 BACKENDS: dict[str, Callable] = {TORCH: torch_forward}
+# a backend's forward decided once per call signature (optional): ``prepare(query, key, value, score_mod,
+# mask_mod, block_mask, scale, kernel_options, need_lse, dropout: bool, sinks: bool)`` returns a
+# callable ``(query, key, value, dropout, sinks) -> (out, lse or None)`` that eager calls of that
+# signature run (:mod:`flexc.call.plans`); backends without one run their forward each call
+PREPARE: dict[str, Callable] = {}
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
 
 # backends that live in a package of their own, imported when first asked for (Triton is optional)
 _PACKAGES = {TRITON: "flexc.backends.triton"}
 
 
-def register(name: str, forward: Callable) -> None:
+def register(name: str, forward: Callable, prepare: Callable | None = None) -> None:
     """Make ``forward`` the backend ``name`` (the first registration wins); ``kernel_options["BACKEND"]``
-    then accepts ``name`` (upper case, as validation compares it) eagerly and under torch.compile."""
+    then accepts ``name`` (upper case, as validation compares it) eagerly and under torch.compile.
+    ``prepare``: the same forward decided once per call signature (see :data:`PREPARE`)."""
     if not isinstance(name, str) or name != name.upper() or name == AUTO:
         raise ValueError(f"flexc.backends.registry.register: name must be an upper-case str other than {AUTO!r} "
                          f"(kernel_options['BACKEND'] is compared upper-cased), got {name!r}. Fix: register "
                          f"{str(name).upper()!r}.")
-    BACKENDS.setdefault(name, forward)
+    if BACKENDS.setdefault(name, forward) is forward and prepare is not None:
+        PREPARE.setdefault(name, prepare)
 
 
 def names() -> tuple[str, ...]:

@@ -81,6 +81,44 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.
     return out, lse
 
 
+class DecodeLaunch:
+    """The decode kernel's and its merge's launches for one call signature, decided once (tables,
+    splits, specs), then launched on each call's tensors (:mod:`flexc.call.plans` keeps one with a
+    call's plan; :func:`launch` makes one and runs it once)."""
+
+    def __init__(self, spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False):
+        self.spec, self.score_mod, self.mask_mod, self.scale = spec, score_mod, mask_mod, scale
+        self.block_mask, self.device = block_mask, query.device
+        self.tables = launcher.kv_tables(block_mask, spec, value.shape[2], self.device)
+        self.splits = num_splits or config.default_splits(query, key, self.tables[1].shape[-1])
+        # (a smaller configuration keeps block_m, so the merge's spec and the partial results' shape)
+        self.merge = merge if merge is not None else merge_spec(spec, sinks)
+        self.worked: tuple | None = None  # (the spec that launched, its kernel) after the first launch
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`)."""
+        launcher.check_dropout(self.spec, dropout)
+
+        def attempt(spec: DecodeSpec, kernel: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+            kernel = kernel or cache.get_kernel(spec, self.device)
+            args, constants, splits = launcher.decode_arguments(
+                spec, kernel.generated, query, key, value, self.score_mod, self.mask_mod, self.block_mask,
+                self.scale, self.splits, dropout=dropout, tables=self.tables)
+            gpu.launch(kernel.fn, launcher.decode_grid(splits[0]), spec, self.device, args, constants)
+            return splits
+
+        if self.worked is not None:
+            out_split, lse_split = attempt(*self.worked)
+        else:
+            out_split, lse_split = retry.launch_with_fallbacks(self.spec, self.device, attempt, "decode")
+            if cache.resolve_fallback(self.spec, self.device) is self.spec:
+                self.worked = (self.spec, cache.get_kernel(self.spec, self.device))
+        return merge_splits(out_split, lse_split, query, query.shape[1], query.shape[2], self.merge, sinks)
+
+
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
            num_splits: int | None = None, merge: MergeSpec | None = None,
@@ -89,22 +127,9 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     :func:`merge_spec`'s), folding in ``sinks`` there: ``(out [B,Hq,L,Ev], lse [B,Hq,L])``, lse in fp32
     (float64 for float64 inputs). ``dropout``: the seed and probability of a spec with dropout. A decode
     launch that runs out of GPU resources runs again with fewer stages or a smaller key tile
-    (:func:`flexc.backends.triton.retry.launch_with_fallbacks`)."""
-    B, Hq, L, _ = query.shape
-    launcher.check_dropout(spec, dropout)
-
-    def attempt(spec: DecodeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        kernel = cache.get_kernel(spec, query.device)
-        args, constants, splits = launcher.decode_arguments(
-            spec, kernel.generated, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits,
-            dropout=dropout)
-        gpu.launch(kernel.fn, launcher.decode_grid(splits[0]), spec, query.device, args, constants)
-        return splits
-
-    # (a smaller configuration keeps block_m, so the merge's spec and the partial results' shape)
-    out_split, lse_split = retry.launch_with_fallbacks(spec, query.device, attempt, "decode")
-    merge = merge if merge is not None else merge_spec(spec, sinks is not None)
-    return merge_splits(out_split, lse_split, query, Hq, L, merge, sinks)
+    (:func:`flexc.backends.triton.retry.launch_with_fallbacks`). One :class:`DecodeLaunch`, made and run once."""
+    return DecodeLaunch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits, merge,
+                        sinks is not None)(query, key, value, dropout, sinks)
 
 
 def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):
@@ -120,4 +145,4 @@ def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, ker
     return out, (lse if need_lse else None)
 
 
-__all__ = ["MAX_PACKED", "MAX_ROWS", "applies", "launch", "make_spec", "merge_spec", "merge_splits", "triton_decode"]
+__all__ = ["MAX_PACKED", "MAX_ROWS", "DecodeLaunch", "applies", "launch", "make_spec", "merge_spec", "merge_splits", "triton_decode"]

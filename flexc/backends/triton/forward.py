@@ -8,7 +8,7 @@ run the compiled kernel; CPU tensors run the same source through Triton's interp
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -111,6 +111,75 @@ def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     return ForwardPlan(score_mod, mask_mod, (spec,))
 
 
+class ForwardLaunch:
+    """The forward kernel's launch for one call signature: spec, mods, tables and grid decided once,
+    then launched on each call's tensors (of the shapes, strides and dtypes it was made for).
+
+    :func:`launch` makes one and runs it once; :mod:`flexc.call.plans` keeps it with a call's plan,
+    so a warm call allocates its outputs, lists its arguments and launches. ``lse_dtype`` float64
+    keeps a float64 call's logsumexp exact for its backward. The first launch runs out of GPU
+    resources into smaller tiles, or out of a TMA variant that fails to compile into plain loads
+    (:func:`flexc.backends.triton.retry.launch_with_fallbacks`); later launches take what worked.
+    """
+
+    def __init__(self, spec: ForwardSpec, query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                 mask_mod: TracedMod | None, block_mask: Any, scale: float, lse_dtype: torch.dtype = torch.float32):
+        B, Hq, L, _ = query.shape
+        S, self.v_head_dim = value.shape[2], value.shape[3]
+        self.spec, self.score_mod, self.mask_mod, self.scale, self.lse_dtype = spec, score_mod, mask_mod, scale, lse_dtype
+        self.device, self.lengths = query.device, (L, S)
+        self.nothing = launches_nothing(query, value, spec.output_lse)  # no rows, or no keys: rows fully masked
+        self.tables: list = []
+        if not self.nothing:
+            if max(B, Hq) > 65535 and spec.target == "cuda":
+                raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid "
+                                 f"limit). Fix: split the batch into chunks.")
+            self.tables = launcher.kv_tables(block_mask, spec, S, self.device)
+            launcher.check_query_blocks(self.tables, L, spec.q_block_size)
+        self.grid = launcher.forward_grid(spec, query)
+        self.worked: tuple | None = None  # (the spec that launched, its kernel) after the first launch
+        self.constants: dict[bool, dict] = {}  # by whether the non-finite values guard is compiled in
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(out, lse, stats)`` of this call (see :func:`launch`)."""
+        spec = self.spec
+        launcher.check_dropout(spec, dropout)
+        launcher.check_sinks(spec, sinks)
+        B, Hq, L, _ = query.shape
+        out = launcher.empty_output(query, self.v_head_dim)
+        lse = torch.empty((B, Hq, L), dtype=self.lse_dtype, device=self.device) if spec.output_lse else None
+        stats = torch.empty((2, B, Hq, L), dtype=self.lse_dtype, device=self.device) if spec.output_stats else None
+        if self.nothing:
+            out.zero_()
+            _fill_dead_rows(lse, stats, sinks)
+            return out, lse, stats
+        guard_values = launcher.guards_nonfinite_values(spec, value)
+
+        def attempt(spec: ForwardSpec, kernel: Any = None) -> None:
+            kernel = kernel or cache.get_kernel(spec, self.device)
+            args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, self.tables,
+                                              self.score_mod, self.mask_mod, self.scale, stats, dropout, sinks)
+            constants = self.constants.get(guard_values) if spec is self.spec else None
+            if constants is None:
+                constants = launcher.forward_constexprs(spec, *self.lengths, args, guard_values, self.scale)
+                if spec is self.spec:
+                    self.constants[guard_values] = constants
+            if spec.tma and not gpu.runs_interpreted(self.device):  # the descriptors' scratch memory
+                tma.ensure_allocator()
+            gpu.launch(kernel.fn, self.grid if spec is self.spec else launcher.forward_grid(spec, query), spec,
+                       self.device, args, constants)
+
+        if self.worked is not None:
+            attempt(*self.worked)
+        else:
+            retry.launch_with_fallbacks(spec, self.device, attempt, "forward")
+            worked = cache.resolve_fallback(spec, self.device)
+            if worked is spec:  # (a replaced spec keeps the retry's path: its grid and constants differ)
+                self.worked = (spec, cache.get_kernel(spec, self.device))
+        return out, lse, stats
+
+
 def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
            lse_dtype: torch.dtype = torch.float32, dropout: Dropout | None = None,
@@ -119,42 +188,11 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     ``dropout`` the seed and probability of a spec with dropout, ``sinks`` (``[B or 1, Hq, 1]``) the
     sink logits of a spec with sinks: ``(out, lse, stats)``, ``stats`` the
     backward's statistics ``[2, B, Hq, L]`` (each row's base-2 max, then its sum of exp2(score - max);
-    :mod:`flexc.backends.triton.backward`) where ``spec.output_stats``.
-
-    ``lse_dtype`` float64 keeps a float64 call's logsumexp exact for its backward. A launch that
-    runs out of GPU resources runs again with smaller tiles, and a TMA variant that fails to compile
-    with plain loads (:func:`flexc.backends.triton.retry.launch_with_fallbacks`).
+    :mod:`flexc.backends.triton.backward`) where ``spec.output_stats``. One :class:`ForwardLaunch`,
+    made and run once.
     """
-    B, Hq, L, _ = query.shape
-    Bkv, Hkv, S, Ev = value.shape
-    device = query.device
-    launcher.check_dropout(spec, dropout)
-    launcher.check_sinks(spec, sinks)
-    out = launcher.empty_output(query, Ev)
-    lse = torch.empty((B, Hq, L), dtype=lse_dtype, device=device) if spec.output_lse else None
-    stats = torch.empty((2, B, Hq, L), dtype=lse_dtype, device=device) if spec.output_stats else None
-    if launches_nothing(query, value, spec.output_lse):  # no rows, or no keys: rows fully masked
-        out.zero_()
-        _fill_dead_rows(lse, stats, sinks)
-        return out, lse, stats
-    if max(B, Hq) > 65535 and spec.target == "cuda":
-        raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid limit). "
-                         f"Fix: split the batch into chunks.")
-    tables = launcher.kv_tables(block_mask, spec, S, device)
-    launcher.check_query_blocks(tables, L, spec.q_block_size)
-    guard_values = launcher.guards_nonfinite_values(spec, value)
-
-    def attempt(spec: ForwardSpec) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        kernel = cache.get_kernel(spec, device)
-        args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod, mask_mod,
-                                          scale, stats, dropout, sinks)
-        constants = launcher.forward_constexprs(spec, L, S, args, guard_values, scale)
-        if spec.tma and not gpu.runs_interpreted(device):  # the descriptors' scratch memory
-            tma.ensure_allocator()
-        gpu.launch(kernel.fn, launcher.forward_grid(spec, query), spec, device, args, constants)
-        return out, lse, stats
-
-    return retry.launch_with_fallbacks(spec, device, attempt, "forward")
+    return ForwardLaunch(spec, query, value, score_mod, mask_mod, block_mask, scale, lse_dtype)(
+        query, key, value, dropout, sinks)
 
 
 def _fill_dead_rows(lse: torch.Tensor | None, stats: torch.Tensor | None, sinks: torch.Tensor | None) -> None:
@@ -177,21 +215,34 @@ def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value
     whether ``sinks`` is, and ``training=`` as ``training``): ``(out, lse,
     stats)``, lse float64 for float64 inputs, None unless ``need_lse`` or the plan's forward writes it
     (the training forward, which also writes the backward's statistics ``stats``: see :func:`launch`)."""
+    launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse,
+                             dropout is not None, sinks is not None, training)
+    return launches(query, key, value, dropout, sinks)
+
+
+def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+                  scale: float, kernel_options: dict | None, need_lse: bool, dropout: bool = False,
+                  sinks: bool = False, training: bool = False) -> Callable:
+    """The launches of ``plan`` for calls of this signature, decided: a callable ``(query, key, value,
+    dropout, sinks) -> (out, lse, stats)`` as :func:`launch_plan` returns them (``dropout``, ``sinks``:
+    whether the calls pass them)."""
     if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
         decode_spec, merge = plan.kernels
-        out, lse = decode.launch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
-                                 num_splits=config.requested_splits(kernel_options), merge=merge, dropout=dropout,
-                                 sinks=sinks)
-        return out, (lse if need_lse else None), None
+        decoding = decode.DecodeLaunch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask,
+                                       scale, num_splits=config.requested_splits(kernel_options), merge=merge)
+
+        def decode_launches(query, key, value, dropout=None, sinks=None):
+            out, lse = decoding(query, key, value, dropout, sinks)
+            return out, (lse if need_lse else None), None
+        return decode_launches
     if plan.kernels:
         (spec,) = plan.kernels
     else:  # the launcher returns the empty or fully masked outputs without a kernel
         spec = spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options, need_lse,
-                             training=training, dropout=dropout is not None, sinks=sinks is not None)
+                             training=training, dropout=dropout, sinks=sinks)
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    return launch(spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype=lse_dtype,
-                  dropout=dropout, sinks=sinks)
+    return ForwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype)
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
@@ -205,12 +256,28 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     ``dropout`` (flexc's ``dropout_p``) runs the kernels' variants that draw its mask; ``sinks``
     (``[B or 1, Hq, 1]``, :func:`flexc.call.sinks.check_sinks`) the kernels that fold them in.
     """
+    return prepare_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse,
+                           dropout is not None, sinks is not None)(query, key, value, dropout, sinks)
+
+
+def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                    mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
+                    need_lse: bool, dropout: bool = False, sinks: bool = False) -> Callable:
+    """:func:`triton_forward` for calls of this signature, decided once (the backend's preparation in
+    :mod:`flexc.backends.registry`): a callable ``(query, key, value, dropout, sinks) -> (out, lse or
+    None)`` for calls with inputs of these shapes, strides and dtypes, these mods and this BlockMask
+    (``dropout``, ``sinks``: whether the calls pass them)."""
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
-                        dropout=dropout is not None, sinks=sinks is not None)
-    return launch_plan(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)[:2]
+                        dropout=dropout, sinks=sinks)
+    launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)
+
+    def forward(query, key, value, dropout=None, sinks=None):
+        out, lse, _ = launches(query, key, value, dropout, sinks)
+        return out, lse
+    return forward
 
 
-registry.register(registry.TRITON, triton_forward)
+registry.register(registry.TRITON, triton_forward, prepare=prepare_forward)
 
-__all__ = ["ForwardPlan", "launch", "launch_plan", "launches_nothing", "make_spec", "plan_forward", "spec_for_call",
+__all__ = ["ForwardLaunch", "ForwardPlan", "launch", "launch_plan", "plan_launches", "prepare_forward", "launches_nothing", "make_spec", "plan_forward", "spec_for_call",
            "triton_forward"]

@@ -328,15 +328,18 @@ def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_ou
 
 def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                     splits: int | None, guard_values: bool | None = None, dropout: Dropout | None = None):
+                     splits: int | None, guard_values: bool | None = None, dropout: Dropout | None = None,
+                     tables: list[torch.Tensor] | None = None):
     """The decode kernel's positional and constexpr arguments for one call, and the per-split outputs
     ``(out_split, lse_split)`` it writes. ``splits``: per (batch, key head), None for
     :func:`flexc.backends.triton.config.default_splits`; ``guard_values`` defaults to the launcher's choice;
-    ``dropout`` for a kernel with dropout."""
+    ``dropout`` for a kernel with dropout; ``tables``: :func:`kv_tables` of ``block_mask``, when the
+    caller has them."""
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
     device = query.device
-    tables = kv_tables(block_mask, spec, S, device)
+    if tables is None:
+        tables = kv_tables(block_mask, spec, S, device)
     splits = splits or default_splits(query, key, tables[1].shape[-1])
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     out_split = torch.empty(B, Hkv, splits, spec.block_m, Ev, dtype=work, device=device)
