@@ -25,7 +25,8 @@ def _load_api() -> None:
     from .call.attention import AuxOutput, AuxRequest, FallbackWarning, flex_attention
     # create_block_mask dispatches to one custom-op node inside torch.compile
     from .torch_compile.under_compile import create_block_mask
-    from .backends.triton.cache import cache_clear, cache_info
+    from .backends.triton.cache import cache_info
+    from .call.plans import cache_clear
     from .call.kernel_source import kernel_source
     # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`
     # becomes `from flexc import ...` unchanged

@@ -172,6 +172,11 @@ def is_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def simulated_facts() -> "DeviceFacts | None":
+    """The GPU that CPU tensors stand in for now (:func:`simulate`), or None."""
+    return _state["simulated"]
+
+
 def is_plain_cpu(device: torch.device) -> bool:
     """Whether ``device`` is the CPU taking the CPU's own decisions (not standing in for a GPU)."""
     return _state["simulated"] is None and device.type == "cpu"

@@ -105,6 +105,14 @@ def check_mod(traced: TracedMod | None, B: int, H: int, Q_LEN: int, KV_LEN: int,
             _proven.popitem(last=False)
 
 
+def has_checks(traced: TracedMod | None) -> bool:
+    """Whether ``traced`` has a lookup or an integer division for :func:`check_mod` to check (whose
+    verdict may then depend on captured values: checked again at each call)."""
+    if traced is None:
+        return False
+    return bool(_checks_of(traced.root, traced, tuple(tuple(t.shape) for t in traced.buffers)))
+
+
 def _checks_of(root: ir.Node, traced: TracedMod, shapes: tuple) -> list[tuple]:
     """:func:`_checks` of the graph ``root`` over ``traced``'s captured tensors, memoized."""
     checks = _checks_memo.get((root, shapes))

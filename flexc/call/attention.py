@@ -1,9 +1,11 @@
 """``flex_attention``: the drop-in for ``torch.nn.attention.flex_attention.flex_attention``.
 
-The call validates its inputs, traces the mods once (:func:`flexc.trace`), picks a forward backend
-from :mod:`flexc.backends.registry`, and wraps it in a ``torch.autograd.Function`` whose backward is the torch
-block-sparse path (:func:`flexc.backends.cpu.torch_cpu.torch_backward`), so every backend trains.
-Learned attention sinks are folded into the backends' softmax (:mod:`flexc.call.sinks`).
+An eager call runs the plan of its signature (:mod:`flexc.call.plans`): on the first call of a
+signature the inputs are validated, the mods traced (:func:`flexc.trace`), a forward backend picked
+from :mod:`flexc.backends.registry` and, for training, wrapped in flexc's autograd Function
+(:mod:`flexc.call.training`), so every backend trains; later calls of that signature launch. Learned
+attention sinks are folded into the backends' softmax (:mod:`flexc.call.sinks`). Under torch.compile
+the call becomes one custom-op node (:mod:`flexc.torch_compile.under_compile`).
 """
 from __future__ import annotations
 
@@ -14,77 +16,11 @@ from typing import Any, Callable
 import torch
 
 from ..backends import dropout, registry
-from ..backends.cpu.torch_cpu import forward_with_max, recorded_forward, torch_backward, torch_forward
 from ..backends.layout import laid_out_like
-from ..masks.empty_entries import without_empty_entries
-from . import validate
+from . import plans, validate
 from .plan import (AuxOutput, AuxRequest, CallPlan, FallbackWarning, choose_backend, falls_back,  # noqa: F401
                    generated_backward_fallback, in_dtype_of, lse_dtype, plan_call, prepare_call, warn_fallback)
-from .sinks import check_sinks, sink_grad
-
-
-class _FlexAttentionFunction(torch.autograd.Function):
-    """Forward on the chosen backend; backward recomputes scores per query row on the torch path."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, forward, training, score_mod, mask_mod, block_mask, scale, options, slots,
-                drop, sinks, *grad_buffers):
-        ctx.backward_fn = training[1] if training is not None else None
-        fallback = falls_back(forward, training)
-        if fallback is not None:
-            warn_fallback(score_mod, fallback)
-        ctx.options, ctx.dropout = options, drop
-        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no zeros made and read back
-        extra = _dropout_keyword(drop) | _sinks_keyword(sinks)
-        stats = None
-        if training is not None:
-            out, lse, stats = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options, **extra)
-        elif forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
-            # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
-            out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                           need_max=False, lse_dtype=lse_dtype(query.dtype), **extra)
-        else:
-            out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True, **extra)
-        # what the backward reads: the generated backward's own statistics, else the logsumexp; with
-        # sinks also the logsumexp and the sinks, for the sinks' gradient
-        saved = lse if stats is None else stats
-        ctx.save_for_backward(query, key, value, out, saved, *(() if sinks is None else (lse, sinks)))
-        ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
-        return out, lse.to(lse_dtype(query.dtype))
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        query, key, value, out, saved, *with_sinks = ctx.saved_tensors
-        lse, sinks = with_sinks or (None, None)
-        score_mod, mask_mod, block_mask, scale, slots = ctx.mods
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        if ctx.backward_fn is not None:  # the backend's generated backward (its statistics include the sinks)
-            dq, dk, dv, buf_grads = ctx.backward_fn(query, key, value, out, saved, grad_out, grad_lse, score_mod,
-                                                    mask_mod, block_mask, scale, slots, ctx.options,
-                                                    **_dropout_keyword(ctx.dropout), **_sinks_keyword(sinks))
-        else:
-            dq, dk, dv, buf_grads = torch_backward(query, key, value, out, saved, grad_out, grad_lse, score_mod,
-                                                   mask_mod, block_mask, scale, slots, dropout=ctx.dropout,
-                                                   sinks=sinks)
-        dq, dk, dv = (laid_out_like(g, t) for g, t in ((dq, query), (dk, key), (dv, value)))
-        # the sinks' gradient, eagerly from the output, dO and the logsumexp (no kernel computes it:
-        # it is one pass over the output per call, flexc.call.sinks.sink_grad)
-        d_sinks = (sink_grad(sinks, out, grad_out, lse, grad_lse) if sinks is not None and ctx.needs_input_grad[12]
-                   else None)
-        return (dq, dk, dv, None, None, None, None, None, None, None, None, None, d_sinks, *buf_grads)
-
-
-def _dropout_keyword(drop: dropout.Dropout | None) -> dict:
-    """``dropout=drop`` for a backend's functions when the call drops (a backend without dropout
-    support is never asked: :func:`flexc.call.plan.dropout_backend`)."""
-    return {"dropout": drop} if drop is not None else {}
-
-
-def _sinks_keyword(sinks: torch.Tensor | None) -> dict:
-    """``sinks=rows`` (``[B or 1, Hq, 1]``) for a backend's forward when the call has sinks; a call
-    without them passes nothing, so it runs exactly the sink-free kernels."""
-    return {"sinks": sinks} if sinks is not None else {}
+from .sinks import check_sinks
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -147,48 +83,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
            return_aux: AuxRequest | None, drop: dropout.Dropout | None, sinks: torch.Tensor | None = None):
     """:func:`flex_attention`'s eager call with its dropout already drawn (``drop``, None for none) and
     its sinks checked (``[B or 1, Hq, 1]`` from :func:`flexc.call.sinks.check_sinks`, or None);
-    context parallelism passes a dropout whose pairs are the full sequence's."""
-    scale, options, traced_score, traced_mask = prepare_call(query, key, value, score_mod, block_mask, scale,
-                                                             enable_gqa, kernel_options,
-                                                             outputs=(return_lse, return_aux))
-    block_mask = without_empty_entries(block_mask)  # negative entries in the counts: blocks never visited
-    key, value = in_dtype_of(query, key), in_dtype_of(query, value)
-    plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
-                     dropout_p=drop.p if drop is not None else 0.0,
-                     dropout_positions=drop is not None and (drop.q_positions is not None
-                                                             or drop.kv_positions is not None), sinks=sinks,
-                     block_mask=block_mask)
-    backend, want_lse, want_max, slots = plan.backend, plan.want_lse, plan.want_max, plan.slots
-    max_scores = None
-    recorded = (recorded_forward(query, key, value, traced_score, traced_mask, block_mask, scale)
-                if (plan.training and backend == registry.TORCH and drop is None and sinks is None and not want_lse
-                    and not want_max) else None)
-    if recorded is not None:  # torch's own autograd nodes: no Python in the backward
-        out, lse = recorded, None
-    elif plan.training:
-        forward = registry.BACKENDS[backend]
-        grad_buffers = [traced_score.buffers[i] for i in slots]
-        out, lse = _FlexAttentionFunction.apply(query, key, value, forward, plan.generated, traced_score,
-                                                traced_mask, block_mask, scale, options, slots, drop, sinks,
-                                                *grad_buffers)
-        if want_max:
-            with torch.no_grad():
-                max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                              dropout=drop)[2]
-    elif want_max:
-        out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                                lse_dtype=lse_dtype(query.dtype), dropout=drop, sinks=sinks)
-    elif backend == registry.TORCH and (drop is not None or (want_lse and query.dtype == torch.float64)):
-        # (the row loop draws the dropout; a float64 lse for float64 inputs, as torch's)
-        out, lse, _ = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                       need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop, sinks=sinks)
-    else:
-        out, lse = registry.BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options,
-                                              want_lse, **_dropout_keyword(drop), **_sinks_keyword(sinks))
-    out = laid_out_like(out, query)
-    if lse is not None and lse.dtype != lse_dtype(query.dtype):
-        lse = lse.to(lse_dtype(query.dtype))
-
+    context parallelism passes a dropout whose pairs are the full sequence's. Runs the plan of the
+    call's signature (:mod:`flexc.call.plans`: decided on the first call of that signature)."""
+    plan = plans.plan_for(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
+                          return_aux, drop, sinks)
+    out, lse, max_scores = plan.run(query, key, value, block_mask, drop, sinks)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)
     if return_lse:

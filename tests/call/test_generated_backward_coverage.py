@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexc
-import flexc.call.attention as attention_module
+import flexc.call.training as training_module
 from flexc.mods import ir
 from flexc.call.attention import generated_backward_fallback
 from flexc.mods.derivative import differentiate
@@ -183,7 +183,7 @@ def test_function_derivatives_use_its_backward(name):
 def no_torch_backward(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the torch row-loop backward ran")
-    monkeypatch.setattr(attention_module, "torch_backward", refuse)
+    monkeypatch.setattr(training_module, "torch_backward", refuse)
 
 
 def _train(mod, leaves, dense_mod, Lq=48, E=16, seed=7):

@@ -283,11 +283,11 @@ def test_triton_forward_source_folds_the_sinks_only_for_sink_calls():
 def test_triton_training_with_sinks_runs_the_generated_backward_and_equals_dense(monkeypatch):
     """The training forward's statistics include the sinks, so the generated backward's dq, dk, dv
     (and the captured slopes') are right with no sink code; the sinks' gradient is the call's."""
-    import flexc.call.attention
+    import flexc.call.training
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the torch row-loop backward ran")
-    monkeypatch.setattr(flexc.call.attention, "torch_backward", forbidden)
+    monkeypatch.setattr(flexc.call.training, "torch_backward", forbidden)
     q, k, v, _, slopes, alibi = _problem(9, 40)
     sinks = torch.randn(B, HQ, generator=torch.Generator().manual_seed(10)).requires_grad_()  # per batch
     leaves = [t.requires_grad_() for t in (q, k, v)] + [sinks, slopes]

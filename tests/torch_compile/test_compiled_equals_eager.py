@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import flexc
-import flexc.call.attention as attention_module
+import flexc.call.training as training_module
 import flexc.torch_compile.custom_ops as custom_ops_module
 from catalogue import score_catalogue
 from reference import random_qkv
@@ -109,7 +109,7 @@ def test_compiled_equals_eager(backend, fresh_dynamo, monkeypatch):
     if backend == "TRITON":  # the generated backward trains every one of these mods, eager and compiled
         def refuse(*args, **kwargs):
             raise AssertionError("the torch row-loop backward ran")
-        monkeypatch.setattr(attention_module, "torch_backward", refuse)
+        monkeypatch.setattr(training_module, "torch_backward", refuse)
         monkeypatch.setattr(custom_ops_module, "torch_backward", refuse)
     eager, eager_captured = _run(_calls(backend))
     compiled, compiled_captured = _run(torch.compile(_calls(backend), backend="aot_eager", fullgraph=True))

@@ -95,27 +95,29 @@ class DecodeLaunch:
         self.splits = num_splits or config.default_splits(query, key, self.tables[1].shape[-1])
         # (a smaller configuration keeps block_m, so the merge's spec and the partial results' shape)
         self.merge = merge if merge is not None else merge_spec(spec, sinks)
-        self.worked: tuple | None = None  # (the spec that launched, its kernel) after the first launch
+        self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
-                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`)."""
+                 sinks: torch.Tensor | None = None, block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`); ``block_mask``: this
+        call's, when its tables are new at each call (a slice of the same layout)."""
         launcher.check_dropout(self.spec, dropout)
+        tables = self.tables if block_mask is None else launcher.kv_tables(block_mask, self.spec, value.shape[2],
+                                                                             self.device)
 
-        def attempt(spec: DecodeSpec, kernel: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-            kernel = kernel or cache.get_kernel(spec, self.device)
+        def attempt(spec: DecodeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+            kernel = cache.get_kernel(spec, self.device)
             args, constants, splits = launcher.decode_arguments(
                 spec, kernel.generated, query, key, value, self.score_mod, self.mask_mod, self.block_mask,
-                self.scale, self.splits, dropout=dropout, tables=self.tables)
+                self.scale, self.splits, dropout=dropout, tables=tables)
             gpu.launch(kernel.fn, launcher.decode_grid(splits[0]), spec, self.device, args, constants)
             return splits
 
-        if self.worked is not None:
-            out_split, lse_split = attempt(*self.worked)
+        if self.worked:
+            out_split, lse_split = attempt(self.spec)
         else:
             out_split, lse_split = retry.launch_with_fallbacks(self.spec, self.device, attempt, "decode")
-            if cache.resolve_fallback(self.spec, self.device) is self.spec:
-                self.worked = (self.spec, cache.get_kernel(self.spec, self.device))
+            self.worked = cache.resolve_fallback(self.spec, self.device) is self.spec
         return merge_splits(out_split, lse_split, query, query.shape[1], query.shape[2], self.merge, sinks)
 
 

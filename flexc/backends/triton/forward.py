@@ -137,13 +137,17 @@ class ForwardLaunch:
             self.tables = launcher.kv_tables(block_mask, spec, S, self.device)
             launcher.check_query_blocks(self.tables, L, spec.q_block_size)
         self.grid = launcher.forward_grid(spec, query)
-        self.worked: tuple | None = None  # (the spec that launched, its kernel) after the first launch
+        self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         self.constants: dict[bool, dict] = {}  # by whether the non-finite values guard is compiled in
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
-                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(out, lse, stats)`` of this call (see :func:`launch`)."""
+                 sinks: torch.Tensor | None = None, block_mask: Any = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(out, lse, stats)`` of this call (see :func:`launch`); ``block_mask``: this call's, when its
+        tables are new at each call (a slice of the same layout), else the tables made once serve."""
         spec = self.spec
+        tables = self.tables if block_mask is None or self.nothing else launcher.kv_tables(
+            block_mask, spec, self.lengths[1], self.device)
         launcher.check_dropout(spec, dropout)
         launcher.check_sinks(spec, sinks)
         B, Hq, L, _ = query.shape
@@ -156,9 +160,9 @@ class ForwardLaunch:
             return out, lse, stats
         guard_values = launcher.guards_nonfinite_values(spec, value)
 
-        def attempt(spec: ForwardSpec, kernel: Any = None) -> None:
-            kernel = kernel or cache.get_kernel(spec, self.device)
-            args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, self.tables,
+        def attempt(spec: ForwardSpec) -> None:
+            kernel = cache.get_kernel(spec, self.device)
+            args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables,
                                               self.score_mod, self.mask_mod, self.scale, stats, dropout, sinks)
             constants = self.constants.get(guard_values) if spec is self.spec else None
             if constants is None:
@@ -170,13 +174,12 @@ class ForwardLaunch:
             gpu.launch(kernel.fn, self.grid if spec is self.spec else launcher.forward_grid(spec, query), spec,
                        self.device, args, constants)
 
-        if self.worked is not None:
-            attempt(*self.worked)
+        if self.worked:
+            attempt(spec)
         else:
             retry.launch_with_fallbacks(spec, self.device, attempt, "forward")
-            worked = cache.resolve_fallback(spec, self.device)
-            if worked is spec:  # (a replaced spec keeps the retry's path: its grid and constants differ)
-                self.worked = (spec, cache.get_kernel(spec, self.device))
+            # (a replaced spec keeps the retry's path: its grid and constants differ)
+            self.worked = cache.resolve_fallback(spec, self.device) is spec
         return out, lse, stats
 
 
@@ -224,15 +227,16 @@ def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, val
                   scale: float, kernel_options: dict | None, need_lse: bool, dropout: bool = False,
                   sinks: bool = False, training: bool = False) -> Callable:
     """The launches of ``plan`` for calls of this signature, decided: a callable ``(query, key, value,
-    dropout, sinks) -> (out, lse, stats)`` as :func:`launch_plan` returns them (``dropout``, ``sinks``:
-    whether the calls pass them)."""
+    dropout, sinks, block_mask=None) -> (out, lse, stats)`` as :func:`launch_plan` returns them
+    (``dropout``, ``sinks``: whether the calls pass them; ``block_mask``: the call's, when its tables
+    are new at each call)."""
     if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
         decode_spec, merge = plan.kernels
         decoding = decode.DecodeLaunch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask,
                                        scale, num_splits=config.requested_splits(kernel_options), merge=merge)
 
-        def decode_launches(query, key, value, dropout=None, sinks=None):
-            out, lse = decoding(query, key, value, dropout, sinks)
+        def decode_launches(query, key, value, dropout=None, sinks=None, block_mask=None):
+            out, lse = decoding(query, key, value, dropout, sinks, block_mask)
             return out, (lse if need_lse else None), None
         return decode_launches
     if plan.kernels:
@@ -264,15 +268,16 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
                     need_lse: bool, dropout: bool = False, sinks: bool = False) -> Callable:
     """:func:`triton_forward` for calls of this signature, decided once (the backend's preparation in
-    :mod:`flexc.backends.registry`): a callable ``(query, key, value, dropout, sinks) -> (out, lse or
-    None)`` for calls with inputs of these shapes, strides and dtypes, these mods and this BlockMask
-    (``dropout``, ``sinks``: whether the calls pass them)."""
+    :mod:`flexc.backends.registry`): a callable ``(query, key, value, dropout, sinks, block_mask=None)
+    -> (out, lse or None)`` for calls with inputs of these shapes, strides and dtypes, these mods and
+    this BlockMask (``dropout``, ``sinks``: whether the calls pass them; ``block_mask``: the call's,
+    when its tables are new at each call)."""
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
                         dropout=dropout, sinks=sinks)
     launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)
 
-    def forward(query, key, value, dropout=None, sinks=None):
-        out, lse, _ = launches(query, key, value, dropout, sinks)
+    def forward(query, key, value, dropout=None, sinks=None, block_mask=None):
+        out, lse, _ = launches(query, key, value, dropout, sinks, block_mask)
         return out, lse
     return forward
 

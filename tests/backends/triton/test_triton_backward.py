@@ -316,7 +316,7 @@ def test_training_runs_the_generated_backward_not_the_torch_row_loop(monkeypatch
     def forbidden(*args, **kwargs):
         raise AssertionError("the torch row-loop backward ran")
 
-    monkeypatch.setattr(flexc.call.attention, "torch_backward", forbidden)
+    monkeypatch.setattr(flexc.call.training, "torch_backward", forbidden)
     kernel_cache.cache_clear()
     slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
     alibi = lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)

@@ -1,0 +1,173 @@
+"""One plan per call signature: what an eager ``flex_attention`` call decides, worked out once and kept.
+
+A :class:`Plan` holds everything a call decides before its kernels run: the validated scale and
+options, the traced mods, the BlockMask as backends read it, the backend (:func:`flexc.call.plan.plan_call`),
+the path through training, the logsumexp and the row maxima, and the backend's forward decided for
+these shapes (:data:`flexc.backends.registry.PREPARE`: for TRITON the kernels, tables, grids and
+constants). :func:`plan_for` finds it by the call's signature (:mod:`flexc.call.signature`) or makes
+it, so a warm call checks its signature, allocates its outputs and launches.
+
+What depends on tensor values is not decided once: kernels read the captured tensors and the
+BlockMask at each call, the bounds checks of a mod that indexes a captured tensor with another's
+values run each call (:attr:`Plan.rechecked`, asserted on the device on a GPU), and so do the CPU's
+non-finite guards.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from ..analysis import bounds
+from ..backends import dropout as dropouts
+from ..backends import registry
+from ..backends.cpu.torch_cpu import forward_with_max, recorded_forward
+from ..backends.layout import laid_out_like
+from ..masks.empty_entries import without_empty_entries
+from .plan import in_dtype_of, lse_dtype, plan_call, prepare_call
+from .signature import call_signature
+from .training import FlexAttentionFunction, backend_keywords
+
+# the paths a call takes, decided once per plan
+RECORDED = "recorded"  # training on TORCH through ops autograd records itself, when the inputs allow
+TRAINED = "trained"  # training through flexc's autograd Function (the backend's generated backward, or torch's)
+WITH_MAX = "with max"  # the TORCH row loop, also returning the row maxima
+ROWS = "rows"  # the TORCH row loop: dropout, or a float64 logsumexp
+FORWARD = "forward"  # the backend's forward
+
+
+class Plan:
+    """What every call of one signature runs (see the module docstring); :meth:`run` runs it."""
+
+    def __init__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
+                 block_mask: Any, scale: float | None, enable_gqa: bool, return_lse: bool,
+                 kernel_options: dict | None, return_aux: Any, drop: dropouts.Dropout | None,
+                 sinks: torch.Tensor | None):
+        self.scale, self.options, self.score_mod, self.mask_mod = prepare_call(
+            query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, outputs=(return_lse, return_aux))
+        self.block_mask = without_empty_entries(block_mask)  # negative entries in the counts: blocks never visited
+        # a slice's tables are new at each call (flexc.call.signature keys it by what it was sliced
+        # from): read from the call's BlockMask, not kept
+        self.sliced = getattr(block_mask, "sliced_from", None) is not None and getattr(block_mask, "lazy_rows", None) is None
+        key, value = in_dtype_of(query, key), in_dtype_of(query, value)
+        choice = plan_call(query, key, value, self.score_mod, self.mask_mod, self.options, return_lse, return_aux,
+                           dropout_p=drop.p if drop is not None else 0.0,
+                           dropout_positions=drop is not None and (drop.q_positions is not None
+                                                                   or drop.kv_positions is not None),
+                           sinks=sinks, block_mask=self.block_mask)
+        self.backend, self.want_lse, self.want_max = choice.backend, choice.want_lse, choice.want_max
+        self.slots, self.generated = choice.slots, choice.generated
+        self.lse_dtype = lse_dtype(query.dtype)
+        # the mods whose bounds depend on captured values: checked again at each call
+        self.rechecked = tuple(m for m in (self.score_mod, self.mask_mod) if bounds.has_checks(m))
+        self.prepared: Callable | None = None
+        if choice.training:
+            self.path = (RECORDED if self.backend == registry.TORCH and drop is None and sinks is None
+                         and not self.want_lse and not self.want_max else TRAINED)
+        elif self.want_max:
+            self.path = WITH_MAX
+        elif self.backend == registry.TORCH and (drop is not None or (self.want_lse and query.dtype == torch.float64)):
+            self.path = ROWS  # (the row loop draws the dropout; a float64 lse for float64 inputs, as torch's)
+        else:
+            self.path = FORWARD
+            prepare = registry.PREPARE.get(self.backend)
+            if prepare is not None:
+                self.prepared = prepare(query, key, value, self.score_mod, self.mask_mod, self.block_mask,
+                                        self.scale, self.options, self.want_lse, drop is not None, sinks is not None)
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+            drop: dropouts.Dropout | None, sinks: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(out laid out like the query, lse in torch's dtype or None, row maxima or None)`` of one call
+        of this plan's signature."""
+        block_mask = without_empty_entries(block_mask) if self.sliced else self.block_mask
+        if self.rechecked:
+            B, Hq, L, _ = query.shape
+            for mod in self.rechecked:
+                bounds.check_mod(mod, B, Hq, L, key.shape[-2], "flex_attention", block_mask)
+        key, value = in_dtype_of(query, key), in_dtype_of(query, value)
+        score_mod, mask_mod, scale = self.score_mod, self.mask_mod, self.scale
+        path, max_scores = self.path, None
+        if path == FORWARD:
+            if self.prepared is not None:
+                out, lse = self.prepared(query, key, value, drop, sinks, block_mask if self.sliced else None)
+            else:
+                out, lse = registry.BACKENDS[self.backend](query, key, value, score_mod, mask_mod, block_mask, scale,
+                                                           self.options, self.want_lse,
+                                                           **backend_keywords(drop, sinks))
+        elif path == RECORDED and (recorded := recorded_forward(query, key, value, score_mod, mask_mod, block_mask,
+                                                                scale)) is not None:
+            out, lse = recorded, None  # torch's own autograd nodes: no Python in the backward
+        elif path in (RECORDED, TRAINED):
+            forward = registry.BACKENDS[self.backend]
+            grad_buffers = [score_mod.buffers[i] for i in self.slots]
+            out, lse = FlexAttentionFunction.apply(query, key, value, forward, self.generated, score_mod, mask_mod,
+                                                   block_mask, scale, self.options, self.slots, drop, sinks,
+                                                   *grad_buffers)
+            if self.want_max:
+                with torch.no_grad():
+                    max_scores = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
+                                                  dropout=drop)[2]
+        elif path == WITH_MAX:
+            out, lse, max_scores = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
+                                                    lse_dtype=self.lse_dtype, dropout=drop, sinks=sinks)
+        else:
+            out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False,
+                                           lse_dtype=self.lse_dtype, dropout=drop, sinks=sinks)
+        out = laid_out_like(out, query)
+        if lse is not None and lse.dtype != self.lse_dtype:
+            lse = lse.to(self.lse_dtype)
+        return out, lse, max_scores
+
+
+# signature -> (plan, what the signature's ids name: kept alive so that no id is reused while it is)
+_PLANS: "OrderedDict[tuple, tuple[Plan, tuple]]" = OrderedDict()
+_MAX_PLANS = 64
+_lock = threading.Lock()
+
+
+def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
+             block_mask: Any, scale: float | None, enable_gqa: bool, return_lse: bool, kernel_options: dict | None,
+             return_aux: Any, drop: dropouts.Dropout | None, sinks: torch.Tensor | None) -> Plan:
+    """The plan of this eager call: kept from an earlier call of the same signature, or made now
+    (validating the call, which raises what the call raises) and kept."""
+    arguments = (query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
+                 return_aux, drop, sinks)
+    found = call_signature(*arguments)
+    if found is not None:
+        entry = _PLANS.get(found[0])
+        if entry is not None:
+            if len(_PLANS) > 1:
+                with _lock:
+                    if found[0] in _PLANS:
+                        _PLANS.move_to_end(found[0])
+            return entry[0]
+    plan = Plan(*arguments)
+    found = found or call_signature(*arguments)  # (the mods are traced now)
+    if found is not None:
+        signature, named = found
+        with _lock:
+            _PLANS[signature] = (plan, named)
+            while len(_PLANS) > _MAX_PLANS:
+                _PLANS.popitem(last=False)
+    return plan
+
+
+def clear() -> None:
+    """Forget every plan."""
+    with _lock:
+        _PLANS.clear()
+
+
+def cache_clear() -> None:
+    """``flexc.cache_clear``: drop every plan and every cached kernel, and reset the kernel cache's
+    counters (:func:`flexc.backends.triton.cache.cache_clear`)."""
+    from ..backends.triton.cache import cache_clear as clear_kernels  # (imports no triton)
+
+    clear()
+    clear_kernels()
+
+
+__all__ = ["FORWARD", "Plan", "RECORDED", "ROWS", "TRAINED", "WITH_MAX", "cache_clear", "clear", "plan_for"]

@@ -1,0 +1,150 @@
+"""The signature of an eager call: everything its plan depends on, as one hashable key.
+
+:mod:`flexc.call.plans` keeps one plan per signature: two calls with equal signatures decide the same
+(validation verdicts, backend, kernels, tables, grids), so the second runs the first's plan on its
+own tensors. A signature holds:
+
+- query, key, value and the checked sinks: shape, strides, dtype, device, ``requires_grad`` and
+  whether the address is 16-byte aligned (Triton specializes pointers by it, a TMA descriptor
+  needs it);
+- grad mode, the simulated GPU (:func:`flexc.device.simulate`) and, on CUDA, the current stream
+  (a plan keeps device tables made on one stream, :func:`flexc.device.stream_token`; while a CUDA
+  graph is captured no signature matches, so a capture records every step);
+- the BlockMask by contents, not identity (a decoding step's new slice of the same row matches):
+  its type, ``seq_lengths``, ``BLOCK_SIZE``, and its kv tables' contents states
+  (:func:`flexc.versions.contents_states`: storage, offset, shape, strides, dtype and write count,
+  so ``.data =`` swaps, in-place edits and reused storage all differ), or a one-row slice's row
+  lists, or for an unedited slice (``block_mask[:, :, row]``) the states of the tables it was
+  sliced from and its tables' layout; a training call adds the query-direction tables;
+- the mods as traced: the :class:`~flexc.mods.traced_mod.TracedMod` the trace cache serves while
+  nothing the mod can read has changed (:mod:`flexc.mods.trace_cache`: code, closure, globals,
+  captured tensors' memory), with the captured tensors' ``requires_grad``;
+- scale, ``enable_gqa``, ``return_lse``, ``return_aux``, ``kernel_options`` and dropout's ``p``.
+
+A captured tensor's values are not in it: kernels read them at each call, and the checks that depend
+on them run each call (:attr:`flexc.call.plans.Plan.rechecked`). :func:`call_signature` gives None
+(the call decides from scratch, and no plan is kept) where something cannot be keyed: a mod not
+traced yet or traced on every call, tables without write counts (made under inference mode), tensor
+subclasses, unhashable options.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import device as gpu
+from ..masks.kv_tables import kv_tables
+from ..mods import derived, trace_cache
+from ..mods.traced_mod import MASK_MOD, SCORE_MOD, TracedMod
+from ..versions import contents_states, rememberable, table_states
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_Q_TABLES = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+class Unkeyable(Exception):
+    """Some part of the call cannot be part of a signature: the call is planned from scratch."""
+
+
+def cached_trace(fn: Callable | None, kind: str) -> TracedMod | None:
+    """The trace :func:`flexc.trace` would return for ``fn`` now, if the trace cache holds it (a
+    function traced before, nothing it reads changed since); raises :class:`Unkeyable` otherwise."""
+    if fn is None:
+        return None
+    cached, _ = trace_cache.lookup(fn, kind)
+    if cached is None:
+        raise Unkeyable
+    return cached if cached.derivations is None else derived.current(cached)
+
+
+def tensor_signature(t: torch.Tensor) -> tuple:
+    if type(t) not in _PLAIN:
+        raise Unkeyable
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15 == 0)
+
+
+def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple | None:
+    """The BlockMask's part; what its ids and storage addresses name goes to ``keep`` (a plan holds
+    it, so no other object takes those addresses while the plan lives)."""
+    if block_mask is None:
+        return None
+    rows = getattr(block_mask, "lazy_rows", None)  # a one-row slice whose tables are still lists
+    provenance = getattr(block_mask, "sliced_from", None)
+    if rows is not None and not training:
+        keep.append(rows)
+        tables: tuple = ("rows", id(rows))  # (the same lists object for every slice of that row)
+    elif provenance is not None and not training and table_states(kv_tables(block_mask)) == provenance[2]:
+        # an unedited slice (a decoding step's block_mask[:, :, pos // 128], new tables every step):
+        # keyed by the tables it was sliced from as they were then, and its tables' layout; the plan
+        # reads its tables at each call (flexc.call.plans.Plan.sliced)
+        keep.append(provenance)
+        tables = ("slice", provenance[1], tuple([None if t is None else (t.shape, t.dtype, t.device)
+                                                 for t in kv_tables(block_mask)]))
+    else:
+        kept = list(kv_tables(block_mask))
+        if training:
+            kept += [getattr(block_mask, name, None) for name in _Q_TABLES]
+        tables = contents_states(kept)
+        if not rememberable(tables):
+            raise Unkeyable
+        keep.extend(kept)
+    return (type(block_mask), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), tables)
+
+
+def mod_signature(traced: TracedMod | None) -> tuple | None:
+    if traced is None:
+        return None
+    return (id(traced), tuple([t.requires_grad for t in traced.buffers]))
+
+
+def options_signature(kernel_options: dict | None) -> tuple | None:
+    if kernel_options is None:
+        return None
+    if type(kernel_options) is not dict:
+        raise Unkeyable
+    items = tuple(kernel_options.items())
+    hash(items)  # (TypeError for an unhashable value)
+    return items
+
+
+def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
+                   block_mask: Any, scale: Any, enable_gqa: bool, return_lse: bool, kernel_options: dict | None,
+                   return_aux: Any, dropout: Any, sinks: torch.Tensor | None
+                   ) -> tuple[tuple, tuple] | None:
+    """``(signature, what it names)`` of an eager call, or None when the call cannot be keyed (see the
+    module docstring). Whoever keeps the signature keeps the second item too: the objects whose ids
+    and storage addresses the signature holds, so none is reused while it is kept. Reads only what
+    it keys: a call with invalid arguments gives None or a signature no valid call was planned under."""
+    keep: list = []
+    try:
+        traced_score = cached_trace(score_mod, SCORE_MOD)
+        traced_mask = cached_trace(getattr(block_mask, "mask_mod", None), MASK_MOD)
+        grad = torch.is_grad_enabled()
+        training = grad and (query.requires_grad or key.requires_grad or value.requires_grad
+                             or (traced_score is not None and any([t.requires_grad for t in traced_score.buffers]))
+                             or (sinks is not None and sinks.requires_grad))
+        if dropout is not None and (dropout.q_positions is not None or dropout.kv_positions is not None):
+            raise Unkeyable  # (a context-parallel shard's dropout: planned each call)
+        device = query.device
+        stream = gpu.stream_token(device) if device.type == "cuda" else None
+        if not gpu.keeps(stream):
+            raise Unkeyable  # (a CUDA graph being captured: every step recorded as it runs)
+        signature = (tensor_signature(query), tensor_signature(key), tensor_signature(value),
+                     None if sinks is None else tensor_signature(sinks), grad,
+                     gpu.simulated_facts(), stream,
+                     block_mask_signature(block_mask, training, keep), mod_signature(traced_score),
+                     mod_signature(traced_mask), scale if type(scale) in (float, int, type(None)) else _unkeyable(),
+                     bool(enable_gqa), bool(return_lse), None if return_aux is None else (type(return_aux), *return_aux),
+                     options_signature(kernel_options), None if dropout is None else dropout.p)
+        hash(signature)
+    except (Unkeyable, TypeError, AttributeError, ValueError, RuntimeError, NotImplementedError):
+        return None
+    return signature, (traced_score, traced_mask, *keep)
+
+
+def _unkeyable() -> None:
+    raise Unkeyable
+
+
+__all__ = ["Unkeyable", "cached_trace", "call_signature"]
