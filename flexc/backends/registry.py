@@ -37,6 +37,11 @@ BACKENDS: dict[str, Callable] = {TORCH: torch_forward}
 # new at each call (a slice); backends without one run their forward each call
 PREPARE: dict[str, Callable] = {}
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
+# a backend's training forward and backward decided once per call signature (optional):
+# ``prepare(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, grad_slots,
+# dropout: bool, sinks: bool, sliced: bool)`` returns ``(forward, backward)`` with TRAINING's
+# signatures, for the calls of that signature (``sliced``: read the BlockMask's tables at each call)
+PREPARE_TRAINING: dict[str, Callable] = {}
 
 # backends that live in a package of their own, imported when first asked for (Triton is optional)
 _PACKAGES = {TRITON: "flexc.backends.triton"}
@@ -60,9 +65,11 @@ def names() -> tuple[str, ...]:
     return (AUTO, *BACKENDS, *(name for name in _PACKAGES if name not in BACKENDS))
 
 
-def register_training(name: str, forward: Callable, backward: Callable) -> None:
-    """Backend ``name`` trains with its own ``forward`` (which returns the logsumexp) and ``backward``."""
-    TRAINING.setdefault(name, (forward, backward))
+def register_training(name: str, forward: Callable, backward: Callable, prepare: Callable | None = None) -> None:
+    """Backend ``name`` trains with its own ``forward`` (which returns the logsumexp) and ``backward``;
+    ``prepare``: both decided once per call signature (see :data:`PREPARE_TRAINING`)."""
+    if TRAINING.setdefault(name, (forward, backward)) == (forward, backward) and prepare is not None:
+        PREPARE_TRAINING.setdefault(name, prepare)
 
 
 def available(name: str) -> bool:

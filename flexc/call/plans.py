@@ -66,6 +66,10 @@ class Plan:
         if choice.training:
             self.path = (RECORDED if self.backend == registry.TORCH and drop is None and sinks is None
                          and not self.want_lse and not self.want_max else TRAINED)
+            prepare = registry.PREPARE_TRAINING.get(self.backend) if self.generated is not None else None
+            if prepare is not None:
+                self.generated = prepare(query, key, value, self.score_mod, self.mask_mod, self.block_mask, self.scale,
+                                         self.options, self.slots, drop is not None, sinks is not None, self.sliced)
         elif self.want_max:
             self.path = WITH_MAX
         elif self.backend == registry.TORCH and (drop is not None or (self.want_lse and query.dtype == torch.float64)):

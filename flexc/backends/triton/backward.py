@@ -13,7 +13,7 @@ program ever adds into another's dk/dv; captured-tensor gradients go through fp3
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -104,47 +104,78 @@ def _row_pass_inputs(stats: torch.Tensor, grad_lse: torch.Tensor | None, sinks: 
     return delta, m, torch.stack([stats[0].to(acc), start.expand_as(m)])
 
 
+class BackwardLaunch:
+    """The backward kernels' launches for one call signature: spec and tables decided once, then
+    launched on each call's tensors (:func:`launch_backward` makes one and runs it once; a training
+    call's plan keeps one, :func:`prepare_training`). The first launch runs out of GPU resources into
+    smaller tiles (:func:`flexc.backends.triton.retry.launch_with_fallbacks`); later ones take what worked."""
+
+    def __init__(self, spec: BackwardSpec, query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                 mask_mod: TracedMod | None, block_mask: Any, scale: float):
+        self.spec, self.score_mod, self.mask_mod, self.scale = spec, score_mod, mask_mod, scale
+        self.device, self.lengths = query.device, (query.shape[2], value.shape[2])
+        self.acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        self.nothing = query.numel() == 0 or value.shape[2] == 0
+        self.tables: list = [] if self.nothing else self.tables_of(block_mask)
+        self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
+
+    def tables_of(self, block_mask: Any) -> list:
+        L, S = self.lengths
+        tables = launcher.backward_tables(block_mask, self.spec, L, S, self.device)
+        launcher.check_query_blocks(tables, L, self.spec.q_block_size)
+        return tables
+
+    def __call__(self, query, key, value, out, stats, grad_out, grad_lse, dropout: Dropout | None = None,
+                 sinks: torch.Tensor | None = None, block_mask: Any = None):
+        """``(dq, dk, dv, [gradient of each spec.grad_slots tensor])`` of this call (see
+        :func:`launch_backward`); ``block_mask``: this call's, when its tables are new at each call."""
+        launcher.check_dropout(self.spec, dropout)
+        score_mod, device, acc = self.score_mod, self.device, self.acc
+        if self.nothing:
+            dq, dk, dv, summed, grads = launcher.backward_outputs(self.spec, query, key, value, score_mod)
+            return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
+                    [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, self.spec.grad_slots)])
+        tables = self.tables if block_mask is None else self.tables_of(block_mask)
+
+        def attempt(spec: BackwardSpec):
+            # everything from the outputs on: a retry starts over (the row pass adds into its inputs)
+            dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
+            rows = cache.get_kernel(rows_spec(spec), device) if spec.precise else None  # (kernels in launch order)
+            kernel = cache.get_kernel(spec, device)
+            if spec.precise:
+                delta, lse2, row_stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
+            else:
+                # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
+                delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
+                row_stats = stats
+            args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2,
+                                                          delta, row_stats, dq, dk, dv, tables, grads, score_mod,
+                                                          self.mask_mod, self.scale, dropout=dropout)
+            if rows is not None:
+                gpu.launch(rows.fn, launcher.backward_rows_grid(spec, query, key), spec, device, args, constants)
+            gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
+            if summed:
+                dk = dk.sum(0, keepdim=True).to(key.dtype)
+                dv = dv.sum(0, keepdim=True).to(value.dtype)
+            return dq, dk, dv, [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)]
+
+        if self.worked:
+            return attempt(self.spec)
+        result = retry.launch_with_fallbacks(self.spec, device, attempt, "backward")
+        self.worked = cache.resolve_fallback(self.spec, device) is self.spec
+        return result
+
+
 def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out, grad_lse,
                     score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
                     dropout: Dropout | None = None, sinks: torch.Tensor | None = None):
     """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``.
     ``stats`` are :func:`forward_for_training`'s; ``dropout`` is the forward's (its mask is drawn
     again), for a spec with dropout; ``sinks`` (``[B or 1, Hq, 1]``) the call's, whose share of each
-    row the row pass counts (PRECISE_GRADIENTS; otherwise the statistics include it)."""
-    L, S = query.shape[2], value.shape[2]
-    device = query.device
-    launcher.check_dropout(spec, dropout)
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    if query.numel() == 0 or S == 0:
-        dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
-        return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
-                [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)])
-    tables = launcher.backward_tables(block_mask, spec, L, S, device)
-    launcher.check_query_blocks(tables, L, spec.q_block_size)
-
-    def attempt(spec: BackwardSpec):
-        # everything from the outputs on: a retry starts over (the row pass adds into its inputs)
-        dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
-        rows = cache.get_kernel(rows_spec(spec), device) if spec.precise else None  # (kernels in launch order)
-        kernel = cache.get_kernel(spec, device)
-        if spec.precise:
-            delta, lse2, row_stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
-        else:
-            # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-            delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
-            row_stats = stats
-        args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2,
-                                                      delta, row_stats, dq, dk, dv, tables, grads, score_mod, mask_mod,
-                                                      scale, dropout=dropout)
-        if rows is not None:
-            gpu.launch(rows.fn, launcher.backward_rows_grid(spec, query, key), spec, device, args, constants)
-        gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
-        if summed:
-            dk = dk.sum(0, keepdim=True).to(key.dtype)
-            dv = dv.sum(0, keepdim=True).to(value.dtype)
-        return dq, dk, dv, [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, spec.grad_slots)]
-
-    return retry.launch_with_fallbacks(spec, device, attempt, "backward")
+    row the row pass counts (PRECISE_GRADIENTS; otherwise the statistics include it). One
+    :class:`BackwardLaunch`, made and run once."""
+    return BackwardLaunch(spec, query, value, score_mod, mask_mod, block_mask, scale)(
+        query, key, value, out, stats, grad_out, grad_lse, dropout, sinks)
 
 
 class BackwardPlan(NamedTuple):
@@ -184,16 +215,21 @@ def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod
     ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``; ``dropout`` is the forward's
     (``out`` its dropped output). The kernel is :func:`plan_backward`'s.
     """
-    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, grad_slots,
-                         dropout is not None)
-    score_mod, mask_mod = plan.score_mod, plan.mask_mod
+    return backward_launch(query, value, score_mod, mask_mod, block_mask, scale, kernel_options, grad_slots,
+                           dropout is not None)(query, key, value, out, stats, grad_out, grad_lse, dropout, sinks)
+
+
+def backward_launch(query, value, score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
+                    scale: float, kernel_options: dict | None, grad_slots: Sequence[int] = (),
+                    dropout: bool = False) -> BackwardLaunch:
+    """The :class:`BackwardLaunch` of :func:`plan_backward`'s kernels for calls of this signature."""
+    plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, grad_slots, dropout)
     if plan.kernels:
-        spec = plan.kernels[1]  # (launch_backward launches the prologue or row pass kernels[0] of it)
-    else:  # launch_backward returns the zero gradients without a kernel
-        spec = spec_for_call(query, value, score_mod, mask_mod, block_mask, kernel_options, tuple(grad_slots),
-                             dropout is not None)
-    return launch_backward(spec, query, key, value, out, stats, grad_out, grad_lse, score_mod, mask_mod,
-                           block_mask, scale, dropout, sinks)
+        spec = plan.kernels[1]  # (the launch runs the prologue or row pass kernels[0] of it first)
+    else:  # the launch returns the zero gradients without a kernel
+        spec = spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options,
+                             tuple(grad_slots), dropout)
+    return BackwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale)
 
 
 def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None,
@@ -229,8 +265,39 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
     return sources_text((rows_spec(spec) if spec.precise else plan.kernels[0], spec), query.device)
 
 
-registry.register_training(registry.TRITON, forward_for_training, triton_backward)
+def prepare_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
+                     scale: float, kernel_options: dict | None, grad_slots: Sequence[int] = (), dropout: bool = False,
+                     sinks: bool = False, sliced: bool = False) -> tuple[Callable, Callable]:
+    """:func:`forward_for_training` and :func:`triton_backward` for calls of this signature, decided once
+    (the backend's training preparation in :mod:`flexc.backends.registry`): callables with their
+    signatures that ignore the mods, BlockMask, scale and options they are passed (the plan's are
+    these) and read the BlockMask's tables at each call only when ``sliced`` (new tables every call)."""
+    plan = forward.plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, True,
+                                training=True, dropout=dropout, sinks=sinks)
+    forward_launches = forward.plan_launches(plan, query, key, value, block_mask, scale, kernel_options, True,
+                                             dropout, sinks, training=True)
+    decided: list = []  # the BackwardLaunch, made at the first backward (its errors are the backward's)
 
-__all__ = ["BackwardPlan", "backward_source", "forward_for_training", "launch_backward", "launch_prologue",
+    planned = (score_mod, mask_mod, scale, kernel_options, tuple(grad_slots))
+
+    def prepared_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, dropout=None,
+                         sinks=None):
+        return forward_launches(query, key, value, dropout, sinks, block_mask if sliced else None)
+
+    def prepared_backward(query, key, value, out, stats, grad_out, grad_lse, _score_mod, _mask_mod, block_mask,
+                          _scale, _grad_slots=(), _kernel_options=None, dropout=None, sinks=None):
+        score_mod, mask_mod, scale, kernel_options, grad_slots = planned
+        if not decided:
+            decided.append(backward_launch(query, value, score_mod, mask_mod, block_mask, scale, kernel_options,
+                                           grad_slots, dropout is not None))
+        return decided[0](query, key, value, out, stats, grad_out, grad_lse, dropout, sinks,
+                          block_mask if sliced else None)
+
+    return prepared_forward, prepared_backward
+
+
+registry.register_training(registry.TRITON, forward_for_training, triton_backward, prepare=prepare_training)
+
+__all__ = ["BackwardLaunch", "BackwardPlan", "backward_launch", "backward_source", "prepare_training", "forward_for_training", "launch_backward", "launch_prologue",
            "launches_nothing", "make_backward_spec", "plan_backward", "precise_gradients", "prologue_spec",
            "spec_for_call", "triton_backward"]
