@@ -310,17 +310,17 @@ def run_case(c, backend):
     ref_out, ref_lse, ref_max = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, scale=scale)
     if c["dtype"] == torch.float16 or c["dtype"] == torch.bfloat16:
         ref_out = ref_out.to(c["dtype"])  # what the rounding of the output allows
-    spy_target = (decode_cpu, "forward") if backend == "TORCH" else (triton_decode, "launch")
+    spy_target = (decode_cpu, "forward") if backend == "TORCH" else (triton_decode.DecodeLaunch, "__call__")
     if backend == "TRITON" and not triton_decode.applies(q, k, bm):
         # per-head masks under GQA, or rows past the first query block: the forward kernel serves
         # these short queries, and needs query blocks of 16 or more
-        spy_target = (triton_forward, "launch")
+        spy_target = (triton_forward.ForwardLaunch, "__call__")
         if bm is not None and c["q_block"] % 16:
             with pytest.raises(ValueError, match="multiple of 16"):
                 flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
                                      kernel_options=options)
             return None
-    with mock.patch.object(*spy_target, wraps=getattr(*spy_target)) as spy:
+    with mock.patch.object(*spy_target, autospec=True, side_effect=getattr(*spy_target)) as spy:
         out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
                                         return_lse=True, kernel_options=options)
     assert spy.call_count == 1, f"the {backend} path for short queries did not run"
@@ -507,10 +507,10 @@ def run_paged_case(c, backend):
     logical = flexc.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=(16, page))
     physical = paged.convert_logical_block_mask(logical)
     ref_out, ref_lse, _ = dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
-    spy_target = (decode_cpu, "forward") if backend == "TORCH" else (triton_decode, "launch")
+    spy_target = (decode_cpu, "forward") if backend == "TORCH" else (triton_decode.DecodeLaunch, "__call__")
     if backend == "TRITON" and not triton_decode.applies(q, k_cache, physical):
         return
-    with mock.patch.object(*spy_target, wraps=getattr(*spy_target)) as spy:
+    with mock.patch.object(*spy_target, autospec=True, side_effect=getattr(*spy_target)) as spy:
         out, lse = flexc.flex_attention(q, k_cache, v_cache, score_mod=paged.get_score_mod(score_mod),
                                         block_mask=physical, enable_gqa=Hq != Hkv, return_lse=True,
                                         kernel_options={"BACKEND": backend})

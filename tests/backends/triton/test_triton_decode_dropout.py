@@ -48,14 +48,14 @@ def _dense(q, k, v, drop: dropout.Dropout):
 
 @pytest.fixture
 def decode_launches(monkeypatch):
-    """The dropout flag of every decode kernel launched (the forward's plan calls decode.launch)."""
+    """The dropout flag of every decode kernel launched (a call's plan runs a DecodeLaunch)."""
     seen = []
-    launch = triton_decode.launch
+    launch = triton_decode.DecodeLaunch.__call__
 
-    def recording(spec, *args, **kwargs):
-        seen.append(spec.dropout)
-        return launch(spec, *args, **kwargs)
-    monkeypatch.setattr(triton_decode, "launch", recording)
+    def recording(self, *args, **kwargs):
+        seen.append(self.spec.dropout)
+        return launch(self, *args, **kwargs)
+    monkeypatch.setattr(triton_decode.DecodeLaunch, "__call__", recording)
     return seen
 
 
