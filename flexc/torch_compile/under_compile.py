@@ -41,9 +41,9 @@ from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 
 from .. import device as gpu
 from ..errors import warn_once
-from ..masks import block_mask
+from ..masks import create
 from . import custom_ops
-from ..masks.block_mask import DERIVED, BlockMask
+from ..masks.block_mask import DEFAULT_BLOCK_SIZE, DERIVED, BlockMask
 from ..masks.kv_tables import kv_tables
 from ..backends.layout import empty_like_reference
 from ..mods.mod_key import mod_key
@@ -535,17 +535,17 @@ def _graph_function(forward: torch.fx.GraphModule, backward: torch.fx.GraphModul
 
 # ---- create_block_mask inside a compiled region ----------------------------------------------
 
-@functools.wraps(block_mask.create_block_mask)
+@functools.wraps(create.create_block_mask)
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device: Any = None,
-                      BLOCK_SIZE: Any = block_mask.DEFAULT_BLOCK_SIZE, _compile: bool = False,
+                      BLOCK_SIZE: Any = DEFAULT_BLOCK_SIZE, _compile: bool = False,
                       separate_full_blocks: bool = True, compute_dq_write_order: bool = False,
                       dq_kv_order: bool = True, *, _analytic: bool = True) -> BlockMask:
     # flexc.create_block_mask: inside torch.compile one custom-op node, eagerly the block-mask builder
     if torch.compiler.is_compiling():
         return _compiled_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full_blocks)
-    return block_mask.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile,
-                                        separate_full_blocks, compute_dq_write_order, dq_kv_order,
-                                        _analytic=_analytic)
+    return create.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile,
+                                    separate_full_blocks, compute_dq_write_order, dq_kv_order,
+                                    _analytic=_analytic)
 
 
 def _compiled_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device: Any,
