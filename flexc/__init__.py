@@ -25,7 +25,7 @@ def _load_api() -> None:
     from .masks import block_mask_pytree  # noqa: F401  (registers BlockMask as a pytree node)
     from .call.attention import AuxOutput, AuxRequest, FallbackWarning, flex_attention
     # create_block_mask dispatches to one custom-op node inside torch.compile
-    from .torch_compile.under_compile import create_block_mask
+    from .torch_compile.compiled_block_mask import create_block_mask
     from .backends.triton.cache import cache_clear, cache_info
     from .call.kernel_source import kernel_source
     # torch's commonly imported private names, so `from torch.nn.attention.flex_attention import ...`

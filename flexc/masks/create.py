@@ -84,7 +84,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     Memory stays bounded: the dense mask is never built. ``_analytic=False`` turns off the tile
     analysis and evaluates every tile exactly (for testing the analysis). ``_compile`` is accepted
     for compatibility and ignored: flexc needs no compilation for this. Inside ``torch.compile``,
-    :func:`flexc.create_block_mask` (:func:`flexc.torch_compile.under_compile.create_block_mask`)
+    :func:`flexc.create_block_mask` (:func:`flexc.torch_compile.compiled_block_mask.create_block_mask`)
     builds the tables in one custom-op node and calls this outside the graph.
 
     >>> bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 256, 256)
