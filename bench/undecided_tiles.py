@@ -57,18 +57,18 @@ def main() -> None:
     import torch
 
     import flexc
-    from flexc.masks import block_mask as block_mask_module
+    from flexc.masks import create as create_module
 
     if args.threads:
         torch.set_num_threads(args.threads)
     evaluated = [0]
-    original = block_mask_module.evaluate_tiles
+    original = create_module.evaluate_tiles
 
     def counting(traced, coords, *a, **k):
         evaluated[0] += coords.shape[0]
         return original(traced, coords, *a, **k)
 
-    block_mask_module.evaluate_tiles = counting
+    create_module.evaluate_tiles = counting
     flexc.create_block_mask(mask_mod(MASKS[0], 1024), None, None, 1024, 1024, device="cpu", BLOCK_SIZE=BLOCK)
     for length in args.lengths:
         for name in args.masks:

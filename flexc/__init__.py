@@ -20,11 +20,12 @@ def _load_api() -> None:
     from .mods.evaluate import evaluate
     from .mods.grid import evaluate_grid
     from .masks.mask_mods import and_masks, noop_mask, not_mask, or_masks
-    from .masks.block_mask import BlockMask, create_mask
+    from .masks.block_mask import BlockMask
+    from .masks.create import create_mask
     from .masks import block_mask_pytree  # noqa: F401  (registers BlockMask as a pytree node)
     from .call.attention import AuxOutput, AuxRequest, FallbackWarning, flex_attention
     # create_block_mask dispatches to one custom-op node inside torch.compile
-    from .torch_compile.under_compile import create_block_mask
+    from .torch_compile.compiled_block_mask import create_block_mask
     from .backends.triton.cache import cache_info
     from .call.plans import cache_clear
     from .call.kernel_source import kernel_source

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..masks.block_mask import DEFAULT_BLOCK_SIZE, BlockMask
-from ..torch_compile.under_compile import create_block_mask  # (one custom-op node inside torch.compile)
+from ..torch_compile.compiled_block_mask import create_block_mask  # (one custom-op node inside torch.compile)
 from ..analysis.tiles import dense_to_ordered, ordered_to_dense, transpose_ordered
 from ..mods.trace import MASK_MOD, SCORE_MOD, mod_kind
 

@@ -26,7 +26,8 @@ import torch
 from ..mods import ir
 from ..device import is_gpu
 from ..mods.promotion import node_dtype
-from ..mods.trace import TracedMod, captured_numbers
+from ..mods.traced_mod import TracedMod
+from ..mods.tracing.captures import captured_numbers
 
 _LIFT_OPS = {"add", "sub", "mul", "truediv", "min", "max"} | ir.COMPARE_OPS
 _memo: "weakref.WeakKeyDictionary[TracedMod, dict]" = weakref.WeakKeyDictionary()  # -> {lift floats: lifted}

@@ -40,7 +40,10 @@ import torch
 from . import ir, reductions
 from .lowering import AUTOGRAD_FUNCTION
 from ..constants import LN2
-from .trace import SCORE_MOD, Proxy, TracedMod, hook_function_apply, Tracer, TraceMode
+from .traced_mod import SCORE_MOD, TracedMod
+from .tracing.dispatch import TraceMode, hook_function_apply
+from .tracing.proxies import Proxy
+from .tracing.tracer import Tracer
 
 
 

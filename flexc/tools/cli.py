@@ -374,7 +374,7 @@ def _check_call(args: argparse.Namespace, dtype: torch.dtype, head_dim: int, v_h
 
 def cmd_draw(args: argparse.Namespace) -> int:
     """Draw the named mask_mod (its BlockMask) or score_mod (a heat map, masked by a mask_mod) to a PNG."""
-    from ..masks.block_mask import create_block_mask
+    from ..masks.create import create_block_mask
     from ..mods.trace import MASK_MOD, SCORE_MOD
     from .plot import plot
 

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..masks.block_mask import BlockMask, create_block_mask
+from ..masks.block_mask import BlockMask
+from ..masks.create import create_block_mask
 from ..mods.evaluate import evaluate
 from ..analysis.tiles import cdiv
 from ..mods.trace import MASK_MOD, SCORE_MOD, TraceError, trace

@@ -21,7 +21,8 @@ from ..analysis import bounds
 from ..call import validate
 from ..backends import registry
 from ..backends.cpu.torch_cpu import forward_with_max, torch_backward
-from ..masks.block_mask import DERIVED, BlockMask, create_block_mask
+from ..masks.block_mask import DERIVED, BlockMask
+from ..masks.create import create_block_mask
 from ..codegen.printer import precise_math_for
 from ..masks.empty_entries import without_empty_entries
 from ..masks.kv_tables import KV_TABLE_NAMES

@@ -74,7 +74,7 @@ def test_random_data_mask_on_workers_gives_the_serial_and_torch_tables(seed, mon
             calls.append(1)
             return evaluate(*args, **{**kwargs, "max_elements": 3 * 16 * 16, "n_workers": 3})
 
-        monkeypatch.setattr("flexc.masks.block_mask.evaluate_tiles", on_workers)
+        monkeypatch.setattr("flexc.masks.create.evaluate_tiles", on_workers)
         parallel = flexc.create_block_mask(mod, 1, H, 700, 700, device="cpu", BLOCK_SIZE=16)
         monkeypatch.undo()
         assert calls

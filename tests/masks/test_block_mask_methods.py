@@ -202,12 +202,12 @@ def test_torch_flex_attention_gives_the_same_output_with_a_converted_mask():
 
 
 def test_default_device_follows_the_captured_tensors_else_cpu_here():
-    from flexc.masks.block_mask import _resolve_device
+    from flexc.masks.mask_arguments import resolve_device
 
     on_meta = torch.zeros(8, device="meta")
     traced = flexc.trace(lambda b, h, q_idx, kv_idx: on_meta[q_idx] > 0)
-    assert _resolve_device(None, traced) == torch.device("meta")
-    assert _resolve_device("cpu", traced) == torch.device("cpu")
+    assert resolve_device(None, traced) == torch.device("meta")
+    assert resolve_device("cpu", traced) == torch.device("cpu")
     expected = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
-    assert _resolve_device(None, flexc.trace(causal)).type == torch.device(expected).type
+    assert resolve_device(None, flexc.trace(causal)).type == torch.device(expected).type
     assert flexc.create_block_mask(causal, None, None, 128, 128).kv_indices.device.type == torch.device(expected).type

@@ -10,6 +10,7 @@ from torch.nn.attention import flex_attention as tfa
 import flexc
 from catalogue import mask_catalogue
 from flexc.masks import block_mask as bm_module
+from flexc.masks import ordered_rows
 from flexc.analysis.tiles import cdiv, dense_to_ordered, ordered_to_dense
 
 GRIDS = ((20, 20), 3, (4, 7), -1, (1, 50), (50, 1), 0)
@@ -300,11 +301,11 @@ def test_disjointness_by_search_and_by_marks_agree_with_sets():
         a = (torch.rand(rows, width, generator=g) < density_a).to(torch.int32)
         b = (torch.rand(rows, width, generator=g) < density_b).to(torch.int32)
         expected = not bool((a & b).any())
-        ordered = [bm_module._ascending_rows(*dense_to_ordered(t)) for t in (a, b)]
-        assert bm_module._disjoint(*ordered, width) == expected, trial
+        ordered = [ordered_rows.ascending_rows(*dense_to_ordered(t)) for t in (a, b)]
+        assert ordered_rows.disjoint(*ordered, width) == expected, trial
         narrow, wide = sorted(o[0].shape[1] for o in ordered)
         if narrow:
             strategies.add("search" if narrow * wide.bit_length() * 4 <= width else "marks")
             # a width past every column makes it search, whatever it chose above
-            assert bm_module._disjoint(*ordered, 1 << 40) == expected, trial
+            assert ordered_rows.disjoint(*ordered, 1 << 40) == expected, trial
     assert strategies == {"search", "marks"}

@@ -1,7 +1,7 @@
 """Fixtures the tracer's tests share."""
 import pytest
 
-from flexc.mods.trace import Tracer
+from flexc.mods.tracing.tracer import Tracer
 
 
 @pytest.fixture
