@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
 import torch.nn.attention.flex_attention as torch_flex
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "flexc"
@@ -26,7 +25,7 @@ STAGES = [
     ("flexc.backends",),
     ("flexc.call", "flexc.torch_compile"),
     ("flexc.tools",),
-    ("flexc", "flexc.__main__", "flexc.old_paths"),  # the package's own face
+    ("flexc", "flexc.__main__"),  # the package's own face
 ]
 TOP_LEVEL_ALLOWED = 6  # modules directly in flexc/ besides __init__, __main__, _version and errors
 
@@ -173,16 +172,6 @@ def test_backends_do_not_import_the_public_call():
 def test_few_modules_at_the_top():
     top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__", "_version", "errors"))
     assert len(top) <= TOP_LEVEL_ALLOWED, top
-
-
-@pytest.mark.parametrize("old, new", [("flexc.attention", "flexc.call.attention"),
-                                      ("flexc.block_mask", "flexc.masks.block_mask"),
-                                      ("flexc.backends.torch_cpu", "flexc.backends.cpu.torch_cpu"),
-                                      ("flexc.distributed", "flexc.call.distributed")])
-def test_import_paths_from_before_the_folders_give_the_same_modules(old, new):
-    import importlib
-
-    assert importlib.import_module(old) is importlib.import_module(new)
 
 
 def test_the_module_table_of_the_architecture_names_every_module():

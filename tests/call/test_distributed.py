@@ -189,7 +189,7 @@ def _check_shards(rank: int, size: int) -> None:
 def _check_backward_exchange_overlaps_local_backward() -> None:
     """The backward posts the key/value gradients' exchange, runs the attention backward over the
     rank's own blocks, and only then waits for the peers' gradients (and still equals one process)."""
-    attention = sys.modules["flexc.attention"]
+    attention = sys.modules["flexc.call.attention"]
     events = []
     real = attention.torch_backward, cp._FetchKV.backward, cp._GradsFromPeers.backward
 
