@@ -16,10 +16,11 @@ import torch
 from ..backends import dropout, registry
 from ..backends.cpu.torch_cpu import forward_with_max, recorded_forward, torch_backward, torch_forward
 from ..backends.layout import laid_out_like
+from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
 from . import validate
 from .plan import (AuxOutput, AuxRequest, CallPlan, FallbackWarning, choose_backend, falls_back,  # noqa: F401
-                   generated_backward_fallback, in_dtype_of, lse_dtype, plan_call, prepare_call, warn_fallback)
+                   generated_backward_fallback, in_dtype_of, plan_call, prepare_call, warn_fallback)
 from .sinks import check_sinks, sink_grad
 
 
@@ -42,7 +43,7 @@ class _FlexAttentionFunction(torch.autograd.Function):
         elif forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
             # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                           need_max=False, lse_dtype=lse_dtype(query.dtype), **extra)
+                                           need_max=False, lse_dtype=work_dtype(query.dtype), **extra)
         else:
             out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True, **extra)
         # what the backward reads: the generated backward's own statistics, else the logsumexp; with
@@ -50,7 +51,7 @@ class _FlexAttentionFunction(torch.autograd.Function):
         saved = lse if stats is None else stats
         ctx.save_for_backward(query, key, value, out, saved, *(() if sinks is None else (lse, sinks)))
         ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
-        return out, lse.to(lse_dtype(query.dtype))
+        return out, lse.to(work_dtype(query.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -177,17 +178,17 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mo
                                               dropout=drop)[2]
     elif want_max:
         out, lse, max_scores = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                                lse_dtype=lse_dtype(query.dtype), dropout=drop, sinks=sinks)
+                                                lse_dtype=work_dtype(query.dtype), dropout=drop, sinks=sinks)
     elif backend == registry.TORCH and (drop is not None or (want_lse and query.dtype == torch.float64)):
         # (the row loop draws the dropout; a float64 lse for float64 inputs, as torch's)
         out, lse, _ = forward_with_max(query, key, value, traced_score, traced_mask, block_mask, scale,
-                                       need_max=False, lse_dtype=lse_dtype(query.dtype), dropout=drop, sinks=sinks)
+                                       need_max=False, lse_dtype=work_dtype(query.dtype), dropout=drop, sinks=sinks)
     else:
         out, lse = registry.BACKENDS[backend](query, key, value, traced_score, traced_mask, block_mask, scale, options,
                                               want_lse, **_dropout_keyword(drop), **_sinks_keyword(sinks))
     out = laid_out_like(out, query)
-    if lse is not None and lse.dtype != lse_dtype(query.dtype):
-        lse = lse.to(lse_dtype(query.dtype))
+    if lse is not None and lse.dtype != work_dtype(query.dtype):
+        lse = lse.to(work_dtype(query.dtype))
 
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)
@@ -236,7 +237,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
 
     out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, options,
                                                         want_max, want_lse, dropout_p, seed, sinks)
-    out, lse = laid_out_like(out, query), lse.to(lse_dtype(query.dtype))  # as in eager (empty if not wanted)
+    out, lse = laid_out_like(out, query), lse.to(work_dtype(query.dtype))  # as in eager (empty if not wanted)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores if want_max else None)
     if return_lse:

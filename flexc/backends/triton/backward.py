@@ -23,6 +23,7 @@ from ...codegen.backward_rows import rows_spec
 from ...codegen.prologue import PrologueSpec
 from ...codegen.scalars import lift_for_call
 from ...constants import LN2
+from ...dtypes import work_dtype, work_dtype_name
 from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
@@ -77,7 +78,7 @@ def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
     """The prologue kernel that computes delta and the base-2 logsumexp for the backward ``spec``:
     rows of the value head dim in the work dtype, about 8K elements a program."""
     v_pad = padded_head_dim(spec.v_head_dim)
-    work = "float64" if spec.dtype == torch.float64 else "float32"
+    work = work_dtype_name(spec.dtype)
     return PrologueSpec(work, v_pad, min(128, max(16, 8192 // v_pad)), spec.target)
 
 
@@ -114,7 +115,7 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out,
     L, S = query.shape[2], value.shape[2]
     device = query.device
     launcher.check_dropout(spec, dropout)
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    acc = work_dtype(query.dtype)
     if query.numel() == 0 or S == 0:
         dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
         return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
