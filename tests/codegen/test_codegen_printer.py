@@ -16,7 +16,7 @@ from hypothesis import given
 from flexc import trace
 from flexc.backends.triton.cache import import_source
 from flexc.codegen import render_mod
-from flexc.codegen.printer import HELPERS
+from flexc.codegen.triton_helpers import HELPERS
 from flexc.mods.evaluate import evaluate, index_grid
 from flexc.mods.trace import SCORE_MOD, TracedMod
 
