@@ -15,7 +15,7 @@ The last line is ``context parallel: sliding-window bytes X of all-gather's, cau
 (8 ranks).
 
 ``--run``: a real exchange. Two gloo ranks (spawned with torch.multiprocessing, one thread each) run
-flexc.distributed.flex_attention on their shards of a causal and a sliding-window sequence
+flexc.call.distributed.flex_attention on their shards of a causal and a sliding-window sequence
 (default 1024 tokens, window 256, B=1, H=8, D=64, fp32, block 128), against one process with two threads
 running flexc.flex_attention on the whole sequence. Printed: wall time of forward and of
 forward+backward (median of reps; a distributed rep lasts until its slowest rank is done), and the
@@ -82,7 +82,7 @@ class _TimedWork:
 
 
 class ReceivedBytes:
-    """Wraps the torch.distributed calls flexc.distributed makes and counts the bytes this rank
+    """Wraps the torch.distributed calls flexc.call.distributed makes and counts the bytes this rank
     receives, by phase (``self.phase`` is set by the caller: "forward" or "backward"), and the
     seconds spent waiting for posted sends and receives (exchange time not hidden by compute)."""
 

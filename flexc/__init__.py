@@ -12,7 +12,7 @@ __all__ = ["Node", "TraceError", "TracedMod", "trace", "evaluate", "evaluate_gri
 
 
 def _load_api() -> None:
-    """Import the public API (and torch) into the package's namespace, and serve the old module paths."""
+    """Import the public API (and torch) into the package's namespace."""
     global _api_loaded
     _api_loaded = True
     from .mods.ir import Node
@@ -38,8 +38,6 @@ def _load_api() -> None:
                          _vmap_for_bhqkv, create_nested_block_mask)
     from .tools.plot import plot  # matplotlib is imported only when plot() runs
     globals().update((name, value) for name, value in locals().items() if not name.startswith("__"))
-    from . import old_paths
-    old_paths.install(__name__)  # `import flexc.call.attention` and the other paths from before the folders
 
 
 def _imported_by_the_flexc_command() -> bool:

@@ -281,14 +281,15 @@ class _Analysis:
         if op == "load":
             return self._lookup(node, args[1:])
         if op == "where":
-            return _where(args[0], args[1], args[2], kind)
+            return where_range(args[0], args[1], args[2], kind)
         if op == "cast":
             if kind == ir.BOOL:
                 return args[0] if isinstance(args[0], BoolRange) else TOP_BOOL
             return _as_int(args[0])
         if kind == ir.BOOL:
             return _bool_op(op, args)
-        return _int_op(op, [_as_int(a) for a in args], node, memo if self.whole_domain else self.static)
+        second = _constant(node.args[1], memo if self.whole_domain else self.static) if len(node.args) == 2 else None
+        return int_range(op, [_as_int(a) for a in args], second)
 
     # -- comparisons --
     def _form(self, lhs: ir.Node, rhs: ir.Node | None, key: ir.Node, memo: dict) -> AffineForm | None:
@@ -428,9 +429,12 @@ def _enumerate_lookup(tensor: torch.Tensor, los: list, his: list, ranged: list) 
 
 # ---- interval rules -------------------------------------------------------------------------
 
-def _int_op(op: str, args: list, node: ir.Node, static: dict) -> IntRange:
-    """Integer interval rules (``args`` are IntRanges)."""
-    if op in ("add", "sub", "mul", "neg"):  # reached only when the node is not affine
+def int_range(op: str, args: list, second: int | None = None) -> IntRange:
+    """The range of integer op ``op`` from its operands' ranges ``args`` (:class:`IntRange`, of Python
+    floats or float64 tensors; infinite bounds mean unknown). ``second``: the second operand's value
+    when it is one constant (a divisor, an exponent), else None. Returns :data:`TOP_INT` for an op
+    not analysed (or, xor, shifts; a divisor or exponent that is not a constant)."""
+    if op in ("add", "sub", "mul", "neg"):  # in classify_tiles, reached only when the node is not affine
         if op == "neg":
             return IntRange(-args[0].hi, -args[0].lo)
         a, b = args
@@ -442,10 +446,15 @@ def _int_op(op: str, args: list, node: ir.Node, static: dict) -> IntRange:
         return IntRange(_min(_min(corners[0], corners[1]), _min(corners[2], corners[3])),
                         _max(_max(corners[0], corners[1]), _max(corners[2], corners[3])))
     if op in ("floordiv", "mod"):
-        m = _constant(node.args[1], static)
+        m = second
         if m is None or m == 0:
             return TOP_INT
         return _floordiv(args[0], m) if op == "floordiv" else _mod(args[0], m)
+    if op == "pow" and second is not None and 0 <= second <= 8:  # x ** e: its ends, and 0 inside
+        a, e = args[0], second
+        ends = (a.lo ** e, a.hi ** e)
+        lo = _min(*ends) if e % 2 else _select(_and(_ge(0.0, a.lo), _ge(a.hi, 0.0)), 0.0, _min(*ends))
+        return IntRange(lo, _max(*ends))
     if op == "min":
         return IntRange(_min(args[0].lo, args[1].lo), _min(args[0].hi, args[1].hi))
     if op == "max":
@@ -462,7 +471,7 @@ def _int_op(op: str, args: list, node: ir.Node, static: dict) -> IntRange:
         a, b = args
         both = _and(_ge(a.lo, 0.0), _ge(b.lo, 0.0))
         return IntRange(_select(both, 0.0, -_INF), _select(both, _min(a.hi, b.hi), _INF))
-    return TOP_INT  # pow, or, xor on integers: not analysed
+    return TOP_INT  # or, xor, shifts on integers: not analysed
 
 
 def _bool_op(op: str, args: list) -> BoolRange:
@@ -484,7 +493,9 @@ def _bool_op(op: str, args: list) -> BoolRange:
     return TOP_BOOL
 
 
-def _where(cond: Any, x: Any, y: Any, kind: str) -> Any:
+def where_range(cond: Any, x: Any, y: Any, kind: str) -> Any:
+    """The range of ``where(cond, x, y)`` of kind ``kind`` (an IR kind) from its operands' ranges
+    (a ``cond`` that is not a :class:`BoolRange` may be either)."""
     if not isinstance(cond, BoolRange):
         cond = TOP_BOOL
     if kind == ir.BOOL:

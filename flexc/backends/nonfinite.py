@@ -15,6 +15,7 @@ import math
 import torch
 
 from ..device import is_gpu
+from ..dtypes import work_dtype
 from .versioned_memo import VersionedMemo
 
 
@@ -32,7 +33,7 @@ _VERDICTS = VersionedMemo(64)
 
 
 def _finite(t: torch.Tensor) -> bool:
-    return math.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).item())
+    return math.isfinite(t.sum(dtype=work_dtype(t.dtype)).item())
 
 
 def matmul_skipping_zeros(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,10 @@ import torch
 
 from ..backends import dropout, registry
 from ..backends.layout import laid_out_like
+from ..dtypes import work_dtype
 from . import plans, validate
 from .plan import (AuxOutput, AuxRequest, CallPlan, FallbackWarning, choose_backend, falls_back,  # noqa: F401
-                   generated_backward_fallback, in_dtype_of, lse_dtype, plan_call, prepare_call, warn_fallback)
+                   generated_backward_fallback, in_dtype_of, plan_call, prepare_call, warn_fallback)
 from .sinks import check_sinks
 
 
@@ -135,7 +136,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
 
     out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, options,
                                                         want_max, want_lse, dropout_p, seed, sinks)
-    out, lse = laid_out_like(out, query), lse.to(lse_dtype(query.dtype))  # as in eager (empty if not wanted)
+    out, lse = laid_out_like(out, query), lse.to(work_dtype(query.dtype))  # as in eager (empty if not wanted)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores if want_max else None)
     if return_lse:

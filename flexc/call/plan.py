@@ -53,11 +53,6 @@ def choose_backend(options: dict, device: torch.device) -> str:
     return name
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """torch's logsumexp dtype: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def in_dtype_of(query: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` (key or value) in query's dtype. torch accepts key/value of another dtype (e.g. low-precision
     caches) and computes in query's: exact for a narrower key/value, rounded for a wider one. The cast

@@ -25,8 +25,9 @@ from ..backends import dropout as dropouts
 from ..backends import registry
 from ..backends.cpu.torch_cpu import forward_with_max, recorded_forward
 from ..backends.layout import laid_out_like
+from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
-from .plan import in_dtype_of, lse_dtype, plan_call, prepare_call
+from .plan import in_dtype_of, plan_call, prepare_call
 from .signature import call_signature
 from .training import FlexAttentionFunction, backend_keywords
 
@@ -59,7 +60,7 @@ class Plan:
                            sinks=sinks, block_mask=self.block_mask)
         self.backend, self.want_lse, self.want_max = choice.backend, choice.want_lse, choice.want_max
         self.slots, self.generated = choice.slots, choice.generated
-        self.lse_dtype = lse_dtype(query.dtype)
+        self.lse_dtype = work_dtype(query.dtype)
         # the mods whose bounds depend on captured values: checked again at each call
         self.rechecked = tuple(m for m in (self.score_mod, self.mask_mod) if bounds.has_checks(m))
         self.prepared: Callable | None = None

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import work_dtype
+
 
 def check_sinks(sinks, query: torch.Tensor, where: str = "flex_attention") -> torch.Tensor:
     """``sinks`` as a ``[B or 1, Hq, 1]`` view to broadcast over the rows, after checking it: any
@@ -63,7 +65,7 @@ def sink_grad(sinks: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor, ls
     ``d lse / d s = p_sink`` and ``d out / d s = -p_sink * out`` with ``p_sink = exp(s - lse)``, so per
     row ``p_sink * (grad_lse - rowsum(out * dO))``, summed over the rows and over the batch where the
     sinks broadcast. Computed eagerly from tensors the backward has anyway: one pass over ``out``."""
-    work = torch.float64 if lse.dtype == torch.float64 else torch.float32
+    work = work_dtype(lse.dtype)
     lse = lse.to(work)
     # a row with lse -inf (nothing allowed, a -inf sink) has no sink share: exp(-inf - 0) = 0
     p_sink = (sinks.detach().to(work) - lse.masked_fill(lse == float("-inf"), 0.0)).exp()

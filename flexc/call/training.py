@@ -12,7 +12,8 @@ import torch
 from ..backends import dropout
 from ..backends.cpu.torch_cpu import forward_with_max, torch_backward, torch_forward
 from ..backends.layout import laid_out_like
-from .plan import falls_back, lse_dtype, warn_fallback
+from ..dtypes import work_dtype
+from .plan import falls_back, warn_fallback
 from .sinks import sink_grad
 
 
@@ -35,7 +36,7 @@ class FlexAttentionFunction(torch.autograd.Function):
         elif forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
             # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                           need_max=False, lse_dtype=lse_dtype(query.dtype), **extra)
+                                           need_max=False, lse_dtype=work_dtype(query.dtype), **extra)
         else:
             out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True, **extra)
         # what the backward reads: the generated backward's own statistics, else the logsumexp; with
@@ -43,7 +44,7 @@ class FlexAttentionFunction(torch.autograd.Function):
         saved = lse if stats is None else stats
         ctx.save_for_backward(query, key, value, out, saved, *(() if sinks is None else (lse, sinks)))
         ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
-        return out, lse.to(lse_dtype(query.dtype))
+        return out, lse.to(work_dtype(query.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):

@@ -48,7 +48,7 @@ TORCH_KERNEL_OPTIONS = frozenset({
     "num_buffers_warp_spec", "PARTITION_SIZE", "SKIP_MASK_SCORE",
 })
 # flexc's own keys. FAST_MATH (default True): on CUDA, fp32 tanh and sigmoid lower to one exp2 and one
-# reciprocal (flexc.codegen.math_helpers); False keeps libdevice's tanh and tl.sigmoid. It applies to
+# reciprocal (flexc.codegen.triton_helpers); False keeps libdevice's tanh and tl.sigmoid. It applies to
 # every kernel of a call (forward, backward, decode), so it takes no fwd_/bwd_ prefix.
 # PRECISE_GRADIENTS (default True for fp32/fp64 inputs, False for 16-bit ones): the TRITON backward takes
 # delta and the probabilities' sum from its own probabilities (a row pass), and 16-bit dS enters the

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from .printer import HELPERS, RenderedMod
+from .printer import RenderedMod
+from .triton_helpers import HELPERS
 
 HEAD_DIMS = ("HEAD_DIM", "HEAD_DIM_PAD", "V_HEAD_DIM", "V_HEAD_DIM_PAD")  # every kernel's head-dim constexprs
 

@@ -20,7 +20,7 @@ from ..mods.evaluate import evaluate
 from ..mods.lowering import scalar_form
 from ..mods.trace import TracedMod
 from ..constants import LOG2E, TWO_LOG2E
-from .math_helpers import FAST_HELPERS, FAST_MATH_OPS, HELPER_SOURCES, MATH_HELPERS, with_needs
+from .triton_helpers import FAST_HELPERS, FAST_MATH_OPS, LIBDEVICE_NAMES, MATH_HELPERS, with_needs
 
 # Python operator precedence (higher binds tighter); what decides where parentheses go.
 _ATOM, _POW, _UNARY, _MUL, _ADD, _BAND, _BXOR, _BOR, _CMP = 12, 11, 10, 9, 8, 6, 5, 4, 3
@@ -38,86 +38,9 @@ _TL_DTYPES = {
     "bool": "tl.int1",
 }
 _WIDE_FLOATS = ("float32", "float64")
-# math helpers whose libdevice function has another name (CUDA target)
-_LIBDEVICE = {"round_half_even": "rint", "float_fmod": "fmod"}
 _INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx")  # never negative inside the kernel
 # attr of a tanh/sigmoid node that keeps its accurate lowering under fast math (FAST_MATH=False)
 PRECISE = "precise"
-
-# Device helpers the printed mods may call; each is emitted once, only when used.
-HELPERS = {
-    "py_floordiv": '''\
-@triton.jit
-def py_floordiv(a, b):
-    # integer a // b rounded toward -inf like Python and torch (Triton's // truncates toward 0)
-    quotient = a // b
-    remainder = a - quotient * b
-    return tl.where((remainder != 0) & ((remainder < 0) != (b < 0)), quotient - 1, quotient)
-''',
-    "py_mod": '''\
-@triton.jit
-def py_mod(a, b):
-    # integer a % b with the sign of b like Python and torch (Triton's % takes the sign of a)
-    remainder = a % b
-    return tl.where((remainder != 0) & ((remainder < 0) != (b < 0)), remainder + b, remainder)
-''',
-    "float_mod": '''\
-@triton.jit
-def float_mod(a, b):
-    # torch.remainder for floats: a - b * floor(a / b)
-    return a - b * tl.floor(a / b)
-''',
-    "wrap_index": '''\
-@triton.jit
-def wrap_index(index, size):
-    # a negative index counts from the end, as in torch indexing
-    return tl.where(index < 0, index + size, index)
-''',
-    "sigmoid": '''\
-@triton.jit
-def sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-''',
-    "tanh": '''\
-@triton.jit
-def tanh(x):
-    # through exp(-2|x|), which never overflows; near 0 its Taylor series avoids cancellation
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    t = tl.where(x < 0, -t, t)
-    # (to x**15: float64-accurate below 0.1, where the next term is under 1e-19 of the result)
-    x2 = x * x
-    series = x * (1.0 - x2 * (0.3333333333333333 - x2 * (0.13333333333333333 - x2 * (0.05396825396825397
-                  - x2 * (0.021869488536155203 - x2 * (0.008863235529902197 - x2 * (0.003592128036572481
-                  - x2 * 0.0014558343870513183)))))))
-    return tl.where(tl.abs(x) < 0.1, series, t)
-''',
-    "biased_float": '''\
-@triton.jit
-def biased_float(index):
-    # 2**23 + index in float32, exact for 0 <= index < 2**23: the bits of 2**23 (0x4B000000) plus the
-    # index, one integer add where a conversion would be one more instruction per row or column. The
-    # difference of two is the exact difference of the indices
-    return (index.to(tl.int32) + 0x4B000000).to(tl.float32, bitcast=True)
-''',
-    "sign": '''\
-@triton.jit
-def sign(x):
-    return (x > 0).to(x.dtype) - (x < 0).to(x.dtype)
-''',
-    "float_pow": '''\
-@triton.jit
-def float_pow(a, b):
-    # torch.pow for floats: |a| ** b through exp2/log2, negative bases only with integer exponents
-    magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
-    b_is_int = b == tl.floor(b)
-    b_is_odd = b_is_int & (tl.floor(b * 0.5) * 2.0 != b)
-    signed = tl.where(b_is_odd, -magnitude, magnitude)
-    result = tl.where(a < 0, tl.where(b_is_int, signed, float("nan")), magnitude)
-    return tl.where(b == 0, 1.0, result)
-''',
-}
-HELPERS.update(HELPER_SOURCES)  # tan, atan, expm1, log1p, ... (flexc.codegen.math_helpers)
 
 
 @dataclass(frozen=True)
@@ -136,7 +59,7 @@ class RenderedMod:
 
     ``source`` is the ``@triton.jit`` function (empty when the mod folds to the constant
     ``literal``); ``params`` are its captured-tensor parameters after the mod's own arguments;
-    ``helpers`` names the :data:`HELPERS` it calls; ``reads`` the mod inputs it uses.
+    ``helpers`` names the :data:`~flexc.codegen.triton_helpers.HELPERS` it calls; ``reads`` the mod inputs it uses.
     """
 
     fn_name: str
@@ -186,7 +109,7 @@ class _Printer:
         # "cuda": transcendental functions from libdevice (the interpreter has no libdevice); None or
         # "interpreter": portable helpers written with tl.exp
         self.target = target
-        # fp32 tanh/sigmoid from exp2 and a reciprocal (flexc.codegen.math_helpers); CUDA's default
+        # fp32 tanh/sigmoid from exp2 and a reciprocal (flexc.codegen.triton_helpers); CUDA's default
         self.fast_math = target == "cuda" if fast_math is None else fast_math
         self.uses: dict[int, int] = {}  # id(node) -> how many times its users read it
         self.uses_libdevice = False
@@ -434,14 +357,14 @@ class _Printer:
             name = MATH_HELPERS[op]
             if self.target == "cuda":  # the same functions, tuned for the hardware
                 self.uses_libdevice = True
-                fn = _LIBDEVICE.get(name, name)
+                fn = LIBDEVICE_NAMES.get(name, name)
                 return f"libdevice.{fn}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
             self.helpers |= with_needs({name})
             return f"{name}({', '.join(self.as_float(a, 0) for a in args)})", _ATOM
         raise NotImplementedError(f"flexc codegen: no Triton printing for IR op {op!r} in {self.traced!r}")
 
     def render_fast(self, n: ir.Node) -> tuple[str, int]:
-        """fp32 ``tanh``/``sigmoid`` as one exp2 and one reciprocal (flexc.codegen.math_helpers):
+        """fp32 ``tanh``/``sigmoid`` as one exp2 and one reciprocal (flexc.codegen.triton_helpers):
         ``fast_tanh(x, 2 log2(e) x)`` is ``1 - 2 rcp(2^(2x log2 e) + 1)``, ``fast_sigmoid(x, -log2(e) x)``
         ``rcp(1 + 2^(-x log2 e))``; they saturate (never inf/inf) and take the accurate function for
         float64 ``x``. A constant factor of ``x`` is folded into the power's."""
@@ -579,7 +502,7 @@ def render_mod(traced: TracedMod, fn_name: str, buffer_stems: dict[int, str] | N
     With ``address=True`` the root must be a ``load`` and the function returns the pointer it
     would read (the backward adds captured-tensor gradients there).
     ``target="cuda"`` uses libdevice for the math helpers and the fast forms of fp32 tanh and sigmoid
-    (one exp2 and one reciprocal, :mod:`flexc.codegen.math_helpers`; nodes marked by
+    (one exp2 and one reciprocal, :mod:`flexc.codegen.triton_helpers`; nodes marked by
     :func:`keep_precise_math` print libdevice's tanh and ``tl.sigmoid``); the default prints portable
     helpers that Triton's interpreter runs too. ``fast_math`` overrides the target's choice of the
     fast forms (``True`` under the interpreter prints them with a correctly rounded reciprocal; the
@@ -731,5 +654,5 @@ def _wrap_comment(line: str, width: int = 110) -> list[str]:
     return out
 
 
-__all__ = ["HELPERS", "PRECISE", "BufferParam", "RenderedMod", "keep_precise_math", "precise_math_for", "python_literal",
+__all__ = ["PRECISE", "BufferParam", "RenderedMod", "keep_precise_math", "precise_math_for", "python_literal",
            "render_mod"]

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..dtypes import work_dtype_name
 from ..mods.trace import TracedMod
 from .printer import BufferParam
 
@@ -101,7 +102,7 @@ class AttentionSpec(KernelSpec):
     @property
     def acc_dtype(self) -> str:
         """The Triton dtype of the softmax state and gradient accumulators."""
-        return "tl.float64" if self.dtype == torch.float64 else "tl.float32"
+        return "tl." + work_dtype_name(self.dtype)
 
     @property
     def tl_dtype(self) -> str:

@@ -5,7 +5,7 @@ the result. Functions with a primitive IR op (``tan``, ``erf``, ``expm1``, ``ata
 it; activations are written as the formulas torch documents (``silu(x) = x * sigmoid(x)``,
 ``gelu(x) = x/2 * (1 + erf(x/sqrt(2)))``), so every reader of the IR (evaluation, range analysis,
 code generation, differentiation) understands them without knowing they were activations.
-The tracer (:mod:`flexc.trace`) looks builders up by the called function's name.
+The tracer (:mod:`flexc.mods.trace`) looks builders up by the called function's name.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ torch does are accepted: integer and boolean arithmetic, comparisons, logic, ``w
 and lookups into captured integer or boolean tensors. Captured 0-d tensors enter as Python
 numbers, which numpy (like torch for 0-d tensors) lets the array operand's dtype win.
 :func:`evaluate_small` returns None for anything else (floats, reductions, shifts, other dtypes),
-and the caller uses :func:`flexc.evaluate.evaluate`.
+and the caller uses :func:`flexc.mods.evaluate.evaluate`.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def evaluate_small(mod: TracedMod, inputs: dict[str, np.ndarray]) -> np.ndarray 
     """The mask_mod's verdicts on ``inputs`` (numpy int64 index arrays, broadcastable, 4-D, or an
     int64 scalar for an index with one value) as a 4-D numpy array that broadcasts to their shape
     (size 1 along what the mod does not read), or None when this graph or its captured tensors
-    need :func:`flexc.evaluate.evaluate`."""
+    need :func:`flexc.mods.evaluate.evaluate`."""
     run = _program(mod.root) if _SAME_PROMOTION else None
     if run is None:
         return None

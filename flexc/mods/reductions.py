@@ -6,7 +6,7 @@ IR, the free dimension is an ``axis`` node (an integer ``0 <= r < n``, ``attr = 
 ``reduce`` node (``attr = (op, n)``) that binds it: a bounded loop. Readers that work on one value
 at a time call :func:`unroll`, which rewrites every reduction as the fold of its ``n`` terms (the
 axis replaced by ``0 .. n-1``), so range analysis, code generation and differentiation need no
-special case; evaluation (:mod:`flexc.evaluate`) keeps the loop vectorised instead.
+special case; evaluation (:mod:`flexc.mods.evaluate`) keeps the loop vectorised instead.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from ..mods.traced_mod import unless_identity
 from ..call.plan import dropout_backend, generated_backward_applies, warn_fallback
 from ..call.sinks import sink_grad
 from ..backends.dropout import Dropout, from_seed
+from ..dtypes import work_dtype
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
 # The forward and the backward walk query rows, so the q-direction tables are never needed.
@@ -39,8 +40,8 @@ TABLE_NAMES = KV_TABLE_NAMES  # (the op's table arguments, in this order)
 
 
 def lse_dtype(query: torch.Tensor) -> torch.dtype:
-    """The logsumexp's dtype, as eager flex_attention's: float64 for float64 inputs, else float32."""
-    return torch.float64 if query.dtype == torch.float64 else torch.float32
+    """The logsumexp's dtype, as eager flex_attention's: the work dtype of ``query``."""
+    return work_dtype(query.dtype)
 
 
 def options_key(options: dict) -> str:

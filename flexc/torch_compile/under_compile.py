@@ -40,6 +40,7 @@ from torch._higher_order_ops.wrap import dynamo_bypassing_wrapper
 
 from ..masks.kv_tables import kv_tables
 from ..backends.layout import empty_like_reference
+from ..dtypes import work_dtype
 from ..mods.mod_key import mod_key
 from ..mods.trace import trace
 from ..mods.traced_mod import MASK_MOD, SCORE_MOD
@@ -88,7 +89,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     present = [t for t in tables if t is not None] + ([seed] if dropout else []) + (
         [sinks] if sinks is not None else [])
     # torch scores in float32 (float64 for float64 inputs); indices are int32, as in torch
-    score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    score_dtype = work_dtype(query.dtype)
     spec = CallSpec(name_of(score_mod, "score_mod") if score_mod is not None else None,
                     name_of(mask_mod, "mask_mod") if mask_mod is not None else None,
                     tuple(t is not None for t in tables), len(block_size),

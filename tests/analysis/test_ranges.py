@@ -63,6 +63,8 @@ EXACT_INT_CASES = {
     "bitwise not q": ir.unary("not", q),
     "sign(q - 45)": ir.unary("sign", binary("sub", q, c(45))),
     "b and h affine": binary("add", binary("mul", c(4), h), b),
+    "(k - 20) ** 2 spanning 0": binary("pow", binary("sub", k, c(20)), c(2)),
+    "(k - q) ** 3": binary("pow", binary("sub", k, q), c(3)),
 }
 
 

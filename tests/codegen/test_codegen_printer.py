@@ -3,7 +3,8 @@
 Each mod is printed by :func:`flexc.codegen.render_mod`, wrapped in a small grid kernel that
 evaluates it at every ``(b, h, q_idx, kv_idx)``, and run through Triton's CPU interpreter. The
 reference is :func:`flexc.evaluate` on int32 index grids (the kernel's index type), i.e. the torch
-ops the user wrote.
+ops the user wrote. The every-op test checks each IR op three ways at once against torch itself:
+its evaluation, its printed Triton and its derivative rule.
 """
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ from hypothesis import given
 from flexc import trace
 from flexc.backends.triton.cache import import_source
 from flexc.codegen import render_mod
-from flexc.codegen.printer import HELPERS
+from flexc.codegen.triton_helpers import HELPERS
+from flexc.mods import ir
 from flexc.mods.evaluate import evaluate, index_grid
 from flexc.mods.trace import SCORE_MOD, TracedMod
 
 # log2(0) and friends are part of what is compared (torch gives the same inf/NaN)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-from printer_mods import B, H, L, S, MASK_MODS, SCORE_MODS  # noqa: E402  (the mods and the grid they are sized for)
+from printer_mods import B, H, L, S, MASK_MODS, OP_CASES, SCORE_MODS  # noqa: E402  (the mods and the grid they are sized for)
+from derivative_check import check_derivative  # noqa: E402
 from strategies import PRINTER_EXPRESSIONS, compile_mod, examples, score_source  # noqa: E402
 
 _GRID_KERNEL = '''
@@ -109,13 +112,17 @@ def test_score_mod_with_float_indices_printed_like_torch(name):
     assert_same(trace(SCORE_MODS[name]), float_indices=True)
 
 
-@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+# (hoisting moves lookups only: a mod that captures no tensor prints the same with it)
+_LOOKING_UP = lambda mods: sorted(name for name, mod in mods.items() if trace(mod).buffers)
+
+
+@pytest.mark.parametrize("name", _LOOKING_UP(SCORE_MODS))
 def test_score_mod_with_hoisted_lookups_printed_like_torch(name):
     # the kernels' choice: lookups indexed only by b, h and literals are values computed per program
     assert_same(trace(SCORE_MODS[name]), float_indices=True, hoist=True)
 
 
-@pytest.mark.parametrize("name", sorted(MASK_MODS))
+@pytest.mark.parametrize("name", _LOOKING_UP(MASK_MODS))
 def test_mask_mod_with_hoisted_lookups_printed_like_torch(name):
     assert_same(trace(MASK_MODS[name]), hoist=True)
 
@@ -225,3 +232,64 @@ def test_random_score_expressions_print_like_torch(body):
 def test_random_integer_expressions_print_like_torch(body):
     # integer results are checked through a score_mod that returns them as floats
     assert_same(_as_score_mod(f"as_tensor({body}).double()"))
+
+
+# ---- every IR op: evaluation, printer and derivative against torch --------------------------
+
+EVERY_OP = set(ir.UNARY_OPS) | ir.BINARY_OPS | {"where", "cast"}  # the ops a traced graph's arithmetic uses
+
+_EVERY_OP_KERNEL = '''
+@triton.jit
+def every_op(out_ptr, score_ptr, B, H, L, S, BLOCK: tl.constexpr):
+    # one program over the whole grid: the interpreter's cost is per operation, whatever its width
+    offsets = tl.arange(0, BLOCK)
+    inside = offsets < B * H * L * S
+    b = offsets // (H * L * S)
+    h = offsets // (L * S) % H
+    q_idx = offsets // S % L
+    kv_idx = offsets % S
+    score = tl.load(score_ptr + offsets, mask=inside, other=0.0)
+{calls}'''
+_EVERY_OP_CALL = """\
+    result = case_{k}(score, b, h, q_idx, kv_idx)
+    result = tl.full((BLOCK,), 0, tl.float64) + result.to(tl.float64)
+    tl.store(out_ptr + {k} * B * H * L * S + offsets, result, mask=inside)
+"""
+
+
+def _printed_every_op(traced: list[TracedMod], score: torch.Tensor) -> torch.Tensor:
+    """``[case, B, H, L, S]``: every case's printed function at every grid position, all in one
+    kernel launch."""
+    rendered = [render_mod(t, f"case_{k}") for k, t in enumerate(traced)]
+    assert not any(r.is_constant or r.params for r in rendered)
+    helpers = sorted(set().union(*(r.helpers for r in rendered)))
+    source = "\n".join(["import triton", "import triton.language as tl", ""] + [HELPERS[h] for h in helpers]
+                       + [r.source for r in rendered]
+                       + [_EVERY_OP_KERNEL.format(calls="".join(_EVERY_OP_CALL.format(k=k) for k in range(len(traced))))])
+    module, _ = import_source(source, "interpreter")
+    out = torch.empty((len(traced), B, H, L, S), dtype=torch.float64)
+    module.every_op[(1,)](out, score.contiguous(), B, H, L, S, BLOCK=1 << (B * H * L * S - 1).bit_length())
+    return out
+
+
+def test_every_ir_op_has_a_case_that_uses_it():
+    assert {op for op, _, _ in OP_CASES} == EVERY_OP
+    for op, kind, fn in OP_CASES:
+        assert any(n.op == op and n.kind == kind for n in trace(fn).root.walk()), (op, kind, str(trace(fn)))
+
+
+def test_every_ir_op_evaluates_prints_and_differentiates_like_torch():
+    """For each op: flexc.evaluate, the printed Triton (interpreter) and the derivative IR (float64,
+    against torch.autograd) agree with torch calling the mod directly on the same inputs. An op
+    missing from evaluate, the printer or the derivative rules fails here."""
+    score = torch.randn(B, H, L, S, generator=torch.Generator().manual_seed(0)) * 3
+    grid = index_grid(B, H, L, S)
+    traced = [trace(fn) for _, _, fn in OP_CASES]
+    printed = _printed_every_op(traced, score)
+    for k, (op, kind, fn) in enumerate(OP_CASES):
+        want = torch.broadcast_to(fn(score, *grid.values()), (B, H, L, S)).double()
+        close = dict(equal_nan=True, msg=lambda m: f"{op} ({kind}), {traced[k]}: {m}")
+        torch.testing.assert_close(evaluate(traced[k], score=score, **grid).expand(B, H, L, S).double(), want,
+                                   rtol=1e-6, atol=1e-6, **close)
+        torch.testing.assert_close(printed[k], want, rtol=2e-5, atol=2e-5, **close)
+        check_derivative(fn)

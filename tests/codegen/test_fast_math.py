@@ -16,8 +16,8 @@ import torch
 
 import flexc
 from flexc.backends.triton.cache import import_source
-from flexc.codegen.math_helpers import FAST_SIGMOID_ERROR, FAST_TANH_ERROR, LOG2E, TWO_LOG2E
-from flexc.codegen.printer import HELPERS, PRECISE, keep_precise_math, render_mod
+from flexc.codegen.printer import PRECISE, keep_precise_math, render_mod
+from flexc.codegen.triton_helpers import FAST_SIGMOID_ERROR, FAST_TANH_ERROR, HELPERS, LOG2E, TWO_LOG2E
 from flexc.codegen.scalars import lift_scalars
 
 pytest.importorskip("triton")

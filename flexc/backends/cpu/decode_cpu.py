@@ -36,6 +36,7 @@ import torch
 from ... import device as gpu
 from ...device import is_gpu, is_plain_cpu
 from ...constants import DECODE_MAX_ROWS as MAX_ROWS, LN2, LOG2E
+from ...dtypes import work_dtype
 from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.evaluate_numpy import evaluate_small
@@ -481,7 +482,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
     Bkv, Hkv, S, Ev = value.shape
     G = Hq // Hkv
     device = query.device
-    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    work = work_dtype(query.dtype)
     shapes = {"b": (B, 1, 1, 1), "h": (1, Hq, 1, 1), "q_idx": (1, 1, L, 1)}
 
     def index(name: str) -> torch.Tensor:  # only the index tensors a mod reads are built

@@ -35,6 +35,7 @@ import torch
 
 from ..dropout import Dropout, keep_scale
 from ...constants import LN2, LOG2E
+from ...dtypes import work_dtype
 from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
@@ -263,10 +264,6 @@ def _add_minus_inf(t: torch.Tensor, blocked: list) -> None:
         t[..., off:off + n].add_(torch.where(not_allowed, _NEG_INF, 0.0).to(t.dtype))
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # ---- forward -----------------------------------------------------------------------------
 
 def torch_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -334,7 +331,7 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         return out, lse.to(lse_dtype), None
     B, Hq, L, _ = query.shape
     Bkv, Hkv, S, Ev = value.shape
-    work = _work_dtype(query.dtype)
+    work = work_dtype(query.dtype)
     out = torch.empty(B, Hq, L, Ev, dtype=query.dtype, device=query.device)  # rows are written once
     lse = torch.full((B, Hq, L), _NEG_INF, dtype=lse_dtype, device=query.device)
     if sinks is not None:  # rows no task writes allow nothing: output 0, lse the sink
@@ -525,7 +522,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     if starts is not None:  # as the forward ran
         dq, dk, dv = causal_call.backward(query, key, value, out, lse, grad_out, scale, starts)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), []
-    work = _work_dtype(query.dtype)
+    work = work_dtype(query.dtype)
     dq = torch.zeros(query.shape, dtype=work, device=query.device)
     dk = torch.zeros(key.shape, dtype=work, device=query.device)
     dv = torch.zeros(value.shape, dtype=work, device=query.device)

@@ -6,8 +6,7 @@ CUDA without a GPU), :mod:`.sources` (the source text of a plan's kernels), and 
 :mod:`.forward`, :mod:`.backward` and :mod:`.decode` (the kernels a call runs, and their launch).
 
 Importing it registers ``"TRITON"`` (forward, and the generated backward for training) in
-:mod:`flexc.backends.registry`. The names below are the package's public ones, reachable too
-through the old path ``flexc.backends.triton_backend`` (:mod:`flexc.old_paths`).
+:mod:`flexc.backends.registry`. The names below are the package's public ones.
 """
 from . import backward, forward  # noqa: F401  (each registers itself)
 from .cache import (CacheInfo, cache_clear, cache_dir, cache_info, cache_limit, generated_for, get_kernel,

@@ -23,6 +23,7 @@ from ...codegen.backward_rows import rows_spec
 from ...codegen.prologue import PrologueSpec
 from ...codegen.scalars import lift_for_call
 from ...constants import LN2
+from ...dtypes import work_dtype, work_dtype_name
 from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
@@ -77,7 +78,7 @@ def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
     """The prologue kernel that computes delta and the base-2 logsumexp for the backward ``spec``:
     rows of the value head dim in the work dtype, about 8K elements a program."""
     v_pad = padded_head_dim(spec.v_head_dim)
-    work = "float64" if spec.dtype == torch.float64 else "float32"
+    work = work_dtype_name(spec.dtype)
     return PrologueSpec(work, v_pad, min(128, max(16, 8192 // v_pad)), spec.target)
 
 
@@ -114,7 +115,7 @@ class BackwardLaunch:
                  mask_mod: TracedMod | None, block_mask: Any, scale: float):
         self.spec, self.score_mod, self.mask_mod, self.scale = spec, score_mod, mask_mod, scale
         self.device, self.lengths = query.device, (query.shape[2], value.shape[2])
-        self.acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        self.acc = work_dtype(query.dtype)
         self.nothing = query.numel() == 0 or value.shape[2] == 0
         self.tables: list = [] if self.nothing else self.tables_of(block_mask)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed

@@ -97,7 +97,7 @@ FORWARD_TABLE = "Forward and forward+backward, B=2, H=16, L=8192, D=128, bf16 (m
 # rows, a 4-stage decode ring, TMA) were measured only inside flexc-against-torch rows that change
 # several things at once, or not at all: they come back with a row that isolates them.
 DEPARTURES: tuple[Departure, ...] = (
-    # fp32 tanh and sigmoid as one exp2 and one reciprocal (flexc.codegen.math_helpers: within 6e-7)
+    # fp32 tanh and sigmoid as one exp2 and one reciprocal (flexc.codegen.triton_helpers: within 6e-7)
     # instead of libdevice's tanh and tl.sigmoid. Within each implementation the three rows differ
     # only in the score_mod (flexc's ran with TMA on in all three alike): over causal, ALiBi costs
     # flexc +0.08 ms and torch +0.14, soft-capping flexc +0.51 ms and torch +1.55. The ~1 ms more

@@ -13,6 +13,7 @@ import torch
 
 from ... import device as gpu
 from ...constants import DECODE_MAX_ROWS as MAX_ROWS
+from ...dtypes import work_dtype_name
 from ...codegen.decode import DecodeSpec
 from ...codegen.merge import MergeSpec
 from ...codegen.scalars import lift_for_call
@@ -61,7 +62,7 @@ def merge_spec(spec: DecodeSpec, sinks: bool = False) -> MergeSpec:
     """The merge kernel that follows the decode kernel of ``spec``: its partial results are fp32
     (fp64 for fp64 inputs), ``spec.block_m`` packed rows of the value head dim per split; ``sinks``:
     it folds in the call's learned attention sinks."""
-    work = "float64" if spec.dtype == torch.float64 else "float32"
+    work = work_dtype_name(spec.dtype)
     return MergeSpec(work, padded_head_dim(spec.v_head_dim), min(spec.block_m, 16), spec.target, sinks=sinks)
 
 

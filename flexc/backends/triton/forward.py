@@ -14,6 +14,7 @@ import torch
 
 from ... import device as gpu
 from ...constants import LOG2E
+from ...dtypes import work_dtype
 from ...codegen.decode import DecodeSpec
 from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
 from ...codegen.scalars import lift_for_call
@@ -245,7 +246,7 @@ def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, val
         spec = spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options, need_lse,
                              training=training, dropout=dropout, sinks=sinks)
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
-    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    lse_dtype = work_dtype(query.dtype)
     return ForwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype)
 
 

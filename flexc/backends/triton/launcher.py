@@ -21,6 +21,7 @@ from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
 from ...codegen.merge import MergeSpec
 from ...codegen.prologue import PrologueSpec
 from ...codegen.spec import padded_head_dim
+from ...dtypes import work_dtype
 from ...mods.traced_mod import TracedMod
 from ..dropout import Dropout
 from ..layout import empty_like_reference
@@ -238,7 +239,7 @@ def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, va
     if stats is not None:  # both contiguous [B, Hq, L] planes, as lse: they share its strides
         outputs += [stats[0], stats[1]]
     buffers = mod_arguments(generated, score_mod, mask_mod, query.device) + dropout_arguments(dropout, query.device)
-    buffers += sink_arguments(sinks, torch.float64 if query.dtype == torch.float64 else torch.float32)
+    buffers += sink_arguments(sinks, work_dtype(query.dtype))
     return kernel_arguments(query, key, value, outputs, tables, buffers, [float(scale), L, S, Hq // Hkv], output_strides)
 
 
@@ -278,7 +279,7 @@ def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_v
 def backward_outputs(spec: BackwardSpec, query, key, value, score_mod) -> tuple:
     """``(dq, dk, dv, summed, grads)``: dk/dv per query batch, summed afterwards when ``Bkv == 1 < B``."""
     B, Hkv, S, E, Ev = query.shape[0], key.shape[1], key.shape[2], key.shape[3], value.shape[3]
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    acc = work_dtype(query.dtype)
     summed = key.shape[0] == 1 and B > 1
     dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     dk = torch.empty((B, Hkv, S, E), dtype=acc if summed else key.dtype, device=query.device)
@@ -341,7 +342,7 @@ def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key:
     if tables is None:
         tables = kv_tables(block_mask, spec, S, device)
     splits = splits or default_splits(query, key, tables[1].shape[-1])
-    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    work = work_dtype(query.dtype)
     out_split = torch.empty(B, Hkv, splits, spec.block_m, Ev, dtype=work, device=device)
     lse_split = torch.empty(B, Hkv, splits, spec.block_m, dtype=work, device=device)
     args = kernel_arguments(query, key, value, [out_split, lse_split], tables,

@@ -16,6 +16,7 @@ from ...analysis.tiles import cdiv
 from ...codegen.backward import BackwardSpec
 from ...codegen.decode import DecodeSpec
 from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
+from ...dtypes import work_dtype
 from ..dropout import Dropout
 from . import cache, launcher
 
@@ -78,7 +79,7 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
     drop = _STAND_IN_DROPOUT if spec.dropout else None
     if isinstance(spec, BackwardSpec):
         dq, dk, dv, _, grads = launcher.backward_outputs(spec, query, key, value, spec.score_mod)
-        rows = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+        rows = torch.empty(query.shape[:3], dtype=work_dtype(query.dtype))
         tables = launcher.backward_tables(block_mask, spec, L, S, query.device)
         stats = rows.new_empty((2, *rows.shape))
         return launcher.backward_arguments(spec, generated, query, key, value, torch.empty_like(query), rows, rows,

@@ -116,7 +116,7 @@ def test_score_mod_with_the_wider_elementwise_math_differentiates_in_the_kernel(
     mod = lambda s, b, h, q_idx, kv_idx: (torch.atan(s) + torch.erf(s * 0.3) + torch.asinh(s) * torch.sinh(s * 0.2)
                                           + torch.fmod(s, 0.75) + torch.log1p(s * s))
     q, k, v = _leaves(*random_qkv(B, H, H, L, S, E, dtype=torch.float64, seed=13))
-    # erf, asinh, log1p are printed as fp32-accurate helpers (flexc/codegen/math_helpers.py), so the
+    # erf, asinh, log1p are printed as fp32-accurate helpers (flexc/codegen/triton_helpers.py), so the
     # scores themselves, not only their gradients, differ from torch's in the 8th digit
     _check(q, k, v, mod, MASKS["sliding_window_17"], rtol=1e-5, atol=1e-7)
 

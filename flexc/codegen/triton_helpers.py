@@ -1,12 +1,16 @@
-"""Triton device helpers for torch's elementwise math beyond ``tl``'s own functions.
+"""The library of Triton device helpers the printed mods call (:mod:`flexc.codegen.printer`).
 
-Triton's ``libdevice`` has these functions, but not under the interpreter that runs flexc's
-kernels on CPU, so each is written here from ``tl.exp``/``tl.log``/``tl.sqrt``/``tl.erf`` and
-friends, with the usual care at the edges: Kahan's forms for ``expm1``/``log1p`` (no cancellation
-near 0), infinities passed through, and a range-reduced odd polynomial for ``atan`` (Cephes'
-single-precision coefficients, accurate to fp32 rounding). :data:`MATH_HELPERS` maps an IR op to
-its helper's name; :data:`HELPER_SOURCES` holds the sources and :data:`HELPER_NEEDS` the helpers
-each one calls.
+:data:`HELPERS` holds each helper's source; a kernel carries the ones its mods call, each once.
+They keep torch's semantics where Triton's operators differ (``py_floordiv`` and ``py_mod`` round
+like Python, ``wrap_index`` counts a negative index from the end, ``float_pow``, ``sign``) and give
+torch's elementwise math beyond ``tl``'s own functions. Triton's ``libdevice`` has those, but not
+under the interpreter that runs flexc's kernels on CPU, so each is written here from
+``tl.exp``/``tl.log``/``tl.sqrt``/``tl.erf`` and friends, with the usual care at the edges: Kahan's
+forms for ``expm1``/``log1p`` (no cancellation near 0), infinities passed through, and a
+range-reduced odd polynomial for ``atan`` (Cephes' single-precision coefficients, accurate to fp32
+rounding). :data:`MATH_HELPERS` maps an IR op to its helper's name, :data:`LIBDEVICE_NAMES` a
+helper to libdevice's function where the CUDA target calls that instead, and :data:`HELPER_NEEDS`
+the helpers each one calls.
 
 **Fast math.** On CUDA, fp32 ``tanh`` and ``sigmoid`` (and so ``gelu(approximate="tanh")``, mish and
 tanhshrink, which the tracer writes with ``tanh``) lower to one ``exp2`` and one reciprocal instead
@@ -66,6 +70,9 @@ FAST_HELPERS = {"cuda": {"tanh": "fast_tanh", "sigmoid": "fast_sigmoid"},
 FAST_TANH_ERROR = 6e-7  # absolute, every fp32 input
 FAST_SIGMOID_ERROR = 6e-7  # relative, plus |x| * 2**-24, while the result is a normal fp32 number
 
+# helpers whose libdevice function has another name (CUDA target)
+LIBDEVICE_NAMES = {"round_half_even": "rint", "float_fmod": "fmod"}
+
 HELPER_NEEDS = {
     "fast_tanh": ("approx_rcp",), "fast_sigmoid": ("approx_rcp",),
     "portable_fast_tanh": ("rcp", "tanh"), "portable_fast_sigmoid": ("rcp", "sigmoid"),
@@ -73,7 +80,78 @@ HELPER_NEEDS = {
     "atanh": ("log1p",), "float_fmod": ("trunc",),
 }
 
-HELPER_SOURCES = {
+# helper name -> its source; each is emitted once into a kernel, only when a printed mod calls it
+HELPERS = {
+    "py_floordiv": '''\
+@triton.jit
+def py_floordiv(a, b):
+    # integer a // b rounded toward -inf like Python and torch (Triton's // truncates toward 0)
+    quotient = a // b
+    remainder = a - quotient * b
+    return tl.where((remainder != 0) & ((remainder < 0) != (b < 0)), quotient - 1, quotient)
+''',
+    "py_mod": '''\
+@triton.jit
+def py_mod(a, b):
+    # integer a % b with the sign of b like Python and torch (Triton's % takes the sign of a)
+    remainder = a % b
+    return tl.where((remainder != 0) & ((remainder < 0) != (b < 0)), remainder + b, remainder)
+''',
+    "float_mod": '''\
+@triton.jit
+def float_mod(a, b):
+    # torch.remainder for floats: a - b * floor(a / b)
+    return a - b * tl.floor(a / b)
+''',
+    "wrap_index": '''\
+@triton.jit
+def wrap_index(index, size):
+    # a negative index counts from the end, as in torch indexing
+    return tl.where(index < 0, index + size, index)
+''',
+    "sigmoid": '''\
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+''',
+    "tanh": '''\
+@triton.jit
+def tanh(x):
+    # through exp(-2|x|), which never overflows; near 0 its Taylor series avoids cancellation
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(x < 0, -t, t)
+    # (to x**15: float64-accurate below 0.1, where the next term is under 1e-19 of the result)
+    x2 = x * x
+    series = x * (1.0 - x2 * (0.3333333333333333 - x2 * (0.13333333333333333 - x2 * (0.05396825396825397
+                  - x2 * (0.021869488536155203 - x2 * (0.008863235529902197 - x2 * (0.003592128036572481
+                  - x2 * 0.0014558343870513183)))))))
+    return tl.where(tl.abs(x) < 0.1, series, t)
+''',
+    "biased_float": '''\
+@triton.jit
+def biased_float(index):
+    # 2**23 + index in float32, exact for 0 <= index < 2**23: the bits of 2**23 (0x4B000000) plus the
+    # index, one integer add where a conversion would be one more instruction per row or column. The
+    # difference of two is the exact difference of the indices
+    return (index.to(tl.int32) + 0x4B000000).to(tl.float32, bitcast=True)
+''',
+    "sign": '''\
+@triton.jit
+def sign(x):
+    return (x > 0).to(x.dtype) - (x < 0).to(x.dtype)
+''',
+    "float_pow": '''\
+@triton.jit
+def float_pow(a, b):
+    # torch.pow for floats: |a| ** b through exp2/log2, negative bases only with integer exponents
+    magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
+    b_is_int = b == tl.floor(b)
+    b_is_odd = b_is_int & (tl.floor(b * 0.5) * 2.0 != b)
+    signed = tl.where(b_is_odd, -magnitude, magnitude)
+    result = tl.where(a < 0, tl.where(b_is_int, signed, float("nan")), magnitude)
+    return tl.where(b == 0, 1.0, result)
+''',
     "approx_rcp": '''\
 @triton.jit
 def approx_rcp(x):
