@@ -52,6 +52,8 @@ class Plan:
         # a slice's tables are new at each call (flexc.call.signature keys it by what it was sliced
         # from): read from the call's BlockMask, not kept
         self.sliced = getattr(block_mask, "sliced_from", None) is not None and getattr(block_mask, "lazy_rows", None) is None
+        # whether its empty entries were compacted (the answer for every slice of the same tables)
+        self.compacts = self.block_mask is not block_mask
         key, value = in_dtype_of(query, key), in_dtype_of(query, value)
         choice = plan_call(query, key, value, self.score_mod, self.mask_mod, self.options, return_lse, return_aux,
                            dropout_p=drop.p if drop is not None else 0.0,
@@ -87,7 +89,10 @@ class Plan:
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(out laid out like the query, lse in torch's dtype or None, row maxima or None)`` of one call
         of this plan's signature."""
-        block_mask = without_empty_entries(block_mask) if self.sliced else self.block_mask
+        if not self.sliced:
+            block_mask = self.block_mask
+        elif self.compacts:
+            block_mask = without_empty_entries(block_mask)
         if self.rechecked:
             B, Hq, L, _ = query.shape
             for mod in self.rechecked:

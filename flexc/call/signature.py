@@ -132,7 +132,7 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             raise Unkeyable  # (a CUDA graph being captured: every step recorded as it runs)
         signature = (tensor_signature(query), tensor_signature(key), tensor_signature(value),
                      None if sinks is None else tensor_signature(sinks), grad,
-                     gpu.simulated_facts(), stream,
+                     gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32(),
                      block_mask_signature(block_mask, training, keep), mod_signature(traced_score),
                      mod_signature(traced_mask), scale if type(scale) in (float, int, type(None)) else _unkeyable(),
                      bool(enable_gqa), bool(return_lse), None if return_aux is None else (type(return_aux), *return_aux),

@@ -220,13 +220,21 @@ def device_key(spec: AnySpec, device: torch.device | None) -> tuple:
     return (capability, "interpreted") if gpu.runs_interpreted(device) else (capability,)
 
 
-def get_kernel(spec: AnySpec, device: torch.device | None = None) -> Kernel:
+def kernel_key(spec: AnySpec, device: torch.device | None = None) -> tuple:
+    """The cache key of ``spec``'s kernel launched for tensors on ``device`` (:func:`get_kernel`)."""
+    part = device_key(spec, device)
+    return (spec.key(), *part) if part else spec.key()
+
+
+def get_kernel(spec: AnySpec, device: torch.device | None = None, key: tuple | None = None) -> Kernel:
     """The compiled kernel for ``spec`` (any kind) launched for tensors on ``device``: from the
     cache, or generated, written and imported. CPU tensors standing in for a GPU
     (:func:`flexc.device.simulate`) run the interpreter variant of a ``"cuda"`` spec, cached apart
-    from the compiled one; each GPU capability has its own entries (:func:`device_key`)."""
-    part = device_key(spec, device)
-    key = (spec.key(), *part) if part else spec.key()
+    from the compiled one; each GPU capability has its own entries (:func:`device_key`). ``key``:
+    :func:`kernel_key` of ``spec`` and ``device``, when the caller keeps it (a launch made once per
+    call signature)."""
+    if key is None:
+        key = kernel_key(spec, device)
     with _cache_lock:
         kernel = _cache.get(key)
         if kernel is not None:
@@ -285,5 +293,5 @@ def source_for(spec: AnySpec, device: torch.device | None = None) -> str:
 
 
 __all__ = ["CacheInfo", "Kernel", "cache_clear", "cache_dir", "cache_info", "cache_limit", "cached_kernels",
-           "device_key", "generate", "generated_for", "get_kernel", "import_source", "remember_fallback", "require_triton",
+           "device_key", "kernel_key", "generate", "generated_for", "get_kernel", "import_source", "remember_fallback", "require_triton",
            "resolve_fallback", "source_for"]

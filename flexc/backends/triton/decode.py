@@ -67,16 +67,17 @@ def merge_spec(spec: DecodeSpec, sinks: bool = False) -> MergeSpec:
 
 
 def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.Tensor, Hq: int, L: int,
-                 spec: MergeSpec, sinks: torch.Tensor | None = None):
+                 spec: MergeSpec, sinks: torch.Tensor | None = None, kernel_key: tuple | None = None):
     """Merge ``[B, Hkv, splits, M, Ev]`` partial outputs and their logsumexps into ``out [B, Hq, L, Ev]``
     (query's dtype, laid out like the query) and ``lse [B, Hq, L]``, in one launch of the merge kernel
     ``spec`` (:func:`merge_spec` of the decode kernel's; :mod:`flexc.codegen.merge`): each split weighs
     ``exp(lse_split - lse)``; a row dead in every split gets output 0 and lse ``-inf`` (the sink's
-    logit with ``sinks``, ``[B or 1, Hq, 1]``, which a merge spec with sinks folds in)."""
+    logit with ``sinks``, ``[B or 1, Hq, 1]``, which a merge spec with sinks folds in; ``kernel_key``:
+    the merge kernel's :func:`flexc.backends.triton.cache.kernel_key`, when the caller keeps it)."""
     B, Hkv, splits, M, Ev = out_split.shape
     out = empty_like_reference((B, Hq, L, Ev), query)
     lse = torch.empty((B, Hq, L), dtype=lse_split.dtype, device=query.device)
-    kernel = cache.get_kernel(spec, query.device)
+    kernel = cache.get_kernel(spec, query.device, kernel_key)
     args, constants = launcher.merge_arguments(spec, out_split, lse_split, out, lse, L, Hq, sinks)
     gpu.launch(kernel.fn, launcher.merge_grid(spec, out_split, L, Hq), spec, query.device, args, constants)
     return out, lse
@@ -96,7 +97,9 @@ class DecodeLaunch:
         self.splits = num_splits or config.default_splits(query, key, self.tables[1].shape[-1])
         # (a smaller configuration keeps block_m, so the merge's spec and the partial results' shape)
         self.merge = merge if merge is not None else merge_spec(spec, sinks)
+        self.merge_key = cache.kernel_key(self.merge, self.device)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
+        self.kernel_key = cache.kernel_key(spec, self.device)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
                  sinks: torch.Tensor | None = None, block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +110,7 @@ class DecodeLaunch:
                                                                              self.device)
 
         def attempt(spec: DecodeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-            kernel = cache.get_kernel(spec, self.device)
+            kernel = cache.get_kernel(spec, self.device, self.kernel_key if spec is self.spec else None)
             args, constants, splits = launcher.decode_arguments(
                 spec, kernel.generated, query, key, value, self.score_mod, self.mask_mod, self.block_mask,
                 self.scale, self.splits, dropout=dropout, tables=tables)
@@ -119,7 +122,8 @@ class DecodeLaunch:
         else:
             out_split, lse_split = retry.launch_with_fallbacks(self.spec, self.device, attempt, "decode")
             self.worked = cache.resolve_fallback(self.spec, self.device) is self.spec
-        return merge_splits(out_split, lse_split, query, query.shape[1], query.shape[2], self.merge, sinks)
+        return merge_splits(out_split, lse_split, query, query.shape[1], query.shape[2], self.merge, sinks,
+                            self.merge_key)
 
 
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -139,6 +139,7 @@ class ForwardLaunch:
             launcher.check_query_blocks(self.tables, L, spec.q_block_size)
         self.grid = launcher.forward_grid(spec, query)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
+        self.kernel_key = cache.kernel_key(spec, self.device)
         self.constants: dict[bool, dict] = {}  # by whether the non-finite values guard is compiled in
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
@@ -162,7 +163,7 @@ class ForwardLaunch:
         guard_values = launcher.guards_nonfinite_values(spec, value)
 
         def attempt(spec: ForwardSpec) -> None:
-            kernel = cache.get_kernel(spec, self.device)
+            kernel = cache.get_kernel(spec, self.device, self.kernel_key if spec is self.spec else None)
             args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables,
                                               self.score_mod, self.mask_mod, self.scale, stats, dropout, sinks)
             constants = self.constants.get(guard_values) if spec is self.spec else None

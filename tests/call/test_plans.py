@@ -1,0 +1,169 @@
+"""One plan per call signature (flexc.call.plans): a warm call reuses the plan its signature names,
+and whatever a plan decided from (tables, captured tensors, layouts, grad mode) makes a new plan when
+it changes, so every call still equals float64 dense attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexc
+from flexc import device as gpu
+from flexc.call import plans
+from reference import dense_attention, random_qkv
+
+B, H, L, E = 1, 2, 64, 16
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _close(got, want, what):
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many plans calls made (each a cold call of its signature)."""
+    made = []
+    real = plans.Plan.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(plans.Plan, "__init__", counting)
+    plans.clear()
+    return made
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_a_warm_call_runs_its_signatures_plan_and_a_new_layout_makes_another(backend, counted):
+    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32)
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    options = {"BACKEND": backend}
+    for _ in range(3):
+        out = flexc.flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+    assert len(counted) == 1
+    _close(out, dense_attention(q, k, v, mask_mod=causal)[0], "warm call")
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, other strides: another plan
+    _close(flexc.flex_attention(qt, k, v, block_mask=bm, kernel_options=options), dense_attention(q, k, v, mask_mod=causal)[0],
+           "other strides")
+    assert len(counted) == 2
+    q2 = torch.randn_like(q)  # new values, the same layout: the same plan
+    _close(flexc.flex_attention(q2, k, v, block_mask=bm, kernel_options=options),
+           dense_attention(q2, k, v, mask_mod=causal)[0], "new values")
+    assert len(counted) == 2
+
+
+def _listed(bm) -> torch.Tensor:
+    """``[L, L]``: the pairs whose block ``bm``'s tables list (partial or full, negative entries never)."""
+    allowed = torch.zeros(L // 16, L // 16, dtype=torch.bool)
+    for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+        for row in range(L // 16):
+            for col in idx[0, 0, row, :int(num[0, 0, row])].tolist():
+                if col >= 0:
+                    allowed[row, col] = True
+    return allowed.repeat_interleave(16, 0).repeat_interleave(16, 1)
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_a_table_edited_in_place_or_swapped_makes_a_new_plan(backend, counted):
+    """An empty entry (-1, a block never visited) written into a table, in place and then by a
+    ``.data`` swap: each call follows the tables it is given (a stale plan would visit block -1)."""
+    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=1)
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    options = {"BACKEND": backend}
+    flexc.flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+    bm.full_kv_indices[0, 0, 3, 0] = -1  # the last row's first full block: never visited
+    listed = _listed(bm)
+    want = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & listed[q_idx, kv_idx])[0]
+    _close(flexc.flex_attention(q, k, v, block_mask=bm, kernel_options=options), want, "a table edited in place")
+    fresh = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    fresh.full_kv_indices[0, 0, 2, 1] = -1
+    listed = _listed(fresh)
+    bm.full_kv_indices.data = fresh.full_kv_indices.clone()
+    want = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & listed[q_idx, kv_idx])[0]
+    _close(flexc.flex_attention(q, k, v, block_mask=bm, kernel_options=options), want, "a table swapped by .data")
+    assert len(counted) == 3
+
+
+def test_a_captured_tensor_swapped_by_data_or_edited_is_read_at_each_call(counted):
+    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=2)
+    bias = torch.randn(H)
+
+    def per_head(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    for step in range(3):
+        if step == 1:
+            bias.mul_(3)
+        elif step == 2:
+            bias.data = torch.randn(H)
+        got = flexc.flex_attention(q, k, v, score_mod=per_head, kernel_options={"BACKEND": "TRITON"})
+        _close(got, dense_attention(q, k, v, score_mod=per_head)[0], f"step {step}")
+
+
+def test_a_lookup_checked_against_captured_values_is_checked_at_every_call(counted):
+    """A mod indexing one captured tensor with another's values: the bounds depend on the values,
+    so a warm call with an out-of-range index raises as the first call would."""
+    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=3)
+    doc = torch.zeros(L, dtype=torch.int64)
+    bias = torch.randn(4)
+
+    def doc_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[kv_idx]]
+    flexc.flex_attention(q, k, v, score_mod=doc_bias)
+    doc[5] = 9
+    with pytest.raises(IndexError, match="bias"):
+        flexc.flex_attention(q, k, v, score_mod=doc_bias)
+    assert len(counted) == 1
+
+
+def test_decoding_slices_share_a_plan_and_each_step_reads_its_own_row(counted):
+    """gpt-fast's step: a new slice of the same mask and a new closure over the position every
+    step. One plan per query-block row layout; each step equals dense attention at its position."""
+    S = 128
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(1, H, S, E, generator=g), torch.randn(1, H, S, E, generator=g)
+    parent = flexc.create_block_mask(causal, None, None, S, S, BLOCK_SIZE=32)
+    position = torch.tensor([0])
+    with gpu.simulate("sm_90"), torch.no_grad():
+        for pos in (40, 41, 70, 100):
+            position.fill_(pos)
+            offset = position[0]
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return causal(b, h, q_idx + offset, kv_idx)
+            mask = parent[:, :, position // 32]
+            mask.mask_mod, mask.seq_lengths = mask_mod, (1, S)
+            q = torch.randn(1, H, 1, E, generator=g)
+            got = flexc.flex_attention(q, k, v, block_mask=mask)
+            want = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= pos)[0]
+            _close(got, want, f"position {pos}")
+    assert len(counted) == 1
+
+
+def test_training_steps_share_a_plan_and_their_gradients_equal_dense(counted):
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, H, H, L, L, E, dtype=torch.float64, seed=5))
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    grads = None
+    for _ in range(2):
+        out = flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"BACKEND": "TRITON"})
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    want = torch.autograd.grad(dense_attention(q, k, v, mask_mod=causal)[0].sum(), (q, k, v))
+    for g, w, name in zip(grads, want, "qkv"):
+        _close(g, w, f"d{name}")
+    assert len(counted) == 1
+    with torch.no_grad():  # grad mode is part of the signature
+        flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"BACKEND": "TRITON"})
+    assert len(counted) == 2
+
+
+def test_tables_without_write_counts_are_planned_at_every_call(counted):
+    """Tables made under inference mode have no version counter: an in-place edit cannot be seen,
+    so no plan is kept for them (each call decides again, and follows the edit)."""
+    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=6)
+    with torch.inference_mode():
+        bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    flexc.flex_attention(q, k, v, block_mask=bm)
+    flexc.flex_attention(q, k, v, block_mask=bm)
+    assert len(counted) == 2
