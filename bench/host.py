@@ -16,6 +16,11 @@ a call does on the host up to the launch, and nothing of the kernel or of Triton
   ``backend="aot_eager"`` (inductor's compile is minutes on a small CPU; at run time a compiled graph
   of one custom-op node costs the guards, the runtime wrapper and the op itself, which is this).
 
+- CPU training step against SDPA: the small training row (B=2, H=4, L=256, D=32, fp32, causal,
+  forward and backward) on the CPU for real (no simulation, nothing stubbed), flexc with a causal
+  BlockMask against ``torch.nn.functional.scaled_dot_product_attention`` with the dense boolean mask
+  (bench/cpu_training.py's "small" row): where kernels are this short, host time shows.
+
 Medians over repetitions (interleaved: each repetition times every row once), one thread, µs per call.
 The last line is a one-line summary.
 
@@ -163,13 +168,49 @@ def measure(repeats: int = 7, calls: int = 200, clock: Callable[[], float] = tim
     return {name: (statistics.median(t), launches[name]) for name, t in times.items()}
 
 
-def summary(results: dict[str, tuple[float, int]]) -> str:
+CPU_ROW = (2, 4, 256, 32)  # B, H, L, D of the CPU training row
+
+
+def measure_cpu_training(repeats: int = 7, calls: int = 20, clock: Callable[[], float] = time.perf_counter
+                         ) -> dict[str, float]:
+    """``{"flexc": µs, "sdpa": µs}`` per CPU training step (forward and backward, causal), one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(1)
+        q, k, v, grad_out = (torch.randn(*CPU_ROW, generator=g) for _ in range(4))
+        leaves = tuple(t.requires_grad_() for t in (q, k, v))
+        L = CPU_ROW[2]
+        block_mask = flexc.create_block_mask(causal, None, None, L, L, device="cpu")
+        dense = torch.ones(L, L, dtype=torch.bool).tril()
+        steps = {
+            "flexc": lambda: torch.autograd.grad(flexc.flex_attention(*leaves, block_mask=block_mask), leaves,
+                                                 grad_out),
+            "sdpa": lambda: torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(
+                *leaves, attn_mask=dense), leaves, grad_out),
+        }
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for step in steps.values():
+            step()  # warm
+        for _ in range(repeats):
+            for name, step in steps.items():
+                start = clock()
+                for _ in range(calls):
+                    step()
+                times[name].append((clock() - start) / calls * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def summary(results: dict[str, tuple[float, int]], cpu: dict[str, float] | None = None) -> str:
     t = {name: us for name, (us, _) in results.items()}
     floor = t["floor (trivial autograd.Function)"]
     return (f"host µs/call (sm_90 simulated, launches stubbed, 1 thread, medians): forward {t['forward']:.0f}, "
             f"forward+lse {t['forward + lse']:.0f}, training step {t['training step']:.0f} "
             f"({t['training step'] - floor:+.0f} over the floor's {floor:.0f}), decode step "
-            f"{t['decode step (gpt-fast)']:.0f}, compiled forward (aot_eager) {t['compiled forward (aot_eager)']:.0f}")
+            f"{t['decode step (gpt-fast)']:.0f}, compiled forward (aot_eager) {t['compiled forward (aot_eager)']:.0f}"
+            + (f"; CPU training step {cpu['flexc']:.0f} us = {cpu['flexc'] / cpu['sdpa']:.2f}x SDPA's" if cpu else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,12 +219,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per row per repetition")
     parser.add_argument("--cpu-time", action="store_true", help="time this thread's CPU time, not wall time")
     args = parser.parse_args(argv)
-    results = measure(args.repeats, args.calls, time.thread_time if args.cpu_time else time.perf_counter)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    results = measure(args.repeats, args.calls, clock)
+    cpu = measure_cpu_training(args.repeats, max(1, args.calls // 10), clock)
     print(f"B={B} H={H} L={L} D={D} {str(DTYPE).removeprefix('torch.')}, causal; decode: cache {CACHE}, one row")
     print(f"{'row':<36} {'µs/call':>9} {'launches':>9}")
     for name, (us, launches) in results.items():
         print(f"{name:<36} {us:>9.1f} {launches:>9}")
-    print(summary(results))
+    B2, H2, L2, D2 = CPU_ROW
+    print(f"CPU training step, B={B2} H={H2} L={L2} D={D2} fp32, causal: flexc {cpu['flexc']:.1f} µs, "
+          f"SDPA {cpu['sdpa']:.1f} µs")
+    print(summary(results, cpu))
 
 
 if __name__ == "__main__":

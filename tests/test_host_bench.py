@@ -23,3 +23,6 @@ def test_every_row_reaches_the_stubbed_launcher_and_the_summary_names_each():
     line = bench.summary(results)
     for word in ("forward", "forward+lse", "training step", "floor", "decode step", "compiled forward"):
         assert word in line
+    cpu = bench.measure_cpu_training(repeats=1, calls=1)
+    assert cpu["flexc"] > 0 and cpu["sdpa"] > 0
+    assert "x SDPA's" in bench.summary(results, cpu)
