@@ -147,7 +147,10 @@ def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
                  return_aux, drop, sinks)
     found = call_signature(*arguments)
     if found is not None:
-        entry = _PLANS.get(found[0])
+        try:
+            entry = _PLANS.get(found[0])
+        except TypeError:  # (an unhashable part: the call is planned each time)
+            found = entry = None
         if entry is not None:
             if len(_PLANS) > 1:
                 with _lock:
@@ -159,7 +162,10 @@ def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
     if found is not None:
         signature, named = found
         with _lock:
-            _PLANS[signature] = (plan, named)
+            try:
+                _PLANS[signature] = (plan, named)
+            except TypeError:  # (an unhashable part: the call is planned each time)
+                pass
             while len(_PLANS) > _MAX_PLANS:
                 _PLANS.popitem(last=False)
     return plan

@@ -137,10 +137,9 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                      mod_signature(traced_mask), scale if type(scale) in (float, int, type(None)) else _unkeyable(),
                      bool(enable_gqa), bool(return_lse), None if return_aux is None else (type(return_aux), *return_aux),
                      options_signature(kernel_options), None if dropout is None else dropout.p)
-        hash(signature)
     except (Unkeyable, TypeError, AttributeError, ValueError, RuntimeError, NotImplementedError):
         return None
-    return signature, (traced_score, traced_mask, *keep)
+    return signature, (traced_score, traced_mask, *keep)  # (hashed where it is looked up: unhashable, no plan)
 
 
 def _unkeyable() -> None:

@@ -140,6 +140,7 @@ class ForwardLaunch:
         self.grid = launcher.forward_grid(spec, query)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         self.kernel_key = cache.kernel_key(spec, self.device)
+        self.tail: list | None = None  # the kernel's arguments after its tensors (launcher.forward_argument_tail)
         self.constants: dict[bool, dict] = {}  # by whether the non-finite values guard is compiled in
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
@@ -164,8 +165,13 @@ class ForwardLaunch:
 
         def attempt(spec: ForwardSpec) -> None:
             kernel = cache.get_kernel(spec, self.device, self.kernel_key if spec is self.spec else None)
-            args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables,
-                                              self.score_mod, self.mask_mod, self.scale, stats, dropout, sinks)
+            mine = spec is self.spec
+            if mine and self.tail is None:
+                self.tail = launcher.forward_argument_tail(kernel.generated, query, key, value, out, lse, tables,
+                                                           self.scale)
+            args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, self.score_mod,
+                                              self.mask_mod, self.scale, stats, dropout, sinks,
+                                              self.tail if mine else None)
             constants = self.constants.get(guard_values) if spec is self.spec else None
             if constants is None:
                 constants = launcher.forward_constexprs(spec, *self.lengths, args, guard_values, self.scale)

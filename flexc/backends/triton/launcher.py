@@ -188,15 +188,21 @@ def sink_arguments(sinks: torch.Tensor | None, dtype: torch.dtype) -> list:
 def kernel_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outputs: list, tables: list,
                      buffers: list, scalars: list, output_strides: list) -> list:
     """The positional arguments every attention kernel takes, in its signature's order: q, k, v, the
-    kernel's ``outputs``, the tables, the mods' ``buffers``, ``scalars`` (scale, lengths...), the
-    q/k/v strides (a batch-broadcast key or value has batch stride 0), ``output_strides``, and the
-    tables' batch, head, query-block and key-block counts."""
+    kernel's ``outputs``, the tables, the mods' ``buffers``, then :func:`kernel_argument_tail`."""
+    return [query, key, value, *outputs, *tables, *buffers,
+            *kernel_argument_tail(query, key, value, tables, scalars, output_strides)]
+
+
+def kernel_argument_tail(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: list, scalars: list,
+                         output_strides: list) -> list:
+    """The arguments after the tensors, the same for every call of one signature: ``scalars`` (scale,
+    lengths...), the q/k/v strides (a batch-broadcast key or value has batch stride 0),
+    ``output_strides``, and the tables' batch, head, query-block and key-block counts."""
     B, Bkv = query.shape[0], value.shape[0]
     stride_kb = key.stride(0) if Bkv == B else 0
     stride_vb = value.stride(0) if Bkv == B else 0
     Bm, Hm, nQ = tables[0].shape
-    return [query, key, value, *outputs, *tables, *buffers, *scalars,
-            *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *output_strides,
+    return [*scalars, *query.stride(), stride_kb, *key.stride()[1:], stride_vb, *value.stride()[1:], *output_strides,
             Bm, Hm, nQ, tables[1].shape[-1]]
 
 
@@ -221,26 +227,39 @@ def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, va
                       out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor],
                       score_mod: TracedMod | None, mask_mod: TracedMod | None, scale: float,
                       stats: torch.Tensor | None = None, dropout: Dropout | None = None,
-                      sinks: torch.Tensor | None = None) -> list:
+                      sinks: torch.Tensor | None = None, tail: list | None = None) -> list:
     """The forward kernel's positional arguments, in the order of its signature (constexprs excluded);
     ``stats`` ``[2, B, Hq, L]``: the training forward's backward statistics (laid out as ``lse``);
-    ``dropout`` for a kernel with dropout, ``sinks`` for one with sinks."""
-    Hq, L = query.shape[1], query.shape[2]
-    Hkv, S = value.shape[1], value.shape[2]
+    ``dropout`` for a kernel with dropout, ``sinks`` for one with sinks; ``tail``: the
+    :func:`kernel_argument_tail` of an earlier call of the same signature, when the caller keeps it
+    (the same kernel, shapes, strides and scale)."""
     if generated.needs_positive_scale and not scale > 0:
         # the kernel multiplies raw q.k by scale * log2(e) after taking the row max, so the scale
         # must be positive: q.k * scale == (-q).k * |scale|, and with scale 0 every score is 0
         query = -query if scale < 0 else torch.zeros_like(query)
-        scale = abs(scale) or 1.0
-    outputs, output_strides = [out], [*out.stride()]
+    outputs = [out]
     if lse is not None:
         outputs.append(lse)
-        output_strides += [lse.stride(0), lse.stride(1)]
     if stats is not None:  # both contiguous [B, Hq, L] planes, as lse: they share its strides
         outputs += [stats[0], stats[1]]
     buffers = mod_arguments(generated, score_mod, mask_mod, query.device) + dropout_arguments(dropout, query.device)
     buffers += sink_arguments(sinks, work_dtype(query.dtype))
-    return kernel_arguments(query, key, value, outputs, tables, buffers, [float(scale), L, S, Hq // Hkv], output_strides)
+    if tail is None:
+        tail = forward_argument_tail(generated, query, key, value, out, lse, tables, scale)
+    return [query, key, value, *outputs, *tables, *buffers, *tail]
+
+
+def forward_argument_tail(generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor], scale: float) -> list:
+    """The forward kernel's :func:`kernel_argument_tail`: its scale, lengths, group size and strides
+    (a kernel that needs a positive scale gets ``|scale|``, or 1 for 0: :func:`forward_arguments`
+    negates or zeroes the query)."""
+    if generated.needs_positive_scale and not scale > 0:
+        scale = abs(scale) or 1.0
+    output_strides = [*out.stride()] + ([lse.stride(0), lse.stride(1)] if lse is not None else [])
+    return kernel_argument_tail(query, key, value, tables,
+                                [float(scale), query.shape[2], value.shape[2], query.shape[1] // value.shape[1]],
+                                output_strides)
 
 
 def exact_in_query(spec: ForwardSpec, scale: float | None) -> bool:
