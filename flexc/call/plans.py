@@ -133,7 +133,7 @@ class Plan:
 
 
 # signature -> (plan, what the signature's ids name: kept alive so that no id is reused while it is)
-_PLANS: "OrderedDict[tuple, tuple[Plan, tuple]]" = OrderedDict()
+_PLANS: "OrderedDict[tuple, tuple[Plan, tuple]]" = OrderedDict()  # (oldest first)
 _MAX_PLANS = 64
 _lock = threading.Lock()
 
@@ -151,12 +151,8 @@ def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
             entry = _PLANS.get(found[0])
         except TypeError:  # (an unhashable part: the call is planned each time)
             found = entry = None
-        if entry is not None:
-            if len(_PLANS) > 1:
-                with _lock:
-                    if found[0] in _PLANS:
-                        _PLANS.move_to_end(found[0])
-            return entry[0]
+        if entry is not None:  # (kept in the order made, the oldest dropped first: a signature's hash is
+            return entry[0]    # costly enough that reordering on every hit would cost more than a rare re-plan)
     plan = Plan(*arguments)
     found = found or call_signature(*arguments)  # (the mods are traced now)
     if found is not None:

@@ -429,8 +429,17 @@ class BlockMask:
         if not torch.compiler.is_compiling():  # (eager caches' provenance: no tensor identities in a graph,
             parent = self._kv()                # and dynamo 2.11 cannot take id() of a tensor made in one)
             own = sliced._kv()
-            sliced.sliced_from = (parent, pinned(table_states(parent), parent), pinned(table_states(own), own))
+            sliced.sliced_from = (parent, self._pinned_states(parent), pinned(table_states(own), own))
         return sliced
+
+    def _pinned_states(self, tables: tuple) -> tuple:
+        """``pinned(table_states(tables))`` of this mask's kv ``tables``, made once per state: a
+        decoding loop slices the same unchanged tables every step."""
+        states = table_states(tables)
+        kept = getattr(self, "_kept_states", None)
+        if kept is None or kept[0] is not tables or kept[1] != states:
+            kept = self._kept_states = (tables, pinned(states, tables))
+        return kept[1]
 
     def _row_slice(self, row: int) -> "BlockMask | None":
         """``self[:, :, row]`` of a CPU mask with small rows, as lists read once per row and table state.

@@ -46,12 +46,20 @@ def kv_tables(block_mask: Any, spec: ForwardSpec | DecodeSpec | BackwardSpec, S:
                 torch.full((1, 1, 1), cdiv(S, spec.kv_block_size), dtype=torch.int32, device=device),
                 torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n)]
     names = ["kv_num_blocks", "kv_indices"] + (["full_kv_num_blocks", "full_kv_indices"] if spec.has_full_blocks else [])
-    tables = [getattr(block_mask, n).to(device=device, dtype=torch.int32).contiguous() for n in names]
+    tables = [as_int32_on(getattr(block_mask, n), device) for n in names]
     if spec.has_full_blocks and (tables[2].shape != tables[0].shape or tables[3].shape != tables[1].shape):
         raise ValueError(f"flexc: the BlockMask's full-block tables {tuple(tables[2].shape)}/{tuple(tables[3].shape)} "
                          f"must have the shapes of its partial tables {tuple(tables[0].shape)}/{tuple(tables[1].shape)}. "
                          f"Fix: build it with create_block_mask or BlockMask.from_kv_blocks.")
     return tables
+
+
+def as_int32_on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` as a contiguous int32 tensor on ``device`` (itself when it is one already: the check
+    costs less than ``.to`` parsing its arguments, on every call of a decoding loop)."""
+    if table.dtype == torch.int32 and table.device == device and table.is_contiguous():
+        return table
+    return table.to(device=device, dtype=torch.int32).contiguous()
 
 
 def backward_tables(block_mask: Any, spec: BackwardSpec, L: int, S: int, device: torch.device) -> list[torch.Tensor]:
