@@ -82,11 +82,13 @@ def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
     return PrologueSpec(work, v_pad, min(128, max(16, 8192 // v_pad)), spec.target)
 
 
-def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dtype: torch.dtype):
-    """Run the prologue kernel: ``(delta, lse2)``, each ``[B, Hq, L]`` contiguous in ``work_dtype``."""
+def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dtype: torch.dtype,
+                    kernel_key: tuple | None = None):
+    """Run the prologue kernel: ``(delta, lse2)``, each ``[B, Hq, L]`` contiguous in ``work_dtype``
+    (``kernel_key``: the prologue's :func:`flexc.backends.triton.cache.kernel_key`, when the caller keeps it)."""
     delta = torch.empty(stats.shape[1:], dtype=work_dtype, device=out.device)
     lse2 = torch.empty_like(delta)
-    kernel = cache.get_kernel(spec, out.device)
+    kernel = cache.get_kernel(spec, out.device, kernel_key)
     args, constants = launcher.prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2)
     gpu.launch(kernel.fn, launcher.prologue_grid(spec, out), spec, out.device, args, constants)
     return delta, lse2
@@ -119,6 +121,10 @@ class BackwardLaunch:
         self.nothing = query.numel() == 0 or value.shape[2] == 0
         self.tables: list = [] if self.nothing else self.tables_of(block_mask)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
+        # the kernels launched before the backward kernel (row pass or prologue) and the cache keys of
+        # all: made once for this spec (a replaced spec makes its own)
+        self.first = rows_spec(spec) if spec.precise else prologue_spec(spec)
+        self.keys = (cache.kernel_key(self.first, self.device), cache.kernel_key(spec, self.device))
 
     def tables_of(self, block_mask: Any) -> list:
         L, S = self.lengths
@@ -141,13 +147,16 @@ class BackwardLaunch:
         def attempt(spec: BackwardSpec):
             # everything from the outputs on: a retry starts over (the row pass adds into its inputs)
             dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
-            rows = cache.get_kernel(rows_spec(spec), device) if spec.precise else None  # (kernels in launch order)
-            kernel = cache.get_kernel(spec, device)
+            mine = spec is self.spec
+            first = self.first if mine else rows_spec(spec) if spec.precise else prologue_spec(spec)
+            first_key, key_of_spec = self.keys if mine else (None, None)
+            rows = cache.get_kernel(first, device, first_key) if spec.precise else None  # (kernels in launch order)
+            kernel = cache.get_kernel(spec, device, key_of_spec)
             if spec.precise:
                 delta, lse2, row_stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
             else:
                 # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-                delta, lse2 = launch_prologue(prologue_spec(spec), out, stats, grad_out, grad_lse, acc)
+                delta, lse2 = launch_prologue(first, out, stats, grad_out, grad_lse, acc, first_key)
                 row_stats = stats
             args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2,
                                                           delta, row_stats, dq, dk, dv, tables, grads, score_mod,
