@@ -30,11 +30,22 @@ TORCH = "TORCH"
 TRITON = "TRITON"
 
 BACKENDS: dict[str, Callable] = {TORCH: torch_forward}
+
+
+class _Kept:
+    """What a prepared launch is passed as ``block_mask`` to use the tables it made once (:data:`PREPARE`)."""
+
+    def __repr__(self) -> str:
+        return "KEPT"
+
+
+KEPT = _Kept()
 # a backend's forward decided once per call signature (optional): ``prepare(query, key, value, score_mod,
 # mask_mod, block_mask, scale, kernel_options, need_lse, dropout: bool, sinks: bool)`` returns a
-# callable ``(query, key, value, dropout, sinks, block_mask=None) -> (out, lse or None)`` that eager
-# calls of that signature run (:mod:`flexc.call.plans`), passing ``block_mask`` when its tables are
-# new at each call (a slice); backends without one run their forward each call
+# callable ``(query, key, value, dropout, sinks, block_mask=KEPT) -> (out, lse or None)`` that eager
+# calls of that signature run (:mod:`flexc.call.plans`), passing their ``block_mask`` when its tables
+# are new at each call (a slice), else KEPT (the tables it made once); backends without one run their
+# forward each call
 PREPARE: dict[str, Callable] = {}
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
 # a backend's training forward and backward decided once per call signature (optional):

@@ -102,7 +102,7 @@ class Plan:
         path, max_scores = self.path, None
         if path == FORWARD:
             if self.prepared is not None:
-                out, lse = self.prepared(query, key, value, drop, sinks, block_mask if self.sliced else None)
+                out, lse = self.prepared(query, key, value, drop, sinks, block_mask if self.sliced else registry.KEPT)
             else:
                 out, lse = registry.BACKENDS[self.backend](query, key, value, score_mod, mask_mod, block_mask, scale,
                                                            self.options, self.want_lse,
@@ -174,11 +174,14 @@ def clear() -> None:
 
 
 def cache_clear() -> None:
-    """``flexc.cache_clear``: drop every plan and every cached kernel, and reset the kernel cache's
-    counters (:func:`flexc.backends.triton.cache.cache_clear`)."""
+    """``flexc.cache_clear``: drop every plan (eager calls' and compiled ones',
+    :mod:`flexc.torch_compile.op_plans`) and every cached kernel, and reset the kernel cache's counters
+    (:func:`flexc.backends.triton.cache.cache_clear`)."""
     from ..backends.triton.cache import cache_clear as clear_kernels  # (imports no triton)
+    from ..torch_compile import op_plans  # (the compiled calls' plans)
 
     clear()
+    op_plans.clear()
     clear_kernels()
 
 

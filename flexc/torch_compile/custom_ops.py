@@ -11,20 +11,15 @@ training runs flexc's own backward and captured tensors that require grad receiv
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from typing import Optional
 
 import torch
 
-from ..analysis import bounds
-from ..call import validate
-from ..backends import registry
-from ..backends.cpu.torch_cpu import forward_with_max, torch_backward
+from ..backends.cpu.torch_cpu import torch_backward
 from ..masks.block_mask import DERIVED, BlockMask
 from ..masks.create import create_block_mask
 from ..codegen.printer import precise_math_for
-from ..masks.empty_entries import without_empty_entries
 from ..masks.kv_tables import KV_TABLE_NAMES
 from ..backends.layout import empty_like_reference, laid_out_like
 from ..mods.mod_key import traced_from_key
@@ -33,6 +28,7 @@ from ..call.plan import dropout_backend, generated_backward_applies, warn_fallba
 from ..call.sinks import sink_grad
 from ..backends.dropout import Dropout, from_seed
 from ..dtypes import work_dtype
+from .op_plans import OpPlan, op_plan, op_signature, options_of, training_pair
 
 # The BlockMask tables the ops take, in this order (None for full tables a mask does not keep).
 # The forward and the backward walk query rows, so the q-direction tables are never needed.
@@ -47,16 +43,6 @@ def lse_dtype(query: torch.Tensor) -> torch.dtype:
 def options_key(options: dict) -> str:
     """``kernel_options`` (``BACKEND`` resolved) as the ops' string argument."""
     return json.dumps(options, sort_keys=True)
-
-
-@functools.lru_cache(maxsize=64)
-def _parsed_options(kernel_options: str) -> dict:
-    return json.loads(kernel_options)
-
-
-def _options(kernel_options: str) -> dict:
-    """:func:`options_key`'s JSON as a dict (parsed once per distinct string; each call gets its own copy)."""
-    return dict(_parsed_options(kernel_options))
 
 
 def _block_mask(tables: list, block_size: list[int], seq_lengths: list[int], mask_mod) -> BlockMask | None:
@@ -74,13 +60,6 @@ def _mods(score_key: str, score_buffers, mask_key: str, mask_buffers):
     score = unless_identity(traced_from_key(score_key, score_buffers)) if score_key else None
     mask = traced_from_key(mask_key, mask_buffers) if mask_key else None
     return score, mask
-
-
-def _generated(backend: str):
-    """``registry.TRAINING[backend]`` (the backend's forward that saves its backward's statistics, and that
-    backward), or None; the backend's package imported on first need (Triton registers itself then)."""
-    registry.available(backend)
-    return registry.TRAINING.get(backend)
 
 
 # A custom op's implementation runs with autograd's dispatch keys excluded; the backward needs them
@@ -141,36 +120,19 @@ def _dropout(dropout_p: float, seed: Optional[torch.Tensor]) -> Dropout | None:
 def _saves_stats(kernel_options: str, dropout_p: float) -> bool:
     """Whether the forward runs a backend's training forward (:data:`flexc.backends.registry.TRAINING`), which
     returns the generated backward's statistics (e.g. :func:`flexc.backends.triton.backward.forward_for_training`)."""
-    return _generated(dropout_backend(_options(kernel_options)["BACKEND"], dropout_p)) is not None
+    return training_pair(dropout_backend(options_of(kernel_options)["BACKEND"], dropout_p)) is not None
 
 
 def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
                  seq_lengths, scale, kernel_options, need_max, need_lse, drop=None, sinks=None):
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
-    if block_mask is not None:  # the value checks eager flex_attention makes (dynamo cannot read values)
-        validate.check_block_tables(block_mask, query.shape[2], key.shape[2])
-        # (negative entries in the counts: empty blocks; not remembered, see without_empty_entries)
-        block_mask = without_empty_entries(block_mask, remember=False)
-    for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
-        bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2], "flex_attention",
-                         block_mask)
-    options = _options(kernel_options)
-    score, mask = precise_math_for(options, score, mask)  # FAST_MATH=False, as in eager calls
-    backend = dropout_backend(options["BACKEND"], drop.p if drop is not None else 0.0)
-    row_max = stats = None
-    generated = _generated(backend)
-    if generated is not None:  # the forward that also serves the generated backward (drawing the dropout mask)
-        out, lse, stats = generated[0](query, key, value, score, mask, block_mask, scale, options, dropout=drop,
-                                       sinks=sinks)
-    elif backend == registry.TORCH and (need_max or query.dtype == torch.float64 or drop is not None):
-        # (the row loop: row maxima, dropout, and a float64 logsumexp for float64 inputs)
-        out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale, need_max=need_max,
-                                             lse_dtype=lse_dtype(query), dropout=drop, sinks=sinks)
-    else:  # the registered forward, as an eager call runs it (validation let through only what it takes)
-        extra = {"sinks": sinks} if sinks is not None else {}
-        out, lse = registry.BACKENDS[backend](query, key, value, score, mask, block_mask, scale, options, need_lse,
-                                              **extra)
+    constants = ("forward", score_mod, mask_mod, tuple(block_size), tuple(seq_lengths), scale, kernel_options,
+                 need_max, need_lse, drop.p if drop is not None else 0.0)
+    plan = op_plan(op_signature(query, key, value, tables, score_buffers, mask_buffers, constants, sinks),
+                   lambda: OpPlan(query, key, value, score, mask, block_mask, scale, kernel_options,
+                                  drop.p if drop is not None else 0.0, sinks, True, need_max, need_lse), tables)
+    out, lse, row_max, stats = plan.forward(query, key, value, score, mask, block_mask, scale, drop, sinks)
     if row_max is None:
         row_max = query.new_empty((0,), dtype=torch.float32)
     # laid out as an eager call returns it (the query's dimension order, flexc.backends.layout) whatever a
@@ -211,16 +173,23 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
     ``d_sinks`` is :func:`flexc.call.sinks.sink_grad` (shaped like ``sinks``), empty without sinks:
     computed here, in the op, so it is eager's arithmetic whatever compiles the graph."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
-    block_mask = without_empty_entries(_block_mask(tables, block_size, seq_lengths, mask), remember=False)
-    options = _options(kernel_options)
-    score, mask = precise_math_for(options, score, mask)
+    raw_mask = _block_mask(tables, block_size, seq_lengths, mask)
+    constants = ("backward", score_mod, mask_mod, tuple(block_size), tuple(seq_lengths), scale, kernel_options,
+                 tuple(grad_slots), dropout_p)
+    plan = op_plan(op_signature(query, key, value, tables, score_buffers, mask_buffers, constants, sinks),
+                   lambda: OpPlan(query, key, value, score, mask, raw_mask, scale, kernel_options, dropout_p, sinks,
+                                  forward=False, grad_slots=tuple(grad_slots)), tables)
+    block_mask = plan.block_mask(raw_mask)
+    options = plan.options
     drop = _dropout(dropout_p, seed)
     # flex_attention's own rule for when the generated backward applies
-    generated = _generated(dropout_backend(options["BACKEND"], dropout_p))
+    generated = plan.generated
     if generated is not None and generated_backward_applies(score):  # the generated kernels
+        score, mask = plan.training_mods(score, mask)
         dq, dk, dv, buf_grads = generated[1](query, key, value, out, stats, grad_out, grad_lse, score, mask,
                                              block_mask, scale, tuple(grad_slots), options, dropout=drop, sinks=sinks)
     else:
+        score, mask = precise_math_for(options, score, mask)
         if generated is not None:  # says so, once per score_mod, as eager calls do
             warn_fallback(score, options["BACKEND"])
         with _autograd_enabled():  # carries dS through the score_mod

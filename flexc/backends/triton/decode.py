@@ -90,11 +90,13 @@ class DecodeLaunch:
 
     def __init__(self, spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False):
+                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False,
+                 keep_tables: bool = True):
         self.spec, self.score_mod, self.mask_mod, self.scale = spec, score_mod, mask_mod, scale
-        self.block_mask, self.device = block_mask, query.device
-        self.tables = launcher.kv_tables(block_mask, spec, value.shape[2], self.device)
-        self.splits = num_splits or config.default_splits(query, key, self.tables[1].shape[-1])
+        self.device = query.device
+        tables = launcher.kv_tables(block_mask, spec, value.shape[2], self.device)
+        self.splits = num_splits or config.default_splits(query, key, tables[1].shape[-1])
+        self.tables = tables if keep_tables else None  # (None: every call passes its BlockMask)
         # (a smaller configuration keeps block_m, so the merge's spec and the partial results' shape)
         self.merge = merge if merge is not None else merge_spec(spec, sinks)
         self.merge_key = cache.kernel_key(self.merge, self.device)
@@ -102,18 +104,20 @@ class DecodeLaunch:
         self.kernel_key = cache.kernel_key(spec, self.device)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
-                 sinks: torch.Tensor | None = None, block_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`); ``block_mask``: this
-        call's, when its tables are new at each call (a slice of the same layout)."""
+                 sinks: torch.Tensor | None = None, block_mask: Any = launcher.KEPT, mods: tuple | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`); ``block_mask`` and
+        ``mods`` as :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
         launcher.check_dropout(self.spec, dropout)
-        tables = self.tables if block_mask is None else launcher.kv_tables(block_mask, self.spec, value.shape[2],
-                                                                             self.device)
+        tables = self.tables if block_mask is launcher.KEPT else launcher.kv_tables(block_mask, self.spec,
+                                                                                      value.shape[2], self.device)
+        score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
 
         def attempt(spec: DecodeSpec) -> tuple[torch.Tensor, torch.Tensor]:
             kernel = cache.get_kernel(spec, self.device, self.kernel_key if spec is self.spec else None)
             args, constants, splits = launcher.decode_arguments(
-                spec, kernel.generated, query, key, value, self.score_mod, self.mask_mod, self.block_mask,
-                self.scale, self.splits, dropout=dropout, tables=tables)
+                spec, kernel.generated, query, key, value, score_mod, mask_mod, None, self.scale, self.splits,
+                dropout=dropout, tables=tables)
             gpu.launch(kernel.fn, launcher.decode_grid(splits[0]), spec, self.device, args, constants)
             return splits
 

@@ -124,7 +124,8 @@ class ForwardLaunch:
     """
 
     def __init__(self, spec: ForwardSpec, query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
-                 mask_mod: TracedMod | None, block_mask: Any, scale: float, lse_dtype: torch.dtype = torch.float32):
+                 mask_mod: TracedMod | None, block_mask: Any, scale: float, lse_dtype: torch.dtype = torch.float32,
+                 keep_tables: bool = True):
         B, Hq, L, _ = query.shape
         S, self.v_head_dim = value.shape[2], value.shape[3]
         self.spec, self.score_mod, self.mask_mod, self.scale, self.lse_dtype = spec, score_mod, mask_mod, scale, lse_dtype
@@ -135,8 +136,9 @@ class ForwardLaunch:
             if max(B, Hq) > 65535 and spec.target == "cuda":
                 raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid "
                                  f"limit). Fix: split the batch into chunks.")
-            self.tables = launcher.kv_tables(block_mask, spec, S, self.device)
-            launcher.check_query_blocks(self.tables, L, spec.q_block_size)
+            tables = launcher.kv_tables(block_mask, spec, S, self.device)
+            launcher.check_query_blocks(tables, L, spec.q_block_size)
+            self.tables = tables if keep_tables else None  # (None: every call passes its BlockMask)
         self.grid = launcher.forward_grid(spec, query)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         self.kernel_key = cache.kernel_key(spec, self.device)
@@ -144,13 +146,16 @@ class ForwardLaunch:
         self.constants: dict[bool, dict] = {}  # by whether the non-finite values guard is compiled in
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
-                 sinks: torch.Tensor | None = None, block_mask: Any = None
+                 sinks: torch.Tensor | None = None, block_mask: Any = launcher.KEPT, mods: tuple | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(out, lse, stats)`` of this call (see :func:`launch`); ``block_mask``: this call's, when its
-        tables are new at each call (a slice of the same layout), else the tables made once serve."""
+        """``(out, lse, stats)`` of this call (see :func:`launch`); ``block_mask``: this call's, whose
+        tables it reads now (a slice of the same layout, or a compiled call's), or :data:`launcher.KEPT`
+        for the tables made once; ``mods``: this call's ``(score_mod, mask_mod)`` of the planned
+        structure, whose captured tensors it reads (a compiled call's), else the planned ones."""
         spec = self.spec
-        tables = self.tables if block_mask is None or self.nothing else launcher.kv_tables(
+        tables = self.tables if block_mask is launcher.KEPT or self.nothing else launcher.kv_tables(
             block_mask, spec, self.lengths[1], self.device)
+        score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         launcher.check_dropout(spec, dropout)
         launcher.check_sinks(spec, sinks)
         B, Hq, L, _ = query.shape
@@ -169,8 +174,8 @@ class ForwardLaunch:
             if mine and self.tail is None:
                 self.tail = launcher.forward_argument_tail(kernel.generated, query, key, value, out, lse, tables,
                                                            self.scale)
-            args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, self.score_mod,
-                                              self.mask_mod, self.scale, stats, dropout, sinks,
+            args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod,
+                                              mask_mod, self.scale, stats, dropout, sinks,
                                               self.tail if mine else None)
             constants = self.constants.get(guard_values) if spec is self.spec else None
             if constants is None:
@@ -233,18 +238,19 @@ def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value
 
 def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
                   scale: float, kernel_options: dict | None, need_lse: bool, dropout: bool = False,
-                  sinks: bool = False, training: bool = False) -> Callable:
+                  sinks: bool = False, training: bool = False, keep_tables: bool = True) -> Callable:
     """The launches of ``plan`` for calls of this signature, decided: a callable ``(query, key, value,
-    dropout, sinks, block_mask=None) -> (out, lse, stats)`` as :func:`launch_plan` returns them
-    (``dropout``, ``sinks``: whether the calls pass them; ``block_mask``: the call's, when its tables
-    are new at each call)."""
+    dropout, sinks, block_mask=KEPT, mods=None) -> (out, lse, stats)`` as :func:`launch_plan` returns
+    them (``dropout``, ``sinks``: whether the calls pass them; ``block_mask`` and ``mods``: see
+    :meth:`ForwardLaunch.__call__`; ``keep_tables=False``: every call passes its BlockMask)."""
     if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
         decode_spec, merge = plan.kernels
         decoding = decode.DecodeLaunch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask,
-                                       scale, num_splits=config.requested_splits(kernel_options), merge=merge)
+                                       scale, num_splits=config.requested_splits(kernel_options), merge=merge,
+                                       keep_tables=keep_tables)
 
-        def decode_launches(query, key, value, dropout=None, sinks=None, block_mask=None):
-            out, lse = decoding(query, key, value, dropout, sinks, block_mask)
+        def decode_launches(query, key, value, dropout=None, sinks=None, block_mask=launcher.KEPT, mods=None):
+            out, lse = decoding(query, key, value, dropout, sinks, block_mask, mods)
             return out, (lse if need_lse else None), None
         return decode_launches
     if plan.kernels:
@@ -254,7 +260,7 @@ def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, val
                              training=training, dropout=dropout, sinks=sinks)
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
     lse_dtype = work_dtype(query.dtype)
-    return ForwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype)
+    return ForwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype, keep_tables)
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
@@ -274,18 +280,19 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                     mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
-                    need_lse: bool, dropout: bool = False, sinks: bool = False) -> Callable:
+                    need_lse: bool, dropout: bool = False, sinks: bool = False, keep_tables: bool = True) -> Callable:
     """:func:`triton_forward` for calls of this signature, decided once (the backend's preparation in
-    :mod:`flexc.backends.registry`): a callable ``(query, key, value, dropout, sinks, block_mask=None)
-    -> (out, lse or None)`` for calls with inputs of these shapes, strides and dtypes, these mods and
-    this BlockMask (``dropout``, ``sinks``: whether the calls pass them; ``block_mask``: the call's,
-    when its tables are new at each call)."""
+    :mod:`flexc.backends.registry`): a callable ``(query, key, value, dropout, sinks, block_mask=KEPT,
+    mods=None) -> (out, lse or None)`` for calls with inputs of these shapes, strides and dtypes, these
+    mods and this BlockMask (``dropout``, ``sinks``: whether the calls pass them; ``block_mask`` and
+    ``mods``: see :meth:`ForwardLaunch.__call__`; ``keep_tables=False``: every call passes its BlockMask)."""
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
                         dropout=dropout, sinks=sinks)
-    launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)
+    launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks,
+                             keep_tables=keep_tables)
 
-    def forward(query, key, value, dropout=None, sinks=None, block_mask=None):
-        out, lse, _ = launches(query, key, value, dropout, sinks, block_mask)
+    def forward(query, key, value, dropout=None, sinks=None, block_mask=launcher.KEPT, mods=None):
+        out, lse, _ = launches(query, key, value, dropout, sinks, block_mask, mods)
         return out, lse
     return forward
 

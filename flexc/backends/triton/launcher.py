@@ -26,6 +26,7 @@ from ...mods.traced_mod import TracedMod
 from ..dropout import Dropout
 from ..layout import empty_like_reference
 from ..nonfinite import all_finite
+from ..registry import KEPT
 from ..versioned_memo import VersionedMemo
 from .config import default_splits
 
@@ -34,6 +35,7 @@ INT32_OFFSET_LIMIT = 2 ** 31
 
 
 # ---- BlockMask tables ---------------------------------------------------------------------
+
 
 def kv_tables(block_mask: Any, spec: ForwardSpec | DecodeSpec | BackwardSpec, S: int,
               device: torch.device) -> list[torch.Tensor]:
@@ -455,7 +457,7 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
     return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
 
 
-__all__ = ["INT32_OFFSET_LIMIT", "backward_arguments", "backward_grid", "backward_rows_grid", "backward_outputs",
+__all__ = ["INT32_OFFSET_LIMIT", "KEPT", "backward_arguments", "backward_grid", "backward_rows_grid", "backward_outputs",
            "backward_tables", "buffer_arguments", "check_dropout", "check_query_blocks", "check_sinks",
            "decode_arguments", "decode_grid",
            "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",

@@ -1,0 +1,183 @@
+"""One plan per signature of a compiled call: what flexc's custom ops decide, worked out once and kept.
+
+Inside a compiled graph each flex_attention call is one op node (:mod:`flexc.torch_compile.custom_ops`)
+whose eager body receives tensors and constants: the mods as structure strings with their captured
+tensors, the BlockMask as its tables. Like an eager call's plan (:mod:`flexc.call.plans`), an
+:class:`OpPlan` holds what the op decides before its kernels run (the tables' validity and whether
+their empty entries need compacting, the options, the backend and its path, which mods' bounds
+depend on captured values, and the backend's forward or training pair prepared for these shapes), and
+:func:`op_plan` finds it by the call's signature: the inputs' layouts, the tables' contents states
+(held weakly: a plan keeps no tensor of a call, so compiled graphs' memory pools stay their own),
+the mods' structure strings and their captured tensors' layouts, and the constants. Each call then
+runs it on its own tensors: the kernels read that call's tables and captured tensors.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from .. import device as gpu
+from ..analysis import bounds
+from ..backends import registry
+from ..backends.cpu.torch_cpu import forward_with_max
+from ..call import validate
+from ..call.plan import dropout_backend
+from ..call.signature import Unkeyable, tensor_signature
+from ..codegen.printer import precise_math_for
+from ..dtypes import work_dtype
+from ..masks.empty_entries import without_empty_entries
+from ..versions import contents_states, pinned, rememberable
+
+_MAX_PLANS = 64
+_PLANS: "OrderedDict[tuple, OpPlan]" = OrderedDict()  # (oldest first)
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_options(kernel_options: str) -> dict:
+    return json.loads(kernel_options)
+
+
+def options_of(kernel_options: str) -> dict:
+    """The ops' ``kernel_options`` JSON as a dict (parsed once per distinct string; each call gets its own copy)."""
+    return dict(_parsed_options(kernel_options))
+
+
+def training_pair(backend: str):
+    """``registry.TRAINING[backend]`` (the backend's forward that saves its backward's statistics, and that
+    backward), or None; the backend's package imported on first need (Triton registers itself then)."""
+    registry.available(backend)
+    return registry.TRAINING.get(backend)
+
+
+def op_signature(query, key, value, tables, score_buffers, mask_buffers, constants: tuple, sinks) -> tuple | None:
+    """A compiled call's signature (see the module docstring), or None when it cannot be keyed (tables
+    without write counts, tensor subclasses, a CUDA graph being captured). ``constants``: the op's
+    non-tensor arguments."""
+    try:
+        stream = gpu.stream_token(query.device) if query.device.type == "cuda" else None
+        if not gpu.keeps(stream):
+            raise Unkeyable
+        states = contents_states(tables)
+        if not rememberable(states):
+            raise Unkeyable
+        return (tensor_signature(query), tensor_signature(key), tensor_signature(value),
+                None if sinks is None else tensor_signature(sinks), states,
+                tuple([tensor_signature(t) for t in score_buffers]), tuple([tensor_signature(t) for t in mask_buffers]),
+                constants, gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32())
+    except (Unkeyable, AttributeError, RuntimeError, NotImplementedError):
+        return None
+
+
+class OpPlan:
+    """What every call of one compiled signature runs (see the module docstring): the forward op's
+    (``forward``; ``need_max``, ``need_lse``), else the backward op's (``grad_slots``)."""
+
+    def __init__(self, query, key, value, score, mask, block_mask, scale: float, kernel_options: str,
+                 dropout_p: float, sinks, forward: bool = True, need_max: bool = False, need_lse: bool = True,
+                 grad_slots: tuple = ()):
+        B, Hq, L, _ = query.shape
+        if block_mask is not None and forward:  # the value checks eager flex_attention makes (dynamo cannot read values)
+            validate.check_block_tables(block_mask, L, key.shape[2])
+        # (negative entries in the counts: empty blocks; not remembered, see without_empty_entries)
+        compacted = without_empty_entries(block_mask, remember=False)
+        self.compacts = compacted is not block_mask
+        self.rechecked = False
+        if forward:
+            for traced in (score, mask):  # the checks eager flex_attention makes, on the real tensors
+                bounds.check_mod(traced, B, Hq, L, key.shape[-2], "flex_attention", compacted)
+            self.rechecked = any(bounds.has_checks(m) for m in (score, mask))
+        self.options = options_of(kernel_options)
+        self.backend = dropout_backend(self.options["BACKEND"], dropout_p)
+        self.generated = training_pair(self.backend)
+        self.lse_dtype = work_dtype(query.dtype)
+        self.need_max, self.need_lse = need_max, need_lse
+        # the backend's functions decided for this signature: they read each call's tables and captured
+        # tensors, and take the mods as the call gives them (the planned structure is theirs)
+        self.prepared: Callable | None = None
+        self.prepared_training = False
+        score, mask = precise_math_for(self.options, score, mask)  # FAST_MATH=False, as in eager calls
+        dropped, has_sinks = dropout_p > 0, sinks is not None
+        if self.generated is not None:
+            prepare = registry.PREPARE_TRAINING.get(self.backend)
+            if prepare is not None:
+                self.generated = prepare(query, key, value, score, mask, compacted, scale, self.options, grad_slots,
+                                         dropped, has_sinks, compiled=True)
+                self.prepared_training = True
+        elif forward and not (self.backend == registry.TORCH and (need_max or query.dtype == torch.float64
+                                                                  or dropped)):
+            prepare = registry.PREPARE.get(self.backend)
+            if prepare is not None:
+                self.prepared = prepare(query, key, value, score, mask, compacted, scale, self.options, need_lse,
+                                        dropped, has_sinks, keep_tables=False)
+
+    def block_mask(self, block_mask: Any) -> Any:
+        """This call's BlockMask as its kernels read it (compacted when the plan's tables needed it)."""
+        return without_empty_entries(block_mask, remember=False) if self.compacts else block_mask
+
+    def training_mods(self, score, mask) -> tuple:
+        """The mods the backend's training functions take: this call's, with FAST_MATH applied unless
+        the functions were prepared (then only their captured tensors are read)."""
+        return (score, mask) if self.prepared_training else precise_math_for(self.options, score, mask)
+
+    def forward(self, query, key, value, score, mask, block_mask, scale: float, drop, sinks):
+        """The op's forward on this call's tensors: ``(out, lse, row maxima or None, stats or None)``."""
+        block_mask = self.block_mask(block_mask)
+        if self.rechecked:
+            for traced in (score, mask):
+                bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2],
+                                 "flex_attention", block_mask)
+        options = self.options
+        if self.generated is not None:  # the forward that also serves the generated backward (drawing the dropout mask)
+            score, mask = self.training_mods(score, mask)
+            out, lse, stats = self.generated[0](query, key, value, score, mask, block_mask, scale, options,
+                                                dropout=drop, sinks=sinks)
+            return out, lse, None, stats
+        if self.prepared is not None:
+            out, lse = self.prepared(query, key, value, drop, sinks, block_mask, (score, mask))
+            return out, lse, None, None
+        score, mask = precise_math_for(options, score, mask)
+        if self.backend == registry.TORCH and (self.need_max or query.dtype == torch.float64 or drop is not None):
+            # (the row loop: row maxima, dropout, and a float64 logsumexp for float64 inputs)
+            out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale,
+                                                 need_max=self.need_max, lse_dtype=self.lse_dtype, dropout=drop,
+                                                 sinks=sinks)
+            return out, lse, row_max, None
+        # the registered forward, as an eager call runs it (validation let through only what it takes)
+        extra = {"sinks": sinks} if sinks is not None else {}
+        out, lse = registry.BACKENDS[self.backend](query, key, value, score, mask, block_mask, scale, options,
+                                                   self.need_lse, **extra)
+        return out, lse, None, None
+
+
+def op_plan(signature: tuple | None, make: Callable[[], OpPlan], keep: tuple) -> OpPlan:
+    """The plan kept for ``signature``, or ``make()``'s, kept when the call could be keyed; ``keep``: the
+    call's tables, whose contents states the signature holds (pinned: weakly, so that no other storage
+    takes their place while the plan is kept)."""
+    if signature is not None:
+        plan = _PLANS.get(signature)
+        if plan is not None:
+            return plan
+    plan = make()
+    if signature is not None:
+        states = signature[4]
+        signature = (*signature[:4], pinned(states, keep), *signature[5:])
+        with _lock:
+            _PLANS[signature] = plan
+            while len(_PLANS) > _MAX_PLANS:
+                _PLANS.popitem(last=False)
+    return plan
+
+
+def clear() -> None:
+    """Forget every compiled call's plan."""
+    with _lock:
+        _PLANS.clear()
+
+
+__all__ = ["OpPlan", "clear", "op_plan", "op_signature", "options_of", "training_pair"]
