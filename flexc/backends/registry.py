@@ -46,6 +46,16 @@ def register(name: str, forward: Callable) -> None:
     BACKENDS.setdefault(name, forward)
 
 
+def unregister(name: str) -> None:
+    """Remove backend ``name`` (and its training pair) registered by :func:`register`; a later call
+    naming it is refused as an unknown backend. The built-in backends stay."""
+    if name in (TORCH, *_PACKAGES):
+        raise ValueError(f"flexc.backends.registry.unregister: {name!r} is built in and stays registered, got "
+                         f"name={name!r}. Fix: unregister only a backend you registered.")
+    BACKENDS.pop(name, None)
+    TRAINING.pop(name, None)
+
+
 def names() -> tuple[str, ...]:
     """Every name ``kernel_options["BACKEND"]`` may take: AUTO, the registered backends and those whose
     package is imported on first need."""
