@@ -53,7 +53,7 @@ KERNEL_NAME = "flex_attention_backward"
 HEADS = "tl.num_programs(1) * GQA_GROUP"  # Hq: the grid's head axis is the key head
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackwardSpec(AttentionSpec):
     """What one generated backward kernel is specialised for.
 

@@ -42,7 +42,7 @@ KERNEL_NAME = "flex_attention_backward_rows"
 HEADS = "tl.num_programs(1) * GQA_GROUP"  # Hq: the grid's head axis is the key head
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackwardRowsSpec(BackwardSpec):
     """The row pass of the backward :class:`BackwardSpec` with the same fields (its own cache key)."""
 

@@ -37,7 +37,7 @@ from .spec import AttentionSpec, GeneratedKernel, padded_head_dim
 KERNEL_NAME = "flex_decode_split"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeSpec(AttentionSpec):
     """What one generated decode kernel is specialised for (its :meth:`key` is the cache key).
 

@@ -28,7 +28,7 @@ from . import tma
 KERNEL_NAME = "flex_attention_forward"
 NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row covers every query
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ForwardSpec(AttentionSpec):
     """What one generated forward kernel is specialised for (its :meth:`key` is the cache key).
 

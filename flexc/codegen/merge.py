@@ -29,7 +29,7 @@ from .spec import GeneratedSource, RowsSpec
 KERNEL_NAME = "flex_decode_merge"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MergeSpec(RowsSpec):
     """What one merge kernel is specialised for; ``work_dtype`` is the partial results' dtype."""
 

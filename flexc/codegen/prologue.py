@@ -26,7 +26,7 @@ from .spec import GeneratedSource, RowsSpec
 KERNEL_NAME = "flex_attention_backward_prologue"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrologueSpec(RowsSpec):
     """What one prologue kernel is specialised for; ``work_dtype`` is delta's and the base-2
     logsumexp's dtype. HAS_GRAD_LSE is a launch constexpr: one source either way."""

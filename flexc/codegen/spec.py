@@ -35,7 +35,7 @@ def _key_plan(cls: type) -> tuple[operator.attrgetter, tuple[int, ...]]:
     return operator.attrgetter(*names), tuple(i for i, name in enumerate(names) if name in cls.MOD_FIELDS)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KernelSpec:
     """Base of every kernel spec: the cache key derived from the fields."""
 
@@ -59,13 +59,14 @@ class KernelSpec:
         return known
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttentionSpec(KernelSpec):
     """An attention kernel's spec: the mods and head dims lead every one's fields.
 
     The specs also share ``num_warps``, ``num_stages``, ``has_full_blocks``, ``target``
-    (``"cuda"`` or ``"interpreter"``), ``fp32_precision`` and ``index_dtype``, but each declares
-    them where its callers pass them positionally (a base's fields would all come first).
+    (``"cuda"`` or ``"interpreter"``), ``fp32_precision`` and ``index_dtype``, each declared in its
+    own spec's field order (the key's order). Every spec's fields are keyword-only: a flag passed by
+    position lands in whatever field sits there (tests/test_house.py refuses positional construction).
     """
 
     MOD_FIELDS: ClassVar[tuple[str, ...]] = ("score_mod", "mask_mod")
@@ -119,7 +120,7 @@ class GeneratedKernel:
     mask_params: tuple[BufferParam, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowsSpec(KernelSpec):
     """A small kernel over rows of value-head vectors in a work dtype (the decode kernel's merge, the
     backward's prologue): what it is specialised for (its :meth:`key` is the cache key)."""

@@ -45,11 +45,14 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
         block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, q_block, kv_block,
                                                                 target)
     flags = config.flags(kernel_options)
-    return ForwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, block_m, block_n,
-                       warps, stages, has_full_blocks, need_lse or training, training, target,
-                       config.fp32_precision(target, kernel_options),
-                       flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype,
-                       dropout, sinks, float_indices=float_indices)
+    return ForwardSpec(score_mod=score_mod, mask_mod=mask_mod, dtype=dtype, head_dim=head_dim, v_head_dim=v_head_dim,
+                       q_block_size=q_block, kv_block_size=kv_block, block_m=block_m, block_n=block_n, num_warps=warps,
+                       num_stages=stages, has_full_blocks=has_full_blocks, output_lse=need_lse or training,
+                       output_stats=training, target=target,
+                       fp32_precision=config.fp32_precision(target, kernel_options), prescale_qk=flags["PRESCALE_QK"],
+                       rows_guaranteed_safe=flags["ROWS_GUARANTEED_SAFE"],
+                       blocks_are_contiguous=flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype=index_dtype, dropout=dropout,
+                       sinks=sinks, float_indices=float_indices)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
