@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import GeneratedSource, RowsSpec
+from .spec import GeneratedSource, RowsSpec, generates
 
 KERNEL_NAME = "flex_decode_merge"
 
@@ -103,6 +103,7 @@ _PLAIN_STARTS = ('    m = tl.full((BLOCK_ROWS,), float("-inf"), {acc})', "    to
 _SINK_STARTS = ("    m = sink", "    total = tl.exp(sink - m_safe)  # the sink's weight")
 
 
+@generates(MergeSpec)
 def generate_merge(spec: MergeSpec) -> GeneratedMerge:
     """The Triton source of the merge kernel described by ``spec``."""
     acc = f"tl.{spec.work_dtype}"

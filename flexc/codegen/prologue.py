@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .parts import row_sum
-from .spec import GeneratedSource, RowsSpec
+from .spec import GeneratedSource, RowsSpec, generates
 
 KERNEL_NAME = "flex_attention_backward_prologue"
 
@@ -82,6 +82,7 @@ def {name}(
 '''
 
 
+@generates(PrologueSpec)
 def generate_prologue(spec: PrologueSpec) -> GeneratedPrologue:
     """The Triton source of the prologue kernel described by ``spec``."""
     acc = f"tl.{spec.work_dtype}"

@@ -180,12 +180,9 @@ def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value
     whether ``sinks`` is, and ``training=`` as ``training``): ``(out, lse,
     stats)``, lse float64 for float64 inputs, None unless ``need_lse`` or the plan's forward writes it
     (the training forward, which also writes the backward's statistics ``stats``: see :func:`launch`)."""
-    if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
-        decode_spec, merge = plan.kernels
-        out, lse = decode.launch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
-                                 num_splits=config.requested_splits(kernel_options), merge=merge, dropout=dropout,
-                                 sinks=sinks)
-        return out, (lse if need_lse else None), None
+    other_kind = PLAN_LAUNCHES.get(type(plan.kernels[0])) if plan.kernels else None
+    if other_kind is not None:
+        return other_kind(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)
     if plan.kernels:
         (spec,) = plan.kernels
     else:  # the launcher returns the empty or fully masked outputs without a kernel
@@ -195,6 +192,19 @@ def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return launch(spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype=lse_dtype,
                   dropout=dropout, sinks=sinks)
+
+
+def _launch_decode(plan: ForwardPlan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks):
+    """A decode plan's launches: the split-KV decode kernel, then its merge (no statistics)."""
+    decode_spec, merge = plan.kernels
+    out, lse = decode.launch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
+                             num_splits=config.requested_splits(kernel_options), merge=merge, dropout=dropout,
+                             sinks=sinks)
+    return out, (lse if need_lse else None), None
+
+
+# the plans whose first kernel is not the forward kernel's, launched by their first kernel's spec type
+PLAN_LAUNCHES = {DecodeSpec: _launch_decode}
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
