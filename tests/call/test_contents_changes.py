@@ -206,8 +206,8 @@ def _bias_closure(bias):
 class _Call:
     """The inputs of one flex_attention call, changed one keyed input at a time."""
 
-    def __init__(self, backend: str, training: bool, seed: int):
-        self.backend, self.training = backend, training
+    def __init__(self, backend: str, training: bool, seed: int, attention=flexc.flex_attention):
+        self.backend, self.training, self.attention = backend, training, attention
         self.g = torch.Generator().manual_seed(seed)
         self.B, self.Hq, self.Hkv, self.L, self.S, self.D, self.dtype = 1, 2, 2, 64, 64, 16, torch.float32
         self.layout, self.gqa = "contiguous", False
@@ -316,12 +316,20 @@ class _Call:
             if self.block_mask is None:
                 self.mask_kind = "causal"
                 self.new_mask()
-            # the tables of a longer mask serve shorter inputs once seq_lengths says so; others raise
+            # the tables of a longer mask serve shorter queries once seq_lengths says so; lengths the
+            # inputs do not have raise
             L, S = self.block_mask.seq_lengths
-            self.block_mask.seq_lengths = (L + BLOCK, S)
-            with pytest.raises(ValueError, match="seq_lengths"):
-                self.call()
-            self.block_mask.seq_lengths = (L, S)
+            shorter = [n for n in LENGTHS if n < L]
+            if shorter and pick(2):
+                self.L = shorter[pick(len(shorter))]
+                self.block_mask.seq_lengths = (self.L, S)
+                self.new_qkv((0,))
+            else:
+                self.block_mask.seq_lengths = (L + BLOCK, S)
+                # (under torch.compile(fullgraph=True) dynamo reports the ValueError as its own error)
+                with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match="seq_lengths"):
+                    self.call()
+                self.block_mask.seq_lengths = (L, S)
         elif what == "new score_mod closure":
             self.bias = self._captured(self.rand(128).float())
             self.score_mod, self.rebind = _bias_closure(self.bias)
@@ -354,10 +362,10 @@ class _Call:
 
     def call(self):
         q, k, v = self.qkv
-        return flexc.flex_attention(q, k, v, score_mod=self.score_mod, block_mask=self.block_mask, scale=self.scale,
-                                    enable_gqa=self.gqa, return_lse=self.outputs == "lse",
-                                    kernel_options={"BACKEND": self.backend, **self.extra}, sinks=self.sinks,
-                                    return_aux=self.aux if self.outputs == "aux" else None)
+        return self.attention(q, k, v, score_mod=self.score_mod, block_mask=self.block_mask, scale=self.scale,
+                              enable_gqa=self.gqa, return_lse=self.outputs == "lse",
+                              kernel_options={"BACKEND": self.backend, **self.extra}, sinks=self.sinks,
+                              return_aux=self.aux if self.outputs == "aux" else None)
 
     @property
     def aux(self):
@@ -407,8 +415,8 @@ class _Call:
                     _close(a, b.double(), f"gradient {i} after {what}", 2e-4)
 
 
-def _run_changes(backend, training, changes, seed):
-    call = _Call(backend, training, seed)
+def _run_changes(backend, training, changes, seed, attention=flexc.flex_attention):
+    call = _Call(backend, training, seed, attention)
     call.check("the first call")
     for what, change_seed in changes:
         call.change(what, change_seed)
@@ -432,7 +440,7 @@ def test_every_keyed_input_changed_between_calls_equals_dense(backend, n, steps)
     check()
 
 
-@pytest.mark.parametrize("backend,n,steps", [("TORCH", 10, 4), ("sm_90", 2, 3)])
+@pytest.mark.parametrize("backend,n,steps", [("TORCH", 6, 4), ("sm_90", 2, 2)])
 def test_every_keyed_input_changed_between_training_steps_gives_dense_gradients(backend, n, steps):
     """The same changes between training steps (:data:`strategies.TRAINING_CHANGES`): q, k, v, the
     captured bias and the sinks get the gradients of float64 autograd."""
@@ -445,3 +453,16 @@ def test_every_keyed_input_changed_between_training_steps_gives_dense_gradients(
         else:
             _run_changes(backend, True, changes, seed)
     check()
+
+
+def test_every_keyed_input_changed_between_compiled_calls_equals_dense():
+    """The same changes between calls of ``torch.compile(flex_attention, fullgraph=True)`` on TORCH:
+    dynamo's guards and flexc's custom op see each one (a recompile, or the op reading it)."""
+    @examples(4)
+    @given(changes=keyed_changes(max_size=3), seed=st.integers(0, 1 << 16))
+    def check(changes, seed):
+        torch._dynamo.reset()  # (each example's recompiles from scratch: fullgraph=True fails at dynamo's limit)
+        _run_changes("TORCH", False, changes, seed, torch.compile(flexc.flex_attention, backend="aot_eager",
+                                                                    fullgraph=True))
+    check()
+    torch._dynamo.reset()
