@@ -27,11 +27,13 @@ def random_qkv(B: int, Hq: int, Hkv: int, L: int, S: int, E: int, Ev: int | None
     return q, k, v
 
 
-def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64):
+def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64, sinks=None):
     """``(out, lse, max_scores)`` of flex attention in ``dtype``, by dense evaluation.
 
     GQA (``Hq`` a multiple of ``Hkv``) and ``Bkv == 1`` broadcast follow torch's rules. Rows with no
-    allowed key give output 0, lse ``-inf`` and max ``-inf``; their gradients are 0.
+    allowed key give output 0, lse ``-inf`` and max ``-inf``; their gradients are 0. ``sinks``
+    (broadcastable to ``[B, Hq]``) join each row's softmax as one more logit with no value row, so
+    the lse includes them and a row with no allowed key gets lse ``sink``; max_scores leaves them out.
     """
     B, Hq, L, E = q.shape
     Bkv, Hkv, S, _ = k.shape
@@ -46,6 +48,10 @@ def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=to
     if mask_mod is not None:
         allowed = torch.broadcast_to(mask_mod(b, h, qi, kv), scores.shape)
         scores = torch.where(allowed, scores, torch.tensor(-math.inf, dtype=dtype, device=q.device))
+    if sinks is not None:
+        sink = torch.broadcast_to(sinks.to(dtype), (B, Hq)).reshape(B, Hq, 1, 1).expand(B, Hq, L, 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1, keepdim=True)
+        return torch.exp(scores - lse) @ vv, lse.squeeze(-1), scores.amax(dim=-1)
     dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
     # the logsumexp of a dead row is computed on zeros so its backward stays finite
     lse = torch.logsumexp(torch.where(dead, 0.0, scores), dim=-1, keepdim=True)

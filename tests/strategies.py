@@ -403,3 +403,26 @@ def document_ids(draw, n: int, max_documents: int = 3) -> torch.Tensor:
     for c in cuts:
         ids[c * n // 4:] += 1
     return ids
+
+
+# ---- one keyed input of a flex_attention call changed between calls -----------------------------
+
+# what a per-call plan cache keys on, one change each (tests/call/test_contents_changes.py applies them)
+KEYED_CHANGES = (
+    "q k or v values",  # in place or swapped in as SWAPS says
+    "q k or v at a reused address",  # deleted, then a tensor of the same size allocated
+    "lengths", "head dim", "batch and heads", "gqa", "layout", "dtype",
+    "another mask", "mask table in place", "mask table .data", "mask.mask_mod =", "mask.seq_lengths =",
+    "no mask",
+    "new score_mod closure", "captured tensor rebound", "captured tensor values", "global read by the mod",
+    "no score_mod",
+    "scale", "kernel_options", "outputs", "sinks values", "sinks shape",
+)
+# the ones a training step takes (a table edited under a mask whose q tables were derived is a user's error)
+TRAINING_CHANGES = tuple(c for c in KEYED_CHANGES if not c.startswith(("mask table", "mask.", "dtype")))
+
+
+def keyed_changes(changes: Sequence[str] = KEYED_CHANGES, max_size: int = 6) -> st.SearchStrategy:
+    """``[(change, seed)]``: changes of :data:`KEYED_CHANGES` to make between calls, each with the seed
+    of its new values."""
+    return st.lists(st.tuples(st.sampled_from(changes), st.integers(0, 1 << 16)), min_size=1, max_size=max_size)

@@ -3,7 +3,6 @@ does not: over-long device-side assert messages, grids past CUDA's limits, host 
 a launch, and configurations needing more shared memory than the simulated GPU has per block."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import pytest
@@ -60,7 +59,9 @@ def test_the_device_side_bounds_check_names_the_mod_and_the_fix_in_a_message_cud
 
 
 def _spec(**changes):
-    return dataclasses.replace(ForwardSpec(None, None, torch.float16, 64, 64, 128, 128, 128, 128), **changes)
+    fields = dict(score_mod=None, mask_mod=None, dtype=torch.float16, head_dim=64, v_head_dim=64, q_block_size=128,
+                  kv_block_size=128, block_m=128, block_n=128)
+    return ForwardSpec(**(fields | changes))
 
 
 def test_a_simulated_launch_refuses_grids_host_tensors_and_shared_memory_past_the_gpus():

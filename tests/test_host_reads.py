@@ -3,7 +3,6 @@ host reads of device tensors, device-to-host and host-to-device copies, host ten
 launch; and not the reads, moves and fills of tensors flexc keeps on the host."""
 from __future__ import annotations
 
-import dataclasses
 import linecache
 import os
 
@@ -73,7 +72,8 @@ def probe():
     ("host_launch", "host tensor handed to a launch (argument 0)")])
 def test_a_host_copy_or_read_on_the_simulated_device_path_is_counted(probe, name, counted):
     device_tensor = torch.zeros(2)
-    spec = dataclasses.replace(ForwardSpec(None, None, torch.float32, 16, 16, 16, 16, 16, 16), num_stages=1)
+    spec = ForwardSpec(score_mod=None, mask_mod=None, dtype=torch.float32, head_dim=16, v_head_dim=16, q_block_size=16,
+                       kv_block_size=16, block_m=16, block_n=16, num_stages=1)
     args = {"h2d_tensor": (device_tensor.device,), "h2d_as_tensor": (device_tensor.device,),
             "h2d_to": (device_tensor.device,), "host_launch": (device_tensor.device, spec)}.get(name, (device_tensor,))
     with gpu.simulate("sm_90"), counting_host_reads() as counted_sites:

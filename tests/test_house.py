@@ -233,3 +233,79 @@ def test_backend_names_are_spelled_in_the_registry_only():
 
 def test_backend_name_finder_finds_a_spelled_name():
     assert _backend_name_strings('x = {"BACKEND": "TRITON"}\n"""TRITON docs"""\n', {"TRITON"}) == [1]
+
+
+# ---- kernel kinds: dispatch by the spec's type, specs built by keyword ---------------------------------
+# A kernel kind is one registration (its generator: flexc.codegen.spec.generates; its launch pieces: dicts
+# keyed by its spec type), never a branch on isinstance(spec, ...) in each job's module; and its spec's
+# fields are keyword-only, so no construction passes them by position.
+
+def _spec_class_names() -> set[str]:
+    import importlib
+
+    from flexc.codegen.spec import KernelSpec
+
+    for name in MODULES:
+        if name.startswith("flexc.codegen."):
+            importlib.import_module(name)
+    found, todo = set(), [KernelSpec]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return found
+
+
+SPEC_CLASSES = _spec_class_names()
+
+
+def _named(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _spec_type_tests(source: str, specs: set[str]) -> list[int]:
+    """Lines of ``source`` that branch on a spec's class: ``isinstance(x, Spec)`` (or a tuple of them),
+    ``issubclass``, and ``type(x) is / == / in`` a spec class."""
+    def names_specs(node):
+        nodes = node.elts if isinstance(node, ast.Tuple) else [node]
+        return any(_named(n) in specs for n in nodes)
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and _named(node.func) in ("isinstance", "issubclass") and len(node.args) == 2
+                and names_specs(node.args[1])):
+            lines.append(node.lineno)
+        elif (isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) and _named(node.left.func) == "type"
+              and any(names_specs(c) for c in node.comparators)):
+            lines.append(node.lineno)
+    return lines
+
+
+def _positional_spec_constructions(source: str, specs: set[str]) -> list[int]:
+    """Lines of ``source`` that construct a spec class with a positional argument (``*args`` included)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and _named(node.func) in specs and node.args]
+
+
+def test_kernel_kinds_are_dispatched_by_the_specs_type_not_by_isinstance():
+    branching = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in MODULES.values()
+                 for line in _spec_type_tests(path.read_text(), SPEC_CLASSES)]
+    assert branching == [], ("register the kind instead: its generator with flexc.codegen.spec.generates, its launch "
+                             "pieces in a dict keyed by its spec type")
+
+
+def test_specs_are_built_by_keyword():
+    roots = [PACKAGE.parent / folder for folder in ("flexc", "tests", "bench", "examples")]
+    positional = [f"{path.relative_to(PACKAGE.parent)}:{line}" for root in roots for path in sorted(root.rglob("*.py"))
+                  for line in _positional_spec_constructions(path.read_text(), SPEC_CLASSES)]
+    assert positional == [], "name every field: ForwardSpec(score_mod=..., mask_mod=..., dtype=..., ...)"
+
+
+def test_the_spec_finders_find_a_type_test_and_a_positional_construction():
+    source = ("if isinstance(spec, ForwardSpec): pass\nif isinstance(spec, (int, codegen.DecodeSpec)): pass\n"
+              "if type(spec) is BackwardSpec: pass\nif isinstance(spec, dict): pass\n"
+              "ForwardSpec(None, mask_mod=None)\nForwardSpec(score_mod=None)\nDecodeSpec(*fields)\n")
+    specs = {"ForwardSpec", "DecodeSpec", "BackwardSpec"}
+    assert _spec_type_tests(source, specs) == [1, 2, 3]
+    assert _positional_spec_constructions(source, specs) == [5, 7]
+    assert {"KernelSpec", "ForwardSpec", "BackwardSpec", "BackwardRowsSpec", "DecodeSpec", "MergeSpec",
+            "PrologueSpec"} <= SPEC_CLASSES

@@ -68,6 +68,30 @@ def register(name: str, forward: Callable, prepare: Callable | None = None) -> N
                          f"{str(name).upper()!r}.")
     if BACKENDS.setdefault(name, forward) is forward and prepare is not None:
         PREPARE.setdefault(name, prepare)
+    _changes[0] += 1
+
+
+def unregister(name: str) -> None:
+    """Remove backend ``name`` (and its training pair) registered by :func:`register`; a later call
+    naming it is refused as an unknown backend. The built-in backends stay."""
+    if name in (TORCH, *_PACKAGES):
+        raise ValueError(f"flexc.backends.registry.unregister: {name!r} is built in and stays registered, got "
+                         f"name={name!r}. Fix: unregister only a backend you registered.")
+    BACKENDS.pop(name, None)
+    TRAINING.pop(name, None)
+    PREPARE.pop(name, None)
+    PREPARE_TRAINING.pop(name, None)
+    _changes[0] += 1
+
+
+# how many times the backends changed: part of every plan's signature (flexc.call.signature), so a
+# plan made for a backend since unregistered or replaced is never run
+_changes = [0]
+
+
+def changes() -> int:
+    """How many times a backend was registered or unregistered (plans made before a change are not run)."""
+    return _changes[0]
 
 
 def names() -> tuple[str, ...]:
@@ -81,6 +105,7 @@ def register_training(name: str, forward: Callable, backward: Callable, prepare:
     ``prepare``: both decided once per call signature (see :data:`PREPARE_TRAINING`)."""
     if TRAINING.setdefault(name, (forward, backward)) == (forward, backward) and prepare is not None:
         PREPARE_TRAINING.setdefault(name, prepare)
+    _changes[0] += 1
 
 
 def available(name: str) -> bool:

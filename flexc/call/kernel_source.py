@@ -59,7 +59,7 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     plan = plan_call(query, key, value, traced_score, traced_mask, options, return_lse, return_aux,
                      training=True if backward else None, dropout_p=dropout_p, sinks=rows, block_mask=block_mask)
     if plan.backend != registry.TRITON:
-        return _runs_instead(plan.backend, query.device, backward)
+        return _runs_instead(plan.backend, query.device, backward, own_backward=plan.generated is not None)
     if backward:
         if plan.generated is None:
             reason = (generated_backward_fallback(traced_score) or "").replace("\n", " ")
@@ -75,11 +75,16 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     return sources_text(forward.kernels, query.device)
 
 
-def _runs_instead(backend: str, device: torch.device, backward: bool) -> str:
-    """kernel_source's text for a call whose backend generates no kernel."""
+def _runs_instead(backend: str, device: torch.device, backward: bool, own_backward: bool) -> str:
+    """kernel_source's text for a call whose backend generates no kernel; for a backward, also what
+    trains it (the backend's registered backward, else the torch backward)."""
     what = "backward" if backward else "call"
     if backend == registry.TORCH:
         runs = "flexc's block-sparse PyTorch path (flexc.backends.cpu.torch_cpu), forward and backward"
+    elif backward:
+        trains = ("its own registered backward (flexc.backends.registry.TRAINING)" if own_backward else
+                  "the torch backward\n# (flexc.backends.cpu.torch_cpu.torch_backward)")
+        runs = f"the {backend!r} backend's forward and trains through {trains}"
     else:
         runs = f"the {backend!r} backend"
     return (f"# flexc: this {what} runs no generated kernel: kernel_options['BACKEND'] resolves to {backend!r} for "

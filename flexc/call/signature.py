@@ -19,7 +19,8 @@ own tensors. A signature holds:
 - the mods as traced: the :class:`~flexc.mods.traced_mod.TracedMod` the trace cache serves while
   nothing the mod can read has changed (:mod:`flexc.mods.trace_cache`: code, closure, globals,
   captured tensors' memory), with the captured tensors' ``requires_grad``;
-- scale, ``enable_gqa``, ``return_lse``, ``return_aux``, ``kernel_options`` and dropout's ``p``.
+- scale, ``enable_gqa``, ``return_lse``, ``return_aux``, ``kernel_options`` and dropout's ``p``, and
+  the registry's count of changes (a backend registered or unregistered since makes new plans).
 
 A captured tensor's values are not in it: kernels read them at each call, and the checks that depend
 on them run each call (:attr:`flexc.call.plans.Plan.rechecked`). :func:`call_signature` gives None
@@ -34,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from .. import device as gpu
+from ..backends import registry
 from ..masks.kv_tables import kv_tables
 from ..mods import derived, trace_cache
 from ..mods.traced_mod import MASK_MOD, SCORE_MOD, TracedMod
@@ -133,6 +135,7 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         signature = (tensor_signature(query), tensor_signature(key), tensor_signature(value),
                      None if sinks is None else tensor_signature(sinks), grad,
                      gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32(),
+                     registry.changes(),
                      block_mask_signature(block_mask, training, keep), mod_signature(traced_score),
                      mod_signature(traced_mask), scale if type(scale) in (float, int, type(None)) else _unkeyable(),
                      bool(enable_gqa), bool(return_lse), None if return_aux is None else (type(return_aux), *return_aux),

@@ -47,13 +47,13 @@ from .kernel_mods import hoisted_lines, param_stems, render_mods
 from .parts import (DROPOUT_HELPERS, KV_BASES, dot, dropout_args, dropout_head, dropout_keep, dropout_params,
                     float_param, head_check, operand, row_sum, tile_load, tile_walk, widen_suffix)
 from .printer import BufferParam, RenderedMod, python_literal, render_mod
-from .spec import AttentionSpec, GeneratedKernel
+from .spec import AttentionSpec, GeneratedKernel, generates
 
 KERNEL_NAME = "flex_attention_backward"
 HEADS = "tl.num_programs(1) * GQA_GROUP"  # Hq: the grid's head axis is the key head
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackwardSpec(AttentionSpec):
     """What one generated backward kernel is specialised for.
 
@@ -63,6 +63,8 @@ class BackwardSpec(AttentionSpec):
     """
 
     KIND = ("backward",)
+    TILES = ("block_m1", "block_n1", "block_m2", "block_n2")
+    SHRINK_ORDER = (TILES,)  # every tile above 16 at once
 
     q_block_size: int
     kv_block_size: int
@@ -234,6 +236,7 @@ def render_backward(spec: BackwardSpec) -> RenderedBackward:
                             buffers, n_buf, args, dq_args)
 
 
+@generates(BackwardSpec)
 def generate_backward(spec: BackwardSpec) -> GeneratedBackward:
     """The Triton source of the backward kernel described by ``spec``."""
     r = render_backward(spec)

@@ -37,12 +37,13 @@ from .emit import HEAD_DIMS, bounds, call, jit_def, keywords, names_line, preamb
 from .header import describe_dims, describe_mods, index_note, widen_note
 from .parts import (DROPOUT_HELPERS, KV_BASES, dropout_args, dropout_head, head_check, row_sum,
                     widen_suffix)
+from .spec import generates
 
 KERNEL_NAME = "flex_attention_backward_rows"
 HEADS = "tl.num_programs(1) * GQA_GROUP"  # Hq: the grid's head axis is the key head
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackwardRowsSpec(BackwardSpec):
     """The row pass of the backward :class:`BackwardSpec` with the same fields (its own cache key)."""
 
@@ -54,6 +55,7 @@ def rows_spec(spec: BackwardSpec) -> BackwardRowsSpec:
     return BackwardRowsSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
 
+@generates(BackwardRowsSpec)
 def generate_backward_rows(spec: BackwardRowsSpec) -> GeneratedBackward:
     """The Triton source of the row pass described by ``spec``."""
     r = render_backward(spec)

@@ -32,12 +32,12 @@ from .header import describe_dims, describe_mods, index_note, widen_note
 from .kernel_mods import buffer_args, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
                     float_param, head_check, online_softmax, softmax_state, tile_load, tile_walk, widen_suffix)
-from .spec import AttentionSpec, GeneratedKernel, padded_head_dim
+from .spec import AttentionSpec, GeneratedKernel, generates, padded_head_dim
 
 KERNEL_NAME = "flex_decode_split"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeSpec(AttentionSpec):
     """What one generated decode kernel is specialised for (its :meth:`key` is the cache key).
 
@@ -46,6 +46,8 @@ class DecodeSpec(AttentionSpec):
     """
 
     KIND = ("decode",)
+    TILES = ("block_m", "block_n")
+    SHRINK_ORDER = (("block_n",),)  # the query tile holds all the packed rows and stays
 
     kv_block_size: int
     block_m: int
@@ -67,6 +69,7 @@ class GeneratedDecode(GeneratedKernel):
     """A generated decode kernel (see :class:`GeneratedKernel`)."""
 
 
+@generates(DecodeSpec)
 def generate_decode(spec: DecodeSpec) -> GeneratedDecode:
     """The Triton source of the split-KV decode kernel described by ``spec``."""
     score, mask = render_mods(spec, spec.target, spec.index_dtype)

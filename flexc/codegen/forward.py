@@ -22,19 +22,22 @@ from .header import describe_dims, describe_mods, widen_note
 from .kernel_mods import buffer_args, buffer_params, hoisted_lines, mask_lines, render_mods, score_lines
 from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropout_args, dropout_head, dropout_params,
                     float_param, head_check, online_softmax, sink_params, softmax_state, tile_load, tile_walk, widen_suffix)
-from .spec import AttentionSpec, GeneratedKernel, next_power_of_2, padded_head_dim
+from .spec import AttentionSpec, GeneratedKernel, generates, next_power_of_2, padded_head_dim
 from . import tma
 
 KERNEL_NAME = "flex_attention_forward"
 NO_BLOCK_MASK = 1 << 30  # the query "block" of a missing BlockMask: one row covers every query
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ForwardSpec(AttentionSpec):
     """What one generated forward kernel is specialised for (its :meth:`key` is the cache key).
 
     ``q_block_size``/``kv_block_size`` are the BlockMask's block sizes (``NO_BLOCK_MASK`` and
     ``block_n`` when there is none); ``block_m``/``block_n`` the kernel's tiles, which divide them.
     """
+
+    TILES = ("block_m", "block_n")
+    SHRINK_ORDER = (("block_n",), ("block_m",))  # the key tile first; the query tile after it
 
     q_block_size: int
     kv_block_size: int
@@ -75,6 +78,7 @@ class GeneratedForward(GeneratedKernel):
     needs_positive_scale: bool = False
 
 
+@generates(ForwardSpec)
 def generate_forward(spec: ForwardSpec) -> GeneratedForward:
     """The Triton source of the forward kernel described by ``spec``."""
     score, mask = render_mods(spec, spec.target, spec.index_dtype, hoist=True)

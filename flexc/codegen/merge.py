@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import GeneratedSource, RowsSpec
+from .spec import GeneratedSource, RowsSpec, generates
 
 KERNEL_NAME = "flex_decode_merge"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MergeSpec(RowsSpec):
     """What one merge kernel is specialised for; ``work_dtype`` is the partial results' dtype."""
 
@@ -103,6 +103,7 @@ _PLAIN_STARTS = ('    m = tl.full((BLOCK_ROWS,), float("-inf"), {acc})', "    to
 _SINK_STARTS = ("    m = sink", "    total = tl.exp(sink - m_safe)  # the sink's weight")
 
 
+@generates(MergeSpec)
 def generate_merge(spec: MergeSpec) -> GeneratedMerge:
     """The Triton source of the merge kernel described by ``spec``."""
     acc = f"tl.{spec.work_dtype}"

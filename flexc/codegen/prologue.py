@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .parts import row_sum
-from .spec import GeneratedSource, RowsSpec
+from .spec import GeneratedSource, RowsSpec, generates
 
 KERNEL_NAME = "flex_attention_backward_prologue"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrologueSpec(RowsSpec):
     """What one prologue kernel is specialised for; ``work_dtype`` is delta's and the base-2
     logsumexp's dtype. HAS_GRAD_LSE is a launch constexpr: one source either way."""
@@ -82,6 +82,7 @@ def {name}(
 '''
 
 
+@generates(PrologueSpec)
 def generate_prologue(spec: PrologueSpec) -> GeneratedPrologue:
     """The Triton source of the prologue kernel described by ``spec``."""
     acc = f"tl.{spec.work_dtype}"

@@ -3,14 +3,16 @@
 Each generator takes a frozen dataclass of everything that shapes its source, and the backends
 cache compiled kernels by its :meth:`KernelSpec.key`. The key is derived from the fields in order
 (a mod by its structure key, never its captured values), after the spec's ``KIND`` tag so kernels
-of two kinds never share one.
+of two kinds never share one. Each kind's module registers its generator for its spec type
+(:func:`generates`), and :func:`generate` dispatches on the spec's type: a new kernel kind is its
+spec, its generator and that one registration.
 """
 from __future__ import annotations
 
 import functools
 import operator
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -36,12 +38,37 @@ def _key_plan(cls: type) -> tuple[operator.attrgetter, tuple[int, ...]]:
     return operator.attrgetter(*names), tuple(i for i, name in enumerate(names) if name in cls.MOD_FIELDS)
 
 
-@dataclass(frozen=True)
+# each spec type's generator, registered by its module (exact types: a subclass is a kind of its own)
+GENERATORS: dict[type, Callable[[Any], Any]] = {}
+
+
+def generates(spec_type: type) -> Callable:
+    """Decorator: the decorated function generates the kernels of ``spec_type`` (exactly that type)."""
+    def register(generator: Callable) -> Callable:
+        GENERATORS[spec_type] = generator
+        return generator
+    return register
+
+
+def generate(spec: "KernelSpec") -> Any:
+    """The generated kernel (``.source``, ``.kernel_name``, parameters) of ``spec``, by its type's generator."""
+    generator = GENERATORS.get(type(spec))
+    if generator is None:
+        raise TypeError(f"flexc.codegen.spec.generate: no generator is registered for {type(spec).__name__}, got "
+                        f"{spec!r}. Fix: decorate the kind's generator with @generates({type(spec).__name__}).")
+    return generator(spec)
+
+
+@dataclass(frozen=True, kw_only=True)
 class KernelSpec:
     """Base of every kernel spec: the cache key derived from the fields."""
 
     KIND: ClassVar[tuple[str, ...]] = ()  # the key's leading tag ("decode", ...); the forward's is empty
     MOD_FIELDS: ClassVar[tuple[str, ...]] = ()  # fields holding a TracedMod (or None): keyed by structure
+    TILES: ClassVar[tuple[str, ...]] = ()  # the tile fields (kernel_options names them upper-cased)
+    # the groups of tiles a smaller configuration halves (those above 16 of the first group that has
+    # one), tried in order after the pipeline stages (flexc.backends.triton.config.smaller_config)
+    SHRINK_ORDER: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     def key(self) -> tuple:
         """The kernel cache key: the fields in order, the mods' structure, never their captured values.
@@ -60,13 +87,14 @@ class KernelSpec:
         return known
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttentionSpec(KernelSpec):
     """An attention kernel's spec: the mods and head dims lead every one's fields.
 
     The specs also share ``num_warps``, ``num_stages``, ``has_full_blocks``, ``target``
-    (``"cuda"`` or ``"interpreter"``), ``fp32_precision`` and ``index_dtype``, but each declares
-    them where its callers pass them positionally (a base's fields would all come first).
+    (``"cuda"`` or ``"interpreter"``), ``fp32_precision`` and ``index_dtype``, each declared in its
+    own spec's field order (the key's order). Every spec's fields are keyword-only: a flag passed by
+    position lands in whatever field sits there (tests/test_house.py refuses positional construction).
     """
 
     MOD_FIELDS: ClassVar[tuple[str, ...]] = ("score_mod", "mask_mod")
@@ -120,7 +148,7 @@ class GeneratedKernel:
     mask_params: tuple[BufferParam, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowsSpec(KernelSpec):
     """A small kernel over rows of value-head vectors in a work dtype (the decode kernel's merge, the
     backward's prologue): what it is specialised for (its :meth:`key` is the cache key)."""

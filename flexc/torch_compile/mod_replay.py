@@ -46,6 +46,18 @@ def replayed_mod(gm: torch.fx.GraphModule, plan: Plan, inputs: tuple, kind: str,
     return key, list(traced.buffers)
 
 
+def _reads_a_tensorified_number(node: torch.fx.Node, env: dict) -> bool:
+    """Whether ``node`` is ``t.item()`` of a 0-d tensor input: a Python float the mod captures that
+    changed between calls, which dynamo passes as a 0-d tensor and reads back with ``item()``. The
+    replay reads the tensor itself (a captured buffer, read afresh every call; a 0-d tensor promotes
+    as the number would): its ``item()`` is a SymFloat while AOT autograd traces, which the tracer
+    cannot take, and a number would be baked into the mod."""
+    if node.op != "call_method" or node.target != "item" or not node.args:
+        return False
+    value = env.get(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and node.args[0].op == "placeholder"
+
+
 def _trace_output(gm: torch.fx.GraphModule, plan: Plan, root: torch.fx.Node, inputs: tuple, kind: str, name: str):
     """Trace the subgraph nodes that compute ``root`` as a ``kind`` mod of flexc's tracer."""
     needed = ancestors(root)
@@ -65,7 +77,8 @@ def _trace_output(gm: torch.fx.GraphModule, plan: Plan, root: torch.fx.Node, inp
         env.update(numbers)
         for node in gm.graph.nodes:
             if node in needed and node not in skip and node.op != "placeholder":
-                env[node] = run_node(gm, node, env, plan.functions)
+                env[node] = (env[node.args[0]] if _reads_a_tensorified_number(node, env)
+                             else run_node(gm, node, env, plan.functions))
         return env[root]
 
     traced = trace(_ScoreReplay(mod) if kind == SCORE_MOD else _MaskReplay(mod), kind)

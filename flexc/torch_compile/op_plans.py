@@ -69,7 +69,8 @@ def op_signature(query, key, value, tables, score_buffers, mask_buffers, constan
         return (tensor_signature(query), tensor_signature(key), tensor_signature(value),
                 None if sinks is None else tensor_signature(sinks), states,
                 tuple([tensor_signature(t) for t in score_buffers]), tuple([tensor_signature(t) for t in mask_buffers]),
-                constants, gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32())
+                constants, gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32(),
+                registry.changes())
     except (Unkeyable, AttributeError, RuntimeError, NotImplementedError):
         return None
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import flexc
-from reference import index_tensors, random_qkv
+from reference import dense_attention, random_qkv
 from strategies import examples
 
 B, HQ, HKV, L, S, E = 2, 4, 2, 72, 88, 16
@@ -19,21 +19,7 @@ B, HQ, HKV, L, S, E = 2, 4, 2, 72, 88, 16
 
 def dense_with_sinks(q, k, v, sinks, score_mod=None, mask_mod=None):
     """``(out, lse)`` in float64: softmax over [scores..., sink] per row, the sink's column dropped."""
-    Bq, Hq, Lq, D = q.shape
-    G = Hq // k.shape[1]
-    kk = k.double().repeat_interleave(G, 1).expand(Bq, Hq, -1, -1)
-    vv = v.double().repeat_interleave(G, 1).expand(Bq, Hq, -1, -1)
-    s = q.double() @ kk.transpose(-1, -2) / math.sqrt(D)
-    b, h, qi, kv = index_tensors(Bq, Hq, Lq, k.shape[2])
-    if score_mod is not None:
-        s = torch.broadcast_to(score_mod(s, b, h, qi, kv), s.shape).double()
-    if mask_mod is not None:
-        s = torch.where(torch.broadcast_to(mask_mod(b, h, qi, kv), s.shape), s, -math.inf)
-    sink = torch.broadcast_to(torch.broadcast_to(sinks.double(), (Bq, Hq)).view(Bq, Hq, 1, 1), (Bq, Hq, Lq, 1))
-    full = torch.cat([s, sink], dim=-1)
-    lse = torch.logsumexp(full, dim=-1)
-    p = torch.exp(full - lse.unsqueeze(-1))[..., :-1]
-    return p @ vv, lse
+    return dense_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)[:2]
 
 
 def _mask(b, h, q_idx, kv_idx):  # causal from the end, with rows q % 9 == 4 fully masked (dead rows)

@@ -269,6 +269,36 @@ def test_symbolic_floats_dynamic_true_and_a_changing_scale_train_like_eager(drop
                 torch.testing.assert_close(a, b)
 
 
+_TEMPERATURE = 1.0  # a Python float the score_mod below reads as a global
+
+
+def _tempered(s, b, h, q_idx, kv_idx):
+    return s * _TEMPERATURE
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_a_captured_float_that_changes_between_compiled_calls_trains_like_eager(backend):
+    """A float the score_mod reads that changes between calls, which dynamo then passes as a 0-d tensor
+    and reads back with ``.item()`` (its float specialisation off), is this call's value: outputs and
+    gradients equal the eager call's (the replay once met a SymFloat from that ``item()`` and raised)."""
+    global _TEMPERATURE
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=g, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        return flexc.flex_attention(q, k, v, score_mod=_tempered, kernel_options={"BACKEND": backend})
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for _TEMPERATURE in (1.0, 1.5, 0.5):
+        results = []
+        for fn in (compiled, f):
+            out = fn(q, k, v)
+            results.append([out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v))])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b)
+
+
 def test_triton_backend_under_compile_trains_like_eager():
     """BACKEND="TRITON" (the generated kernels, here on Triton's CPU interpreter): forward and the
     generated backward through the custom ops equal the eager Triton call."""

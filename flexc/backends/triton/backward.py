@@ -49,9 +49,12 @@ def make_backward_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, 
         q_block, kv_block = block_size
         m1, n1, m2, n2, warps, stages = config.resolve_backward_config(kernel_options, dtype, head_dim, q_block,
                                                                        kv_block, target)
-    return BackwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, m1, n1, m2, n2,
-                        warps, stages, has_full_blocks, tuple(grad_slots), target, config.fp32_precision(target, kernel_options),
-                        index_dtype, dropout, precise_gradients(kernel_options, dtype), float_indices)
+    return BackwardSpec(score_mod=score_mod, mask_mod=mask_mod, dtype=dtype, head_dim=head_dim, v_head_dim=v_head_dim,
+                        q_block_size=q_block, kv_block_size=kv_block, block_m1=m1, block_n1=n1, block_m2=m2,
+                        block_n2=n2, num_warps=warps, num_stages=stages, has_full_blocks=has_full_blocks,
+                        grad_slots=tuple(grad_slots), target=target,
+                        fp32_precision=config.fp32_precision(target, kernel_options), index_dtype=index_dtype,
+                        dropout=dropout, precise=precise_gradients(kernel_options, dtype), float_indices=float_indices)
 
 
 def precise_gradients(kernel_options: dict | None, dtype: torch.dtype) -> bool:
@@ -79,7 +82,8 @@ def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
     rows of the value head dim in the work dtype, about 8K elements a program."""
     v_pad = padded_head_dim(spec.v_head_dim)
     work = work_dtype_name(spec.dtype)
-    return PrologueSpec(work, v_pad, min(128, max(16, 8192 // v_pad)), spec.target)
+    return PrologueSpec(work_dtype=work, v_head_dim_pad=v_pad, block_rows=min(128, max(16, 8192 // v_pad)),
+                        target=spec.target)
 
 
 def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dtype: torch.dtype,

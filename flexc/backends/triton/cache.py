@@ -20,14 +20,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ... import device as gpu
-from ...codegen.backward import BackwardSpec, generate_backward
-from ...codegen.backward_rows import BackwardRowsSpec, generate_backward_rows
-from ...codegen.decode import DecodeSpec, generate_decode
-from ...codegen.forward import ForwardSpec, generate_forward
-from ...codegen.merge import MergeSpec, generate_merge
-from ...codegen.prologue import PrologueSpec, generate_prologue
+from ...codegen.spec import KernelSpec, generate
 
-AnySpec = ForwardSpec | BackwardSpec | DecodeSpec | MergeSpec | PrologueSpec  # a spec of any kernel kind
+AnySpec = KernelSpec  # a spec of any kernel kind (its generator registered for its type: codegen.spec.generates)
 
 
 class CacheInfo(NamedTuple):
@@ -194,19 +189,6 @@ def _exec_module(name: str, path: str, target: str) -> Any:
 
 
 # ---- kernels by spec -----------------------------------------------------------------------
-
-def generate(spec: AnySpec) -> Any:
-    """The generated kernel (``.source``, ``.kernel_name``, parameters) for a spec of any kind."""
-    if isinstance(spec, BackwardRowsSpec):
-        return generate_backward_rows(spec)
-    if isinstance(spec, BackwardSpec):
-        return generate_backward(spec)
-    if isinstance(spec, MergeSpec):
-        return generate_merge(spec)
-    if isinstance(spec, PrologueSpec):
-        return generate_prologue(spec)
-    return generate_decode(spec) if isinstance(spec, DecodeSpec) else generate_forward(spec)
-
 
 def device_key(spec: AnySpec, device: torch.device | None) -> tuple:
     """What the device adds to ``spec``'s kernel cache key: for a ``"cuda"`` spec the compute capability

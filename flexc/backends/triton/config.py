@@ -14,7 +14,6 @@ import torch
 
 from ... import device as gpu
 from ...analysis.tiles import cdiv
-from ...codegen.backward import BackwardSpec
 from ...codegen.forward import ForwardSpec
 from ...codegen.index_width import float_indices, index_dtype
 from ...codegen.spec import next_power_of_2, precision_option
@@ -317,22 +316,16 @@ def smaller_config(spec: Any) -> Any:
     holds all its packed rows and stays."""
     if spec.num_stages > 1:
         return dataclasses.replace(spec, num_stages=spec.num_stages - 1)
-    if isinstance(spec, BackwardSpec):
-        tiles = {name: getattr(spec, name) // 2 for name in ("block_m1", "block_n1", "block_m2", "block_n2")
-                 if getattr(spec, name) > 16}
-        return dataclasses.replace(spec, **tiles, num_stages=2) if tiles else None
-    if spec.block_n > 16:
-        return dataclasses.replace(spec, block_n=spec.block_n // 2, num_stages=2)
-    if isinstance(spec, ForwardSpec) and spec.block_m > 16:
-        return dataclasses.replace(spec, block_m=spec.block_m // 2, num_stages=2)
+    for group in spec.SHRINK_ORDER:  # (the spec kind's own order, codegen.spec.KernelSpec.SHRINK_ORDER)
+        tiles = {name: getattr(spec, name) // 2 for name in group if getattr(spec, name) > 16}
+        if tiles:
+            return dataclasses.replace(spec, **tiles, num_stages=2)
     return None
 
 
 def tiles_text(spec: Any) -> str:
     """A kernel spec's tiles and stages as its kernel_options name them (for messages)."""
-    names = (("block_m1", "block_n1", "block_m2", "block_n2") if isinstance(spec, BackwardSpec)
-             else ("block_m", "block_n"))
-    return ", ".join([f"{name.upper()}={getattr(spec, name)}" for name in names] + [f"num_stages={spec.num_stages}"])
+    return ", ".join([f"{name.upper()}={getattr(spec, name)}" for name in spec.TILES] + [f"num_stages={spec.num_stages}"])
 
 
 def fp32_precision(target: str, kernel_options: dict | None = None) -> str:

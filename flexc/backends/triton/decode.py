@@ -53,9 +53,11 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, query: to
     kv_block, has_full = (128, True) if layout.block_size is None else (layout.block_size[1], layout.has_full_blocks)
     G = query.shape[1] // key.shape[1]
     block_m, block_n, warps, stages = config.resolve_decode_config(kv_block, G * query.shape[2], target)
-    return DecodeSpec(score_mod, mask_mod, query.dtype, query.shape[-1], value.shape[-1], kv_block, block_m, block_n,
-                      warps, stages, has_full, target, config.fp32_precision(target, kernel_options), layout.index_dtype,
-                      dropout)
+    return DecodeSpec(score_mod=score_mod, mask_mod=mask_mod, dtype=query.dtype, head_dim=query.shape[-1],
+                      v_head_dim=value.shape[-1], kv_block_size=kv_block, block_m=block_m, block_n=block_n,
+                      num_warps=warps, num_stages=stages, has_full_blocks=has_full, target=target,
+                      fp32_precision=config.fp32_precision(target, kernel_options), index_dtype=layout.index_dtype,
+                      dropout=dropout)
 
 
 def merge_spec(spec: DecodeSpec, sinks: bool = False) -> MergeSpec:
@@ -63,7 +65,8 @@ def merge_spec(spec: DecodeSpec, sinks: bool = False) -> MergeSpec:
     (fp64 for fp64 inputs), ``spec.block_m`` packed rows of the value head dim per split; ``sinks``:
     it folds in the call's learned attention sinks."""
     work = work_dtype_name(spec.dtype)
-    return MergeSpec(work, padded_head_dim(spec.v_head_dim), min(spec.block_m, 16), spec.target, sinks=sinks)
+    return MergeSpec(work_dtype=work, v_head_dim_pad=padded_head_dim(spec.v_head_dim), block_rows=min(spec.block_m, 16),
+                     target=spec.target, sinks=sinks)
 
 
 def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.Tensor, Hq: int, L: int,

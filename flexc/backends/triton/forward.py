@@ -46,11 +46,14 @@ def make_spec(score_mod: TracedMod | None, mask_mod: TracedMod | None, dtype: to
         block_m, block_n, warps, stages = config.resolve_config(kernel_options, dtype, head_dim, q_block, kv_block,
                                                                 target)
     flags = config.flags(kernel_options)
-    return ForwardSpec(score_mod, mask_mod, dtype, head_dim, v_head_dim, q_block, kv_block, block_m, block_n,
-                       warps, stages, has_full_blocks, need_lse or training, training, target,
-                       config.fp32_precision(target, kernel_options),
-                       flags["PRESCALE_QK"], flags["ROWS_GUARANTEED_SAFE"], flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype,
-                       dropout, sinks, float_indices=float_indices)
+    return ForwardSpec(score_mod=score_mod, mask_mod=mask_mod, dtype=dtype, head_dim=head_dim, v_head_dim=v_head_dim,
+                       q_block_size=q_block, kv_block_size=kv_block, block_m=block_m, block_n=block_n, num_warps=warps,
+                       num_stages=stages, has_full_blocks=has_full_blocks, output_lse=need_lse or training,
+                       output_stats=training, target=target,
+                       fp32_precision=config.fp32_precision(target, kernel_options), prescale_qk=flags["PRESCALE_QK"],
+                       rows_guaranteed_safe=flags["ROWS_GUARANTEED_SAFE"],
+                       blocks_are_contiguous=flags["BLOCKS_ARE_CONTIGUOUS"], index_dtype=index_dtype, dropout=dropout,
+                       sinks=sinks, float_indices=float_indices)
 
 
 def spec_for_call(query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None, mask_mod: TracedMod | None,
@@ -243,16 +246,9 @@ def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, val
     dropout, sinks, block_mask=KEPT, mods=None) -> (out, lse, stats)`` as :func:`launch_plan` returns
     them (``dropout``, ``sinks``: whether the calls pass them; ``block_mask`` and ``mods``: see
     :meth:`ForwardLaunch.__call__`; ``keep_tables=False``: every call passes its BlockMask)."""
-    if plan.kernels and isinstance(plan.kernels[0], DecodeSpec):
-        decode_spec, merge = plan.kernels
-        decoding = decode.DecodeLaunch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask,
-                                       scale, num_splits=config.requested_splits(kernel_options), merge=merge,
-                                       keep_tables=keep_tables)
-
-        def decode_launches(query, key, value, dropout=None, sinks=None, block_mask=launcher.KEPT, mods=None):
-            out, lse = decoding(query, key, value, dropout, sinks, block_mask, mods)
-            return out, (lse if need_lse else None), None
-        return decode_launches
+    other_kind = PLAN_LAUNCHES.get(type(plan.kernels[0])) if plan.kernels else None
+    if other_kind is not None:
+        return other_kind(plan, query, key, value, block_mask, scale, kernel_options, need_lse, keep_tables)
     if plan.kernels:
         (spec,) = plan.kernels
     else:  # the launcher returns the empty or fully masked outputs without a kernel
@@ -261,6 +257,24 @@ def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, val
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
     lse_dtype = work_dtype(query.dtype)
     return ForwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype, keep_tables)
+
+
+def _decode_launches(plan: ForwardPlan, query, key, value, block_mask, scale, kernel_options, need_lse,
+                     keep_tables: bool = True) -> Callable:
+    """A decode plan's launches: the split-KV decode kernel, then its merge (no statistics)."""
+    decode_spec, merge = plan.kernels
+    decoding = decode.DecodeLaunch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
+                                   num_splits=config.requested_splits(kernel_options), merge=merge,
+                                   keep_tables=keep_tables)
+
+    def decode_launches(query, key, value, dropout=None, sinks=None, block_mask=launcher.KEPT, mods=None):
+        out, lse = decoding(query, key, value, dropout, sinks, block_mask, mods)
+        return out, (lse if need_lse else None), None
+    return decode_launches
+
+
+# the plans whose first kernel is not the forward kernel's, launched by their first kernel's spec type
+PLAN_LAUNCHES = {DecodeSpec: _decode_launches}
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,

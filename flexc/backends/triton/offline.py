@@ -69,27 +69,13 @@ def offline_inputs(spec: ForwardSpec | BackwardSpec, batch: int = 1, heads: int 
     return query, key, value, block_mask
 
 
-def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: Any, inputs: tuple, num_splits: int,
-                      guard_values: bool) -> tuple[list, dict]:
-    """The arguments and constexprs a launch of ``spec`` on ``inputs`` passes (the mods' captured
-    tensors are their traced values)."""
-    query, key, value, block_mask = inputs
+# Each kind's launch arguments ``(spec, generated, query, key, value, block_mask, scale, dropout, num_splits,
+# guard_values) -> (args, constexprs)``, as its launch builds them (the mods' captured tensors are their
+# traced values); dispatched by the spec's type (exactly: the backward's row pass is not a backward here).
+
+def _forward_arguments(spec: ForwardSpec, generated, query, key, value, block_mask, scale, drop, num_splits,
+                       guard_values) -> tuple[list, dict]:
     L, S = query.shape[2], key.shape[2]
-    scale = query.shape[-1] ** -0.5
-    drop = _STAND_IN_DROPOUT if spec.dropout else None
-    if isinstance(spec, BackwardSpec):
-        dq, dk, dv, _, grads = launcher.backward_outputs(spec, query, key, value, spec.score_mod)
-        rows = torch.empty(query.shape[:3], dtype=work_dtype(query.dtype))
-        tables = launcher.backward_tables(block_mask, spec, L, S, query.device)
-        stats = rows.new_empty((2, *rows.shape))
-        return launcher.backward_arguments(spec, generated, query, key, value, torch.empty_like(query), rows, rows,
-                                           stats, dq, dk, dv, tables, grads, spec.score_mod, spec.mask_mod, scale,
-                                           guard_inputs=guard_values, dropout=drop)
-    if isinstance(spec, DecodeSpec):
-        args, constants, _ = launcher.decode_arguments(spec, generated, query, key, value, spec.score_mod,
-                                                       spec.mask_mod, block_mask, scale, num_splits, guard_values,
-                                                       dropout=drop)
-        return args, constants
     out = launcher.empty_output(query, value.shape[-1])
     lse = torch.empty(query.shape[:3], dtype=torch.float32) if spec.output_lse else None
     stats = torch.empty((2, *query.shape[:3]), dtype=torch.float32) if spec.output_stats else None
@@ -97,6 +83,29 @@ def _launch_arguments(spec: ForwardSpec | BackwardSpec | DecodeSpec, generated: 
     args = launcher.forward_arguments(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
                                       scale, stats, drop)
     return args, launcher.forward_constexprs(spec, L, S, args, guard_values, scale)
+
+
+def _backward_arguments(spec: BackwardSpec, generated, query, key, value, block_mask, scale, drop, num_splits,
+                        guard_values) -> tuple[list, dict]:
+    dq, dk, dv, _, grads = launcher.backward_outputs(spec, query, key, value, spec.score_mod)
+    rows = torch.empty(query.shape[:3], dtype=work_dtype(query.dtype))
+    tables = launcher.backward_tables(block_mask, spec, query.shape[2], key.shape[2], query.device)
+    stats = rows.new_empty((2, *rows.shape))
+    return launcher.backward_arguments(spec, generated, query, key, value, torch.empty_like(query), rows, rows,
+                                       stats, dq, dk, dv, tables, grads, spec.score_mod, spec.mask_mod, scale,
+                                       guard_inputs=guard_values, dropout=drop)
+
+
+def _decode_arguments(spec: DecodeSpec, generated, query, key, value, block_mask, scale, drop, num_splits,
+                      guard_values) -> tuple[list, dict]:
+    args, constants, _ = launcher.decode_arguments(spec, generated, query, key, value, spec.score_mod, spec.mask_mod,
+                                                   block_mask, scale, num_splits, guard_values, dropout=drop)
+    return args, constants
+
+
+LAUNCH_ARGUMENTS = {ForwardSpec: _forward_arguments, BackwardSpec: _backward_arguments, DecodeSpec: _decode_arguments}
+# the kinds :func:`offline_inputs` makes stand-ins for (a decode spec needs its short queries)
+DEFAULT_INPUTS = (ForwardSpec, BackwardSpec)
 
 
 def compile_offline(spec: ForwardSpec | BackwardSpec | DecodeSpec, capability: int = 90, warp_size: int = 32,
@@ -111,17 +120,24 @@ def compile_offline(spec: ForwardSpec | BackwardSpec | DecodeSpec, capability: i
     does this, whatever the uninitialised stand-ins hold). Returns Triton's compiled kernel:
     ``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata.shared`` (bytes).
     """
+    arguments = LAUNCH_ARGUMENTS.get(type(spec))
+    if arguments is None:
+        raise TypeError(f"compile_offline: spec must be a {', '.join(t.__name__ for t in LAUNCH_ARGUMENTS)}, got a "
+                        f"{type(spec).__name__}. Fix: compile the forward, backward or decode kernel it belongs to.")
     if spec.target != "cuda":
         raise ValueError(f"compile_offline: spec.target must be 'cuda', got {spec.target!r}. "
                          f"Fix: build the spec with target 'cuda'.")
     if inputs is None:
-        if isinstance(spec, DecodeSpec):
-            raise ValueError("compile_offline: a decode spec needs inputs=(query, key, value, block_mask) with its "
-                             "short queries. Fix: pass the stand-ins the spec was made for.")
+        if type(spec) not in DEFAULT_INPUTS:
+            raise ValueError(f"compile_offline: a {type(spec).__name__} needs inputs=(query, key, value, block_mask) "
+                             f"with its short queries. Fix: pass the stand-ins the spec was made for.")
         inputs = offline_inputs(spec)
     generated = cache.generate(spec)
     module, _ = cache.import_source(generated.source, "cuda")
-    args, constants = _launch_arguments(spec, generated, inputs, num_splits, guard_values)
+    query, key, value, block_mask = inputs
+    drop = _STAND_IN_DROPOUT if spec.dropout else None
+    args, constants = arguments(spec, generated, query, key, value, block_mask, query.shape[-1] ** -0.5, drop,
+                                num_splits, guard_values)
     return compile_like_launcher(getattr(module, generated.kernel_name), args, constants, spec.num_warps,
                                  spec.num_stages, capability, warp_size)
 
