@@ -117,7 +117,7 @@ def test_out_of_shared_memory_retries_with_smaller_tiles_and_remembers(monkeypat
     launched = []
 
     class FakeKernel:
-        def __init__(self, spec, device=None):
+        def __init__(self, spec, device=None, key=None):
             self.generated = flexc.codegen.generate_forward(spec)
             self.spec = spec
             self.fn = self

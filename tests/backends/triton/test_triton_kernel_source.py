@@ -30,8 +30,8 @@ def launched(monkeypatch):
     sources: list[str] = []
     get_kernel = kernel_cache.get_kernel
 
-    def recording(spec, device=None):
-        kernel = get_kernel(spec, device)
+    def recording(spec, device=None, key=None):
+        kernel = get_kernel(spec, device, key)
         sources.append(kernel_cache.generate(spec).source if flexc.device.simulated() else kernel.generated.source)
         return kernel
 
