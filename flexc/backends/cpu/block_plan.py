@@ -219,6 +219,35 @@ def read_tables(block_mask: Any, q_len: int, kv_len: int) -> Tables:
     )
 
 
+def _listed(tables: Tables, bm: int, hm: int) -> list:
+    """Every block row's listed partial and full key blocks for table entry ``(bm, hm)``, sorted."""
+    rows = []
+    for i, n in enumerate(tables.kv_num[bm][hm]):
+        full = tables.full_idx[bm][hm][i][:tables.full_num[bm][hm][i]] if tables.full_num is not None else []
+        rows.append((sorted(tables.kv_idx[bm][hm][i][:n]), sorted(full)))
+    return rows
+
+
+def merged_tables(tables: Tables) -> Tables:
+    """``tables`` with its heads (and batches) folded into one entry when every head (batch) lists the
+    same blocks: a mask built per head whose blocks do not differ by head (causal with ``H`` given,
+    or a per-head window inside the same blocks) then runs as one group of all heads, whose calls
+    are as many as one head's, not one set per head. The mask_mod still sees every head's index."""
+    heads = tables.heads > 1 and all(_listed(tables, bm, hm) == _listed(tables, bm, 0)
+                                     for bm in range(tables.batch) for hm in range(1, tables.heads))
+    if heads:
+        pick = lambda t: [row[:1] for row in t] if t is not None else None
+        tables = Tables(pick(tables.kv_num), pick(tables.kv_idx), pick(tables.full_num), pick(tables.full_idx),
+                        tables.block_size, tables.batch, 1)
+    batches = tables.batch > 1 and all(_listed(tables, bm, hm) == _listed(tables, 0, hm)
+                                       for bm in range(1, tables.batch) for hm in range(tables.heads))
+    if batches:
+        pick = lambda t: t[:1] if t is not None else None
+        tables = Tables(pick(tables.kv_num), pick(tables.kv_idx), pick(tables.full_num), pick(tables.full_idx),
+                        tables.block_size, 1, tables.heads)
+    return tables
+
+
 def chunk_kv_index(chunk: Chunk, positions: torch.Tensor) -> torch.Tensor:
     """The key positions of ``chunk`` as a 1-D tensor (a view of ``positions`` when contiguous)."""
     if len(chunk.spans) == 1:

@@ -42,8 +42,8 @@ from ... import workers
 from . import causal_call, decode_cpu, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
-from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, read_tables,
-                         row_plan)
+from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, merged_tables,
+                         read_tables, row_plan)
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
 # cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
@@ -132,7 +132,7 @@ def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, 
 
 
 def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
-    tables = read_tables(block_mask, L, S)
+    tables = merged_tables(read_tables(block_mask, L, S))
     plans = []
     cache: dict[tuple, list[Row]] = {}
     budget = min(CHUNK_ELEMENTS, max(CHUNK_ELEMENTS // 4, B * Hq * L * Ev // 4))
@@ -544,10 +544,13 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), [g.to(d) for g, d in zip(buf_grads, dtypes)]
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
+    fused = finite and tasks and fused_cpu.backward_supported(query, value, tasks[0][1], grad_lse, grad_slots)
+    if fused:  # large C++ calls that release the GIL, each on a one-thread worker (fused_cpu.denormals_flushed)
+        n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
     sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
                                     for _ in range(n_workers - 1)]
-    if finite and tasks and fused_cpu.backward_supported(query, value, tasks[0][1], grad_lse, grad_slots):
+    if fused:
         # the forward's own fused kernel calls, backward: a few large C++ calls per row instead of
         # the row loop's dozens of torch ops (fused_cpu.backward_row)
         lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
