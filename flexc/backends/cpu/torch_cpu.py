@@ -40,7 +40,7 @@ from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
 from . import causal_call, decode_cpu, fused_cpu
-from .score_mod_passes import FIXED_MAX_SPAN, log2_form, value_bounds
+from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, merged_tables,
                          read_tables, row_plan)
@@ -195,6 +195,8 @@ class _Mods:
         if bounds is not None and bounds[1] - bounds[0] <= FIXED_MAX_SPAN:
             self.fixed_max = bounds[1] * LOG2E
         self.mask_reads = ir.inputs_read(self.mask_mod.root) if self.mask_mod is not None else frozenset()
+        # soft-capping's (pre, cap): the backward's slope in place (see score_mod_passes.tanh_cap)
+        self.tanh_cap = tanh_cap(score_mod.root) if score_mod is not None else None
         self.b = torch.arange(B, device=device)[g.b].view(-1, 1, 1, 1)
         self.h = torch.arange(Hq, device=device)[g.qh].view(1, -1, 1, 1)
         self.q_pos = torch.arange(L, device=device)
@@ -605,9 +607,9 @@ _KEEP_ELEMENTS = 1 << 22
 
 
 def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods, q0: int, q1: int, Hqg: int,
-                 work, grad: bool, finite: bool = True):
+                 work, grad: bool, finite: bool = True, grad_buffers: bool = False):
     """One chunk's ``(kc, s4, post, p, dp, blocked)``: scores, the score_mod's output (with its graph
-    when ``grad``), softmax probabilities from the saved logsumexp, and ``dO @ V^T`` (0 on masked
+    when ``grad``; soft-capping without captured tensors wanting gradients: None, and s4 its tanh), softmax probabilities from the saved logsumexp, and ``dO @ V^T`` (0 on masked
     pairs when ``finite`` is False: a masked NaN/inf value must not reach delta, dS or the buffers)."""
     Bg, r = qb.shape[0], q1 - q0
     kv = chunk_kv_index(chunk, mods.kv_pos)
@@ -616,7 +618,11 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
     s4 = torch.matmul(qb, kc.transpose(-1, -2)).view(Bg, Hqg, r, chunk.n_cols)
     blocked = mods.blocked(chunk, q0, q1, kv)
     post = None
-    if mods.score_mod is not None:
+    if mods.tanh_cap is not None and not grad_buffers:
+        # soft-capping: qb holds the query times the mod's pre-factor, so s4 = score * pre; its tanh,
+        # in place, is kept in s4 for the slope (_backward_row), and p = exp(cap * tanh - lse)
+        p = torch.mul(s4.tanh_(), mods.tanh_cap[1])
+    elif mods.score_mod is not None:
         if grad and "score" in mods.score_reads:
             s4.requires_grad_()
         with torch.set_grad_enabled(grad):
@@ -672,7 +678,9 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
                   g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool, finite: bool = True,
                   own_delta: bool = True, sink_share: torch.Tensor | None = None):
     q0, q1 = row.q0, row.q1
-    qb = _scaled_query_rows(query, g, q0, q1, scale, work)
+    capped = mods.tanh_cap is not None and not leaves  # soft-capping's slope formed in place
+    pre = mods.tanh_cap[0] if capped else 1.0
+    qb = _scaled_query_rows(query, g, q0, q1, scale * pre, work)
     Bg, Hkvg, Gr, E = qb.shape
     Hqg, r = Hkvg * g.G, q1 - q0
     dob = grad_out[g.b, g.qh, q0:q1].to(work)
@@ -682,6 +690,7 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
     dk_g, dv_g = dk[g.kb, g.kvh], dv[g.kb, g.kvh]
     dq_r = torch.zeros(Bg, Hkvg, Gr, E, dtype=work, device=query.device)
     args = (qb, k_g, v_g, dob_g, lse_r, buffers)
+    extra = {"finite": finite, "grad_buffers": bool(leaves)}
     # Pass 1: delta = rowsum(P * dP) - dLSE from this backward's own probabilities. The flash
     # identity rowsum(dO * out) equals it only up to the forward's rounding, and that mismatch
     # doubled dq/dk errors with learnable biases (fp32 rmse vs float64, L=256: dq 1.25x -> 1.12x
@@ -705,7 +714,7 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
     kept, budget = [None] * len(row.chunks), _KEEP_ELEMENTS
     for i, chunk in enumerate(row.chunks if own_delta else ()):
         keep = budget >= Bg * Hqg * r * chunk.n_cols
-        piece = _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=keep, finite=finite)
+        piece = _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=keep, **extra)
         p_dp += (piece[3] * piece[4]).sum(-1, keepdim=True)
         p_sum += piece[3].sum(-1, keepdim=True)
         kept[i] = piece if keep else None
@@ -715,13 +724,16 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
         delta_r += p_dp / p_sum
     for chunk, piece in zip(row.chunks, kept):
         kc, s4, post, p, dp, blocked, kept = piece or _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=True,
-                                                                   finite=finite)
+                                                                   **extra)
         if own_delta:
             p.div_(p_sum)  # a kept chunk's p is pass 1's tensor, met here once
         p_g = (p if kept is None else p * kept).view(Bg, Hkvg, Gr, -1)
         dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
         ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
-        if post is not None:
+        if capped:  # times the slope over pre (pre is in qb): cap * (1 - tanh^2), from s4's tanh
+            cap = mods.tanh_cap[1]
+            ds.mul_(s4.mul_(s4).mul_(-cap).add_(cap))
+        elif post is not None:
             wrt = ([s4] if s4.requires_grad else []) + leaves
             grads = torch.autograd.grad(post, wrt, ds, allow_unused=True) if post.requires_grad and wrt else [None] * len(wrt)
             for i, gb in enumerate(grads[len(wrt) - len(leaves):]):
@@ -735,7 +747,7 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
             ds_g = ds.view(Bg, Hkvg, Gr, -1)
             # a masked pair (dS = 0) must not bring a NaN or inf key into dq, or such a query into dk
             matmul = torch.matmul if finite or not blocked else matmul_skipping_zeros
-            dq_r.add_(matmul(ds_g, kc), alpha=scale)
+            dq_r.add_(matmul(ds_g, kc), alpha=scale * pre)
             dk_c = matmul(ds_g.transpose(-1, -2), qb)
             add_chunk_rows(dk_g, chunk, dk_c, sum_kv_batch)
         add_chunk_rows(dv_g, chunk, dv_c, sum_kv_batch)
