@@ -305,6 +305,8 @@ def recorded_forward(query, key, value, score_mod, mask_mod, block_mask, scale) 
     if block_mask is None:
         plain = causal_call.kernel_takes(query, value) and all_finite(query, key, value)
         return causal_call.recorded_forward(query, key, value, scale, causal=False) if plain else None
+    if causal_call.workers_for(query, key) > 1:
+        return None  # split over workers, forward and backward (causal_call._split), not torch's threads
     starts = _causal_starts(query, key, value, score_mod, mask_mod, block_mask, None)
     return causal_call.recorded_forward(query, key, value, scale) if starts == causal_call.ONE_SEQUENCE else None
 
