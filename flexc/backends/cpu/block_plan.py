@@ -109,6 +109,47 @@ def row_plan(tables: "Tables", bm: int, hm: int, q_len: int, kv_len: int, max_ro
     return rows
 
 
+# Rows are cut into parts of these many query rows (largest first) when their partial blocks'
+# allowed columns then shrink enough: each part is its own task, with its own calls
+SUB_ROWS = (64, 32)
+# columns of a trimmed partial range start and end on multiples of this
+TRIM_ALIGN = 16
+
+
+def trimmed_rows(rows: Sequence[Row], allowed: Callable[[int, int, int, int], torch.Tensor], max_cols: int) -> list[Row]:
+    """``rows`` with their partial key ranges cut to the columns the mask allows, at the height that
+    pays: ``allowed(q0, q1, start, end)`` is the ``[q1 - q0, end - start]`` boolean tile of pairs some
+    head of the group allows. A narrow window's diagonal blocks (17 keys of 128 per row) are then
+    scored as a band of 32-row parts and the few dozen columns each needs, not as whole blocks.
+    Only columns no row of a part allows are cut, so the result is unchanged."""
+    out: list[Row] = []
+    for row in rows:
+        partial = [(a, b) for a, b, is_partial in row.segments if is_partial]
+        if not partial:
+            out.append(row)
+            continue
+        tiles = [(a, b, allowed(row.q0, row.q1, a, b)) for a, b in partial]
+        full = [seg for seg in row.segments if not seg[2]]
+        best = None
+        for height in (row.q1 - row.q0,) + tuple(h for h in SUB_ROWS if h < row.q1 - row.q0):
+            parts = []
+            for r0 in range(row.q0, row.q1, height):
+                r1 = min(r0 + height, row.q1)
+                segments = list(full)
+                for a, b, tile in tiles:
+                    cols = tile[r0 - row.q0:r1 - row.q0].any(0).nonzero()
+                    if len(cols):
+                        lo = a + int(cols[0]) // TRIM_ALIGN * TRIM_ALIGN
+                        hi = min(b, a + -(-(int(cols[-1]) + 1) // TRIM_ALIGN) * TRIM_ALIGN)
+                        segments.append((lo, hi, True))
+                parts.append((r0, r1, tuple(sorted(segments))))
+            work = sum((r1 - r0) * sum(b - a for a, b, _ in segments) for r0, r1, segments in parts)
+            if best is None or work < 0.75 * best[0]:  # a lower part pays only for a clear saving
+                best = (work, parts)
+        out.extend(Row(r0, r1, _chunks(segments, max_cols), segments) for r0, r1, segments in best[1] if segments)
+    return out
+
+
 def fused_pieces(segments: tuple[tuple[int, int, bool], ...], max_masked_cols: int, mode: str) -> tuple[Chunk, ...]:
     """Key chunks for a fused attention kernel that takes an optional additive mask per call.
 

@@ -43,7 +43,7 @@ from . import causal_call, decode_cpu, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, merged_tables,
-                         read_tables, row_plan)
+                         read_tables, row_plan, trimmed_rows)
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
 # cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
@@ -115,7 +115,7 @@ def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, 
     B, Hq, L, _ = query.shape
     Bkv, _, S, Ev = value.shape
     tasks, costs, groups = [], [], []
-    for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev):
+    for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev, None if _is_true(mask_mod) else mask_mod):
         groups.append(g)
         mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device, dropout)
         heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
@@ -125,13 +125,23 @@ def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, 
     return tasks, costs, workers.worker_count(len(tasks), sum(costs)), groups
 
 
-def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
-    """Each group of heads and its rows of chunks (remembered per block mask and call shape)."""
+def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int,
+          mask_mod: TracedMod | None = None) -> list[tuple[_Group, list[Row]]]:
+    """Each group of heads and its rows of chunks (remembered per block mask, call shape and mask_mod),
+    partial blocks trimmed to the mask_mod's allowed columns (:func:`block_plan.trimmed_rows`)."""
     key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads())
-    return memo_by_tables(block_mask, key, lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev))
+    plain = lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev)
+    if mask_mod is None or block_mask is None:
+        return memo_by_tables(block_mask, key, plain)
+    # the trim reads the mask_mod: remembered with its graph and captured tensors, and skipped where
+    # those cannot be remembered (it pays only once per mask)
+    return memo_by_tables(block_mask, key + (mask_mod.root,),
+                          lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev, mask_mod),
+                          [t for t in mask_mod.buffers if isinstance(t, torch.Tensor)], unversioned=plain)
 
 
-def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
+def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int,
+              mask_mod: TracedMod | None = None) -> list[tuple[_Group, list[Row]]]:
     tables = merged_tables(read_tables(block_mask, L, S))
     plans = []
     cache: dict[tuple, list[Row]] = {}
@@ -145,8 +155,22 @@ def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: i
         key = (g.bm, g.hm, rows, cols)
         if key not in cache:
             cache[key] = row_plan(tables, g.bm, g.hm, L, S, rows, cols)
-        plans.append((g, cache[key]))
+        plan = cache[key]
+        if mask_mod is not None:
+            plan = trimmed_rows(plan, _allowed_tile(mask_mod, g, B, Hq, L, S), cols)
+        plans.append((g, plan))
     return plans
+
+
+def _allowed_tile(mask_mod: TracedMod, g: _Group, B: int, Hq: int, L: int, S: int):
+    """``(q0, q1, start, end) -> [q1 - q0, end - start]`` booleans: pairs some head of ``g`` allows."""
+    mods = _Mods(None, mask_mod, g, B, Hq, L, S, torch.device("cpu"))
+
+    def allowed(q0: int, q1: int, start: int, end: int) -> torch.Tensor:
+        tile = evaluate(mask_mod, clamp_lookups=True, **mods._index(mods.mask_reads, q0, q1, mods.kv_pos[start:end]))
+        tile = tile.reshape((1,) * (4 - tile.dim()) + tuple(tile.shape)).any(0).any(0)
+        return tile.expand(q1 - q0, end - start)
+    return allowed
 
 
 # ---- the mods ----------------------------------------------------------------------------
