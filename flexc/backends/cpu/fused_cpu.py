@@ -207,12 +207,20 @@ def _backward_calls(q, k_g, v_g, o, go, l, dq_rows, dk_g, dv_g, broadcast_kv: bo
                     mode: str, relative_mask: bool, max_cols: int) -> None:
     """The fused backward over each of the row's kernel calls (:func:`backward_row`)."""
     q0, q1 = row.q0, row.q1
+    flipped = None  # the rows' inputs in reverse order, made once for the row's reversed tiles
     for piece in _pieces(row.segments, max_cols, mode):
         kc, vc = chunk_rows(k_g, piece), chunk_rows(v_g, piece)
         mask, reversed_rows = _call_mask(q, mods, q0, q1, piece, mode, relative_mask, g.G)
         if reversed_rows:
-            mask = mask.flip(-2)  # (a copy of the tile in row order)
-        gq, gk, gv = FLASH_BACKWARD(go, q, kc, vc, o, l, 0.0, False, attn_mask=mask, scale=scale)
+            # as the forward: the rows run reversed on the strided tile, whose copy (r x c a head)
+            # costs more than the rows' (r x E, and dq's flip back)
+            if flipped is None:
+                flipped = (go.flip(-2), q.flip(-2), o.flip(-2), l.flip(-1))
+            gq, gk, gv = FLASH_BACKWARD(flipped[0], flipped[1], kc, vc, flipped[2], flipped[3], 0.0, False,
+                                        attn_mask=mask, scale=scale)
+            gq = gq.flip(-2)
+        else:
+            gq, gk, gv = FLASH_BACKWARD(go, q, kc, vc, o, l, 0.0, False, attn_mask=mask, scale=scale)
         dq_rows += gq
         add_chunk_rows(dk_g, piece, gk, broadcast_kv)
         add_chunk_rows(dv_g, piece, gv, broadcast_kv)
