@@ -289,6 +289,20 @@ def merged_tables(tables: Tables) -> Tables:
     return tables
 
 
+def all_full(tables: Tables, q_len: int, kv_len: int) -> bool:
+    """Whether every block row of every entry lists every key block as full: the mask_mod is never
+    read, and the call is attention with no mask (``noop``, ``kv_idx >= 0``)."""
+    q_block, kv_block = tables.block_size
+    n_rows, n_cols = -(-q_len // q_block), -(-kv_len // kv_block)
+    for bm in range(tables.batch):
+        for hm in range(tables.heads):
+            listed = _listed(tables, bm, hm)
+            if len(listed) < n_rows or any(partial or full[:n_cols] != list(range(n_cols))
+                                           for partial, full in listed[:n_rows]):
+                return False
+    return True
+
+
 def chunk_kv_index(chunk: Chunk, positions: torch.Tensor) -> torch.Tensor:
     """The key positions of ``chunk`` as a 1-D tensor (a view of ``positions`` when contiguous)."""
     if len(chunk.spans) == 1:

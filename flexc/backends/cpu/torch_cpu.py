@@ -42,8 +42,8 @@ from ... import workers
 from . import causal_call, decode_cpu, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
-from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, merged_tables,
-                         read_tables, row_plan, trimmed_rows)
+from .block_plan import (Chunk, Row, add_chunk_rows, all_full, chunk_kv_index, chunk_rows, memo_by_tables,
+                         merged_tables, read_tables, row_plan, trimmed_rows)
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
 # cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
@@ -317,16 +317,24 @@ def _causal_starts(query, key, value, score_mod, mask_mod, block_mask, dropout) 
     return starts if starts is not None and all_finite(query, key, value) else None
 
 
+def _unmasked(block_mask: Any, L: int, S: int) -> bool:
+    """No block mask, or one whose blocks are all full (:func:`block_plan.all_full`): plain attention."""
+    if block_mask is None:
+        return True
+    return memo_by_tables(block_mask, ("all full", L, S), lambda: all_full(read_tables(block_mask, L, S), L, S),
+                          unversioned=lambda: False)
+
+
 def recorded_forward(query, key, value, score_mod, mask_mod, block_mask, scale) -> torch.Tensor | None:
     """A training call's output computed by ops autograd records itself, or None when the call needs
     flexc's own autograd Function. Plain causal attention (one sequence per batch), or attention
-    with no block mask, with no score_mod, dropout, sinks, logsumexp or max asked for (the caller's
+    with no block mask (or one whose blocks are all full), with no score_mod, dropout, sinks, logsumexp or max asked for (the caller's
     checks) and finite inputs, is one call of the fused kernel (in its causal mode for the first),
     whose backward torch registers in C++: a training step then runs no Python after the forward,
     which is most of a small layer's step (B=2, H=4, L=256, D=32)."""
     if score_mod is not None or not causal_call.recordable(query, key, value):
         return None
-    if block_mask is None:
+    if _unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
         plain = causal_call.kernel_takes(query, value) and all_finite(query, key, value)
         return causal_call.recorded_forward(query, key, value, scale, causal=False) if plain else None
     if causal_call.workers_for(query, key) > 1:
@@ -348,8 +356,9 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     if dropout is None and decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
         return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype,
                                   need_lse, sinks)
-    if (dropout is None and block_mask is None and score_mod is None and query.numel() and key.shape[2]
-            and fused_cpu.supported(query, value, None, need_max)):  # plain attention: torch's fused kernel
+    if (dropout is None and score_mod is None and query.numel() and key.shape[2]
+            and fused_cpu.supported(query, value, None, need_max)
+            and _unmasked(block_mask, query.shape[2], key.shape[2])):  # plain attention: torch's fused kernel
         out, lse = decode_cpu.flash(query, key, value, [], scale)
         if sinks is not None:  # the kernel's softmax has no state to start from: the sink joins after it
             out, lse = fused_cpu.fold_sink(out, lse, sinks)

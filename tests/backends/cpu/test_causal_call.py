@@ -31,6 +31,10 @@ def _window(b, h, q, kv):
     return (q >= kv) & (q - kv < 40)
 
 
+def _every_key(b, h, q, kv):
+    return kv >= 0
+
+
 def _shifted(b, h, q, kv):  # one more key per row: not torch's causal mode
     return q + 1 >= kv
 
@@ -285,6 +289,7 @@ def _graph_nodes(t: torch.Tensor) -> set:
     (_causal, 1, 1, 2, 2, 96, 96, "row-major", torch.float64, "v"),  # only the value trains
     (None, 2, 2, 4, 2, 130, 170, "BLHE", torch.float64, "qkv"),  # no block mask at all
     (None, 2, 2, 2, 2, 96, 80, "row-major", torch.float32, "qk"),
+    (_every_key, 2, 2, 4, 4, 128, 192, "row-major", torch.float64, "qkv"),  # every block full: no mask either
 ])
 def test_a_plain_training_call_is_recorded_by_torchs_own_autograd_nodes(taken, mask_mod, B, Bkv, Hq, Hkv, L, S,
                                                                         layout, dtype, trained):
