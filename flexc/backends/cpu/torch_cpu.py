@@ -765,9 +765,10 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
         p_g = (p if kept is None else p * kept).view(Bg, Hkvg, Gr, -1)
         dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
         ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
+        slope = 1.0  # a constant factor of dS left to the (smaller) products below
         if capped:  # times the slope over pre (pre is in qb): cap * (1 - tanh^2), from s4's tanh
-            cap = mods.tanh_cap[1]
-            ds.mul_(s4.mul_(s4).mul_(-cap).add_(cap))
+            slope = mods.tanh_cap[1]
+            ds.addcmul_(ds, s4.mul_(s4), value=-1.0)
         elif post is not None:
             wrt = ([s4] if s4.requires_grad else []) + leaves
             grads = torch.autograd.grad(post, wrt, ds, allow_unused=True) if post.requires_grad and wrt else [None] * len(wrt)
@@ -782,8 +783,8 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
             ds_g = ds.view(Bg, Hkvg, Gr, -1)
             # a masked pair (dS = 0) must not bring a NaN or inf key into dq, or such a query into dk
             matmul = torch.matmul if finite or not blocked else matmul_skipping_zeros
-            dq_r.add_(matmul(ds_g, kc), alpha=scale * pre)
+            dq_r.add_(matmul(ds_g, kc), alpha=scale * pre * slope)
             dk_c = matmul(ds_g.transpose(-1, -2), qb)
-            add_chunk_rows(dk_g, chunk, dk_c, sum_kv_batch)
+            add_chunk_rows(dk_g, chunk, dk_c.mul_(slope) if slope != 1.0 else dk_c, sum_kv_batch)
         add_chunk_rows(dv_g, chunk, dv_c, sum_kv_batch)
     dq[g.b, g.qh, q0:q1] = dq_r.view(Bg, Hqg, r, E)
