@@ -114,20 +114,28 @@ def row_plan(tables: "Tables", bm: int, hm: int, q_len: int, kv_len: int, max_ro
 SUB_ROWS = (64, 32)
 # columns of a trimmed partial range start and end on multiples of this
 TRIM_ALIGN = 16
+# partial-block elements the mask_mod is evaluated on to trim one plan; past it rows stay whole (a
+# mask whose every block is partial gains little from trimming and would pay most)
+TRIM_ELEMENTS = 1 << 22
 
 
-def trimmed_rows(rows: Sequence[Row], allowed: Callable[[int, int, int, int], torch.Tensor], max_cols: int) -> list[Row]:
+def trimmed_rows(rows: Sequence[Row], allowed: Callable[[int, int, int, int], torch.Tensor], max_cols: int,
+                 budget: list[int] | None = None) -> list[Row]:
     """``rows`` with their partial key ranges cut to the columns the mask allows, at the height that
     pays: ``allowed(q0, q1, start, end)`` is the ``[q1 - q0, end - start]`` boolean tile of pairs some
     head of the group allows. A narrow window's diagonal blocks (17 keys of 128 per row) are then
     scored as a band of 32-row parts and the few dozen columns each needs, not as whole blocks.
-    Only columns no row of a part allows are cut, so the result is unchanged."""
+    Only columns no row of a part allows are cut, so the result is unchanged. ``budget`` (a one-item
+    list, shared by a plan's calls) counts down the elements evaluated, from :data:`TRIM_ELEMENTS`."""
+    budget = [TRIM_ELEMENTS] if budget is None else budget
     out: list[Row] = []
     for row in rows:
         partial = [(a, b) for a, b, is_partial in row.segments if is_partial]
-        if not partial:
+        size = (row.q1 - row.q0) * sum(b - a for a, b in partial)
+        if not partial or size > budget[0]:
             out.append(row)
             continue
+        budget[0] -= size
         tiles = [(a, b, allowed(row.q0, row.q1, a, b)) for a, b in partial]
         full = [seg for seg in row.segments if not seg[2]]
         best = None

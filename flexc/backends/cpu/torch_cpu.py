@@ -43,7 +43,7 @@ from . import causal_call, decode_cpu, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, all_full, chunk_kv_index, chunk_rows, memo_by_tables,
-                         merged_tables, read_tables, row_plan, trimmed_rows)
+                         merged_tables, read_tables, row_plan, trimmed_rows, TRIM_ELEMENTS)
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
 # cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
@@ -144,6 +144,7 @@ def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: i
               mask_mod: TracedMod | None = None) -> list[tuple[_Group, list[Row]]]:
     tables = merged_tables(read_tables(block_mask, L, S))
     plans = []
+    trim_budget = [TRIM_ELEMENTS]
     cache: dict[tuple, list[Row]] = {}
     budget = min(CHUNK_ELEMENTS, max(CHUNK_ELEMENTS // 4, B * Hq * L * Ev // 4))
     budget //= max(1, torch.get_num_threads())  # each worker thread holds its own chunk
@@ -157,7 +158,7 @@ def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: i
             cache[key] = row_plan(tables, g.bm, g.hm, L, S, rows, cols)
         plan = cache[key]
         if mask_mod is not None:
-            plan = trimmed_rows(plan, _allowed_tile(mask_mod, g, B, Hq, L, S), cols)
+            plan = trimmed_rows(plan, _allowed_tile(mask_mod, g, B, Hq, L, S), cols, trim_budget)
         plans.append((g, plan))
     return plans
 

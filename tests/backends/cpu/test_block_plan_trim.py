@@ -50,3 +50,11 @@ def test_trimmed_rows_match_float64_forward_and_backward(score_mod):
 def test_rows_without_partial_blocks_are_kept_as_they_are():
     row = block_plan.Row(0, 128, (), ((0, 128, False),))
     assert block_plan.trimmed_rows([row], lambda *a: pytest.fail("no partial block to evaluate"), 128) == [row]
+
+
+def test_rows_past_the_evaluation_budget_stay_whole():
+    row = block_plan.Row(0, 128, (), ((0, 128, True),))
+    evaluated = []
+    allowed = lambda q0, q1, a, b: evaluated.append(1) or torch.ones(q1 - q0, b - a, dtype=torch.bool).tril()
+    assert block_plan.trimmed_rows([row], allowed, 128, [128 * 128 - 1]) == [row] and not evaluated
+    assert block_plan.trimmed_rows([row], allowed, 128, [128 * 128]) != [row] and evaluated
