@@ -399,7 +399,8 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         else:
             _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite, sinks)
 
-    workers.run(tasks, costs, one_row, n_workers, dynamic=True)  # rows write disjoint slices of out/lse
+    # rows write disjoint slices of out/lse; a single worker too runs with one torch thread (workers.run)
+    workers.run(tasks, costs, one_row, n_workers, dynamic=True, torch_threads=False)
     return out, lse, row_max
 
 
@@ -598,7 +599,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
             g, mods, row = task
             fused_cpu.backward_row(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, row, mods,
                                    scale)
-        workers.run(tasks, costs, fused_row, n_workers)
+        workers.run(tasks, costs, fused_row, n_workers, torch_threads=False)
         return _summed(query, key, value, dq, sums, buf_grads, dtypes)
     # the softmax Jacobian's correction delta = rowsum(dO * P * dP) - dLSE. With a score_mod,
     # _backward_row sums its dO part from its own probabilities (see there); without one, the
@@ -621,7 +622,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
                       buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite, own_delta, sink_share)
 
-    workers.run(tasks, costs, one_row, n_workers)
+    workers.run(tasks, costs, one_row, n_workers, torch_threads=False)
     return _summed(query, key, value, dq, sums, buf_grads, dtypes)
 
 
