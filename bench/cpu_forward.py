@@ -19,6 +19,7 @@ the OS (so growth is real; that setting slows allocation, so timings are taken w
     python bench/cpu_forward.py --quick    # L=1024 only, fewer repetitions, no torch.compile
     python bench/cpu_forward.py --share    # issue 28's table: flexc / torch.compile and flexc's share of sgemm
     python bench/cpu_forward.py --share --contended   # also: another process spinning on one core
+    python bench/cpu_forward.py --contended [--train] # flexc alone: quiet 1 thread vs default threads, one core busy
 
 ``--share`` runs L=4096, H=8, D=64 fp32 with the masks causal, sliding window 256, 6 documents +
 causal, ALiBi + causal and soft-cap (tanh) + causal, at one thread and at two. Useful work is 4·D
@@ -316,6 +317,40 @@ def share_table(reps: int, contended: bool, L: int = SHARE_L) -> None:
     torch.set_num_threads(default_threads)
 
 
+def contention_table(reps: int, L: int = SHARE_L, train: bool = False) -> None:
+    """flexc alone (no torch.compile): each ``--share`` row's wall time at one thread on a quiet box,
+    then at the default thread count while another process spins on one core, and their ratio
+    (issue 41's target: at most 1.5). ``train``: forward + backward."""
+    import multiprocessing
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, L, D, requires_grad=train) for _ in range(3))
+    grad = torch.randn(1, H, L, D)
+    calls = {}
+    for name, (mask_mod, score_mod) in share_variants(L).items():
+        bm = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu")
+        forward = lambda bm=bm, score_mod=score_mod: flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+        calls[name] = (lambda forward=forward: forward().backward(grad)) if train else forward
+    default_threads = torch.get_num_threads()
+    times = {}
+    spinner = multiprocessing.Process(target=_spin, daemon=True)
+    for threads, spin in ((1, False), (default_threads, True)):
+        torch.set_num_threads(threads)
+        if spin:
+            spinner.start()
+            time.sleep(0.5)
+        for name, call in calls.items():
+            call()
+            times[name, spin] = median_time(call, reps)
+    spinner.terminate()
+    torch.set_num_threads(default_threads)
+    print(f"L={L} H={H} D={D} fp32, B=1, {'forward + backward' if train else 'forward'}; wall s, medians of {reps}; "
+          f"load {os.getloadavg()[0]:.1f}")
+    for name in calls:
+        quiet, busy = times[name, False], times[name, True]
+        print(f"{name:<26} 1 thread quiet {quiet:7.3f}  {default_threads} threads, one core busy {busy:7.3f}  "
+              f"({busy / quiet:.2f}x)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="L=1024 only, 3 reps, no torch.compile")
@@ -325,8 +360,13 @@ def main() -> None:
     parser.add_argument("--no-eager-long", action="store_true", help="skip torch eager flex above L=1024 (slow, ~2 GB)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--share", action="store_true", help="flexc/torch.compile and the sgemm share, 1 and 2 threads")
-    parser.add_argument("--contended", action="store_true", help="with --share: also another process on one core")
+    parser.add_argument("--contended", action="store_true", help="with --share: also another process on one core; "
+                        "alone: flexc's quiet one-thread vs contended default-thread times, no torch.compile")
+    parser.add_argument("--train", action="store_true", help="with --contended alone: forward + backward")
     args = parser.parse_args()
+    if args.contended and not args.share:
+        contention_table(args.reps or 5, (args.lengths or [SHARE_L])[0], args.train)
+        return
     if args.share:
         share_table(args.reps or 5, args.contended, (args.lengths or [SHARE_L])[0])
         return

@@ -18,11 +18,20 @@ flexc / SDPA (lower is better).
 
     python bench/cpu_training.py               # every row, 1 and 2 threads
     python bench/cpu_training.py --rows small  # one row
+    python bench/cpu_training.py --pairs       # issue 41's table by allowed pairs (below)
+
+``--pairs`` times flexc's training step (B=1, H=8, D=64, fp32, ``--length`` L, default 4096) for every
+mask_mod of tests/catalogue.py × {no score_mod, ALiBi, soft-cap (tanh, cap 20)} and prints each one's
+CPU time per allowed (b, h, q, kv) pair relative to the causal no-mod step's (1.00: as cheap per pair as
+causal; the target is at most 1.5). Times are the process's CPU time (user + system, all threads:
+``resource.getrusage``), medians of ``--reps``, so other processes on a shared box count less than in
+wall time; with ``--threads 2`` the wall time is printed too. ``--masks`` picks catalogue entries.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -123,12 +132,93 @@ def side_by_side(a, b, reps: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(fn, reps: int) -> tuple[float, float]:
+    """Median ``(cpu seconds, wall seconds)`` of ``fn`` after one warm-up call."""
+    fn()
+    cpu, wall = [], []
+    for _ in range(reps):
+        c0, t0 = _cpu_seconds(), time.perf_counter()
+        fn()
+        cpu.append(_cpu_seconds() - c0)
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def allowed_pairs(mask_mod, B: int, H: int, L: int) -> int:
+    """How many ``(b, h, q, kv)`` pairs ``mask_mod`` allows, counted a band of query rows at a time."""
+    b, h, kv = torch.arange(B).view(-1, 1, 1, 1), torch.arange(H).view(1, -1, 1, 1), torch.arange(L).view(1, 1, 1, -1)
+    total = 0
+    for q0 in range(0, L, 256):
+        q = torch.arange(q0, min(q0 + 256, L)).view(1, 1, -1, 1)
+        total += int(mask_mod(b, h, q, kv).expand(B, H, q.shape[2], L).sum())
+    return total
+
+
+def pairs_table(L: int, threads: int, reps: int, masks: list[str] | None) -> None:
+    """Issue 41's table: training-step CPU time per allowed pair, relative to causal without a mod."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from catalogue import mask_catalogue
+
+    B, H, D = 1, 8, 64
+    torch.set_num_threads(threads)
+    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, dtype=torch.float32) / H)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def soft_cap(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).requires_grad_() for _ in range(3))
+    grad = torch.randn(B, H, L, D, generator=gen)
+    catalogue = mask_catalogue(B, H, L, L)
+    names = masks or list(catalogue)
+    if "causal" in names:
+        names.remove("causal")
+    names.insert(0, "causal")
+    print(f"L={L} B={B} H={H} D={D} fp32, {threads} thread(s), CPU time (all threads), median of {reps}")
+    print(f"{'mask':32} {'allowed':>8} {'mod':8} {'cpu s':>7} {'wall s':>7} {'ns/pair':>8} {'vs causal':>9}")
+    base, worst = None, (0.0, "")
+    for name in names:
+        mask_mod = catalogue[name]
+        n_pairs = allowed_pairs(mask_mod, B, H, L)
+        block_mask = flexc.create_block_mask(mask_mod, B, H, L, L, device="cpu")
+        for label, score_mod in (("none", None), ("alibi", alibi), ("softcap", soft_cap)):
+            def step():
+                flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask).backward(grad)
+                q.grad = k.grad = v.grad = None
+            cpu, wall = timed(step, reps)
+            per_pair = cpu / max(n_pairs, 1)
+            base = base if base is not None else per_pair
+            ratio = per_pair / base
+            if n_pairs and ratio > worst[0]:
+                worst = (ratio, f"{name} + {label}")
+            print(f"{name:32} {n_pairs / (B * H * L * L):8.1%} {label:8} {cpu:7.3f} {wall:7.3f} "
+                  f"{per_pair * 1e9:8.3f} {ratio:9.2f}", flush=True)
+    n_rows = len(names) * 3
+    print(f"summary: L={L}, {threads} thread(s): worst {worst[0]:.2f}x causal's time per allowed pair "
+          f"({worst[1]}) over {n_rows} mask x mod rows; target <= 1.5")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS))
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--pairs", action="store_true", help="issue 41's table by allowed pairs")
+    parser.add_argument("--length", type=int, default=4096, help="--pairs: sequence length L")
+    parser.add_argument("--masks", nargs="+", help="--pairs: catalogue mask names (default: all)")
     args = parser.parse_args()
+    if args.pairs:
+        for threads in args.threads if args.threads != [1, 2] else [1]:
+            pairs_table(args.length, threads, args.reps if args.reps != 15 else 3, args.masks)
+        return
     print(f"flexc from {os.path.dirname(flexc.__file__)}")
     print(f"{'row':10} {'B':>2} {'H':>2} {'L':>5} {'D':>3} {'threads':>7} {'flexc ms':>9} {'sdpa ms':>9} {'ratio':>6}")
     for name in args.rows:

@@ -82,14 +82,20 @@ def partition(costs: Sequence[float], n: int) -> list[list[int]]:
 
 
 def run(tasks: Sequence, costs: Sequence[float], fn: Callable[[object, int], None], n_workers: int,
-        dynamic: bool = False) -> None:
+        dynamic: bool = False, torch_threads: bool = True) -> None:
     """Call ``fn(task, worker_index)`` for every task, without autograd, on ``n_workers`` threads.
 
     ``dynamic=True`` lets idle workers take the next task (longest first), which keeps the cores
     busy when one of them is shared with another process; use it only when the result does not
     depend on which worker ran a task (the static partition is deterministic).
+    ``torch_threads=False``: one worker's tasks run on a one-thread worker too, not here on torch's
+    intra-op threads, for tasks of many small ops: their barriers, one per op, stalled the CPU
+    backend's soft-cap training step 10-20x on a box with more runnable threads than cores (two
+    threads, L=1024, documents: 0.84 s of CPU, 0.07 s on one one-thread worker).
     """
-    if n_workers <= 1:
+    if n_workers <= 1 and not torch_threads and torch.get_num_threads() > 1:
+        n_workers, dynamic = 1, False
+    elif n_workers <= 1:
         with torch.no_grad():
             for task in tasks:
                 fn(task, 0)

@@ -109,6 +109,55 @@ def row_plan(tables: "Tables", bm: int, hm: int, q_len: int, kv_len: int, max_ro
     return rows
 
 
+# Rows are cut into parts of these many query rows (largest first) when their partial blocks'
+# allowed columns then shrink enough: each part is its own task, with its own calls
+SUB_ROWS = (64, 32)
+# columns of a trimmed partial range start and end on multiples of this
+TRIM_ALIGN = 16
+# partial-block elements the mask_mod is evaluated on to trim one plan; past it rows stay whole (a
+# mask whose every block is partial gains little from trimming and would pay most)
+TRIM_ELEMENTS = 1 << 22
+
+
+def trimmed_rows(rows: Sequence[Row], allowed: Callable[[int, int, int, int], torch.Tensor], max_cols: int,
+                 budget: list[int] | None = None) -> list[Row]:
+    """``rows`` with their partial key ranges cut to the columns the mask allows, at the height that
+    pays: ``allowed(q0, q1, start, end)`` is the ``[q1 - q0, end - start]`` boolean tile of pairs some
+    head of the group allows. A narrow window's diagonal blocks (17 keys of 128 per row) are then
+    scored as a band of 32-row parts and the few dozen columns each needs, not as whole blocks.
+    Only columns no row of a part allows are cut, so the result is unchanged. ``budget`` (a one-item
+    list, shared by a plan's calls) counts down the elements evaluated, from :data:`TRIM_ELEMENTS`."""
+    budget = [TRIM_ELEMENTS] if budget is None else budget
+    out: list[Row] = []
+    for row in rows:
+        partial = [(a, b) for a, b, is_partial in row.segments if is_partial]
+        size = (row.q1 - row.q0) * sum(b - a for a, b in partial)
+        if not partial or size > budget[0]:
+            out.append(row)
+            continue
+        budget[0] -= size
+        tiles = [(a, b, allowed(row.q0, row.q1, a, b)) for a, b in partial]
+        full = [seg for seg in row.segments if not seg[2]]
+        best = None
+        for height in (row.q1 - row.q0,) + tuple(h for h in SUB_ROWS if h < row.q1 - row.q0):
+            parts = []
+            for r0 in range(row.q0, row.q1, height):
+                r1 = min(r0 + height, row.q1)
+                segments = list(full)
+                for a, b, tile in tiles:
+                    cols = tile[r0 - row.q0:r1 - row.q0].any(0).nonzero()
+                    if len(cols):
+                        lo = a + int(cols[0]) // TRIM_ALIGN * TRIM_ALIGN
+                        hi = min(b, a + -(-(int(cols[-1]) + 1) // TRIM_ALIGN) * TRIM_ALIGN)
+                        segments.append((lo, hi, True))
+                parts.append((r0, r1, tuple(sorted(segments))))
+            work = sum((r1 - r0) * sum(b - a for a, b, _ in segments) for r0, r1, segments in parts)
+            if best is None or work < 0.75 * best[0]:  # a lower part pays only for a clear saving
+                best = (work, parts)
+        out.extend(Row(r0, r1, _chunks(segments, max_cols), segments) for r0, r1, segments in best[1] if segments)
+    return out
+
+
 def fused_pieces(segments: tuple[tuple[int, int, bool], ...], max_masked_cols: int, mode: str) -> tuple[Chunk, ...]:
     """Key chunks for a fused attention kernel that takes an optional additive mask per call.
 
@@ -217,6 +266,49 @@ def read_tables(block_mask: Any, q_len: int, kv_len: int) -> Tables:
         full_idx.tolist() if full_idx is not None else None,
         block_sizes_of(block_mask), kv_num.shape[0], kv_num.shape[1],
     )
+
+
+def _listed(tables: Tables, bm: int, hm: int) -> list:
+    """Every block row's listed partial and full key blocks for table entry ``(bm, hm)``, sorted."""
+    rows = []
+    for i, n in enumerate(tables.kv_num[bm][hm]):
+        full = tables.full_idx[bm][hm][i][:tables.full_num[bm][hm][i]] if tables.full_num is not None else []
+        rows.append((sorted(tables.kv_idx[bm][hm][i][:n]), sorted(full)))
+    return rows
+
+
+def merged_tables(tables: Tables) -> Tables:
+    """``tables`` with its heads (and batches) folded into one entry when every head (batch) lists the
+    same blocks: a mask built per head whose blocks do not differ by head (causal with ``H`` given,
+    or a per-head window inside the same blocks) then runs as one group of all heads, whose calls
+    are as many as one head's, not one set per head. The mask_mod still sees every head's index."""
+    heads = tables.heads > 1 and all(_listed(tables, bm, hm) == _listed(tables, bm, 0)
+                                     for bm in range(tables.batch) for hm in range(1, tables.heads))
+    if heads:
+        pick = lambda t: [row[:1] for row in t] if t is not None else None
+        tables = Tables(pick(tables.kv_num), pick(tables.kv_idx), pick(tables.full_num), pick(tables.full_idx),
+                        tables.block_size, tables.batch, 1)
+    batches = tables.batch > 1 and all(_listed(tables, bm, hm) == _listed(tables, 0, hm)
+                                       for bm in range(1, tables.batch) for hm in range(tables.heads))
+    if batches:
+        pick = lambda t: t[:1] if t is not None else None
+        tables = Tables(pick(tables.kv_num), pick(tables.kv_idx), pick(tables.full_num), pick(tables.full_idx),
+                        tables.block_size, 1, tables.heads)
+    return tables
+
+
+def all_full(tables: Tables, q_len: int, kv_len: int) -> bool:
+    """Whether every block row of every entry lists every key block as full: the mask_mod is never
+    read, and the call is attention with no mask (``noop``, ``kv_idx >= 0``)."""
+    q_block, kv_block = tables.block_size
+    n_rows, n_cols = -(-q_len // q_block), -(-kv_len // kv_block)
+    for bm in range(tables.batch):
+        for hm in range(tables.heads):
+            listed = _listed(tables, bm, hm)
+            if len(listed) < n_rows or any(partial or full[:n_cols] != list(range(n_cols))
+                                           for partial, full in listed[:n_rows]):
+                return False
+    return True
 
 
 def chunk_kv_index(chunk: Chunk, positions: torch.Tensor) -> torch.Tensor:

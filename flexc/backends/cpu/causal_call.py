@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ... import workers
 from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
@@ -288,15 +289,17 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     row is dead)."""
     fold = _foldable(query, key, value)
     q, k, v = _kernel_inputs(query, key, value, fold)
-    calls = _calls(starts, query.shape[1], q.shape[2], k.shape[2], fold)
+    calls, n_workers = _split(_calls(starts, query.shape[1], q.shape[2], k.shape[2], fold), q.shape[0], q.shape[1])
     if len(calls) == 1:
         out, lse = fused_cpu.FLASH(q, k, v, is_causal=True, scale=scale)
     else:
-        out, lse = q.new_empty(*q.shape[:-1], v.shape[-1]), None
-        for rows, qs, ks in calls:
-            o, l = fused_cpu.FLASH(q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], is_causal=True, scale=scale)
-            lse = q.new_empty(q.shape[:-1], dtype=l.dtype) if lse is None else lse
-            out[rows, :, qs], lse[rows, :, qs] = o, l
+        out, lse = _kernel_layout(q, v.shape[-1]), q.new_empty(q.shape[:-1])
+
+        def one_call(call, worker):
+            rows, qs, ks = call
+            out[rows, :, qs], lse[rows, :, qs] = fused_cpu.FLASH(q[rows, :, qs], k[rows, :, ks], v[rows, :, ks],
+                                                                 is_causal=True, scale=scale)
+        workers.run(calls, _costs(calls, q.shape[1]), one_call, n_workers, dynamic=True)
     # (unfolded, the kernel's lse is [B, L, H]-strided: laid out row-major like every path's)
     return _unfolded(out, query, fold), _unfolded(lse, query, fold).contiguous()
 
@@ -331,18 +334,56 @@ def backward(query, key, value, out, lse, grad_out, scale: float,
     fold = _foldable(query, key, value, out, grad_out)
     q, k, v = _kernel_inputs(query, key, value, fold)
     o, go, l = (_folded(t, fold) for t in (out, grad_out, lse.to(query.dtype)))
-    calls = _calls(starts, query.shape[1], q.shape[2], k.shape[2], fold)
+    calls, n_workers = _split(_calls(starts, query.shape[1], q.shape[2], k.shape[2], fold), q.shape[0], q.shape[1])
     if len(calls) == 1:
         dq, dk, dv = fused_cpu.FLASH_BACKWARD(go, q, k, v, o, l, 0.0, True, scale=scale)
     else:  # each key belongs to one sequence of its batch: every gradient row is written once
-        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-        for rows, qs, ks in calls:
+        dq, dk, dv = _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
+
+        def one_call(call, worker):
+            rows, qs, ks = call
             dq[rows, :, qs], dk[rows, :, ks], dv[rows, :, ks] = fused_cpu.FLASH_BACKWARD(
                 go[rows, :, qs], q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], o[rows, :, qs], l[rows, :, qs],
                 0.0, True, scale=scale)
+        workers.run(calls, _costs(calls, q.shape[1]), one_call, n_workers, dynamic=True)
     if key.shape[0] != query.shape[0]:
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     return _unfolded(dq, query, fold), _unfolded(dk, key, fold), _unfolded(dv, value, fold)
+
+
+def workers_for(query: torch.Tensor, key: torch.Tensor) -> int:
+    """How many one-thread workers plain causal attention's kernel calls take (:func:`_split`);
+    1: one call in this thread, on torch's own threads."""
+    B, H, L, _ = query.shape
+    return _worker_count(B * H, B * H * L * key.shape[2] / 2)
+
+
+def _worker_count(n_calls: int, cost: float) -> int:
+    return workers.worker_count(n_calls, cost, fused_cpu.MIN_COST_PER_WORKER)
+
+
+def _split(calls: list, rows: int, heads: int) -> tuple[list, int]:
+    """``(calls, n_workers)``: with several workers, each call split into one call per row of the
+    kernel's first dimension (``rows`` of them, ``heads`` heads each: a head when folded, else a
+    batch), taken by one-thread workers as they come free. torch's own threads split one call
+    statically, and the one on a core another process holds then stalls the call (6 documents,
+    L=4096, two threads with one core busy: 4.8x the quiet one-thread time); here the other
+    worker takes more of the calls."""
+    split = [(slice(i, i + 1), qs, ks) for row_range, qs, ks in calls for i in range(*row_range.indices(rows))]
+    n_workers = _worker_count(len(split), sum(_costs(split, heads)))
+    return (split, n_workers) if n_workers > 1 else (calls, 1)
+
+
+def _kernel_layout(t: torch.Tensor, last: int | None = None) -> torch.Tensor:
+    """An empty tensor shaped as ``t`` (last dim ``last``), laid out ``[B, L, H, E]`` as the kernel
+    lays out what it returns (row-major when folded)."""
+    B, H, L, E = t.shape
+    return t.new_empty(B, L, H, E if last is None else last).transpose(1, 2)
+
+
+def _costs(calls: list, heads: int) -> list[float]:
+    """Scores each call computes (about half its tile: causal)."""
+    return [float((qs.stop - qs.start) * (ks.stop - ks.start) * heads / 2) for _, qs, ks in calls]
 
 
 def _calls(starts: Starts, H: int, L: int, S: int, fold: bool) -> list[tuple[slice, slice, slice]]:

@@ -65,6 +65,33 @@ def log2_form(root: ir.Node) -> tuple[ir.Node, float, bool]:
     return _substitute(root, mapping), pre, folded
 
 
+@functools.lru_cache(maxsize=256)
+def tanh_cap(root: ir.Node) -> tuple[float, float] | None:
+    """``(pre, cap)`` when the mod is ``cap * tanh(score * pre)`` (soft-capping, written with ``/`` or
+    ``*`` by constants, ``cap`` on either side or absent), else None. Its slope is then
+    ``cap * pre * (1 - tanh^2)``: the backward forms it in place from the tanh it keeps, instead
+    of recording the mod's three tensor ops for autograd."""
+    cap = 1.0
+    if root.op == "mul" and root.kind == ir.FLOAT:
+        x, y = root.args
+        cap, root = (_number(x), y) if _number(x) is not None else (_number(y), x)
+        if cap is None:
+            return None
+    if root.op != "tanh":
+        return None
+    inner, score = root.args[0], ir.input_("score")
+    if inner is score:
+        return 1.0, cap
+    x, y = (inner.args + (None,))[:2]
+    if inner.op == "truediv" and x is score and _number(y) is not None:
+        return 1.0 / _number(y), cap
+    if inner.op == "mul" and x is score and _number(y) is not None:
+        return _number(y), cap
+    if inner.op == "mul" and y is score and _number(x) is not None:
+        return _number(x), cap
+    return None
+
+
 # A score_mod whose values provably lie within this many natural-log units takes a fixed softmax
 # offset instead of a running row max: exp(s - hi) stays above e^-64 (a normal float32 or float64)
 FIXED_MAX_SPAN = 64.0

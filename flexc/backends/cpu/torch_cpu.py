@@ -41,10 +41,10 @@ from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
 from . import causal_call, decode_cpu, fused_cpu
-from .score_mod_passes import FIXED_MAX_SPAN, log2_form, value_bounds
+from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
-from .block_plan import (Chunk, Row, add_chunk_rows, chunk_kv_index, chunk_rows, memo_by_tables, read_tables,
-                         row_plan)
+from .block_plan import (Chunk, Row, add_chunk_rows, all_full, chunk_kv_index, chunk_rows, memo_by_tables,
+                         merged_tables, read_tables, row_plan, trimmed_rows, TRIM_ELEMENTS)
 
 # Scores of one chunk hold at most this many elements (2 MiB in fp32): small enough to stay in
 # cache and keep peak memory near SDPA's, large enough that matmuls are not tiny. Small problems
@@ -116,7 +116,7 @@ def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, 
     B, Hq, L, _ = query.shape
     Bkv, _, S, Ev = value.shape
     tasks, costs, groups = [], [], []
-    for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev):
+    for g, rows in _plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev, None if _is_true(mask_mod) else mask_mod):
         groups.append(g)
         mods = _Mods(score_mod, mask_mod, g, B, Hq, L, S, query.device, dropout)
         heads = len(range(B)[g.b]) * len(range(Hq)[g.qh])
@@ -126,15 +126,26 @@ def _tasks(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, 
     return tasks, costs, workers.worker_count(len(tasks), sum(costs)), groups
 
 
-def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
-    """Each group of heads and its rows of chunks (remembered per block mask and call shape)."""
+def _plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int,
+          mask_mod: TracedMod | None = None) -> list[tuple[_Group, list[Row]]]:
+    """Each group of heads and its rows of chunks (remembered per block mask, call shape and mask_mod),
+    partial blocks trimmed to the mask_mod's allowed columns (:func:`block_plan.trimmed_rows`)."""
     key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads())
-    return memo_by_tables(block_mask, key, lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev))
+    plain = lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev)
+    if mask_mod is None or block_mask is None:
+        return memo_by_tables(block_mask, key, plain)
+    # the trim reads the mask_mod: remembered with its graph and captured tensors, and skipped where
+    # those cannot be remembered (it pays only once per mask)
+    return memo_by_tables(block_mask, key + (mask_mod.root,),
+                          lambda: _new_plan(block_mask, B, Bkv, Hq, Hkv, L, S, Ev, mask_mod),
+                          [t for t in mask_mod.buffers if isinstance(t, torch.Tensor)], unversioned=plain)
 
 
-def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int) -> list[tuple[_Group, list[Row]]]:
-    tables = read_tables(block_mask, L, S)
+def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: int, Ev: int,
+              mask_mod: TracedMod | None = None) -> list[tuple[_Group, list[Row]]]:
+    tables = merged_tables(read_tables(block_mask, L, S))
     plans = []
+    trim_budget = [TRIM_ELEMENTS]
     cache: dict[tuple, list[Row]] = {}
     budget = min(CHUNK_ELEMENTS, max(CHUNK_ELEMENTS // 4, B * Hq * L * Ev // 4))
     budget //= max(1, torch.get_num_threads())  # each worker thread holds its own chunk
@@ -146,8 +157,22 @@ def _new_plan(block_mask: Any, B: int, Bkv: int, Hq: int, Hkv: int, L: int, S: i
         key = (g.bm, g.hm, rows, cols)
         if key not in cache:
             cache[key] = row_plan(tables, g.bm, g.hm, L, S, rows, cols)
-        plans.append((g, cache[key]))
+        plan = cache[key]
+        if mask_mod is not None:
+            plan = trimmed_rows(plan, _allowed_tile(mask_mod, g, B, Hq, L, S), cols, trim_budget)
+        plans.append((g, plan))
     return plans
+
+
+def _allowed_tile(mask_mod: TracedMod, g: _Group, B: int, Hq: int, L: int, S: int):
+    """``(q0, q1, start, end) -> [q1 - q0, end - start]`` booleans: pairs some head of ``g`` allows."""
+    mods = _Mods(None, mask_mod, g, B, Hq, L, S, torch.device("cpu"))
+
+    def allowed(q0: int, q1: int, start: int, end: int) -> torch.Tensor:
+        tile = evaluate(mask_mod, clamp_lookups=True, **mods._index(mods.mask_reads, q0, q1, mods.kv_pos[start:end]))
+        tile = tile.reshape((1,) * (4 - tile.dim()) + tuple(tile.shape)).any(0).any(0)
+        return tile.expand(q1 - q0, end - start)
+    return allowed
 
 
 # ---- the mods ----------------------------------------------------------------------------
@@ -196,6 +221,8 @@ class _Mods:
         if bounds is not None and bounds[1] - bounds[0] <= FIXED_MAX_SPAN:
             self.fixed_max = bounds[1] * LOG2E
         self.mask_reads = ir.inputs_read(self.mask_mod.root) if self.mask_mod is not None else frozenset()
+        # soft-capping's (pre, cap): the backward's slope in place (see score_mod_passes.tanh_cap)
+        self.tanh_cap = tanh_cap(score_mod.root) if score_mod is not None else None
         self.b = torch.arange(B, device=device)[g.b].view(-1, 1, 1, 1)
         self.h = torch.arange(Hq, device=device)[g.qh].view(1, -1, 1, 1)
         self.q_pos = torch.arange(L, device=device)
@@ -288,18 +315,28 @@ def _causal_starts(query, key, value, score_mod, mask_mod, block_mask, dropout) 
     return starts if starts is not None and all_finite(query, key, value) else None
 
 
+def _unmasked(block_mask: Any, L: int, S: int) -> bool:
+    """No block mask, or one whose blocks are all full (:func:`block_plan.all_full`): plain attention."""
+    if block_mask is None:
+        return True
+    return memo_by_tables(block_mask, ("all full", L, S), lambda: all_full(read_tables(block_mask, L, S), L, S),
+                          unversioned=lambda: False)
+
+
 def recorded_forward(query, key, value, score_mod, mask_mod, block_mask, scale) -> torch.Tensor | None:
     """A training call's output computed by ops autograd records itself, or None when the call needs
     flexc's own autograd Function. Plain causal attention (one sequence per batch), or attention
-    with no block mask, with no score_mod, dropout, sinks, logsumexp or max asked for (the caller's
+    with no block mask (or one whose blocks are all full), with no score_mod, dropout, sinks, logsumexp or max asked for (the caller's
     checks) and finite inputs, is one call of the fused kernel (in its causal mode for the first),
     whose backward torch registers in C++: a training step then runs no Python after the forward,
     which is most of a small layer's step (B=2, H=4, L=256, D=32)."""
     if score_mod is not None or not causal_call.recordable(query, key, value):
         return None
-    if block_mask is None:
+    if _unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
         plain = causal_call.kernel_takes(query, value) and all_finite(query, key, value)
         return causal_call.recorded_forward(query, key, value, scale, causal=False) if plain else None
+    if causal_call.workers_for(query, key) > 1:
+        return None  # split over workers, forward and backward (causal_call._split), not torch's threads
     starts = _causal_starts(query, key, value, score_mod, mask_mod, block_mask, None)
     return causal_call.recorded_forward(query, key, value, scale) if starts == causal_call.ONE_SEQUENCE else None
 
@@ -317,8 +354,9 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     if dropout is None and decode_cpu.applies(query, key):  # short queries (decoding): a few batched ops, no row loop
         return decode_cpu.forward(query, key, value, score_mod, mask_mod, block_mask, scale, need_max, lse_dtype,
                                   need_lse, sinks)
-    if (dropout is None and block_mask is None and score_mod is None and query.numel() and key.shape[2]
-            and fused_cpu.supported(query, value, None, need_max)):  # plain attention: torch's fused kernel
+    if (dropout is None and score_mod is None and query.numel() and key.shape[2]
+            and fused_cpu.supported(query, value, None, need_max)
+            and _unmasked(block_mask, query.shape[2], key.shape[2])):  # plain attention: torch's fused kernel
         out, lse = decode_cpu.flash(query, key, value, [], scale)
         if sinks is not None:  # the kernel's softmax has no state to start from: the sink joins after it
             out, lse = fused_cpu.fold_sink(out, lse, sinks)
@@ -358,7 +396,8 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         else:
             _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite, sinks)
 
-    workers.run(tasks, costs, one_row, n_workers, dynamic=True)  # rows write disjoint slices of out/lse
+    # rows write disjoint slices of out/lse; a single worker too runs with one torch thread (workers.run)
+    workers.run(tasks, costs, one_row, n_workers, dynamic=True, torch_threads=False)
     return out, lse, row_max
 
 
@@ -541,10 +580,13 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), [g.to(d) for g, d in zip(buf_grads, dtypes)]
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
+    fused = finite and tasks and fused_cpu.backward_supported(query, value, tasks[0][1], grad_lse, grad_slots)
+    if fused:  # large C++ calls that release the GIL, each on a one-thread worker (fused_cpu.denormals_flushed)
+        n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
     # dq rows are disjoint; dk, dv and buffer gradients sum over rows, so each worker has its own
     sums = [(dk, dv, buf_grads)] + [(torch.zeros_like(dk), torch.zeros_like(dv), [torch.zeros_like(t) for t in leaves])
                                     for _ in range(n_workers - 1)]
-    if finite and tasks and fused_cpu.backward_supported(query, value, tasks[0][1], grad_lse, grad_slots):
+    if fused:
         # the forward's own fused kernel calls, backward: a few large C++ calls per row instead of
         # the row loop's dozens of torch ops (fused_cpu.backward_row)
         lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
@@ -554,7 +596,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
             g, mods, row = task
             fused_cpu.backward_row(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, row, mods,
                                    scale)
-        workers.run(tasks, costs, fused_row, n_workers)
+        workers.run(tasks, costs, fused_row, n_workers, torch_threads=False)
         return _summed(query, key, value, dq, sums, buf_grads, dtypes)
     # the softmax Jacobian's correction delta = rowsum(dO * P * dP) - dLSE. With a score_mod,
     # _backward_row sums its dO part from its own probabilities (see there); without one, the
@@ -577,7 +619,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
                       buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite, own_delta, sink_share)
 
-    workers.run(tasks, costs, one_row, n_workers)
+    workers.run(tasks, costs, one_row, n_workers, torch_threads=False)
     return _summed(query, key, value, dq, sums, buf_grads, dtypes)
 
 
@@ -599,9 +641,9 @@ _KEEP_ELEMENTS = 1 << 22
 
 
 def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods, q0: int, q1: int, Hqg: int,
-                 work, grad: bool, finite: bool = True):
+                 work, grad: bool, finite: bool = True, grad_buffers: bool = False):
     """One chunk's ``(kc, s4, post, p, dp, blocked)``: scores, the score_mod's output (with its graph
-    when ``grad``), softmax probabilities from the saved logsumexp, and ``dO @ V^T`` (0 on masked
+    when ``grad``; soft-capping without captured tensors wanting gradients: None, and s4 its tanh), softmax probabilities from the saved logsumexp, and ``dO @ V^T`` (0 on masked
     pairs when ``finite`` is False: a masked NaN/inf value must not reach delta, dS or the buffers)."""
     Bg, r = qb.shape[0], q1 - q0
     kv = chunk_kv_index(chunk, mods.kv_pos)
@@ -610,7 +652,11 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
     s4 = torch.matmul(qb, kc.transpose(-1, -2)).view(Bg, Hqg, r, chunk.n_cols)
     blocked = mods.blocked(chunk, q0, q1, kv)
     post = None
-    if mods.score_mod is not None:
+    if mods.tanh_cap is not None and not grad_buffers:
+        # soft-capping: qb holds the query times the mod's pre-factor, so s4 = score * pre; its tanh,
+        # in place, is kept in s4 for the slope (_backward_row), and p = exp(cap * tanh - lse)
+        p = torch.mul(s4.tanh_(), mods.tanh_cap[1])
+    elif mods.score_mod is not None:
         if grad and "score" in mods.score_reads:
             s4.requires_grad_()
         with torch.set_grad_enabled(grad):
@@ -666,7 +712,9 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
                   g: _Group, row: Row, mods: _Mods, scale: float, work, sum_kv_batch: bool, finite: bool = True,
                   own_delta: bool = True, sink_share: torch.Tensor | None = None):
     q0, q1 = row.q0, row.q1
-    qb = _scaled_query_rows(query, g, q0, q1, scale, work)
+    capped = mods.tanh_cap is not None and not leaves  # soft-capping's slope formed in place
+    pre = mods.tanh_cap[0] if capped else 1.0
+    qb = _scaled_query_rows(query, g, q0, q1, scale * pre, work)
     Bg, Hkvg, Gr, E = qb.shape
     Hqg, r = Hkvg * g.G, q1 - q0
     dob = grad_out[g.b, g.qh, q0:q1].to(work)
@@ -676,6 +724,7 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
     dk_g, dv_g = dk[g.kb, g.kvh], dv[g.kb, g.kvh]
     dq_r = torch.zeros(Bg, Hkvg, Gr, E, dtype=work, device=query.device)
     args = (qb, k_g, v_g, dob_g, lse_r, buffers)
+    extra = {"finite": finite, "grad_buffers": bool(leaves)}
     # Pass 1: delta = rowsum(P * dP) - dLSE from this backward's own probabilities. The flash
     # identity rowsum(dO * out) equals it only up to the forward's rounding, and that mismatch
     # doubled dq/dk errors with learnable biases (fp32 rmse vs float64, L=256: dq 1.25x -> 1.12x
@@ -699,7 +748,7 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
     kept, budget = [None] * len(row.chunks), _KEEP_ELEMENTS
     for i, chunk in enumerate(row.chunks if own_delta else ()):
         keep = budget >= Bg * Hqg * r * chunk.n_cols
-        piece = _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=keep, finite=finite)
+        piece = _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=keep, **extra)
         p_dp += (piece[3] * piece[4]).sum(-1, keepdim=True)
         p_sum += piece[3].sum(-1, keepdim=True)
         kept[i] = piece if keep else None
@@ -709,13 +758,17 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
         delta_r += p_dp / p_sum
     for chunk, piece in zip(row.chunks, kept):
         kc, s4, post, p, dp, blocked, kept = piece or _chunk_probs(*args, chunk, mods, q0, q1, Hqg, work, grad=True,
-                                                                   finite=finite)
+                                                                   **extra)
         if own_delta:
             p.div_(p_sum)  # a kept chunk's p is pass 1's tensor, met here once
         p_g = (p if kept is None else p * kept).view(Bg, Hkvg, Gr, -1)
         dv_c = torch.matmul(p_g.transpose(-1, -2), dob_g)
         ds = dp.sub_(delta_r).mul_(p)  # gradient w.r.t. the post-mod score
-        if post is not None:
+        slope = 1.0  # a constant factor of dS left to the (smaller) products below
+        if capped:  # times the slope over pre (pre is in qb): cap * (1 - tanh^2), from s4's tanh
+            slope = mods.tanh_cap[1]
+            ds.addcmul_(ds, s4.mul_(s4), value=-1.0)
+        elif post is not None:
             wrt = ([s4] if s4.requires_grad else []) + leaves
             grads = torch.autograd.grad(post, wrt, ds, allow_unused=True) if post.requires_grad and wrt else [None] * len(wrt)
             for i, gb in enumerate(grads[len(wrt) - len(leaves):]):
@@ -729,8 +782,8 @@ def _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk, dv, buff
             ds_g = ds.view(Bg, Hkvg, Gr, -1)
             # a masked pair (dS = 0) must not bring a NaN or inf key into dq, or such a query into dk
             matmul = torch.matmul if finite or not blocked else matmul_skipping_zeros
-            dq_r.add_(matmul(ds_g, kc), alpha=scale)
+            dq_r.add_(matmul(ds_g, kc), alpha=scale * pre * slope)
             dk_c = matmul(ds_g.transpose(-1, -2), qb)
-            add_chunk_rows(dk_g, chunk, dk_c, sum_kv_batch)
+            add_chunk_rows(dk_g, chunk, dk_c.mul_(slope) if slope != 1.0 else dk_c, sum_kv_batch)
         add_chunk_rows(dv_g, chunk, dv_c, sum_kv_batch)
     dq[g.b, g.qh, q0:q1] = dq_r.view(Bg, Hqg, r, E)

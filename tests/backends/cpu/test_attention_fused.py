@@ -256,3 +256,33 @@ def test_a_simulated_gpu_takes_the_gpus_path_not_the_cpu_kernels():
     assert fused_cpu.supported(q, q, None, False)
     with flexc.device.simulate("sm_90"):
         assert not fused_cpu.supported(q, q, None, False)
+
+
+def test_the_fused_backward_flushes_subnormals_only_while_it_runs():
+    assert not fused_cpu._flushing()
+    with fused_cpu.denormals_flushed():
+        assert fused_cpu._flushing()
+    assert not fused_cpu._flushing()
+    torch.set_flush_denormal(True)  # a caller's own setting is left as it was
+    try:
+        with fused_cpu.denormals_flushed():
+            pass
+        assert fused_cpu._flushing()
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_a_steep_bias_with_far_keys_below_exps_range_keeps_float32_gradients(monkeypatch):
+    # slopes of 1 and 2 per position: most pairs' probabilities are far below fp32's smallest
+    # normal, which the fused backward flushes to 0 (fused_cpu.denormals_flushed)
+    monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+    steep = lambda score, b, h, q, kv: score + (h % 2 + 1.0) * (kv - q)
+    q, k, v = (t.requires_grad_() for t in _qkv(seed=5))
+    bm = flexc.create_block_mask(_causal, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
+    out = flexc.flex_attention(q, k, v, score_mod=steep, block_mask=bm)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    mine = torch.autograd.grad(out, (q, k, v), grad_out)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(dense_attention(*wide, steep, _causal)[0], wide, grad_out.double())
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-4)

@@ -31,6 +31,10 @@ def _window(b, h, q, kv):
     return (q >= kv) & (q - kv < 40)
 
 
+def _every_key(b, h, q, kv):
+    return kv >= 0
+
+
 def _shifted(b, h, q, kv):  # one more key per row: not torch's causal mode
     return q + 1 >= kv
 
@@ -285,6 +289,7 @@ def _graph_nodes(t: torch.Tensor) -> set:
     (_causal, 1, 1, 2, 2, 96, 96, "row-major", torch.float64, "v"),  # only the value trains
     (None, 2, 2, 4, 2, 130, 170, "BLHE", torch.float64, "qkv"),  # no block mask at all
     (None, 2, 2, 2, 2, 96, 80, "row-major", torch.float32, "qk"),
+    (_every_key, 2, 2, 4, 4, 128, 192, "row-major", torch.float64, "qkv"),  # every block full: no mask either
 ])
 def test_a_plain_training_call_is_recorded_by_torchs_own_autograd_nodes(taken, mask_mod, B, Bkv, Hq, Hkv, L, S,
                                                                         layout, dtype, trained):
@@ -336,3 +341,39 @@ def test_training_calls_torchs_nodes_cannot_express_keep_flexcs_function(case):
 
 def _documents_of_128(b, h, q, kv):  # two documents of 64 rows
     return (q // 64 == kv // 64) & (q >= kv)
+
+
+@pytest.mark.parametrize("mask_mod, B, Bkv, Hq, Hkv, L, S, layout, dtype", [
+    (_causal, 2, 2, 4, 4, 200, 200, "row-major", torch.float64),
+    (_causal, 2, 1, 4, 2, 130, 170, "row-major", torch.float64),
+    (_documents_per_batch, 2, 2, 3, 3, 200, 200, "BLHE", torch.float32),
+])
+def test_calls_split_over_workers_match_float64_forward_and_backward(monkeypatch, mask_mod, B, Bkv, Hq, Hkv, L, S,
+                                                                      layout, dtype):
+    # every call split into one per head (or batch), taken by workers as they come free
+    monkeypatch.setattr(causal_call.fused_cpu, "MIN_COST_PER_WORKER", 1.0)
+    runs = []
+    real_run = causal_call.workers.run
+    monkeypatch.setattr(causal_call.workers, "run", lambda tasks, *a, **k: runs.append(len(tasks)) or real_run(tasks, *a, **k))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = random_qkv(B, Hq, Hkv, L, S, 16, dtype=dtype, Bkv=Bkv, seed=3)
+        if layout == "BLHE":
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        bm = flexc.create_block_mask(mask_mod, B, None, L, S, device="cpu", BLOCK_SIZE=64)
+        out = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
+        mine = torch.autograd.grad(out, (q, k, v), grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs) == 2 and min(runs) >= 2, runs  # forward and backward, several calls each
+    ref_out = dense_attention(q, k, v, None, mask_mod)[0]
+    refs = torch.autograd.grad(ref_out, (q, k, v), grad.double())
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=0)
+    assert out.stride() == q.stride()
+    for a, b, t in zip(mine, refs, (q, k, v)):
+        assert a.stride() == t.stride()
+        torch.testing.assert_close(a.double(), b.double(), atol=10 * tol, rtol=0)

@@ -125,3 +125,35 @@ def test_forward_with_rewritten_mods_matches_dense_reference(monkeypatch, score_
         return
     # max_scores is float32 whatever the inputs
     torch.testing.assert_close(aux.max_scores.double(), ref_max.double(), atol=max(atol * 10, 1e-5), rtol=0)
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (_softcap, (1 / 20.0, 20.0)),
+    (_scaled_tanh, (0.3, 4.0)),
+    (lambda score, b, h, q, kv: torch.tanh(score), (1.0, 1.0)),
+    (_div_then_mul, None),
+    (lambda score, b, h, q, kv: 20.0 * torch.tanh(score / 20.0) + 1.0, None),
+    (lambda score, b, h, q, kv: 20.0 * torch.tanh(score / (q + 1.0)), None),
+])
+def test_tanh_cap_recognises_soft_capping_only(fn, expected):
+    got = score_mod_passes.tanh_cap(trace(fn, "score_mod").root)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+@pytest.mark.parametrize("fn", [_softcap, _scaled_tanh])
+def test_soft_capping_gradients_with_the_slope_in_place_match_float64(monkeypatch, fn):
+    monkeypatch.setattr(torch_cpu.fused_cpu, "backward_supported", lambda *a: False)
+    taken = []
+    real = torch_cpu._chunk_probs
+    monkeypatch.setattr(torch_cpu, "_chunk_probs", lambda *a, **k: taken.append(a[7].tanh_cap) or real(*a, **k))
+    window = lambda b, h, q, kv: (q - kv <= 50) & (kv - q <= 20)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, H, n, E, generator=g, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    bm = flexc.create_block_mask(window, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    out = flexc.flex_attention(q, k, v, score_mod=fn, block_mask=bm)
+    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert taken and taken[0] is not None
+    ref = torch.autograd.grad(dense_attention(q, k, v, fn, window)[0], (q, k, v), grad_out)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
