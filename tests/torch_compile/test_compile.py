@@ -549,3 +549,48 @@ def test_a_function_in_a_mod_compiles_where_no_gradient_flows_through_the_score(
     torch.testing.assert_close(torch.autograd.grad(out.sum(), v)[0], torch.autograd.grad(want.sum(), v)[0])
     with torch.no_grad():
         torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_compiled_calls_run_their_signatures_plan_and_follow_edited_tables_and_captured_tensors(backend, monkeypatch):
+    """The custom ops plan once per signature (flexc.torch_compile.op_plans): repeated compiled calls
+    make one forward plan, and a table edited in place or a captured tensor's new values between
+    calls still give float64 dense attention (the plan keeps no tensor of a call)."""
+    from flexc.torch_compile import op_plans
+
+    made = []
+    real = op_plans.OpPlan.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(kwargs.get("forward", args[10] if len(args) > 10 else True))
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(op_plans.OpPlan, "__init__", counting)
+    op_plans.clear()
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    bias = torch.randn(2, generator=g)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def per_head(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    bm = flexc.create_block_mask(causal, None, None, 64, 64, BLOCK_SIZE=16)
+    attend = torch.compile(lambda q, k, v, bm: flexc.flex_attention(q, k, v, score_mod=per_head, block_mask=bm,
+                                                                    kernel_options={"BACKEND": backend}),
+                           backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            out = attend(q, k, v, bm)
+        assert made == [True]
+        torch.testing.assert_close(out.double(), dense_attention(q, k, v, per_head, causal)[0], atol=2e-5, rtol=0)
+        bias.mul_(-2)  # new captured values: the same plan reads them
+        bm.full_kv_indices[0, 0, 3, 0] = -1  # the last row's first full block: never visited (a new plan)
+        keep = torch.ones(64, 64, dtype=torch.bool)
+        keep[48:, :16] = False
+        out = attend(q, k, v, bm)
+        want = dense_attention(q, k, v, per_head, lambda b, h, q_idx, kv_idx: causal(b, h, q_idx, kv_idx)
+                               & keep[q_idx, kv_idx])[0]
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
+        assert made == [True, True]
