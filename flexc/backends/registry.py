@@ -31,27 +31,19 @@ TRITON = "TRITON"
 
 BACKENDS: dict[str, Callable] = {TORCH: torch_forward}
 
-
-class _Kept:
-    """What a prepared launch is passed as ``block_mask`` to use the tables it made once (:data:`PREPARE`)."""
-
-    def __repr__(self) -> str:
-        return "KEPT"
-
-
-KEPT = _Kept()
 # a backend's forward decided once per call signature (optional): ``prepare(query, key, value, score_mod,
 # mask_mod, block_mask, scale, kernel_options, need_lse, dropout: bool, sinks: bool)`` returns a
-# callable ``(query, key, value, dropout, sinks, block_mask=KEPT) -> (out, lse or None)`` that eager
-# calls of that signature run (:mod:`flexc.call.plans`), passing their ``block_mask`` when its tables
-# are new at each call (a slice), else KEPT (the tables it made once); backends without one run their
-# forward each call
+# callable ``(query, key, value, block_mask, dropout, sinks, mods=None) -> (out, lse or None)`` that
+# eager calls of that signature run (:mod:`flexc.call.plans`) with their own BlockMask (of the planned
+# layout; the callable keeps no table, so a dropped mask is freed), and compiled calls with their mods
+# too (``mods``: whose captured tensors to read); backends without one run their forward each call
 PREPARE: dict[str, Callable] = {}
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
 # a backend's training forward and backward decided once per call signature (optional):
 # ``prepare(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, grad_slots,
-# dropout: bool, sinks: bool, sliced: bool)`` returns ``(forward, backward)`` with TRAINING's
-# signatures, for the calls of that signature (``sliced``: read the BlockMask's tables at each call)
+# dropout: bool, sinks: bool, compiled: bool = False)`` returns ``(forward, backward)`` with TRAINING's
+# signatures, for the calls of that signature (``compiled``: they read the captured tensors of the mods
+# they are passed)
 PREPARE_TRAINING: dict[str, Callable] = {}
 
 # backends that live in a package of their own, imported when first asked for (Triton is optional)

@@ -1,7 +1,8 @@
 """One plan per call signature: what an eager ``flex_attention`` call decides, worked out once and kept.
 
 A :class:`Plan` holds everything a call decides before its kernels run: the validated scale and
-options, the traced mods, the BlockMask as backends read it, the backend (:func:`flexc.call.plan.plan_call`),
+options, the traced mods, whether the BlockMask's empty entries need compacting, the backend
+(:func:`flexc.call.plan.plan_call`),
 the path through training, the logsumexp and the row maxima, and the backend's forward decided for
 these shapes (:data:`flexc.backends.registry.PREPARE`: for TRITON the kernels, tables, grids and
 constants). :func:`plan_for` finds it by the call's signature (:mod:`flexc.call.signature`) or makes
@@ -15,6 +16,7 @@ non-finite guards.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -28,7 +30,7 @@ from ..backends.layout import laid_out_like
 from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
 from .plan import in_dtype_of, plan_call, prepare_call
-from .signature import call_signature
+from .signature import call_signature, held
 from .training import FlexAttentionFunction, backend_keywords
 
 # the paths a call takes, decided once per plan
@@ -48,18 +50,25 @@ class Plan:
                  sinks: torch.Tensor | None):
         self.scale, self.options, self.score_mod, self.mask_mod = prepare_call(
             query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, outputs=(return_lse, return_aux))
-        self.block_mask = without_empty_entries(block_mask)  # negative entries in the counts: blocks never visited
-        # a slice's tables are new at each call (flexc.call.signature keys it by what it was sliced
-        # from): read from the call's BlockMask, not kept
-        self.sliced = getattr(block_mask, "sliced_from", None) is not None and getattr(block_mask, "lazy_rows", None) is None
-        # whether its empty entries were compacted (the answer for every slice of the same tables)
-        self.compacts = self.block_mask is not block_mask
+        # negative entries in the counts: blocks never visited. Whether they were compacted is the
+        # answer for every call of the signature (the same tables, or slices of the same ones); the
+        # BlockMask itself is the call's (a plan keeps no table: a mask the caller drops is freed)
+        compacted = without_empty_entries(block_mask)
+        self.compacts = compacted is not block_mask
+        # every call of the signature brings the very tables (their contents states are in it), so
+        # the launches may take the last call's while they live; not a slice's (keyed by the tables
+        # it was sliced from: another row has other tables)
+        self.same_tables = not (getattr(block_mask, "sliced_from", None) is not None
+                                and getattr(block_mask, "lazy_rows", None) is None)
+        # the compacted mask, weakly (flexc.masks.empty_entries keeps it while the caller's tables live)
+        self.compacted = weakref.ref(compacted) if self.compacts and self.same_tables else None
+        block_mask = compacted
         key, value = in_dtype_of(query, key), in_dtype_of(query, value)
         choice = plan_call(query, key, value, self.score_mod, self.mask_mod, self.options, return_lse, return_aux,
                            dropout_p=drop.p if drop is not None else 0.0,
                            dropout_positions=drop is not None and (drop.q_positions is not None
                                                                    or drop.kv_positions is not None),
-                           sinks=sinks, block_mask=self.block_mask)
+                           sinks=sinks, block_mask=block_mask)
         self.backend, self.want_lse, self.want_max = choice.backend, choice.want_lse, choice.want_max
         self.slots, self.generated = choice.slots, choice.generated
         self.lse_dtype = work_dtype(query.dtype)
@@ -71,8 +80,9 @@ class Plan:
                          and not self.want_lse and not self.want_max else TRAINED)
             prepare = registry.PREPARE_TRAINING.get(self.backend) if self.generated is not None else None
             if prepare is not None:
-                self.generated = prepare(query, key, value, self.score_mod, self.mask_mod, self.block_mask, self.scale,
-                                         self.options, self.slots, drop is not None, sinks is not None, self.sliced)
+                self.generated = prepare(query, key, value, self.score_mod, self.mask_mod, block_mask, self.scale,
+                                         self.options, self.slots, drop is not None, sinks is not None,
+                                         same_tables=self.same_tables)
         elif self.want_max:
             self.path = WITH_MAX
         elif self.backend == registry.TORCH and (drop is not None or (self.want_lse and query.dtype == torch.float64)):
@@ -81,7 +91,7 @@ class Plan:
             self.path = FORWARD
             prepare = registry.PREPARE.get(self.backend)
             if prepare is not None:
-                self.prepared = prepare(query, key, value, self.score_mod, self.mask_mod, self.block_mask,
+                self.prepared = prepare(query, key, value, self.score_mod, self.mask_mod, block_mask,
                                         self.scale, self.options, self.want_lse, drop is not None, sinks is not None)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
@@ -89,10 +99,9 @@ class Plan:
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(out laid out like the query, lse in torch's dtype or None, row maxima or None)`` of one call
         of this plan's signature."""
-        if not self.sliced:
-            block_mask = self.block_mask
-        elif self.compacts:
-            block_mask = without_empty_entries(block_mask)
+        if self.compacts:
+            compacted = self.compacted() if self.compacted is not None else None
+            block_mask = compacted if compacted is not None else without_empty_entries(block_mask)
         if self.rechecked:
             B, Hq, L, _ = query.shape
             for mod in self.rechecked:
@@ -102,7 +111,7 @@ class Plan:
         path, max_scores = self.path, None
         if path == FORWARD:
             if self.prepared is not None:
-                out, lse = self.prepared(query, key, value, drop, sinks, block_mask if self.sliced else registry.KEPT)
+                out, lse = self.prepared(query, key, value, block_mask, drop, sinks, same_tables=self.same_tables)
             else:
                 out, lse = registry.BACKENDS[self.backend](query, key, value, score_mod, mask_mod, block_mask, scale,
                                                            self.options, self.want_lse,
@@ -159,7 +168,7 @@ def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
         signature, named = found
         with _lock:
             try:
-                _PLANS[signature] = (plan, named)
+                _PLANS[signature] = (plan, held(named))
             except TypeError:  # (an unhashable part: the call is planned each time)
                 pass
             while len(_PLANS) > _MAX_PLANS:

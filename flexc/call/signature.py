@@ -30,7 +30,7 @@ subclasses, unhashable options.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -39,10 +39,24 @@ from ..backends import registry
 from ..masks.kv_tables import kv_tables
 from ..mods import derived, trace_cache
 from ..mods.traced_mod import MASK_MOD, SCORE_MOD, TracedMod
-from ..versions import contents_states, rememberable, table_states
+from ..versions import contents_states, pinned, rememberable, table_states
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _Q_TABLES = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+class _Unpinned(NamedTuple):
+    """Tables' contents states, to be pinned (:func:`flexc.versions.pinned`) if the signature is kept."""
+
+    states: tuple
+    tensors: list
+
+
+def held(named: tuple) -> tuple:
+    """What :func:`call_signature` says its signature names, as a plan keeps it: tables' states
+    pinned (weak references to their storages, so no other storage takes their addresses while the
+    plan lives, and no table is kept alive), everything else as it is."""
+    return tuple(pinned(*x) if type(x) is _Unpinned else x for x in named)
 
 
 class Unkeyable(Exception):
@@ -78,9 +92,9 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
         tables: tuple = ("rows", id(rows))  # (the same lists object for every slice of that row)
     elif provenance is not None and not training and table_states(kv_tables(block_mask)) == provenance[2]:
         # an unedited slice (a decoding step's block_mask[:, :, pos // 128], new tables every step):
-        # keyed by the tables it was sliced from as they were then, and its tables' layout; the plan
-        # reads its tables at each call (flexc.call.plans.Plan.sliced)
-        keep.append(provenance)
+        # keyed by the tables it was sliced from as they were then (their states pinned, weakly), and
+        # its tables' layout
+        keep.append(provenance[1])
         tables = ("slice", provenance[1], tuple([None if t is None else (t.shape, t.dtype, t.device)
                                                  for t in kv_tables(block_mask)]))
     else:
@@ -90,7 +104,7 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
         tables = contents_states(kept)
         if not rememberable(tables):
             raise Unkeyable
-        keep.extend(kept)
+        keep.append(_Unpinned(tables, kept))  # (pinned, weakly, only if kept: a kept plan holds no table)
     return (type(block_mask), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), tables)
 
 
@@ -115,8 +129,8 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    return_aux: Any, dropout: Any, sinks: torch.Tensor | None
                    ) -> tuple[tuple, tuple] | None:
     """``(signature, what it names)`` of an eager call, or None when the call cannot be keyed (see the
-    module docstring). Whoever keeps the signature keeps the second item too: the objects whose ids
-    and storage addresses the signature holds, so none is reused while it is kept. Reads only what
+    module docstring). Whoever keeps the signature keeps :func:`held` of the second item too: the
+    objects whose ids and storage addresses the signature holds, so none is reused while it is kept. Reads only what
     it keys: a call with invalid arguments gives None or a signature no valid call was planned under."""
     keep: list = []
     try:
@@ -149,4 +163,4 @@ def _unkeyable() -> None:
     raise Unkeyable
 
 
-__all__ = ["Unkeyable", "cached_trace", "call_signature"]
+__all__ = ["Unkeyable", "cached_trace", "call_signature", "held"]

@@ -80,8 +80,20 @@ def without_empty_entries(block_mask: Any, remember: bool = True) -> Any:
         return block_mask if rebuilt is None else rebuilt
     if len(_compacted) >= _MAX_REMEMBERED:
         _compacted.clear()
-    _compacted[id(tables[1])] = (weakref.ref(tables[1]), pinned(state, tables), stream, rebuilt)
+    # (forgotten when the caller's table is freed: the compacted copy is kept no longer than its source)
+    _compacted[id(tables[1])] = (weakref.ref(tables[1], _forget(id(tables[1]))), pinned(state, tables), stream,
+                                 rebuilt)
     return block_mask if rebuilt is None else rebuilt
+
+
+def _forget(key: int, store: dict = _compacted):
+    """A weak reference's callback dropping the compacted copy of the tables whose ``kv_indices`` had id
+    ``key`` (``store``: bound now, so the callback still works while the interpreter shuts down)."""
+    def forget(_ref) -> None:
+        entry = store.get(key)
+        if entry is not None and entry[0]() is None:
+            store.pop(key, None)
+    return forget
 
 
 def _free_of_empty(parent: tuple, parent_state: tuple) -> bool:

@@ -8,6 +8,7 @@ objects hold them, so neither is redone while decoding stays inside one query-bl
 """
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -18,9 +19,9 @@ from .kv_tables import kv_tables
 
 LIMIT = 4096  # entries of kv_indices up to which tables are read as lists
 
-# the tables read last, by identity and version, and their contents: validation and planning of
-# one call read the same tables (the kept tables keep their ids from being reused)
-_last: list = [None, None, None]
+# the contents states of the tables read last (pinned: no other storage takes their addresses, and
+# no table is kept alive) and their contents: validation and planning of one call read the same tables
+_last: list = [None, None]
 
 
 class TableContents(NamedTuple):
@@ -40,7 +41,7 @@ def table_lists(tables: tuple) -> TableContents | None:
     when they are not small tensors (at most :data:`LIMIT` index entries)."""
     identity = contents_states(tables)  # (equal to no earlier one when an entry is not a tensor)
     if _last[0] == identity:
-        return _last[2]
+        return _last[1]
     num, idx = tables[0], tables[1]
     if (not all(isinstance(t, torch.Tensor) for t in tables if t is not None) or num is None or idx is None
             or idx.numel() > LIMIT or idx.dim() < 1 or (tables[2] is None) != (tables[3] is None)):
@@ -48,7 +49,7 @@ def table_lists(tables: tuple) -> TableContents | None:
     flat = [_flat_values(t) if t is not None else None for t in tables]
     layout = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in tables)
     contents = TableContents(layout, tuple(num.shape), idx.shape[-1], *flat)
-    _last[:] = [pinned(identity, tables), tables, contents]
+    _last[:] = [pinned(identity, tables), contents]
     return contents
 
 
@@ -72,8 +73,9 @@ def row_blocks(contents: TableContents, row: int) -> tuple[tuple, tuple]:
     return partial, contents.full_indices[row * n_kv: row * n_kv + contents.full_counts[row]]
 
 
-# (contents states of a mask's four kv tables, row) -> (kv_indices, the row's TableContents):
-# a decoding loop slices one query-block row for every token of that block
+# (contents states of a mask's four kv tables, pinned, row) -> (a weak reference to kv_indices, the
+# row's TableContents): a decoding loop slices one query-block row for every token of that block (no
+# table is kept alive: a mask the caller drops is freed)
 _ROWS: OrderedDict = OrderedDict()
 _MAX_ROWS = 64
 
@@ -87,12 +89,12 @@ def row_contents(tables: tuple, row: int) -> TableContents | None:
         return None
     states = table_states(tables)
     hit = _ROWS.get((states, row))
-    if hit is not None and hit[0] is idx:  # (the kept tensor keeps its id from being reused)
+    if hit is not None and hit[0]() is idx:
         return hit[1]
     if idx.shape[0] * idx.shape[1] * idx.shape[3] > LIMIT:
         return None
     contents = table_lists(tuple(t.narrow(2, row, 1) if t is not None else None for t in tables))
-    _ROWS[(pinned(states, tables), row)] = (idx, contents)
+    _ROWS[(pinned(states, tables), row)] = (weakref.ref(idx), contents)
     while len(_ROWS) > _MAX_ROWS:
         _ROWS.popitem(last=False)
     return contents

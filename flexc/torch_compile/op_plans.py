@@ -108,14 +108,14 @@ class OpPlan:
             prepare = registry.PREPARE_TRAINING.get(self.backend)
             if prepare is not None:
                 self.generated = prepare(query, key, value, score, mask, compacted, scale, self.options, grad_slots,
-                                         dropped, has_sinks, compiled=True)
+                                         dropped, has_sinks, compiled=True, same_tables=True)
                 self.prepared_training = True
         elif forward and not (self.backend == registry.TORCH and (need_max or query.dtype == torch.float64
                                                                   or dropped)):
             prepare = registry.PREPARE.get(self.backend)
             if prepare is not None:
                 self.prepared = prepare(query, key, value, score, mask, compacted, scale, self.options, need_lse,
-                                        dropped, has_sinks, keep_tables=False)
+                                        dropped, has_sinks)
 
     def block_mask(self, block_mask: Any) -> Any:
         """This call's BlockMask as its kernels read it (compacted when the plan's tables needed it)."""
@@ -140,7 +140,7 @@ class OpPlan:
                                                 dropout=drop, sinks=sinks)
             return out, lse, None, stats
         if self.prepared is not None:
-            out, lse = self.prepared(query, key, value, drop, sinks, block_mask, (score, mask))
+            out, lse = self.prepared(query, key, value, block_mask, drop, sinks, (score, mask), same_tables=True)
             return out, lse, None, None
         score, mask = precise_math_for(options, score, mask)
         if self.backend == registry.TORCH and (self.need_max or query.dtype == torch.float64 or drop is not None):

@@ -167,3 +167,36 @@ def test_tables_without_write_counts_are_planned_at_every_call(counted):
     flexc.flex_attention(q, k, v, block_mask=bm)
     flexc.flex_attention(q, k, v, block_mask=bm)
     assert len(counted) == 2
+
+
+@pytest.mark.parametrize("backend,simulated", [("TORCH", False), ("TRITON", False), ("TRITON", True)])
+def test_a_kept_plan_keeps_no_table_of_a_mask_the_caller_dropped(backend, simulated, counted):
+    """A training loop's new mask every step must not pile up in kept plans: once the caller drops a
+    BlockMask its tables are freed (the plan holds their states weakly; on a GPU, where the tables are
+    compacted on the device, the compacted copy goes with them), and a new mask gets a new plan."""
+    import contextlib
+    import gc
+    import weakref
+
+    with gpu.simulate("sm_90") if simulated else contextlib.nullcontext():
+        _drop_a_mask_and_plan_another(backend, counted, gc, weakref)
+
+
+def _drop_a_mask_and_plan_another(backend, counted, gc, weakref):
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=7))
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    out = flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"BACKEND": backend})
+    out.sum().backward()
+    from flexc.masks.empty_entries import without_empty_entries
+
+    compacted = without_empty_entries(bm)  # (on a GPU: a copy compacted on the device, kept with the mask)
+    tables = [weakref.ref(t) for m in {id(bm): bm, id(compacted): compacted}.values()
+              for t in (m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices)]
+    del bm, out, compacted
+    gc.collect()
+    assert all(ref() is None for ref in tables)
+    window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 20)  # noqa: E731
+    bm = flexc.create_block_mask(window, None, None, L, L, BLOCK_SIZE=16)
+    _close(flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"BACKEND": backend}),
+           dense_attention(q, k, v, mask_mod=window)[0], "a new mask after the first was freed")
+    assert len(counted) == 2

@@ -118,13 +118,14 @@ class BackwardLaunch:
     smaller tiles (:func:`flexc.backends.triton.retry.launch_with_fallbacks`); later ones take what worked."""
 
     def __init__(self, spec: BackwardSpec, query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
-                 mask_mod: TracedMod | None, block_mask: Any, scale: float, keep_tables: bool = True):
+                 mask_mod: TracedMod | None, block_mask: Any, scale: float):
         self.spec, self.score_mod, self.mask_mod, self.scale = spec, score_mod, mask_mod, scale
         self.device, self.lengths = query.device, (query.shape[2], value.shape[2])
         self.acc = work_dtype(query.dtype)
         self.nothing = query.numel() == 0 or value.shape[2] == 0
-        tables = [] if self.nothing else self.tables_of(block_mask)
-        self.tables = tables if keep_tables else None  # (None: every call passes its BlockMask)
+        self.tables = launcher.LastTables(self.tables_of)
+        if not self.nothing:
+            self.tables(block_mask)  # (its checks, once)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         # the kernels launched before the backward kernel (row pass or prologue) and the cache keys of
         # all: made once for this spec (a replaced spec makes its own)
@@ -137,10 +138,11 @@ class BackwardLaunch:
         launcher.check_query_blocks(tables, L, self.spec.q_block_size)
         return tables
 
-    def __call__(self, query, key, value, out, stats, grad_out, grad_lse, dropout: Dropout | None = None,
-                 sinks: torch.Tensor | None = None, block_mask: Any = launcher.KEPT, mods: tuple | None = None):
+    def __call__(self, query, key, value, out, stats, grad_out, grad_lse, block_mask: Any,
+                 dropout: Dropout | None = None, sinks: torch.Tensor | None = None, mods: tuple | None = None,
+                 same_tables: bool = False):
         """``(dq, dk, dv, [gradient of each spec.grad_slots tensor])`` of this call (see
-        :func:`launch_backward`); ``block_mask`` and ``mods`` as
+        :func:`launch_backward`) on its ``block_mask``; ``mods`` and ``same_tables`` as
         :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
         launcher.check_dropout(self.spec, dropout)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
@@ -149,7 +151,7 @@ class BackwardLaunch:
             dq, dk, dv, summed, grads = launcher.backward_outputs(self.spec, query, key, value, score_mod)
             return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
                     [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, self.spec.grad_slots)])
-        tables = self.tables if block_mask is launcher.KEPT else self.tables_of(block_mask)
+        tables = self.tables(block_mask, same_tables)
 
         def attempt(spec: BackwardSpec):
             # everything from the outputs on: a retry starts over (the row pass adds into its inputs)
@@ -192,7 +194,7 @@ def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out,
     row the row pass counts (PRECISE_GRADIENTS; otherwise the statistics include it). One
     :class:`BackwardLaunch`, made and run once."""
     return BackwardLaunch(spec, query, value, score_mod, mask_mod, block_mask, scale)(
-        query, key, value, out, stats, grad_out, grad_lse, dropout, sinks)
+        query, key, value, out, stats, grad_out, grad_lse, block_mask, dropout, sinks)
 
 
 class BackwardPlan(NamedTuple):
@@ -233,12 +235,13 @@ def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod
     (``out`` its dropped output). The kernel is :func:`plan_backward`'s.
     """
     return backward_launch(query, value, score_mod, mask_mod, block_mask, scale, kernel_options, grad_slots,
-                           dropout is not None)(query, key, value, out, stats, grad_out, grad_lse, dropout, sinks)
+                           dropout is not None)(query, key, value, out, stats, grad_out, grad_lse, block_mask, dropout,
+                                                sinks)
 
 
 def backward_launch(query, value, score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
                     scale: float, kernel_options: dict | None, grad_slots: Sequence[int] = (),
-                    dropout: bool = False, keep_tables: bool = True) -> BackwardLaunch:
+                    dropout: bool = False) -> BackwardLaunch:
     """The :class:`BackwardLaunch` of :func:`plan_backward`'s kernels for calls of this signature."""
     plan = plan_backward(query, value, score_mod, mask_mod, block_mask, kernel_options, grad_slots, dropout)
     if plan.kernels:
@@ -246,7 +249,7 @@ def backward_launch(query, value, score_mod: TracedMod | None, mask_mod: TracedM
     else:  # the launch returns the zero gradients without a kernel
         spec = spec_for_call(query, value, plan.score_mod, plan.mask_mod, block_mask, kernel_options,
                              tuple(grad_slots), dropout)
-    return BackwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, keep_tables)
+    return BackwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale)
 
 
 def forward_for_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None,
@@ -284,35 +287,35 @@ def backward_source(query: torch.Tensor, value: torch.Tensor, score_mod: TracedM
 
 def prepare_training(query, key, value, score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any,
                      scale: float, kernel_options: dict | None, grad_slots: Sequence[int] = (), dropout: bool = False,
-                     sinks: bool = False, sliced: bool = False, compiled: bool = False) -> tuple[Callable, Callable]:
+                     sinks: bool = False, compiled: bool = False, same_tables: bool = False
+                     ) -> tuple[Callable, Callable]:
     """:func:`forward_for_training` and :func:`triton_backward` for calls of this signature, decided once
     (the backend's training preparation in :mod:`flexc.backends.registry`): callables with their
-    signatures. An eager plan's (``compiled`` False) ignore the mods, scale and options they are
-    passed (the plan's are these) and read the BlockMask's tables at each call only when ``sliced``
-    (new tables every call); a compiled call's read the tables and the mods' captured tensors of
-    each call, and keep no tensor of a call."""
-    per_call = sliced or compiled
+    signatures, reading each call's tensors and BlockMask tables (the tables of the last call while
+    they live, when ``same_tables``: every call's mask holds the same tables,
+    :class:`flexc.backends.triton.launcher.LastTables`). An eager plan's (``compiled`` False) ignore
+    the mods, scale and options they are passed (the plan's are these); a compiled call's read the
+    captured tensors of the mods they are passed."""
     plan = forward.plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, True,
                                 training=True, dropout=dropout, sinks=sinks)
     forward_launches = forward.plan_launches(plan, query, key, value, block_mask, scale, kernel_options, True,
-                                             dropout, sinks, training=True, keep_tables=not per_call)
+                                             dropout, sinks, training=True)
     decided: list = []  # the BackwardLaunch, made at the first backward (its errors are the backward's)
     planned = (score_mod, mask_mod, scale, kernel_options, tuple(grad_slots))
 
     def prepared_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, dropout=None,
                          sinks=None):
-        return forward_launches(query, key, value, dropout, sinks, block_mask if per_call else launcher.KEPT,
-                                (score_mod, mask_mod) if compiled else None)
+        return forward_launches(query, key, value, block_mask, dropout, sinks,
+                                (score_mod, mask_mod) if compiled else None, same_tables)
 
     def prepared_backward(query, key, value, out, stats, grad_out, grad_lse, call_score_mod, call_mask_mod,
                           block_mask, _scale, _grad_slots=(), _kernel_options=None, dropout=None, sinks=None):
         score_mod, mask_mod, scale, kernel_options, grad_slots = planned
         if not decided:
             decided.append(backward_launch(query, value, score_mod, mask_mod, block_mask, scale, kernel_options,
-                                           grad_slots, dropout is not None, keep_tables=not per_call))
-        return decided[0](query, key, value, out, stats, grad_out, grad_lse, dropout, sinks,
-                          block_mask if per_call else launcher.KEPT,
-                          (call_score_mod, call_mask_mod) if compiled else None)
+                                           grad_slots, dropout is not None))
+        return decided[0](query, key, value, out, stats, grad_out, grad_lse, block_mask, dropout, sinks,
+                          (call_score_mod, call_mask_mod) if compiled else None, same_tables)
 
     return prepared_forward, prepared_backward
 

@@ -87,33 +87,31 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.
 
 
 class DecodeLaunch:
-    """The decode kernel's and its merge's launches for one call signature, decided once (tables,
-    splits, specs), then launched on each call's tensors (:mod:`flexc.call.plans` keeps one with a
+    """The decode kernel's and its merge's launches for one call signature, decided once (splits,
+    specs), then launched on each call's tensors and tables (:mod:`flexc.call.plans` keeps one with a
     call's plan; :func:`launch` makes one and runs it once)."""
 
     def __init__(self, spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False,
-                 keep_tables: bool = True):
+                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False):
         self.spec, self.score_mod, self.mask_mod, self.scale = spec, score_mod, mask_mod, scale
         self.device = query.device
-        tables = launcher.kv_tables(block_mask, spec, value.shape[2], self.device)
-        self.splits = num_splits or config.default_splits(query, key, tables[1].shape[-1])
-        self.tables = tables if keep_tables else None  # (None: every call passes its BlockMask)
+        S = value.shape[2]
+        self.tables = launcher.LastTables(lambda block_mask: launcher.kv_tables(block_mask, spec, S, self.device))
+        self.splits = num_splits or config.default_splits(query, key, self.tables(block_mask)[1].shape[-1])
         # (a smaller configuration keeps block_m, so the merge's spec and the partial results' shape)
         self.merge = merge if merge is not None else merge_spec(spec, sinks)
         self.merge_key = cache.kernel_key(self.merge, self.device)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         self.kernel_key = cache.kernel_key(spec, self.device)
 
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
-                 sinks: torch.Tensor | None = None, block_mask: Any = launcher.KEPT, mods: tuple | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`); ``block_mask`` and
-        ``mods`` as :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+                 dropout: Dropout | None = None, sinks: torch.Tensor | None = None, mods: tuple | None = None,
+                 same_tables: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`) on its ``block_mask``;
+        ``mods`` and ``same_tables`` as :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
         launcher.check_dropout(self.spec, dropout)
-        tables = self.tables if block_mask is launcher.KEPT else launcher.kv_tables(block_mask, self.spec,
-                                                                                      value.shape[2], self.device)
+        tables = self.tables(block_mask, same_tables)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
 
         def attempt(spec: DecodeSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +141,7 @@ def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torc
     launch that runs out of GPU resources runs again with fewer stages or a smaller key tile
     (:func:`flexc.backends.triton.retry.launch_with_fallbacks`). One :class:`DecodeLaunch`, made and run once."""
     return DecodeLaunch(spec, query, key, value, score_mod, mask_mod, block_mask, scale, num_splits, merge,
-                        sinks is not None)(query, key, value, dropout, sinks)
+                        sinks is not None)(query, key, value, block_mask, dropout, sinks)
 
 
 def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse):

@@ -116,8 +116,10 @@ def plan_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
 
 
 class ForwardLaunch:
-    """The forward kernel's launch for one call signature: spec, mods, tables and grid decided once,
-    then launched on each call's tensors (of the shapes, strides and dtypes it was made for).
+    """The forward kernel's launch for one call signature: spec, mods and grid decided once, then
+    launched on each call's tensors (of the shapes, strides and dtypes it was made for) and its
+    BlockMask's tables, read at each call: a kept plan holds no table, so a mask the caller drops
+    is freed.
 
     :func:`launch` makes one and runs it once; :mod:`flexc.call.plans` keeps it with a call's plan,
     so a warm call allocates its outputs, lists its arguments and launches. ``lse_dtype`` float64
@@ -127,37 +129,33 @@ class ForwardLaunch:
     """
 
     def __init__(self, spec: ForwardSpec, query: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
-                 mask_mod: TracedMod | None, block_mask: Any, scale: float, lse_dtype: torch.dtype = torch.float32,
-                 keep_tables: bool = True):
+                 mask_mod: TracedMod | None, block_mask: Any, scale: float, lse_dtype: torch.dtype = torch.float32):
         B, Hq, L, _ = query.shape
         S, self.v_head_dim = value.shape[2], value.shape[3]
         self.spec, self.score_mod, self.mask_mod, self.scale, self.lse_dtype = spec, score_mod, mask_mod, scale, lse_dtype
         self.device, self.lengths = query.device, (L, S)
         self.nothing = launches_nothing(query, value, spec.output_lse)  # no rows, or no keys: rows fully masked
-        self.tables: list = []
+        self.tables = launcher.LastTables(lambda block_mask: launcher.kv_tables(block_mask, spec, S, self.device))
         if not self.nothing:
             if max(B, Hq) > 65535 and spec.target == "cuda":
                 raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid "
                                  f"limit). Fix: split the batch into chunks.")
-            tables = launcher.kv_tables(block_mask, spec, S, self.device)
-            launcher.check_query_blocks(tables, L, spec.q_block_size)
-            self.tables = tables if keep_tables else None  # (None: every call passes its BlockMask)
+            launcher.check_query_blocks(self.tables(block_mask), L, spec.q_block_size)
         self.grid = launcher.forward_grid(spec, query)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         self.kernel_key = cache.kernel_key(spec, self.device)
         self.tail: list | None = None  # the kernel's arguments after its tensors (launcher.forward_argument_tail)
         self.constants: dict[bool, dict] = {}  # by whether the non-finite values guard is compiled in
 
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: Dropout | None = None,
-                 sinks: torch.Tensor | None = None, block_mask: Any = launcher.KEPT, mods: tuple | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(out, lse, stats)`` of this call (see :func:`launch`); ``block_mask``: this call's, whose
-        tables it reads now (a slice of the same layout, or a compiled call's), or :data:`launcher.KEPT`
-        for the tables made once; ``mods``: this call's ``(score_mod, mask_mod)`` of the planned
-        structure, whose captured tensors it reads (a compiled call's), else the planned ones."""
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+                 dropout: Dropout | None = None, sinks: torch.Tensor | None = None, mods: tuple | None = None,
+                 same_tables: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(out, lse, stats)`` of this call (see :func:`launch`) on its ``block_mask`` (of the planned
+        layout); ``mods``: this call's ``(score_mod, mask_mod)`` of the planned structure, whose
+        captured tensors it reads (a compiled call's), else the planned ones; ``same_tables``: the
+        caller vouches that the mask holds the tables of the earlier calls (:class:`launcher.LastTables`)."""
         spec = self.spec
-        tables = self.tables if block_mask is launcher.KEPT or self.nothing else launcher.kv_tables(
-            block_mask, spec, self.lengths[1], self.device)
+        tables = [] if self.nothing else self.tables(block_mask, same_tables)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         launcher.check_dropout(spec, dropout)
         launcher.check_sinks(spec, sinks)
@@ -211,7 +209,7 @@ def launch(spec: ForwardSpec, query: torch.Tensor, key: torch.Tensor, value: tor
     made and run once.
     """
     return ForwardLaunch(spec, query, value, score_mod, mask_mod, block_mask, scale, lse_dtype)(
-        query, key, value, dropout, sinks)
+        query, key, value, block_mask, dropout, sinks)
 
 
 def _fill_dead_rows(lse: torch.Tensor | None, stats: torch.Tensor | None, sinks: torch.Tensor | None) -> None:
@@ -236,19 +234,19 @@ def launch_plan(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value
     (the training forward, which also writes the backward's statistics ``stats``: see :func:`launch`)."""
     launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse,
                              dropout is not None, sinks is not None, training)
-    return launches(query, key, value, dropout, sinks)
+    return launches(query, key, value, block_mask, dropout, sinks)
 
 
 def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
                   scale: float, kernel_options: dict | None, need_lse: bool, dropout: bool = False,
-                  sinks: bool = False, training: bool = False, keep_tables: bool = True) -> Callable:
+                  sinks: bool = False, training: bool = False) -> Callable:
     """The launches of ``plan`` for calls of this signature, decided: a callable ``(query, key, value,
-    dropout, sinks, block_mask=KEPT, mods=None) -> (out, lse, stats)`` as :func:`launch_plan` returns
-    them (``dropout``, ``sinks``: whether the calls pass them; ``block_mask`` and ``mods``: see
-    :meth:`ForwardLaunch.__call__`; ``keep_tables=False``: every call passes its BlockMask)."""
+    block_mask, dropout, sinks, mods=None, same_tables=False) -> (out, lse, stats)`` as :func:`launch_plan`
+    returns them (``dropout``, ``sinks``: whether the calls pass them; ``mods``, ``same_tables``: see
+    :meth:`ForwardLaunch.__call__`)."""
     other_kind = PLAN_LAUNCHES.get(type(plan.kernels[0])) if plan.kernels else None
     if other_kind is not None:
-        return other_kind(plan, query, key, value, block_mask, scale, kernel_options, need_lse, keep_tables)
+        return other_kind(plan, query, key, value, block_mask, scale, kernel_options, need_lse)
     if plan.kernels:
         (spec,) = plan.kernels
     else:  # the launcher returns the empty or fully masked outputs without a kernel
@@ -256,19 +254,17 @@ def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, val
                              training=training, dropout=dropout, sinks=sinks)
     # a float64 call gets a float64 logsumexp, as torch returns (and as the decode kernel writes)
     lse_dtype = work_dtype(query.dtype)
-    return ForwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype, keep_tables)
+    return ForwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype)
 
 
-def _decode_launches(plan: ForwardPlan, query, key, value, block_mask, scale, kernel_options, need_lse,
-                     keep_tables: bool = True) -> Callable:
+def _decode_launches(plan: ForwardPlan, query, key, value, block_mask, scale, kernel_options, need_lse) -> Callable:
     """A decode plan's launches: the split-KV decode kernel, then its merge (no statistics)."""
     decode_spec, merge = plan.kernels
     decoding = decode.DecodeLaunch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
-                                   num_splits=config.requested_splits(kernel_options), merge=merge,
-                                   keep_tables=keep_tables)
+                                   num_splits=config.requested_splits(kernel_options), merge=merge)
 
-    def decode_launches(query, key, value, dropout=None, sinks=None, block_mask=launcher.KEPT, mods=None):
-        out, lse = decoding(query, key, value, dropout, sinks, block_mask, mods)
+    def decode_launches(query, key, value, block_mask, dropout=None, sinks=None, mods=None, same_tables=False):
+        out, lse = decoding(query, key, value, block_mask, dropout, sinks, mods, same_tables)
         return out, (lse if need_lse else None), None
     return decode_launches
 
@@ -289,24 +285,23 @@ def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     (``[B or 1, Hq, 1]``, :func:`flexc.call.sinks.check_sinks`) the kernels that fold them in.
     """
     return prepare_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse,
-                           dropout is not None, sinks is not None)(query, key, value, dropout, sinks)
+                           dropout is not None, sinks is not None)(query, key, value, block_mask, dropout, sinks)
 
 
 def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
                     mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
-                    need_lse: bool, dropout: bool = False, sinks: bool = False, keep_tables: bool = True) -> Callable:
+                    need_lse: bool, dropout: bool = False, sinks: bool = False) -> Callable:
     """:func:`triton_forward` for calls of this signature, decided once (the backend's preparation in
-    :mod:`flexc.backends.registry`): a callable ``(query, key, value, dropout, sinks, block_mask=KEPT,
-    mods=None) -> (out, lse or None)`` for calls with inputs of these shapes, strides and dtypes, these
-    mods and this BlockMask (``dropout``, ``sinks``: whether the calls pass them; ``block_mask`` and
-    ``mods``: see :meth:`ForwardLaunch.__call__`; ``keep_tables=False``: every call passes its BlockMask)."""
+    :mod:`flexc.backends.registry`): a callable ``(query, key, value, block_mask, dropout, sinks,
+    mods=None, same_tables=False) -> (out, lse or None)`` for calls with inputs of these shapes, strides
+    and dtypes, these mods and a BlockMask of this one's layout (``dropout``, ``sinks``: whether the
+    calls pass them; ``mods``, ``same_tables``: see :meth:`ForwardLaunch.__call__`)."""
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
                         dropout=dropout, sinks=sinks)
-    launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks,
-                             keep_tables=keep_tables)
+    launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)
 
-    def forward(query, key, value, dropout=None, sinks=None, block_mask=launcher.KEPT, mods=None):
-        out, lse, _ = launches(query, key, value, dropout, sinks, block_mask, mods)
+    def forward(query, key, value, block_mask, dropout=None, sinks=None, mods=None, same_tables=False):
+        out, lse, _ = launches(query, key, value, block_mask, dropout, sinks, mods, same_tables)
         return out, lse
     return forward
 

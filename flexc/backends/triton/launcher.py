@@ -9,6 +9,7 @@ with the same arguments, so an offline cubin is specialised as a real launch is.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -26,7 +27,6 @@ from ...mods.traced_mod import TracedMod
 from ..dropout import Dropout
 from ..layout import empty_like_reference
 from ..nonfinite import all_finite
-from ..registry import KEPT
 from ..versioned_memo import VersionedMemo
 from .config import default_splits
 
@@ -54,6 +54,32 @@ def kv_tables(block_mask: Any, spec: ForwardSpec | DecodeSpec | BackwardSpec, S:
                          f"must have the shapes of its partial tables {tuple(tables[0].shape)}/{tuple(tables[1].shape)}. "
                          f"Fix: build it with create_block_mask or BlockMask.from_kv_blocks.")
     return tables
+
+
+class LastTables:
+    """A launch's tables of its last call, held weakly (``make(block_mask)`` makes them).
+
+    A caller that vouches for a call's BlockMask holding the very tables of the launch's earlier
+    calls (``same``: a plan whose signature holds their contents states) gets the last call's
+    while they live, without reading the mask again. Without a BlockMask the tables are the
+    launch's own and kept; a mask's are never kept alive, so a mask the caller drops is freed.
+    """
+
+    def __init__(self, make):
+        self.make, self.refs, self.own = make, (), None
+
+    def __call__(self, block_mask: Any, same: bool = False) -> list[torch.Tensor]:
+        if block_mask is None:
+            if self.own is None:
+                self.own = self.make(None)
+            return self.own
+        if same and self.refs:
+            tables = [ref() for ref in self.refs]
+            if all(t is not None for t in tables):
+                return tables
+        tables = self.make(block_mask)
+        self.refs = tuple(weakref.ref(t) for t in tables)
+        return tables
 
 
 def as_int32_on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -457,7 +483,7 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
     return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
 
 
-__all__ = ["INT32_OFFSET_LIMIT", "KEPT", "backward_arguments", "backward_grid", "backward_rows_grid", "backward_outputs",
+__all__ = ["INT32_OFFSET_LIMIT", "LastTables", "backward_arguments", "backward_grid", "backward_rows_grid", "backward_outputs",
            "backward_tables", "buffer_arguments", "check_dropout", "check_query_blocks", "check_sinks",
            "decode_arguments", "decode_grid",
            "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",
