@@ -15,9 +15,7 @@ non-finite guards.
 """
 from __future__ import annotations
 
-import threading
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -30,6 +28,7 @@ from ..backends.layout import laid_out_like
 from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
 from .plan import in_dtype_of, plan_call, prepare_call
+from .plan_store import PlanStore
 from .signature import call_signature, held
 from .training import FlexAttentionFunction, backend_keywords
 
@@ -141,10 +140,8 @@ class Plan:
         return out, lse, max_scores
 
 
-# signature -> (plan, what the signature's ids name: kept alive so that no id is reused while it is)
-_PLANS: "OrderedDict[tuple, tuple[Plan, tuple]]" = OrderedDict()  # (oldest first)
-_MAX_PLANS = 64
-_lock = threading.Lock()
+# signature -> (plan, what the signature's ids and addresses name)
+_PLANS = PlanStore()
 
 
 def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
@@ -155,31 +152,19 @@ def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
     arguments = (query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
                  return_aux, drop, sinks)
     found = call_signature(*arguments)
-    if found is not None:
-        try:
-            entry = _PLANS.get(found[0])
-        except TypeError:  # (an unhashable part: the call is planned each time)
-            found = entry = None
-        if entry is not None:  # (kept in the order made, the oldest dropped first: a signature's hash is
-            return entry[0]    # costly enough that reordering on every hit would cost more than a rare re-plan)
+    plan = _PLANS.get(found[0]) if found is not None else None
+    if plan is not None:
+        return plan
     plan = Plan(*arguments)
     found = found or call_signature(*arguments)  # (the mods are traced now)
     if found is not None:
-        signature, named = found
-        with _lock:
-            try:
-                _PLANS[signature] = (plan, held(named))
-            except TypeError:  # (an unhashable part: the call is planned each time)
-                pass
-            while len(_PLANS) > _MAX_PLANS:
-                _PLANS.popitem(last=False)
+        _PLANS.keep(found[0], plan, held(found[1]))
     return plan
 
 
 def clear() -> None:
     """Forget every plan."""
-    with _lock:
-        _PLANS.clear()
+    _PLANS.clear()
 
 
 def cache_clear() -> None:

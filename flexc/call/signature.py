@@ -45,7 +45,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _Q_TABLES = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
-class _Unpinned(NamedTuple):
+class Unpinned(NamedTuple):
     """Tables' contents states, to be pinned (:func:`flexc.versions.pinned`) if the signature is kept."""
 
     states: tuple
@@ -56,7 +56,7 @@ def held(named: tuple) -> tuple:
     """What :func:`call_signature` says its signature names, as a plan keeps it: tables' states
     pinned (weak references to their storages, so no other storage takes their addresses while the
     plan lives, and no table is kept alive), everything else as it is."""
-    return tuple(pinned(*x) if type(x) is _Unpinned else x for x in named)
+    return tuple(pinned(*x) if type(x) is Unpinned else x for x in named)
 
 
 class Unkeyable(Exception):
@@ -104,7 +104,7 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
         tables = contents_states(kept)
         if not rememberable(tables):
             raise Unkeyable
-        keep.append(_Unpinned(tables, kept))  # (pinned, weakly, only if kept: a kept plan holds no table)
+        keep.append(Unpinned(tables, kept))  # (pinned, weakly, only if kept: a kept plan holds no table)
     return (type(block_mask), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), tables)
 
 
@@ -142,14 +142,8 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                              or (sinks is not None and sinks.requires_grad))
         if dropout is not None and (dropout.q_positions is not None or dropout.kv_positions is not None):
             raise Unkeyable  # (a context-parallel shard's dropout: planned each call)
-        device = query.device
-        stream = gpu.stream_token(device) if device.type == "cuda" else None
-        if not gpu.keeps(stream):
-            raise Unkeyable  # (a CUDA graph being captured: every step recorded as it runs)
         signature = (tensor_signature(query), tensor_signature(key), tensor_signature(value),
-                     None if sinks is None else tensor_signature(sinks), grad,
-                     gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32(),
-                     registry.changes(),
+                     None if sinks is None else tensor_signature(sinks), grad, environment_signature(query),
                      block_mask_signature(block_mask, training, keep), mod_signature(traced_score),
                      mod_signature(traced_mask), scale if type(scale) in (float, int, type(None)) else _unkeyable(),
                      bool(enable_gqa), bool(return_lse), None if return_aux is None else (type(return_aux), *return_aux),
@@ -159,8 +153,18 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return signature, (traced_score, traced_mask, *keep)  # (hashed where it is looked up: unhashable, no plan)
 
 
+def environment_signature(query: torch.Tensor) -> tuple:
+    """What outside a call's arguments changes its decisions: the simulated GPU, the CUDA stream (a
+    plan's device values are made on one; raises :class:`Unkeyable` while a CUDA graph is captured, so
+    a capture records every step as it runs), TF32 for fp32 calls, and the registry's changes."""
+    stream = gpu.stream_token(query.device) if query.device.type == "cuda" else None
+    if not gpu.keeps(stream):
+        raise Unkeyable
+    return (gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32(), registry.changes())
+
+
 def _unkeyable() -> None:
     raise Unkeyable
 
 
-__all__ = ["Unkeyable", "cached_trace", "call_signature", "held"]
+__all__ = ["Unkeyable", "Unpinned", "cached_trace", "call_signature", "environment_signature", "held", "tensor_signature"]

@@ -131,7 +131,7 @@ def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_m
                  need_max, need_lse, drop.p if drop is not None else 0.0)
     plan = op_plan(op_signature(query, key, value, tables, score_buffers, mask_buffers, constants, sinks),
                    lambda: OpPlan(query, key, value, score, mask, block_mask, scale, kernel_options,
-                                  drop.p if drop is not None else 0.0, sinks, True, need_max, need_lse), tables)
+                                  drop.p if drop is not None else 0.0, sinks, True, need_max, need_lse))
     out, lse, row_max, stats = plan.forward(query, key, value, score, mask, block_mask, scale, drop, sinks)
     if row_max is None:
         row_max = query.new_empty((0,), dtype=torch.float32)
@@ -178,7 +178,7 @@ def flex_attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: to
                  tuple(grad_slots), dropout_p)
     plan = op_plan(op_signature(query, key, value, tables, score_buffers, mask_buffers, constants, sinks),
                    lambda: OpPlan(query, key, value, score, mask, raw_mask, scale, kernel_options, dropout_p, sinks,
-                                  forward=False, grad_slots=tuple(grad_slots)), tables)
+                                  forward=False, grad_slots=tuple(grad_slots)))
     block_mask = plan.block_mask(raw_mask)
     options = plan.options
     drop = _dropout(dropout_p, seed)

@@ -15,27 +15,23 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
-from .. import device as gpu
 from ..analysis import bounds
 from ..backends import registry
 from ..backends.cpu.torch_cpu import forward_with_max
 from ..call import validate
 from ..call.plan import dropout_backend
-from ..call.signature import Unkeyable, tensor_signature
+from ..call.plan_store import PlanStore
+from ..call.signature import Unkeyable, Unpinned, environment_signature, held, tensor_signature
 from ..codegen.printer import precise_math_for
 from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
-from ..versions import contents_states, pinned, rememberable
+from ..versions import contents_states, rememberable
 
-_MAX_PLANS = 64
-_PLANS: "OrderedDict[tuple, OpPlan]" = OrderedDict()  # (oldest first)
-_lock = threading.Lock()
+_PLANS = PlanStore()
 
 
 @functools.lru_cache(maxsize=64)
@@ -55,24 +51,23 @@ def training_pair(backend: str):
     return registry.TRAINING.get(backend)
 
 
-def op_signature(query, key, value, tables, score_buffers, mask_buffers, constants: tuple, sinks) -> tuple | None:
-    """A compiled call's signature (see the module docstring), or None when it cannot be keyed (tables
-    without write counts, tensor subclasses, a CUDA graph being captured). ``constants``: the op's
-    non-tensor arguments."""
+def op_signature(query, key, value, tables, score_buffers, mask_buffers, constants: tuple, sinks
+                 ) -> tuple[tuple, tuple] | None:
+    """``(signature, what it names)`` of a compiled call (see the module docstring; the second item as
+    :func:`flexc.call.signature.call_signature`'s), or None when it cannot be keyed (tables without
+    write counts, tensor subclasses, a CUDA graph being captured). ``constants``: the op's non-tensor
+    arguments."""
     try:
-        stream = gpu.stream_token(query.device) if query.device.type == "cuda" else None
-        if not gpu.keeps(stream):
-            raise Unkeyable
         states = contents_states(tables)
         if not rememberable(states):
             raise Unkeyable
-        return (tensor_signature(query), tensor_signature(key), tensor_signature(value),
-                None if sinks is None else tensor_signature(sinks), states,
-                tuple([tensor_signature(t) for t in score_buffers]), tuple([tensor_signature(t) for t in mask_buffers]),
-                constants, gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32(),
-                registry.changes())
+        signature = (tensor_signature(query), tensor_signature(key), tensor_signature(value),
+                     None if sinks is None else tensor_signature(sinks), states,
+                     tuple([tensor_signature(t) for t in score_buffers]),
+                     tuple([tensor_signature(t) for t in mask_buffers]), constants, environment_signature(query))
     except (Unkeyable, AttributeError, RuntimeError, NotImplementedError):
         return None
+    return signature, (Unpinned(states, tables),)
 
 
 class OpPlan:
@@ -156,29 +151,20 @@ class OpPlan:
         return out, lse, None, None
 
 
-def op_plan(signature: tuple | None, make: Callable[[], OpPlan], keep: tuple) -> OpPlan:
-    """The plan kept for ``signature``, or ``make()``'s, kept when the call could be keyed; ``keep``: the
-    call's tables, whose contents states the signature holds (pinned: weakly, so that no other storage
-    takes their place while the plan is kept)."""
-    if signature is not None:
-        plan = _PLANS.get(signature)
-        if plan is not None:
-            return plan
-    plan = make()
-    if signature is not None:
-        states = signature[4]
-        signature = (*signature[:4], pinned(states, keep), *signature[5:])
-        with _lock:
-            _PLANS[signature] = plan
-            while len(_PLANS) > _MAX_PLANS:
-                _PLANS.popitem(last=False)
+def op_plan(found: tuple | None, make: Callable[[], OpPlan]) -> OpPlan:
+    """The plan kept for :func:`op_signature`'s ``found``, or ``make()``'s, kept when the call could be
+    keyed (with its tables' states pinned, weakly: no table is kept alive)."""
+    plan = _PLANS.get(found[0]) if found is not None else None
+    if plan is None:
+        plan = make()
+        if found is not None:
+            _PLANS.keep(found[0], plan, held(found[1]))
     return plan
 
 
 def clear() -> None:
     """Forget every compiled call's plan."""
-    with _lock:
-        _PLANS.clear()
+    _PLANS.clear()
 
 
 __all__ = ["OpPlan", "clear", "op_plan", "op_signature", "options_of", "training_pair"]
