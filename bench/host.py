@@ -155,17 +155,25 @@ def measure(repeats: int = 7, calls: int = 200, clock: Callable[[], float] = tim
                 before = stub.count
                 fn()
                 launches[name] = stub.count - before
-            times: dict[str, list[float]] = {name: [] for name in rows}
-            for _ in range(repeats):
-                for name, fn in rows.items():
-                    start = clock()
-                    for _ in range(calls):
-                        fn()
-                    times[name].append((clock() - start) / calls * 1e6)
+            medians = interleaved_medians(rows, repeats, calls, clock)
     finally:
         gpu.launch = real_launch
         torch.set_num_threads(threads)
-    return {name: (statistics.median(t), launches[name]) for name, t in times.items()}
+    return {name: (us, launches[name]) for name, us in medians.items()}
+
+
+def interleaved_medians(rows: dict[str, Callable[[], object]], repeats: int, calls: int,
+                        clock: Callable[[], float]) -> dict[str, float]:
+    """``{row: median µs per call}``: each repetition times ``calls`` calls of every row in turn, so a
+    busy moment of the machine falls on all rows alike."""
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():
+            start = clock()
+            for _ in range(calls):
+                fn()
+            times[name].append((clock() - start) / calls * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 CPU_ROW = (2, 4, 256, 32)  # B, H, L, D of the CPU training row
@@ -189,18 +197,11 @@ def measure_cpu_training(repeats: int = 7, calls: int = 20, clock: Callable[[], 
             "sdpa": lambda: torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(
                 *leaves, attn_mask=dense), leaves, grad_out),
         }
-        times: dict[str, list[float]] = {name: [] for name in steps}
         for step in steps.values():
             step()  # warm
-        for _ in range(repeats):
-            for name, step in steps.items():
-                start = clock()
-                for _ in range(calls):
-                    step()
-                times[name].append((clock() - start) / calls * 1e6)
+        return interleaved_medians(steps, repeats, calls, clock)
     finally:
         torch.set_num_threads(threads)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def summary(results: dict[str, tuple[float, int]], cpu: dict[str, float] | None = None) -> str:
