@@ -33,17 +33,18 @@ BACKENDS: dict[str, Callable] = {TORCH: torch_forward}
 
 # a backend's forward decided once per call signature (optional): ``prepare(query, key, value, score_mod,
 # mask_mod, block_mask, scale, kernel_options, need_lse, dropout: bool, sinks: bool)`` returns a
-# callable ``(query, key, value, block_mask, dropout, sinks, mods=None) -> (out, lse or None)`` that
-# eager calls of that signature run (:mod:`flexc.call.plans`) with their own BlockMask (of the planned
-# layout; the callable keeps no table, so a dropped mask is freed), and compiled calls with their mods
-# too (``mods``: whose captured tensors to read); backends without one run their forward each call
+# callable ``(query, key, value, block_mask, dropout, sinks, mods=None, same_tables=False) -> (out, lse
+# or None)`` that eager calls of that signature run (:mod:`flexc.call.plans`) with their own BlockMask
+# (of the planned layout; the callable keeps no table, so a dropped mask is freed), and compiled calls
+# with their mods too (``mods``: whose captured tensors to read); ``same_tables``: the caller vouches
+# the mask holds the tables of the earlier calls. Backends without one run their forward each call
 PREPARE: dict[str, Callable] = {}
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
 # a backend's training forward and backward decided once per call signature (optional):
 # ``prepare(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, grad_slots,
-# dropout: bool, sinks: bool, compiled: bool = False)`` returns ``(forward, backward)`` with TRAINING's
-# signatures, for the calls of that signature (``compiled``: they read the captured tensors of the mods
-# they are passed)
+# dropout: bool, sinks: bool, compiled: bool = False, same_tables: bool = False)`` returns ``(forward,
+# backward)`` with TRAINING's signatures, for the calls of that signature (``compiled``: they read the
+# captured tensors of the mods they are passed; ``same_tables``: as PREPARE's callables take it)
 PREPARE_TRAINING: dict[str, Callable] = {}
 
 # backends that live in a package of their own, imported when first asked for (Triton is optional)

@@ -16,7 +16,7 @@ mask), and sums per row
 
     psum = Σ p,   delta = Σ p · dp / psum
 
-The caller (:func:`flexc.backends.triton.backward.launch_backward`) stores ``m`` in the logsumexp's
+The caller (:class:`flexc.backends.triton.backward.BackwardLaunch`) stores ``m`` in the logsumexp's
 place, ``−dlse`` in delta's and the sink's share ``exp(sink − m)`` (or 0) in the row sum's; this
 kernel adds to the last two. Both kinds of backward program then take ``p = exp(score − m) / psum``,
 which sums to 1 over each row with the sink, and a delta that matches it. A row that allows nothing

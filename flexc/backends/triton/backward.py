@@ -112,8 +112,8 @@ def _row_pass_inputs(stats: torch.Tensor, grad_lse: torch.Tensor | None, sinks: 
 
 
 class BackwardLaunch:
-    """The backward kernels' launches for one call signature: spec and tables decided once, then
-    launched on each call's tensors (:func:`launch_backward` makes one and runs it once; a training
+    """The backward kernels' launches for one call signature: spec, first kernel and cache keys decided
+    once, then launched on each call's tensors and tables (:func:`triton_backward` makes one and runs it once; a training
     call's plan keeps one, :func:`prepare_training`). The first launch runs out of GPU resources into
     smaller tiles (:func:`flexc.backends.triton.retry.launch_with_fallbacks`); later ones take what worked."""
 
@@ -142,7 +142,7 @@ class BackwardLaunch:
                  dropout: Dropout | None = None, sinks: torch.Tensor | None = None, mods: tuple | None = None,
                  same_tables: bool = False):
         """``(dq, dk, dv, [gradient of each spec.grad_slots tensor])`` of this call (see
-        :func:`launch_backward`) on its ``block_mask``; ``mods`` and ``same_tables`` as
+        :func:`triton_backward`) on its ``block_mask``; ``mods`` and ``same_tables`` as
         :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
         launcher.check_dropout(self.spec, dropout)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
@@ -185,18 +185,6 @@ class BackwardLaunch:
         return result
 
 
-def launch_backward(spec: BackwardSpec, query, key, value, out, stats, grad_out, grad_lse,
-                    score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                    dropout: Dropout | None = None, sinks: torch.Tensor | None = None):
-    """Run the backward kernel; returns ``(dq, dk, dv, [gradient of each spec.grad_slots tensor])``.
-    ``stats`` are :func:`forward_for_training`'s; ``dropout`` is the forward's (its mask is drawn
-    again), for a spec with dropout; ``sinks`` (``[B or 1, Hq, 1]``) the call's, whose share of each
-    row the row pass counts (PRECISE_GRADIENTS; otherwise the statistics include it). One
-    :class:`BackwardLaunch`, made and run once."""
-    return BackwardLaunch(spec, query, value, score_mod, mask_mod, block_mask, scale)(
-        query, key, value, out, stats, grad_out, grad_lse, block_mask, dropout, sinks)
-
-
 class BackwardPlan(NamedTuple):
     """The backward kernel a training call launches, and the mods it takes."""
 
@@ -208,7 +196,7 @@ class BackwardPlan(NamedTuple):
 
 
 def launches_nothing(query: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`launch_backward` returns zero gradients without a kernel (no query rows or no keys)."""
+    """Whether :class:`BackwardLaunch` returns zero gradients without a kernel (no query rows or no keys)."""
     return query.numel() == 0 or value.shape[-2] == 0
 
 
@@ -322,6 +310,6 @@ def prepare_training(query, key, value, score_mod: TracedMod | None, mask_mod: T
 
 registry.register_training(registry.TRITON, forward_for_training, triton_backward, prepare=prepare_training)
 
-__all__ = ["BackwardLaunch", "BackwardPlan", "backward_launch", "backward_source", "prepare_training", "forward_for_training", "launch_backward", "launch_prologue",
+__all__ = ["BackwardLaunch", "BackwardPlan", "backward_launch", "backward_source", "prepare_training", "forward_for_training", "launch_prologue",
            "launches_nothing", "make_backward_spec", "plan_backward", "precise_gradients", "prologue_spec",
            "spec_for_call", "triton_backward"]
