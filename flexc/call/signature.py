@@ -36,6 +36,7 @@ import torch
 
 from .. import device as gpu
 from ..backends import registry
+from ..errors import warn_once
 from ..masks.kv_tables import kv_tables
 from ..mods import derived, trace_cache
 from ..mods.traced_mod import MASK_MOD, SCORE_MOD, TracedMod
@@ -103,6 +104,7 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
             kept += [getattr(block_mask, name, None) for name in _Q_TABLES]
         tables = contents_states(kept)
         if not rememberable(tables):
+            _warn_unkept_plans()
             raise Unkeyable
         keep.append(Unpinned(tables, kept))  # (pinned, weakly, only if kept: a kept plan holds no table)
     return (type(block_mask), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), tables)
@@ -161,6 +163,15 @@ def environment_signature(query: torch.Tensor) -> tuple:
     if not gpu.keeps(stream):
         raise Unkeyable
     return (gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32(), registry.changes())
+
+
+def _warn_unkept_plans() -> None:
+    warn_once("plans of tables without write counts",
+              "flexc: a BlockMask whose tables have no write counter (made under torch.inference_mode(), or "
+              "tensors without storage) cannot be told from an edited one, so calls with it are planned from "
+              "scratch every time (the same results; about 90 us more host time a call in bench/host.py's "
+              "forward). Fix: build the BlockMask outside torch.inference_mode() (torch.no_grad() keeps write "
+              "counters).", stacklevel=6)
 
 
 def _unkeyable() -> None:
