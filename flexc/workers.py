@@ -57,13 +57,14 @@ def _pool(n: int) -> ThreadPoolExecutor:
     return pool
 
 
-def worker_count(n_tasks: int, total_cost: float, min_cost_per_worker: float = 16e6) -> int:
-    """How many workers to use: torch's thread count, fewer for small jobs.
+def worker_count(n_tasks: int, total_cost: float, min_cost_per_worker: float = 16e6, threads: int | None = None) -> int:
+    """How many workers to use: torch's thread count (or ``threads``), fewer for small jobs.
 
     Below about 16M scores per worker (L=2048, 8 heads, causal) Python overhead and the GIL make
     workers slower than one thread with torch's own intra-op threads, at least on an idle machine.
     """
-    n = min(torch.get_num_threads(), n_tasks, max(1, int(total_cost // min_cost_per_worker)))
+    threads = torch.get_num_threads() if threads is None else threads
+    n = min(threads, n_tasks, max(1, int(total_cost // min_cost_per_worker)))
     return max(1, n)
 
 

@@ -23,7 +23,7 @@ import torch
 from ..analysis import bounds
 from ..backends import dropout as dropouts
 from ..backends import registry
-from ..backends.cpu.torch_cpu import forward_with_max, recorded_forward
+from ..backends.cpu.torch_cpu import forward_with_max, prepare_recorded
 from ..backends.layout import laid_out_like
 from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
@@ -74,9 +74,13 @@ class Plan:
         # the mods whose bounds depend on captured values: checked again at each call
         self.rechecked = tuple(m for m in (self.score_mod, self.mask_mod) if bounds.has_checks(m))
         self.prepared: Callable | None = None
+        self.recorded: Callable | None = None
         if choice.training:
             self.path = (RECORDED if self.backend == registry.TORCH and drop is None and sinks is None
                          and not self.want_lse and not self.want_max else TRAINED)
+            if self.path == RECORDED:  # (decided once: a warm call checks only what a signature leaves open)
+                self.recorded = prepare_recorded(query, key, value, self.score_mod, self.mask_mod, block_mask,
+                                                 self.scale)
             prepare = registry.PREPARE_TRAINING.get(self.backend) if self.generated is not None else None
             if prepare is not None:
                 self.generated = prepare(query, key, value, self.score_mod, self.mask_mod, block_mask, self.scale,
@@ -115,8 +119,7 @@ class Plan:
                 out, lse = registry.BACKENDS[self.backend](query, key, value, score_mod, mask_mod, block_mask, scale,
                                                            self.options, self.want_lse,
                                                            **backend_keywords(drop, sinks))
-        elif path == RECORDED and (recorded := recorded_forward(query, key, value, score_mod, mask_mod, block_mask,
-                                                                scale)) is not None:
+        elif path == RECORDED and self.recorded is not None and (recorded := self.recorded(query, key, value)) is not None:
             out, lse = recorded, None  # torch's own autograd nodes: no Python in the backward
         elif path in (RECORDED, TRAINED):
             forward = registry.BACKENDS[self.backend]

@@ -234,8 +234,8 @@ def test_a_score_mod_returning_the_score_unchanged_runs_as_the_call_without_one(
 
     from flexc.backends.cpu import causal_call
     seen = []
-    monkeypatch.setattr(causal_call, "recorded_forward",
-                        lambda *args, _real=causal_call.recorded_forward, **kw: seen.append(1) or _real(*args, **kw))
+    monkeypatch.setattr(causal_call, "recorder",
+                        lambda *args, _real=causal_call.recorder, **kw: seen.append(1) or _real(*args, **kw))
     q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 96, 96, 16, dtype=torch.float64, seed=11))
     bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 96, 96, BLOCK_SIZE=32)
     out = flexc.flex_attention(q, k, v, score_mod=hf_style, block_mask=bm)

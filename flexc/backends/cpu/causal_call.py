@@ -24,7 +24,7 @@ made under inference mode have no version counter, and their calls keep the bloc
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -32,7 +32,7 @@ from ... import workers
 from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
-from . import fused_cpu
+from . import causal_chunks, fused_cpu
 from ...masks.kv_tables import block_sizes_of, kv_tables
 from .block_plan import memo_by_tables
 
@@ -291,21 +291,21 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     q, k, v = _kernel_inputs(query, key, value, fold)
     calls, n_workers = _split(_calls(starts, query.shape[1], q.shape[2], k.shape[2], fold), q.shape[0], q.shape[1])
     if len(calls) == 1:
-        out, lse = fused_cpu.FLASH(q, k, v, is_causal=True, scale=scale)
+        out, lse = causal_chunks.forward(q, k, v, scale)
     else:
-        out, lse = _kernel_layout(q, v.shape[-1]), q.new_empty(q.shape[:-1])
+        out, lse = causal_chunks.kernel_layout(q, v.shape[-1]), q.new_empty(q.shape[:-1])
 
         def one_call(call, worker):
             rows, qs, ks = call
-            out[rows, :, qs], lse[rows, :, qs] = fused_cpu.FLASH(q[rows, :, qs], k[rows, :, ks], v[rows, :, ks],
-                                                                 is_causal=True, scale=scale)
+            out[rows, :, qs], lse[rows, :, qs] = causal_chunks.forward(q[rows, :, qs], k[rows, :, ks], v[rows, :, ks],
+                                                                       scale)
         workers.run(calls, _costs(calls, q.shape[1]), one_call, n_workers, dynamic=True)
     # (unfolded, the kernel's lse is [B, L, H]-strided: laid out row-major like every path's)
     return _unfolded(out, query, fold), _unfolded(lse, query, fold).contiguous()
 
 
 def recordable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`recorded_forward`'s gradients come out in the inputs' own layouts (flexc's
+    """Whether :func:`recorder`'s gradients come out in the inputs' own layouts (flexc's
     and torch's contract): row-major inputs that fold, or inputs laid out as the kernel lays its
     gradients out (``[B, L, H, E]`` memory, one key batch per query batch). A row-major GQA call's
     gradients would come back ``[B, L, H, E]``-strided."""
@@ -314,16 +314,26 @@ def recordable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> b
     return key.shape[0] == query.shape[0] and all(t.transpose(1, 2).is_contiguous() for t in (query, key, value))
 
 
-def recorded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                     causal: bool = True) -> torch.Tensor:
-    """The output of plain causal attention (:data:`ONE_SEQUENCE`; ``causal=False``: attention
-    with no mask) as one kernel call recorded by autograd, for :func:`recordable` inputs: torch's
-    own backward node for the kernel (and for the fold's views) computes the gradients. The
-    logsumexp it returns is not differentiable, so it is not returned."""
+def recorder(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+             causal: bool = True) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The function ``(query, key, value) -> output`` of plain causal attention
+    (:data:`ONE_SEQUENCE`; ``causal=False``: attention with no mask) as one kernel call recorded by
+    autograd, for :func:`recordable` inputs laid out as these (shapes and strides: what it decides
+    here, once, holds for every call of a plan): torch's own backward node for the kernel (and for
+    the fold's views) computes the gradients. The logsumexp the kernel returns is not
+    differentiable, so it is not returned. A causal call that :func:`causal_chunks.split` splits is
+    one node of flexc's instead, the split calls' (faster)."""
     fold = _foldable(query, key, value)
-    q, k, v = _kernel_inputs(query, key, value, fold)
-    out, _ = fused_cpu.FLASH(q, k, v, is_causal=causal, scale=scale)
-    return _unfolded(out, query, fold)
+    chunked = causal and causal_chunks.split(query.shape[2], key.shape[2])
+
+    def record(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        q, k, v = _kernel_inputs(query, key, value, fold)
+        if chunked:
+            out = causal_chunks.RecordedChunks.apply(q, k, v, scale)
+        else:
+            out, _ = fused_cpu.FLASH(q, k, v, is_causal=causal, scale=scale)
+        return _unfolded(out, query, fold)
+    return record
 
 
 @torch.no_grad()
@@ -336,30 +346,30 @@ def backward(query, key, value, out, lse, grad_out, scale: float,
     o, go, l = (_folded(t, fold) for t in (out, grad_out, lse.to(query.dtype)))
     calls, n_workers = _split(_calls(starts, query.shape[1], q.shape[2], k.shape[2], fold), q.shape[0], q.shape[1])
     if len(calls) == 1:
-        dq, dk, dv = fused_cpu.FLASH_BACKWARD(go, q, k, v, o, l, 0.0, True, scale=scale)
+        dq, dk, dv = causal_chunks.backward(go, q, k, v, o, l, scale)
     else:  # each key belongs to one sequence of its batch: every gradient row is written once
-        dq, dk, dv = _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
+        dq, dk, dv = (causal_chunks.kernel_layout(t) for t in (q, k, v))
 
         def one_call(call, worker):
             rows, qs, ks = call
-            dq[rows, :, qs], dk[rows, :, ks], dv[rows, :, ks] = fused_cpu.FLASH_BACKWARD(
+            dq[rows, :, qs], dk[rows, :, ks], dv[rows, :, ks] = causal_chunks.backward(
                 go[rows, :, qs], q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], o[rows, :, qs], l[rows, :, qs],
-                0.0, True, scale=scale)
+                scale)
         workers.run(calls, _costs(calls, q.shape[1]), one_call, n_workers, dynamic=True)
     if key.shape[0] != query.shape[0]:
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     return _unfolded(dq, query, fold), _unfolded(dk, key, fold), _unfolded(dv, value, fold)
 
 
-def workers_for(query: torch.Tensor, key: torch.Tensor) -> int:
-    """How many one-thread workers plain causal attention's kernel calls take (:func:`_split`);
-    1: one call in this thread, on torch's own threads."""
+def workers_for(query: torch.Tensor, key: torch.Tensor, threads: int | None = None) -> int:
+    """How many one-thread workers plain causal attention's kernel calls take (:func:`_split`) at
+    torch's thread count (or ``threads``); 1: one call in this thread, on torch's own threads."""
     B, H, L, _ = query.shape
-    return _worker_count(B * H, B * H * L * key.shape[2] / 2)
+    return _worker_count(B * H, B * H * L * key.shape[2] / 2, threads)
 
 
-def _worker_count(n_calls: int, cost: float) -> int:
-    return workers.worker_count(n_calls, cost, fused_cpu.MIN_COST_PER_WORKER)
+def _worker_count(n_calls: int, cost: float, threads: int | None = None) -> int:
+    return workers.worker_count(n_calls, cost, fused_cpu.MIN_COST_PER_WORKER, threads)
 
 
 def _split(calls: list, rows: int, heads: int) -> tuple[list, int]:
@@ -372,13 +382,6 @@ def _split(calls: list, rows: int, heads: int) -> tuple[list, int]:
     split = [(slice(i, i + 1), qs, ks) for row_range, qs, ks in calls for i in range(*row_range.indices(rows))]
     n_workers = _worker_count(len(split), sum(_costs(split, heads)))
     return (split, n_workers) if n_workers > 1 else (calls, 1)
-
-
-def _kernel_layout(t: torch.Tensor, last: int | None = None) -> torch.Tensor:
-    """An empty tensor shaped as ``t`` (last dim ``last``), laid out ``[B, L, H, E]`` as the kernel
-    lays out what it returns (row-major when folded)."""
-    B, H, L, E = t.shape
-    return t.new_empty(B, L, H, E if last is None else last).transpose(1, 2)
 
 
 def _costs(calls: list, heads: int) -> list[float]:

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -323,22 +324,55 @@ def _unmasked(block_mask: Any, L: int, S: int) -> bool:
                           unversioned=lambda: False)
 
 
-def recorded_forward(query, key, value, score_mod, mask_mod, block_mask, scale) -> torch.Tensor | None:
-    """A training call's output computed by ops autograd records itself, or None when the call needs
-    flexc's own autograd Function. Plain causal attention (one sequence per batch), or attention
-    with no block mask (or one whose blocks are all full), with no score_mod, dropout, sinks, logsumexp or max asked for (the caller's
-    checks) and finite inputs, is one call of the fused kernel (in its causal mode for the first),
-    whose backward torch registers in C++: a training step then runs no Python after the forward,
-    which is most of a small layer's step (B=2, H=4, L=256, D=32)."""
-    if score_mod is not None or not causal_call.recordable(query, key, value):
+def prepare_recorded(query, key, value, score_mod, mask_mod, block_mask, scale) -> Callable | None:
+    """For training calls of one signature (a plan's: the same shapes, strides, dtypes, block-mask
+    tables and mods), the function ``(query, key, value) -> output or None`` that computes a call's
+    output by ops autograd records itself, or None when no such call can (then flexc's autograd
+    Function trains it). Plain causal attention (one sequence per batch), or attention with no block
+    mask (or one whose blocks are all full), with no score_mod, dropout, sinks, logsumexp or max asked
+    for (the caller's checks) and finite inputs, is the fused kernel's call (in its causal mode for
+    the first; :func:`causal_call.recorder`), whose backward torch registers in C++: a
+    training step then runs no Python after the forward, which is most of a small layer's step
+    (B=2, H=4, L=256, D=32).
+
+    What the signature fixes is decided here, once; a call checks only its thread count, the
+    mask_mod's captured tensors (their values are not in a signature) and its inputs' finiteness.
+    Each line of Python a warm call runs costs several times its own time in a training step (the
+    kernel's data and the interpreter's evict each other from the caches): at this size the
+    decisions made per call cost ~7% of the step."""
+    if score_mod is not None or not causal_call.recordable(query, key, value) or not causal_call.kernel_takes(query,
+                                                                                                            value):
         return None
     if _unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
-        plain = causal_call.kernel_takes(query, value) and all_finite(query, key, value)
-        return causal_call.recorded_forward(query, key, value, scale, causal=False) if plain else None
-    if causal_call.workers_for(query, key) > 1:
-        return None  # split over workers, forward and backward (causal_call._split), not torch's threads
-    starts = _causal_starts(query, key, value, score_mod, mask_mod, block_mask, None)
-    return causal_call.recorded_forward(query, key, value, scale) if starts == causal_call.ONE_SEQUENCE else None
+        return _finite_only(causal_call.recorder(query, key, value, scale, causal=False))
+    if mask_mod is None:
+        return None
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    record = _finite_only(causal_call.recorder(query, key, value, scale))
+    if mask_mod.buffers:  # their values may change what the mask allows: checked each call (a memo lookup)
+        def checked(query, key, value):
+            one = causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S) == causal_call.ONE_SEQUENCE
+            return record(query, key, value) if one else None
+        return _one_thread_worker(query, key, checked)
+    if causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S) != causal_call.ONE_SEQUENCE:
+        return None
+    return _one_thread_worker(query, key, record)
+
+
+def _finite_only(record: Callable) -> Callable:
+    """``record`` for finite inputs, None for others (the kernel's masking multiplies a NaN value
+    row by 0 and keeps the NaN; the block path leaves the rows before it finite)."""
+    return lambda query, key, value: record(query, key, value) if all_finite(query, key, value) else None
+
+
+def _one_thread_worker(query, key, record: Callable) -> Callable:
+    """``record`` while the call takes one worker (:func:`causal_call.workers_for`), None when it
+    is split over several (forward and backward, by flexc's Function): checked each call where the
+    thread count can change it."""
+    if causal_call.workers_for(query, key, threads=sys.maxsize) == 1:
+        return record  # (one worker whatever the thread count: small calls)
+    return lambda query, key, value: record(query, key, value) if causal_call.workers_for(query, key) == 1 else None
 
 
 def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=True,
