@@ -377,3 +377,45 @@ def test_calls_split_over_workers_match_float64_forward_and_backward(monkeypatch
     for a, b, t in zip(mine, refs, (q, k, v)):
         assert a.stride() == t.stride()
         torch.testing.assert_close(a.double(), b.double(), atol=10 * tol, rtol=0)
+
+
+def test_a_training_plan_records_the_kernel_only_while_its_mask_and_threads_allow(monkeypatch):
+    # a plan decides once what its signature fixes; a captured tensor's values and the thread
+    # count are not in a signature, so a warm call of the same plan checks them again
+    L = 128
+    doc = torch.zeros(L, dtype=torch.long)
+
+    def same_document_causal(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, L, L, 16, dtype=torch.float64, seed=10))
+    bm = flexc.create_block_mask(same_document_causal, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+
+    def as_the_tables_apply_it(b, h, q, kv):  # full blocks below the diagonal, the mask_mod on it
+        return (kv // 32 < q // 32) | ((kv // 32 == q // 32) & same_document_causal(b, h, q, kv))
+
+    def step():
+        out = flexc.flex_attention(q, k, v, block_mask=bm)
+        ref = dense_attention(q, k, v, None, as_the_tables_apply_it)[0]
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+        for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+        nodes = _graph_nodes(out)
+        return "recorded" if any("FlashAttentionForCpuBackward" in n for n in nodes) else (
+            "function" if any("FlexAttentionFunction" in n for n in nodes) else nodes)
+
+    assert step() == "recorded"  # one document: plain causal
+    doc[80:] = 1  # the same tables; row 80 no longer sees the keys 64..79 of its own block
+    assert step() == "function"
+    doc[80:] = 0
+    assert step() == "recorded"
+    monkeypatch.setattr(causal_call.fused_cpu, "MIN_COST_PER_WORKER", 1.0)  # (a new plan: decided again)
+    bm = flexc.create_block_mask(same_document_causal, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert step() == "recorded"
+        torch.set_num_threads(2)  # split over two workers: flexc's Function runs them each way
+        assert step() == "function"
+    finally:
+        torch.set_num_threads(threads)
