@@ -47,14 +47,15 @@ def _nodes(t: torch.Tensor) -> set:
     return names
 
 
-@pytest.mark.parametrize("B, Hq, Hkv, L, layout, dtype, lse", [
-    (1, 2, 2, 400, "row-major", torch.float64, False),  # 400 = 3 chunks of 128 and one of 16
-    (2, 4, 2, 384, "BLHE", torch.float64, False),  # GQA as models call it, from [B, L, H, E]
-    (1, 2, 2, 512, "row-major", torch.float32, False),
-    (1, 2, 2, 400, "row-major", torch.float64, True),  # the logsumexp asked for: flexc's Function
+@pytest.mark.parametrize("B, Bkv, Hq, Hkv, L, layout, dtype, lse", [
+    (1, 1, 2, 2, 400, "row-major", torch.float64, False),  # 400 = 3 chunks of 128 and one of 16
+    (2, 2, 4, 2, 384, "BLHE", torch.float64, False),  # GQA as models call it, from [B, L, H, E]
+    (1, 1, 2, 2, 512, "row-major", torch.float32, False),
+    (1, 1, 2, 2, 400, "row-major", torch.float64, True),  # the logsumexp asked for: flexc's Function
+    (2, 1, 2, 1, 384, "row-major", torch.float64, True),  # one key batch for both query batches
 ])
-def test_split_calls_match_float64_forward_and_backward(kernel_calls, B, Hq, Hkv, L, layout, dtype, lse):
-    q, k, v = random_qkv(B, Hq, Hkv, L, L, 16, dtype=dtype, seed=1)
+def test_split_calls_match_float64_forward_and_backward(kernel_calls, B, Bkv, Hq, Hkv, L, layout, dtype, lse):
+    q, k, v = random_qkv(B, Hq, Hkv, L, L, 16, dtype=dtype, Bkv=Bkv, seed=1)
     if layout == "BLHE":
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -114,3 +115,22 @@ def test_calls_the_split_does_not_pay_for_stay_one_call(kernel_calls, L, S):
     assert kernel_calls["forward"] == 1
     ref_out, ref_lse, _ = dense_attention(q, k, v, None, _causal, scale=0.3)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+
+
+def test_calls_split_over_workers_are_split_along_the_diagonal_too(monkeypatch, kernel_calls):
+    monkeypatch.setattr(fused_cpu, "MIN_COST_PER_WORKER", 1.0)  # one call per head, taken by two workers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 384, 384, 8, dtype=torch.float64, seed=7))
+        bm = flexc.create_block_mask(_causal, None, None, 384, 384, device="cpu")
+        out = flexc.flex_attention(q, k, v, block_mask=bm)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+        mine = torch.autograd.grad(out, (q, k, v), grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert kernel_calls == {"forward": 2 * 3, "backward": 2 * 3}  # per head, 3 chunks of 128 each way
+    ref = dense_attention(q, k, v, None, _causal)[0]
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    for a, b in zip(mine, torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
