@@ -28,6 +28,7 @@ from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
 from ..dropout import Dropout
+from ..layout import EmptyMaker
 from . import cache, config, forward, launcher, retry
 from .sources import sources_text
 
@@ -87,15 +88,17 @@ def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
 
 
 def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dtype: torch.dtype,
-                    kernel: cache.Kernel | None = None, kept: dict | None = None):
+                    kernel: cache.Kernel | None = None, kept: dict | None = None, rows: EmptyMaker | None = None):
     """Run the prologue kernel: ``(delta, lse2)``, each ``[B, Hq, L]`` contiguous in ``work_dtype``
     (``kernel``: the prologue's, when the caller keeps it; ``kept``: where a caller of one signature
-    keeps the launch's grid and arguments past the tensors, by the gradients' strides)."""
-    delta = torch.empty(stats.shape[1:], dtype=work_dtype, device=out.device)
-    lse2 = torch.empty_like(delta)
+    keeps the launch's grid and arguments past the tensors, by the tensors' strides; ``rows``: makes
+    the two, when the caller keeps it)."""
+    if rows is None:
+        rows = EmptyMaker(stats.shape[1:], work_dtype, out.device)
+    delta, lse2 = rows(), rows()
     if kernel is None:
         kernel = cache.get_kernel(spec, out.device)
-    strides = (grad_out.stride(), None if grad_lse is None else grad_lse.stride())
+    strides = (out.stride(), stats.stride(), grad_out.stride(), None if grad_lse is None else grad_lse.stride())
     known = kept.get(strides) if kept is not None else None
     grid = known[0] if known is not None else launcher.prologue_grid(spec, out)
     args, constants = launcher.prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2,
@@ -146,6 +149,10 @@ class BackwardLaunch:
         self.constants: dict[bool, dict] = {}
         self.prologue: dict[tuple, tuple] = {}
         self.grids = (launcher.backward_rows_grid(spec, query, value), launcher.backward_grid(spec, query, value))
+        # what allocates the gradients (made at the first call: launcher.backward_output_makers) and
+        # the prologue's outputs
+        self.makers: tuple | None = None
+        self.rows = EmptyMaker(query.shape[:3], self.acc, self.device)
 
     def tables_of(self, block_mask: Any) -> list:
         L, S = self.lengths
@@ -170,8 +177,11 @@ class BackwardLaunch:
 
         def attempt(spec: BackwardSpec):
             # everything from the outputs on: a retry starts over (the row pass adds into its inputs)
-            dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
             mine = spec is self.spec
+            if mine and self.makers is None:
+                self.makers = launcher.backward_output_makers(query, key, value)
+            dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod,
+                                                                  self.makers if mine else None)
             if mine:
                 if self.kernels is None:
                     self.kernels = (cache.get_kernel(self.first, device), cache.get_kernel(spec, device))
@@ -184,7 +194,7 @@ class BackwardLaunch:
             else:
                 # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
                 delta, lse2 = launch_prologue(first, out, stats, grad_out, grad_lse, acc, first_kernel,
-                                              self.prologue if mine else None)
+                                              self.prologue if mine else None, self.rows)
                 row_stats = stats
             guard = launcher.guards_nonfinite_inputs(spec, query, key)
             tail = constants = None

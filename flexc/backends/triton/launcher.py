@@ -25,7 +25,7 @@ from ...codegen.spec import padded_head_dim
 from ...dtypes import work_dtype
 from ...mods.traced_mod import TracedMod
 from ..dropout import Dropout
-from ..layout import empty_like_reference
+from ..layout import EmptyMaker, empty_like_reference, output_maker
 from ..nonfinite import all_finite
 from ..versioned_memo import VersionedMemo
 from .config import default_splits
@@ -331,17 +331,26 @@ def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_v
                 GUARD_NONFINITE_VALUES=guard_values, POW2_SCALE=exact_in_query(spec, scale))
 
 
-def backward_outputs(spec: BackwardSpec, query, key, value, score_mod) -> tuple:
-    """``(dq, dk, dv, summed, grads)``: dk/dv per query batch, summed afterwards when ``Bkv == 1 < B``."""
-    B, Hkv, S, E, Ev = query.shape[0], key.shape[1], key.shape[2], key.shape[3], value.shape[3]
-    acc = work_dtype(query.dtype)
-    summed = key.shape[0] == 1 and B > 1
-    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    dk = torch.empty((B, Hkv, S, E), dtype=acc if summed else key.dtype, device=query.device)
-    dv = torch.empty((B, Hkv, S, Ev), dtype=acc if summed else value.dtype, device=query.device)
+def backward_outputs(spec: BackwardSpec, query, key, value, score_mod, makers: tuple | None = None) -> tuple:
+    """``(dq, dk, dv, summed, grads)``: dk/dv per query batch, summed afterwards when ``Bkv == 1 < B``;
+    ``makers``: :func:`backward_output_makers` of a call of the same signature, when the caller keeps them."""
+    make_dq, make_dk, make_dv, summed = makers if makers is not None else backward_output_makers(query, key, value)
     grads = [torch.zeros(score_mod.buffers[s].shape, dtype=spec.grad_dtype(s), device=query.device)
-             for s in spec.grad_slots]
-    return dq, dk, dv, summed, grads
+             for s in spec.grad_slots] if spec.grad_slots else []
+    return make_dq(query), make_dk(key), make_dv(value), summed, grads
+
+
+def backward_output_makers(query, key, value) -> tuple:
+    """``(make_dq, make_dk, make_dv, summed)`` for the calls of one signature
+    (:func:`flexc.backends.layout.output_maker`): each gradient laid out like its input, as the caller
+    returns it; dk and dv row-major in the work dtype when they are summed over the batch afterwards."""
+    B, Hkv, S, E, Ev = query.shape[0], key.shape[1], key.shape[2], key.shape[3], value.shape[3]
+    summed = key.shape[0] == 1 and B > 1
+    if summed:
+        acc = work_dtype(query.dtype)
+        dk, dv = EmptyMaker((B, Hkv, S, E), acc, query.device), EmptyMaker((B, Hkv, S, Ev), acc, query.device)
+        return output_maker(query), lambda _key: dk(), lambda _value: dv(), summed
+    return output_maker(query), output_maker(key), output_maker(value), summed
 
 
 def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, stats, dq, dk, dv, tables,
@@ -513,7 +522,7 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
     return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
 
 
-__all__ = ["INT32_OFFSET_LIMIT", "LastTables", "backward_arguments", "backward_argument_tail", "backward_constexprs", "guards_nonfinite_inputs", "backward_grid", "backward_rows_grid", "backward_outputs",
+__all__ = ["INT32_OFFSET_LIMIT", "LastTables", "backward_arguments", "backward_argument_tail", "backward_constexprs", "guards_nonfinite_inputs", "backward_grid", "backward_rows_grid", "backward_outputs", "backward_output_makers",
            "backward_tables", "buffer_arguments", "check_dropout", "check_query_blocks", "check_sinks",
            "decode_arguments", "decode_grid",
            "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",
