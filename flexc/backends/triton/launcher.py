@@ -171,6 +171,8 @@ def _device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def mod_arguments(generated: Any, score_mod: TracedMod | None, mask_mod: TracedMod | None,
                   device: torch.device) -> list:
     """The score_mod's then the mask_mod's captured-value arguments of a generated kernel."""
+    if not (generated.score_params or generated.mask_params):
+        return []
     return (buffer_arguments(score_mod, generated.score_params, device)
             + buffer_arguments(mask_mod, generated.mask_params, device))
 
@@ -278,8 +280,11 @@ def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, va
         outputs.append(lse)
     if stats is not None:  # both contiguous [B, Hq, L] planes, as lse: they share its strides
         outputs += [stats[0], stats[1]]
-    buffers = mod_arguments(generated, score_mod, mask_mod, query.device) + dropout_arguments(dropout, query.device)
-    buffers += sink_arguments(sinks, work_dtype(query.dtype))
+    buffers = mod_arguments(generated, score_mod, mask_mod, query.device)
+    if dropout is not None:
+        buffers += dropout_arguments(dropout, query.device)
+    if sinks is not None:
+        buffers += sink_arguments(sinks, work_dtype(query.dtype))
     if tail is None:
         tail = forward_argument_tail(generated, query, key, value, out, lse, tables, scale)
     return [query, key, value, *outputs, *tables, *buffers, *tail]
