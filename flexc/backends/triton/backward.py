@@ -148,7 +148,8 @@ class BackwardLaunch:
         self.tails: dict[tuple, list] = {}
         self.constants: dict[bool, dict] = {}
         self.prologue: dict[tuple, tuple] = {}
-        self.grids = (launcher.backward_rows_grid(spec, query, value), launcher.backward_grid(spec, query, value))
+        self.grids = (None if self.nothing else
+                      (launcher.backward_rows_grid(spec, query, value), launcher.backward_grid(spec, query, value)))
         # what allocates the gradients (made at the first call: launcher.backward_output_makers) and
         # the prologue's outputs
         self.makers: tuple | None = None

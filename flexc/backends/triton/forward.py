@@ -179,6 +179,8 @@ class ForwardLaunch:
             kernel = self.kernel if mine else None
             if kernel is None:
                 kernel = cache.get_kernel(spec, self.device, self.kernel_key if mine else None)
+                if mine:
+                    self.kernel = kernel
             if mine and self.tail is None:
                 self.tail = launcher.forward_argument_tail(kernel.generated, query, key, value, out, lse, tables,
                                                            self.scale)
@@ -201,8 +203,6 @@ class ForwardLaunch:
             retry.launch_with_fallbacks(spec, self.device, attempt, "forward")
             # (a replaced spec keeps the retry's path: its grid and constants differ)
             self.worked = cache.resolve_fallback(spec, self.device) is spec
-            if self.worked:
-                self.kernel = cache.get_kernel(spec, self.device, self.kernel_key)
         return out, lse, stats
 
 
