@@ -9,6 +9,9 @@ returns what an eager one does.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 
 
@@ -64,6 +67,8 @@ def laid_out_like(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     transpose back is free), as torch returns outputs and gradients; copies only when ``t`` is laid
     out otherwise. The strides never depend on ``t``'s own, so every path that produces ``t``
     (backends, the custom operators' real and fake implementations) returns the same ones."""
+    if t.shape == reference.shape and t.stride() == reference.stride() == row_major(reference.shape):
+        return t  # (the common case, read on every call: a row-major reference's own strides)
     strides = output_strides(t.shape, reference)
     if t.stride() == strides:
         return t
@@ -77,4 +82,40 @@ def empty_like_reference(shape: tuple, reference: torch.Tensor, dtype: torch.dty
                                dtype=reference.dtype if dtype is None else dtype, device=reference.device)
 
 
-__all__ = ["empty_like_reference", "laid_out_like", "output_strides", "row_major", "strides_like"]
+class EmptyMaker:
+    """Makes uninitialised contiguous tensors of one shape, dtype and device, for a launch that
+    allocates them on every call: ``torch.empty_like`` of a one-element template expanded to the
+    shape costs about half of ``torch.empty(shape, dtype=, device=)``, which parses its keywords."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        template = torch.empty((), dtype=dtype, device=device).expand(self.shape)
+        # (empty_like of a tensor that is not dense gives row-major strides: checked, not assumed)
+        self.template = template if torch.empty_like(template).stride() == row_major(self.shape) else None
+
+    def __call__(self) -> torch.Tensor:
+        if self.template is None:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return torch.empty_like(self.template)
+
+
+def output_maker(reference: torch.Tensor, shape: tuple | None = None, dtype: torch.dtype | None = None
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``make(reference)``: uninitialised ``shape`` tensors (the reference's by default) in ``dtype``
+    (its own by default) laid out like the reference (:func:`output_strides`), for the calls of one
+    signature (references with this one's shape and strides). ``torch.empty_like`` where that gives
+    those strides (a dense reference of that shape), else an :class:`EmptyMaker` (row-major) or
+    :func:`empty_like_reference`. Holds no reference tensor."""
+    shape = tuple(reference.shape if shape is None else shape)
+    dtype = reference.dtype if dtype is None else dtype
+    strides = output_strides(shape, reference)
+    if shape == tuple(reference.shape) and strides == reference.stride():
+        return torch.empty_like if dtype == reference.dtype else functools.partial(torch.empty_like, dtype=dtype)
+    if strides == row_major(shape):
+        maker = EmptyMaker(shape, dtype, reference.device)
+        return lambda _reference: maker()
+    return functools.partial(empty_like_reference, shape, dtype=dtype)
+
+
+__all__ = ["EmptyMaker", "output_maker", "empty_like_reference", "laid_out_like", "output_strides", "row_major",
+           "strides_like"]

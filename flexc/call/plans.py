@@ -30,7 +30,7 @@ from ..masks.empty_entries import without_empty_entries
 from .plan import in_dtype_of, plan_call, prepare_call
 from .plan_store import PlanStore
 from .signature import call_signature, held
-from .training import FlexAttentionFunction, backend_keywords
+from .training import FlexAttentionFunction, backend_keywords, trainer
 
 # the paths a call takes, decided once per plan
 RECORDED = "recorded"  # training on TORCH through ops autograd records itself, when the inputs allow
@@ -86,6 +86,8 @@ class Plan:
                 self.generated = prepare(query, key, value, self.score_mod, self.mask_mod, block_mask, self.scale,
                                          self.options, self.slots, drop is not None, sinks is not None,
                                          same_tables=self.same_tables)
+            self.trainer = trainer(registry.BACKENDS[self.backend], self.generated, self.score_mod, self.mask_mod,
+                                   self.scale, self.options, self.slots)
         elif self.want_max:
             self.path = WITH_MAX
         elif self.backend == registry.TORCH and (drop is not None or (self.want_lse and query.dtype == torch.float64)):
@@ -122,10 +124,8 @@ class Plan:
         elif path == RECORDED and self.recorded is not None and (recorded := self.recorded(query, key, value)) is not None:
             out, lse = recorded, None  # torch's own autograd nodes: no Python in the backward
         elif path in (RECORDED, TRAINED):
-            forward = registry.BACKENDS[self.backend]
-            grad_buffers = [score_mod.buffers[i] for i in self.slots]
-            out, lse = FlexAttentionFunction.apply(query, key, value, forward, self.generated, score_mod, mask_mod,
-                                                   block_mask, scale, self.options, self.slots, drop, sinks,
+            grad_buffers = [score_mod.buffers[i] for i in self.slots] if self.slots else ()
+            out, lse = FlexAttentionFunction.apply(query, key, value, self.trainer, block_mask, drop, sinks,
                                                    *grad_buffers)
             if self.want_max:
                 with torch.no_grad():

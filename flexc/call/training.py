@@ -7,6 +7,8 @@ query row), so every backend trains. Learned attention sinks get their gradient 
 """
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import torch
 
 from ..backends import dropout
@@ -17,56 +19,82 @@ from .plan import falls_back, warn_fallback
 from .sinks import sink_grad
 
 
+class Trainer(NamedTuple):
+    """What :class:`FlexAttentionFunction` runs for the calls of one plan, decided with the plan."""
+
+    forward: Callable  # the backend's forward (registry.BACKENDS)
+    training: tuple[Callable, Callable] | None  # its generated (forward, backward), prepared; None: torch's backward
+    score_mod: Any  # the call's traced mods, scale, options and the score_mod's slots that receive gradients
+    mask_mod: Any
+    scale: float
+    options: dict
+    slots: tuple
+    fallback: str | None  # the backend whose generated backward this call trains without (warned once)
+
+
+def trainer(forward: Callable, training: tuple | None, score_mod: Any, mask_mod: Any, scale: float, options: dict,
+            slots: tuple) -> Trainer:
+    """The :class:`Trainer` of a plan's calls."""
+    return Trainer(forward, training, score_mod, mask_mod, scale, options, tuple(slots), falls_back(forward, training))
+
+
 class FlexAttentionFunction(torch.autograd.Function):
-    """Forward on the chosen backend; backward recomputes scores per query row on the torch path."""
+    """Forward on the chosen backend; backward by its generated kernels, or recomputing scores per
+    query row on the torch path. ``apply(query, key, value, trainer, block_mask, drop, sinks,
+    *grad_buffers)``: the non-tensor arguments in one :class:`Trainer` (what autograd's apply reads
+    per argument costs a warm call's host time)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, forward, training, score_mod, mask_mod, block_mask, scale, options, slots,
-                drop, sinks, *grad_buffers):
-        ctx.backward_fn = training[1] if training is not None else None
-        fallback = falls_back(forward, training)
-        if fallback is not None:
-            warn_fallback(score_mod, fallback)
-        ctx.options, ctx.dropout = options, drop
+    def forward(ctx, query, key, value, trainer: Trainer, block_mask, drop, sinks, *grad_buffers):
+        if trainer.fallback is not None:
+            warn_fallback(trainer.score_mod, trainer.fallback)
+        ctx.trainer, ctx.block_mask, ctx.dropout = trainer, block_mask, drop
         ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no zeros made and read back
         extra = backend_keywords(drop, sinks)
+        score_mod, mask_mod, scale, options = trainer.score_mod, trainer.mask_mod, trainer.scale, trainer.options
         stats = None
-        if training is not None:
-            out, lse, stats = training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options, **extra)
-        elif forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
+        if trainer.training is not None:
+            out, lse, stats = trainer.training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options,
+                                                  **extra)
+        elif trainer.forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
             # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
                                            need_max=False, lse_dtype=work_dtype(query.dtype), **extra)
         else:
-            out, lse = forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True, **extra)
+            out, lse = trainer.forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True,
+                                       **extra)
         # what the backward reads: the generated backward's own statistics, else the logsumexp; with
         # sinks also the logsumexp and the sinks, for the sinks' gradient
         saved = lse if stats is None else stats
-        ctx.save_for_backward(query, key, value, out, saved, *(() if sinks is None else (lse, sinks)))
-        ctx.mods = (score_mod, mask_mod, block_mask, scale, slots)
-        return out, lse.to(work_dtype(query.dtype))
+        if sinks is None:
+            ctx.save_for_backward(query, key, value, out, saved)
+        else:
+            ctx.save_for_backward(query, key, value, out, saved, lse, sinks)
+        lse_dtype = work_dtype(query.dtype)
+        return out, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, saved, *with_sinks = ctx.saved_tensors
         lse, sinks = with_sinks or (None, None)
-        score_mod, mask_mod, block_mask, scale, slots = ctx.mods
+        trainer, block_mask = ctx.trainer, ctx.block_mask
+        score_mod, mask_mod, scale, slots = trainer.score_mod, trainer.mask_mod, trainer.scale, trainer.slots
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if ctx.backward_fn is not None:  # the backend's generated backward (its statistics include the sinks)
-            dq, dk, dv, buf_grads = ctx.backward_fn(query, key, value, out, saved, grad_out, grad_lse, score_mod,
-                                                    mask_mod, block_mask, scale, slots, ctx.options,
-                                                    **backend_keywords(ctx.dropout, sinks))
+        if trainer.training is not None:  # the backend's generated backward (its statistics include the sinks)
+            dq, dk, dv, buf_grads = trainer.training[1](query, key, value, out, saved, grad_out, grad_lse, score_mod,
+                                                        mask_mod, block_mask, scale, slots, trainer.options,
+                                                        **backend_keywords(ctx.dropout, sinks))
         else:
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, saved, grad_out, grad_lse, score_mod,
                                                    mask_mod, block_mask, scale, slots, dropout=ctx.dropout,
                                                    sinks=sinks)
-        dq, dk, dv = (laid_out_like(g, t) for g, t in ((dq, query), (dk, key), (dv, value)))
+        dq, dk, dv = laid_out_like(dq, query), laid_out_like(dk, key), laid_out_like(dv, value)
         # the sinks' gradient, eagerly from the output, dO and the logsumexp (no kernel computes it:
         # it is one pass over the output per call, flexc.call.sinks.sink_grad)
-        d_sinks = (sink_grad(sinks, out, grad_out, lse, grad_lse) if sinks is not None and ctx.needs_input_grad[12]
+        d_sinks = (sink_grad(sinks, out, grad_out, lse, grad_lse) if sinks is not None and ctx.needs_input_grad[6]
                    else None)
-        return (dq, dk, dv, None, None, None, None, None, None, None, None, None, d_sinks, *buf_grads)
+        return (dq, dk, dv, None, None, None, d_sinks, *buf_grads)
 
 
 def backend_keywords(drop: dropout.Dropout | None, sinks: torch.Tensor | None) -> dict:
@@ -82,4 +110,4 @@ def backend_keywords(drop: dropout.Dropout | None, sinks: torch.Tensor | None) -
     return keywords
 
 
-__all__ = ["FlexAttentionFunction", "backend_keywords"]
+__all__ = ["FlexAttentionFunction", "Trainer", "backend_keywords", "trainer"]

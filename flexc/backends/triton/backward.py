@@ -28,6 +28,7 @@ from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
 from ..dropout import Dropout
+from ..layout import EmptyMaker
 from . import cache, config, forward, launcher, retry
 from .sources import sources_text
 
@@ -87,14 +88,24 @@ def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
 
 
 def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dtype: torch.dtype,
-                    kernel_key: tuple | None = None):
+                    kernel: cache.Kernel | None = None, kept: dict | None = None, rows: EmptyMaker | None = None):
     """Run the prologue kernel: ``(delta, lse2)``, each ``[B, Hq, L]`` contiguous in ``work_dtype``
-    (``kernel_key``: the prologue's :func:`flexc.backends.triton.cache.kernel_key`, when the caller keeps it)."""
-    delta = torch.empty(stats.shape[1:], dtype=work_dtype, device=out.device)
-    lse2 = torch.empty_like(delta)
-    kernel = cache.get_kernel(spec, out.device, kernel_key)
-    args, constants = launcher.prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2)
-    gpu.launch(kernel.fn, launcher.prologue_grid(spec, out), spec, out.device, args, constants)
+    (``kernel``: the prologue's, when the caller keeps it; ``kept``: where a caller of one signature
+    keeps the launch's grid and arguments past the tensors, by the tensors' strides; ``rows``: makes
+    the two, when the caller keeps it)."""
+    if rows is None:
+        rows = EmptyMaker(stats.shape[1:], work_dtype, out.device)
+    delta, lse2 = rows(), rows()
+    if kernel is None:
+        kernel = cache.get_kernel(spec, out.device)
+    strides = (out.stride(), stats.stride(), grad_out.stride(), None if grad_lse is None else grad_lse.stride())
+    known = kept.get(strides) if kept is not None else None
+    grid = known[0] if known is not None else launcher.prologue_grid(spec, out)
+    args, constants = launcher.prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2,
+                                                  known[1] if known is not None else None)
+    if kept is not None and known is None:
+        kept[strides] = (grid, (args, constants))
+    gpu.launch(kernel.fn, grid, spec, out.device, args, constants)
     return delta, lse2
 
 
@@ -127,10 +138,22 @@ class BackwardLaunch:
         if not self.nothing:
             self.tables(block_mask)  # (its checks, once)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
-        # the kernels launched before the backward kernel (row pass or prologue) and the cache keys of
-        # all: made once for this spec (a replaced spec makes its own)
+        # the kernel launched before the backward kernel (row pass or prologue), then the backward
+        # kernel, of this spec: looked up once (a replaced spec looks up its own)
         self.first = rows_spec(spec) if spec.precise else prologue_spec(spec)
-        self.keys = (cache.kernel_key(self.first, self.device), cache.kernel_key(spec, self.device))
+        self.kernels: tuple | None = None
+        # what the launches pass besides the call's tensors: the backward kernel's per grad_out strides
+        # (launcher.backward_argument_tail) and per input guard (launcher.backward_constexprs), the
+        # prologue's per gradients' strides (launch_prologue)
+        self.tails: dict[tuple, list] = {}
+        self.constants: dict[bool, dict] = {}
+        self.prologue: dict[tuple, tuple] = {}
+        self.grids = (None if self.nothing else
+                      (launcher.backward_rows_grid(spec, query, value), launcher.backward_grid(spec, query, value)))
+        # what allocates the gradients (made at the first call: launcher.backward_output_makers) and
+        # the prologue's outputs
+        self.makers: tuple | None = None
+        self.rows = EmptyMaker(query.shape[:3], self.acc, self.device)
 
     def tables_of(self, block_mask: Any) -> list:
         L, S = self.lengths
@@ -155,24 +178,42 @@ class BackwardLaunch:
 
         def attempt(spec: BackwardSpec):
             # everything from the outputs on: a retry starts over (the row pass adds into its inputs)
-            dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod)
             mine = spec is self.spec
-            first = self.first if mine else rows_spec(spec) if spec.precise else prologue_spec(spec)
-            first_key, key_of_spec = self.keys if mine else (None, None)
-            rows = cache.get_kernel(first, device, first_key) if spec.precise else None  # (kernels in launch order)
-            kernel = cache.get_kernel(spec, device, key_of_spec)
+            if mine and self.makers is None:
+                self.makers = launcher.backward_output_makers(query, key, value)
+            dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod,
+                                                                  self.makers if mine else None)
+            if mine:
+                if self.kernels is None:
+                    self.kernels = (cache.get_kernel(self.first, device), cache.get_kernel(spec, device))
+                first, (first_kernel, kernel) = self.first, self.kernels
+            else:
+                first = rows_spec(spec) if spec.precise else prologue_spec(spec)
+                first_kernel, kernel = cache.get_kernel(first, device), cache.get_kernel(spec, device)
             if spec.precise:
                 delta, lse2, row_stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
             else:
                 # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-                delta, lse2 = launch_prologue(first, out, stats, grad_out, grad_lse, acc, first_key)
+                delta, lse2 = launch_prologue(first, out, stats, grad_out, grad_lse, acc, first_kernel,
+                                              self.prologue if mine else None, self.rows)
                 row_stats = stats
+            guard = launcher.guards_nonfinite_inputs(spec, query, key)
+            tail = constants = None
+            if mine:
+                tail, constants = self.tails.get(grad_out.stride()), self.constants.get(guard)
+                if tail is None:
+                    tail = self.tails[grad_out.stride()] = launcher.backward_argument_tail(
+                        query, key, value, grad_out, delta, dq, dk, dv, tables, self.scale)
             args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2,
                                                           delta, row_stats, dq, dk, dv, tables, grads, score_mod,
-                                                          mask_mod, self.scale, dropout=dropout)
-            if rows is not None:
-                gpu.launch(rows.fn, launcher.backward_rows_grid(spec, query, key), spec, device, args, constants)
-            gpu.launch(kernel.fn, launcher.backward_grid(spec, query, key), spec, device, args, constants)
+                                                          mask_mod, self.scale, guard, dropout, tail, constants)
+            if mine:
+                self.constants[guard] = constants
+            rows_grid, grid = (self.grids if mine else (launcher.backward_rows_grid(spec, query, key),
+                                                        launcher.backward_grid(spec, query, key)))
+            if spec.precise:
+                gpu.launch(first_kernel.fn, rows_grid, spec, device, args, constants)
+            gpu.launch(kernel.fn, grid, spec, device, args, constants)
             if summed:
                 dk = dk.sum(0, keepdim=True).to(key.dtype)
                 dv = dv.sum(0, keepdim=True).to(value.dtype)

@@ -21,6 +21,7 @@ from ...codegen.scalars import lift_for_call
 from ...mods.traced_mod import TracedMod
 from .. import registry
 from ..dropout import Dropout
+from ..layout import EmptyMaker, output_maker
 from . import cache, config, decode, launcher, retry
 from . import tma
 
@@ -145,6 +146,11 @@ class ForwardLaunch:
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         self.kernel_key = cache.kernel_key(spec, self.device)
         self.tail: list | None = None  # the kernel's arguments after its tensors (launcher.forward_argument_tail)
+        # the outputs' allocations (the output laid out like the query, launcher.empty_output)
+        self.new_out = output_maker(query, (B, Hq, L, self.v_head_dim))
+        self.new_lse = EmptyMaker((B, Hq, L), lse_dtype, self.device) if spec.output_lse else None
+        self.new_stats = EmptyMaker((2, B, Hq, L), lse_dtype, self.device) if spec.output_stats else None
+        self.kernel: cache.Kernel | None = None  # this spec's, once launched
         self.constants: dict[bool, dict] = {}  # by whether the non-finite values guard is compiled in
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
@@ -159,10 +165,9 @@ class ForwardLaunch:
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         launcher.check_dropout(spec, dropout)
         launcher.check_sinks(spec, sinks)
-        B, Hq, L, _ = query.shape
-        out = launcher.empty_output(query, self.v_head_dim)
-        lse = torch.empty((B, Hq, L), dtype=self.lse_dtype, device=self.device) if spec.output_lse else None
-        stats = torch.empty((2, B, Hq, L), dtype=self.lse_dtype, device=self.device) if spec.output_stats else None
+        out = self.new_out(query)
+        lse = self.new_lse() if spec.output_lse else None
+        stats = self.new_stats() if spec.output_stats else None
         if self.nothing:
             out.zero_()
             _fill_dead_rows(lse, stats, sinks)
@@ -170,8 +175,12 @@ class ForwardLaunch:
         guard_values = launcher.guards_nonfinite_values(spec, value)
 
         def attempt(spec: ForwardSpec) -> None:
-            kernel = cache.get_kernel(spec, self.device, self.kernel_key if spec is self.spec else None)
             mine = spec is self.spec
+            kernel = self.kernel if mine else None
+            if kernel is None:
+                kernel = cache.get_kernel(spec, self.device, self.kernel_key if mine else None)
+                if mine:
+                    self.kernel = kernel
             if mine and self.tail is None:
                 self.tail = launcher.forward_argument_tail(kernel.generated, query, key, value, out, lse, tables,
                                                            self.scale)

@@ -25,7 +25,7 @@ from ...codegen.spec import padded_head_dim
 from ...dtypes import work_dtype
 from ...mods.traced_mod import TracedMod
 from ..dropout import Dropout
-from ..layout import empty_like_reference
+from ..layout import EmptyMaker, empty_like_reference, output_maker
 from ..nonfinite import all_finite
 from ..versioned_memo import VersionedMemo
 from .config import default_splits
@@ -171,6 +171,8 @@ def _device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def mod_arguments(generated: Any, score_mod: TracedMod | None, mask_mod: TracedMod | None,
                   device: torch.device) -> list:
     """The score_mod's then the mask_mod's captured-value arguments of a generated kernel."""
+    if not (generated.score_params or generated.mask_params):
+        return []
     return (buffer_arguments(score_mod, generated.score_params, device)
             + buffer_arguments(mask_mod, generated.mask_params, device))
 
@@ -278,8 +280,11 @@ def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, va
         outputs.append(lse)
     if stats is not None:  # both contiguous [B, Hq, L] planes, as lse: they share its strides
         outputs += [stats[0], stats[1]]
-    buffers = mod_arguments(generated, score_mod, mask_mod, query.device) + dropout_arguments(dropout, query.device)
-    buffers += sink_arguments(sinks, work_dtype(query.dtype))
+    buffers = mod_arguments(generated, score_mod, mask_mod, query.device)
+    if dropout is not None:
+        buffers += dropout_arguments(dropout, query.device)
+    if sinks is not None:
+        buffers += sink_arguments(sinks, work_dtype(query.dtype))
     if tail is None:
         tail = forward_argument_tail(generated, query, key, value, out, lse, tables, scale)
     return [query, key, value, *outputs, *tables, *buffers, *tail]
@@ -331,55 +336,88 @@ def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_v
                 GUARD_NONFINITE_VALUES=guard_values, POW2_SCALE=exact_in_query(spec, scale))
 
 
-def backward_outputs(spec: BackwardSpec, query, key, value, score_mod) -> tuple:
-    """``(dq, dk, dv, summed, grads)``: dk/dv per query batch, summed afterwards when ``Bkv == 1 < B``."""
-    B, Hkv, S, E, Ev = query.shape[0], key.shape[1], key.shape[2], key.shape[3], value.shape[3]
-    acc = work_dtype(query.dtype)
-    summed = key.shape[0] == 1 and B > 1
-    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    dk = torch.empty((B, Hkv, S, E), dtype=acc if summed else key.dtype, device=query.device)
-    dv = torch.empty((B, Hkv, S, Ev), dtype=acc if summed else value.dtype, device=query.device)
+def backward_outputs(spec: BackwardSpec, query, key, value, score_mod, makers: tuple | None = None) -> tuple:
+    """``(dq, dk, dv, summed, grads)``: dk/dv per query batch, summed afterwards when ``Bkv == 1 < B``;
+    ``makers``: :func:`backward_output_makers` of a call of the same signature, when the caller keeps them."""
+    make_dq, make_dk, make_dv, summed = makers if makers is not None else backward_output_makers(query, key, value)
     grads = [torch.zeros(score_mod.buffers[s].shape, dtype=spec.grad_dtype(s), device=query.device)
-             for s in spec.grad_slots]
-    return dq, dk, dv, summed, grads
+             for s in spec.grad_slots] if spec.grad_slots else []
+    return make_dq(query), make_dk(key), make_dv(value), summed, grads
+
+
+def backward_output_makers(query, key, value) -> tuple:
+    """``(make_dq, make_dk, make_dv, summed)`` for the calls of one signature
+    (:func:`flexc.backends.layout.output_maker`): each gradient laid out like its input, as the caller
+    returns it; dk and dv row-major in the work dtype when they are summed over the batch afterwards."""
+    B, Hkv, S, E, Ev = query.shape[0], key.shape[1], key.shape[2], key.shape[3], value.shape[3]
+    summed = key.shape[0] == 1 and B > 1
+    if summed:
+        acc = work_dtype(query.dtype)
+        dk, dv = EmptyMaker((B, Hkv, S, E), acc, query.device), EmptyMaker((B, Hkv, S, Ev), acc, query.device)
+        return output_maker(query), lambda _key: dk(), lambda _value: dv(), summed
+    return output_maker(query), output_maker(key), output_maker(value), summed
 
 
 def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, stats, dq, dk, dv, tables,
                        grads, score_mod, mask_mod, scale: float, guard_inputs: bool | None = None,
-                       dropout: Dropout | None = None) -> tuple[list, dict]:
+                       dropout: Dropout | None = None, tail: list | None = None, constants: dict | None = None
+                       ) -> tuple[list, dict]:
     """The backward kernel's positional arguments and constexprs for one launch (``guard_inputs``:
     compile the NaN/inf input guard in; by default the launcher's choice for these tensors; ``dropout``:
-    the forward's, for a spec with dropout)."""
-    B, Hq, L, E = query.shape
-    Bkv, Hkv, S, Ev = value.shape
+    the forward's, for a spec with dropout; ``tail`` and ``constants``: the :func:`backward_argument_tail`
+    and :func:`backward_constexprs` of an earlier call of the same signature, ``grad_out`` strides
+    and guard, when the caller keeps them)."""
     device = query.device
     buffers = mod_arguments(generated, score_mod, mask_mod, device)
-    by_slot = dict(zip(spec.grad_slots, grads))
-    for p in generated.grad_params:
-        g = by_slot[p.slot]
-        buffers.append(g if p.what == "ptr" else g.stride(p.dim) if p.what == "stride" else g.shape[p.dim])
+    if generated.grad_params:
+        by_slot = dict(zip(spec.grad_slots, grads))
+        for p in generated.grad_params:
+            g = by_slot[p.slot]
+            buffers.append(g if p.what == "ptr" else g.stride(p.dim) if p.what == "stride" else g.shape[p.dim])
     check_dropout(spec, dropout)
-    buffers += dropout_arguments(dropout, device)
+    if dropout is not None:
+        buffers += dropout_arguments(dropout, device)
+    if tail is None:
+        tail = backward_argument_tail(query, key, value, grad_out, delta, dq, dk, dv, tables, scale)
     # stats [2, B, Hq, L] (the forward's): both planes contiguous, strided as lse2 and delta
-    args = kernel_arguments(query, key, value, [grad_out, lse2, delta, stats[0], stats[1], dq, dk, dv], tables, buffers,
-                            [float(scale), L, S, Hq // Hkv],
-                            [*grad_out.stride(), delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(),
-                             *dv.stride()])
+    args = [query, key, value, grad_out, lse2, delta, stats[0], stats[1], dq, dk, dv, *tables, *buffers, *tail]
+    if constants is not None:
+        return args, constants
     if guard_inputs is None:
-        # zeroing masked NaN/inf q and k entries: compiled in only where it can matter
-        # (CPU calls with such entries; on CUDA as torch's kernels, see guards_nonfinite_values)
-        guard_inputs = spec.mask_mod is not None and gpu.is_plain_cpu(device) and not all_finite(query, key)
-    constants = dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
-                     Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
-                     # lengths that are multiples of the blocks (so of every tile: blocks are multiples
-                     # of the tiles) need no bounds checks (a second variant). Tiles alone do not do:
-                     # the loops walk every tile of a listed block, past the end of a last, shorter one
-                     DIVISIBLE=L % spec.q_block_size == 0 and S % spec.kv_block_size == 0,
-                     GUARD_NONFINITE_INPUTS=guard_inputs, HEAD_DIM=E,
-                     HEAD_DIM_PAD=padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=padded_head_dim(Ev),
-                     # the dK/dV programs' head offsets into query and grad_out in int64
-                     INT64_OFFSETS=max(query.numel(), grad_out.numel()) >= INT32_OFFSET_LIMIT)
-    return args, constants
+        guard_inputs = guards_nonfinite_inputs(spec, query, key)
+    return args, backward_constexprs(spec, query, value, grad_out, guard_inputs)
+
+
+def guards_nonfinite_inputs(spec: BackwardSpec, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the backward compiles in the guard zeroing masked NaN/inf query and key entries: only
+    where it can matter (CPU calls with such entries; on CUDA as torch's kernels, see
+    :func:`guards_nonfinite_values`)."""
+    return spec.mask_mod is not None and gpu.is_plain_cpu(query.device) and not all_finite(query, key)
+
+
+def backward_argument_tail(query, key, value, grad_out, delta, dq, dk, dv, tables, scale: float) -> list:
+    """The backward kernel's :func:`kernel_argument_tail`: the same for every call of one signature
+    whose ``grad_out`` has the same strides (the other tensors' strides follow from the shapes)."""
+    L, S = query.shape[2], value.shape[2]
+    return kernel_argument_tail(query, key, value, tables, [float(scale), L, S, query.shape[1] // value.shape[1]],
+                                [*grad_out.stride(), delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(),
+                                 *dv.stride()])
+
+
+def backward_constexprs(spec: BackwardSpec, query, value, grad_out, guard_inputs: bool) -> dict:
+    """The backward kernel's compile-time arguments for one call's shapes and its input guard."""
+    L, E = query.shape[2], query.shape[3]
+    S, Ev = value.shape[2], value.shape[3]
+    return dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
+                Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
+                # lengths that are multiples of the blocks (so of every tile: blocks are multiples
+                # of the tiles) need no bounds checks (a second variant). Tiles alone do not do:
+                # the loops walk every tile of a listed block, past the end of a last, shorter one
+                DIVISIBLE=L % spec.q_block_size == 0 and S % spec.kv_block_size == 0,
+                GUARD_NONFINITE_INPUTS=guard_inputs, HEAD_DIM=E,
+                HEAD_DIM_PAD=padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=padded_head_dim(Ev),
+                # the dK/dV programs' head offsets into query and grad_out in int64
+                INT64_OFFSETS=max(query.numel(), grad_out.numel()) >= INT32_OFFSET_LIMIT)
 
 
 def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -431,14 +469,20 @@ def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.T
 
 
 def prologue_arguments(spec: PrologueSpec, out: torch.Tensor, grad_out: torch.Tensor, stats: torch.Tensor,
-                       grad_lse: torch.Tensor | None, delta: torch.Tensor, lse2: torch.Tensor) -> tuple[list, dict]:
+                       grad_lse: torch.Tensor | None, delta: torch.Tensor, lse2: torch.Tensor,
+                       kept: tuple[list, dict] | None = None) -> tuple[list, dict]:
     """The backward prologue's positional and constexpr arguments: ``out``, ``grad_out`` ``[B, Hq, L, Ev]``,
     the forward's statistics ``stats`` ``[2, B, Hq, L]`` and ``grad_lse`` (None: no gradient) ``[B, Hq, L]``
-    into ``delta`` and ``lse2`` (contiguous)."""
+    into ``delta`` and ``lse2`` (contiguous). ``kept``: what an earlier call of the same signature,
+    ``grad_out`` strides and ``grad_lse`` strides returned, when the caller keeps it (its tensors are
+    replaced, its lengths, strides and constexprs kept)."""
     has_grad_lse = grad_lse is not None
     grad_lse = grad_lse if has_grad_lse else delta  # an unread stand-in
-    return ([out, grad_out, stats[0], stats[1], grad_lse, delta, lse2, out.shape[2], out.shape[3], *out.stride(),
-             *grad_out.stride(), *stats[0].stride(), *grad_lse.stride(), delta.stride(0), delta.stride(1)],
+    tensors = [out, grad_out, stats[0], stats[1], grad_lse, delta, lse2]
+    if kept is not None:
+        return tensors + kept[0][7:], kept[1]
+    return ([*tensors, out.shape[2], out.shape[3], *out.stride(), *grad_out.stride(), *stats[0].stride(),
+             *grad_lse.stride(), delta.stride(0), delta.stride(1)],
             dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad, HAS_GRAD_LSE=has_grad_lse))
 
 
@@ -483,7 +527,7 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
     return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
 
 
-__all__ = ["INT32_OFFSET_LIMIT", "LastTables", "backward_arguments", "backward_grid", "backward_rows_grid", "backward_outputs",
+__all__ = ["INT32_OFFSET_LIMIT", "LastTables", "backward_arguments", "backward_argument_tail", "backward_constexprs", "guards_nonfinite_inputs", "backward_grid", "backward_rows_grid", "backward_outputs", "backward_output_makers",
            "backward_tables", "buffer_arguments", "check_dropout", "check_query_blocks", "check_sinks",
            "decode_arguments", "decode_grid",
            "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",
