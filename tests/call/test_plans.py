@@ -159,6 +159,27 @@ def test_training_steps_share_a_plan_and_their_gradients_equal_dense(counted):
     assert len(counted) == 2
 
 
+@pytest.mark.parametrize("precise", [True, False])
+def test_a_training_plans_backward_takes_each_calls_gradient_layouts(precise, counted):
+    """A kept backward launch keeps its argument lists per gradient layout: a stride-0 dO, a
+    transposed dO and a logsumexp gradient in turn, on one plan, each give the dense gradients."""
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=6))
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    options = {"BACKEND": "TRITON", "PRECISE_GRADIENTS": precise}
+    weight = torch.randn(B, H, E, L, dtype=torch.float32).transpose(-1, -2)  # a dO laid out [B, H, E, L]
+    losses = [lambda out, lse: out.sum(), lambda out, lse: (out * weight).sum(),
+              lambda out, lse: (out * weight).sum() + (lse * lse).sum()]
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out_d, lse_d, _ = dense_attention(qd, kd, vd, mask_mod=causal)
+    for loss in losses:
+        out, lse = flexc.flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=options)
+        grads = torch.autograd.grad(loss(out, lse), (q, k, v))
+        want = torch.autograd.grad(loss(out_d, lse_d), (qd, kd, vd), retain_graph=True)
+        for g, w, name in zip(grads, want, "qkv"):
+            torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4, msg=lambda m: f"d{name}: {m}")
+    assert len(counted) == 1
+
+
 def test_tables_without_write_counts_are_planned_at_every_call(counted):
     """Tables made under inference mode have no version counter: an in-place edit cannot be seen,
     so no plan is kept for them (each call decides again, and follows the edit), and flexc says so once."""
