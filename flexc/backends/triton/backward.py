@@ -138,10 +138,11 @@ class BackwardLaunch:
         if not self.nothing:
             self.tables(block_mask)  # (its checks, once)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
-        # the kernel launched before the backward kernel (row pass or prologue), then the backward
-        # kernel, of this spec: looked up once (a replaced spec looks up its own)
+        # the kernel launched before the backward kernel (row pass or prologue), and the cache keys of
+        # both: made once for this spec (a replaced spec makes its own). The kernels are looked up at
+        # each launch: the cache's LRU order sees every use, and an evicted kernel is freed
         self.first = rows_spec(spec) if spec.precise else prologue_spec(spec)
-        self.kernels: tuple | None = None
+        self.keys = (cache.kernel_key(self.first, self.device), cache.kernel_key(spec, self.device))
         # what the launches pass besides the call's tensors: the backward kernel's per grad_out strides
         # (launcher.backward_argument_tail) and per input guard (launcher.backward_constexprs), the
         # prologue's per gradients' strides (launch_prologue)
@@ -183,13 +184,10 @@ class BackwardLaunch:
                 self.makers = launcher.backward_output_makers(query, key, value)
             dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod,
                                                                   self.makers if mine else None)
-            if mine:
-                if self.kernels is None:
-                    self.kernels = (cache.get_kernel(self.first, device), cache.get_kernel(spec, device))
-                first, (first_kernel, kernel) = self.first, self.kernels
-            else:
-                first = rows_spec(spec) if spec.precise else prologue_spec(spec)
-                first_kernel, kernel = cache.get_kernel(first, device), cache.get_kernel(spec, device)
+            first = self.first if mine else rows_spec(spec) if spec.precise else prologue_spec(spec)
+            first_key, key_of_spec = self.keys if mine else (None, None)
+            first_kernel = cache.get_kernel(first, device, first_key)  # (kernels in launch order)
+            kernel = cache.get_kernel(spec, device, key_of_spec)
             if spec.precise:
                 delta, lse2, row_stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
             else:

@@ -150,7 +150,6 @@ class ForwardLaunch:
         self.new_out = output_maker(query, (B, Hq, L, self.v_head_dim))
         self.new_lse = EmptyMaker((B, Hq, L), lse_dtype, self.device) if spec.output_lse else None
         self.new_stats = EmptyMaker((2, B, Hq, L), lse_dtype, self.device) if spec.output_stats else None
-        self.kernel: cache.Kernel | None = None  # this spec's, once launched
         self.constants: dict[bool, dict] = {}  # by whether the non-finite values guard is compiled in
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
@@ -176,11 +175,9 @@ class ForwardLaunch:
 
         def attempt(spec: ForwardSpec) -> None:
             mine = spec is self.spec
-            kernel = self.kernel if mine else None
-            if kernel is None:
-                kernel = cache.get_kernel(spec, self.device, self.kernel_key if mine else None)
-                if mine:
-                    self.kernel = kernel
+            # (looked up at each launch, by the key made once: the cache's LRU order and eviction
+            # see every use, and an evicted kernel's module is freed even while a plan lives)
+            kernel = cache.get_kernel(spec, self.device, self.kernel_key if mine else None)
             if mine and self.tail is None:
                 self.tail = launcher.forward_argument_tail(kernel.generated, query, key, value, out, lse, tables,
                                                            self.scale)
