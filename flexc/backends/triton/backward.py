@@ -90,15 +90,15 @@ def prologue_spec(spec: BackwardSpec) -> PrologueSpec:
 def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dtype: torch.dtype,
                     kernel: cache.Kernel | None = None, kept: dict | None = None, rows: EmptyMaker | None = None):
     """Run the prologue kernel: ``(delta, lse2)``, each ``[B, Hq, L]`` contiguous in ``work_dtype``
-    (``kernel``: the prologue's, when the caller keeps it; ``kept``: where a caller of one signature
-    keeps the launch's grid and arguments past the tensors, by the tensors' strides; ``rows``: makes
-    the two, when the caller keeps it)."""
+    (``stats``: the forward's ``[2, B, Hq, L]``, or its two planes; ``kernel``: the prologue's, when the
+    caller keeps it; ``kept``: where a caller of one signature keeps the launch's grid and arguments past
+    the tensors, by the tensors' strides; ``rows``: makes the two, when the caller keeps it)."""
     if rows is None:
-        rows = EmptyMaker(stats.shape[1:], work_dtype, out.device)
+        rows = EmptyMaker(stats[0].shape, work_dtype, out.device)
     delta, lse2 = rows(), rows()
     if kernel is None:
         kernel = cache.get_kernel(spec, out.device)
-    strides = (out.stride(), stats.stride(), grad_out.stride(), None if grad_lse is None else grad_lse.stride())
+    strides = (out.stride(), stats[0].stride(), grad_out.stride(), None if grad_lse is None else grad_lse.stride())
     known = kept.get(strides) if kept is not None else None
     grid = known[0] if known is not None else launcher.prologue_grid(spec, out)
     args, constants = launcher.prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2,
@@ -192,9 +192,10 @@ class BackwardLaunch:
                 delta, lse2, row_stats = _row_pass_inputs(stats, grad_lse, sinks, acc)
             else:
                 # the prologue: delta = rowsum(out * dO) - dlse, and the logsumexp in base 2 (+inf where nothing is allowed)
-                delta, lse2 = launch_prologue(first, out, stats, grad_out, grad_lse, acc, first_kernel,
+                # (the statistics' two planes taken once, for both launches' arguments)
+                row_stats = stats.unbind(0)
+                delta, lse2 = launch_prologue(first, out, row_stats, grad_out, grad_lse, acc, first_kernel,
                                               self.prologue if mine else None, self.rows)
-                row_stats = stats
             guard = launcher.guards_nonfinite_inputs(spec, query, key)
             tail = constants = None
             if mine:

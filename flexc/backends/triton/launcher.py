@@ -379,7 +379,7 @@ def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_ou
         buffers += dropout_arguments(dropout, device)
     if tail is None:
         tail = backward_argument_tail(query, key, value, grad_out, delta, dq, dk, dv, tables, scale)
-    # stats [2, B, Hq, L] (the forward's): both planes contiguous, strided as lse2 and delta
+    # stats [2, B, Hq, L] (the forward's), or its two planes: both contiguous, strided as lse2 and delta
     args = [query, key, value, grad_out, lse2, delta, stats[0], stats[1], dq, dk, dv, *tables, *buffers, *tail]
     if constants is not None:
         return args, constants
@@ -472,7 +472,7 @@ def prologue_arguments(spec: PrologueSpec, out: torch.Tensor, grad_out: torch.Te
                        grad_lse: torch.Tensor | None, delta: torch.Tensor, lse2: torch.Tensor,
                        kept: tuple[list, dict] | None = None) -> tuple[list, dict]:
     """The backward prologue's positional and constexpr arguments: ``out``, ``grad_out`` ``[B, Hq, L, Ev]``,
-    the forward's statistics ``stats`` ``[2, B, Hq, L]`` and ``grad_lse`` (None: no gradient) ``[B, Hq, L]``
+    the forward's statistics ``stats`` ``[2, B, Hq, L]`` (or its two planes) and ``grad_lse`` (None: no gradient) ``[B, Hq, L]``
     into ``delta`` and ``lse2`` (contiguous). ``kept``: what an earlier call of the same signature,
     ``grad_out`` strides and ``grad_lse`` strides returned, when the caller keeps it (its tensors are
     replaced, its lengths, strides and constexprs kept)."""
