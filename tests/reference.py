@@ -77,3 +77,16 @@ def exact_classes(traced, B, H, Q_LEN, KV_LEN, Q_BLOCK, KV_BLOCK):
     count = allowed.view(B, H, nq, Q_BLOCK, nkv, KV_BLOCK).sum((3, 5))
     total = in_range.view(B, H, nq, Q_BLOCK, nkv, KV_BLOCK).sum((3, 5))
     return torch.where(count == 0, EMPTY, torch.where(count == total, FULL, UNDECIDED)).to(torch.int8)
+
+
+def autograd_node_names(t: torch.Tensor) -> set:
+    """The class names of the autograd nodes that produced ``t`` (its whole backward graph)."""
+    seen, names, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return names

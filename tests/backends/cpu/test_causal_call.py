@@ -12,7 +12,7 @@ import strategies
 import flexc
 from flexc.backends.cpu import causal_call
 from flexc.mods.trace import trace
-from reference import dense_attention, random_qkv
+from reference import autograd_node_names, dense_attention, random_qkv
 
 
 def _causal(b, h, q, kv):
@@ -269,19 +269,6 @@ def test_tables_made_under_inference_mode_keep_the_block_path(taken):
     torch.testing.assert_close(out, dense_attention(q, k, v, None, _causal)[0], atol=1e-12, rtol=0)
 
 
-def _graph_nodes(t: torch.Tensor) -> set:
-    """The names of the autograd nodes that produced ``t``."""
-    seen, names, todo = set(), set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
 @pytest.mark.parametrize("mask_mod, B, Bkv, Hq, Hkv, L, S, layout, dtype, trained", [
     (_causal, 2, 2, 4, 4, 200, 200, "row-major", torch.float64, "qkv"),
     (_causal, 2, 2, 4, 2, 130, 170, "BLHE", torch.float64, "qkv"),  # GQA as models call it, from [B, L, H, E]
@@ -302,7 +289,7 @@ def test_a_plain_training_call_is_recorded_by_torchs_own_autograd_nodes(taken, m
     leaves = [t.requires_grad_() for t, name in zip((q, k, v), "qkv") if name in trained]
     bm = flexc.create_block_mask(mask_mod, B, None, L, S, device="cpu", BLOCK_SIZE=64) if mask_mod else None
     out = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv)
-    nodes = _graph_nodes(out)
+    nodes = autograd_node_names(out)
     assert any("FlashAttentionForCpuBackward" in name for name in nodes), nodes
     assert not any("FlexAttentionFunction" in name for name in nodes), nodes
     assert taken == {"forward": 0, "backward": 0}
@@ -332,7 +319,7 @@ def test_training_calls_torchs_nodes_cannot_express_keep_flexcs_function(case):
                                enable_gqa=case == "row-major GQA",
                                score_mod=(lambda s, b, h, qi, kv: s * 0.5) if case == "score_mod" else None)
     out = out[0] if case == "lse" else out
-    assert any("FlexAttentionFunction" in name for name in _graph_nodes(out))
+    assert any("FlexAttentionFunction" in name for name in autograd_node_names(out))
     if case == "NaN value row":  # the kernel's causal tiles would carry 0 * NaN into earlier rows
         assert torch.isfinite(out[0, 0, :100]).all()
         (dq,) = torch.autograd.grad(out[0, 0, :100].sum(), (q,))
@@ -400,7 +387,7 @@ def test_a_training_plan_records_the_kernel_only_while_its_mask_and_threads_allo
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
         for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
-        nodes = _graph_nodes(out)
+        nodes = autograd_node_names(out)
         return "recorded" if any("FlashAttentionForCpuBackward" in n for n in nodes) else (
             "function" if any("FlexAttentionFunction" in n for n in nodes) else nodes)
 

@@ -6,7 +6,7 @@ import torch
 
 import flexc
 from flexc.backends.cpu import causal_call, causal_chunks, fused_cpu
-from reference import dense_attention, random_qkv
+from reference import autograd_node_names, dense_attention, random_qkv
 
 
 def _causal(b, h, q, kv):
@@ -35,18 +35,6 @@ def kernel_calls(monkeypatch):
     return count
 
 
-def _nodes(t: torch.Tensor) -> set:
-    seen, names, todo = set(), set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        todo.extend(n for n, _ in node.next_functions)
-    return names
-
-
 @pytest.mark.parametrize("B, Bkv, Hq, Hkv, L, layout, dtype, lse", [
     (1, 1, 2, 2, 400, "row-major", torch.float64, False),  # 400 = 3 chunks of 128 and one of 16
     (2, 2, 4, 2, 384, "BLHE", torch.float64, False),  # GQA as models call it, from [B, L, H, E]
@@ -63,7 +51,7 @@ def test_split_calls_match_float64_forward_and_backward(kernel_calls, B, Bkv, Hq
     out = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=lse)
     out, got_lse = out if lse else (out, None)
     if not lse:  # one node of flexc's, whose backward runs the split calls
-        assert "RecordedChunksBackward" in _nodes(out), _nodes(out)
+        assert "RecordedChunksBackward" in autograd_node_names(out), autograd_node_names(out)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
     mine = torch.autograd.grad(out, (q, k, v), grad)
     n_chunks = -(-L // causal_chunks.FORWARD_CHUNK)
