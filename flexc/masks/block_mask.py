@@ -21,6 +21,7 @@ import torch
 
 from ..device import is_gpu
 from ..errors import AssertedValueError, InvalidValueError
+from .gathered_rows import GatheredRow, gather, one_row_index
 from .kv_tables import KV_TABLE_NAMES
 from .mask_arguments import block_sizes, positive_int
 from .mask_mods import noop_mask
@@ -110,9 +111,9 @@ class BlockMask:
         self._kv_tables: tuple | None = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         # a one-row slice's tables as Python lists, its tables built from them on first access (see _row_slice)
         self.lazy_rows: TableContents | None = None
-        # a slice's provenance, (parent's kv tables, their write counts, this mask's write counts) when
-        # sliced: rows of tables found valid are valid, so validation needs no look at the contents
-        self.sliced_from: tuple | None = None
+        # a one-row slice gathered on the device, its tables views of it made on first access (see _gathered_slice)
+        self.gathered_row: GatheredRow | None = None
+        self._sliced_from: tuple | None = None  # (see the property sliced_from)
         # None: derive from the kv tables on first access (see the class docstring)
         self._q_tables: tuple | None = None if all(derived) else q_tables
         self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
@@ -123,7 +124,14 @@ class BlockMask:
     # -- the kv tables (a one-row slice builds them from its lists on first access) --
     def _kv(self) -> tuple:
         tables = self._kv_tables
-        if tables is None:
+        if tables is None and self.gathered_row is not None:
+            if torch.compiler.is_compiling():  # (a traced function changes no attribute: the views, made again)
+                return self.gathered_row.views()
+            gathered, self.gathered_row = self.gathered_row, None
+            tables = self._kv_tables = gathered.tables()
+            source = gathered.source  # (rows of the tables it was gathered from, as they were then)
+            self._sliced_from = (source.tables, source.states, pinned(table_states(tables), tables))
+        elif tables is None:
             rows = self.lazy_rows
             tables = self._kv_tables = tuple(
                 torch.tensor(values, dtype=dtype).view(shape) if values is not None else None
@@ -137,7 +145,17 @@ class BlockMask:
         tables = list(self._kv())
         tables[slot] = value
         self._kv_tables = tuple(tables)
-        self.sliced_from = None  # a table of other provenance
+        self._sliced_from = None  # a table of other provenance
+
+    @property
+    def sliced_from(self) -> tuple | None:
+        """A slice's provenance, ``(the parent's kv tables, their states then (pinned), this mask's
+        tables' states then (pinned))``, None for a mask that is not an unedited slice: rows of tables
+        found valid are valid, so validation needs no look at the contents (a gathered row's tables
+        are made to say it)."""
+        if self.gathered_row is not None:
+            self._kv()
+        return self._sliced_from
 
     kv_num_blocks = _table_property("kv", 0, "int32 ``[B, H, nQ]``: partial kv blocks per query-block row.")
     kv_indices = _table_property("kv", 1, "int32 ``[B, H, nQ, nKV]``: their kv-block columns, valid entries first.")
@@ -403,6 +421,10 @@ class BlockMask:
             sliced = self._row_slice(row) if row is not None else None
             if sliced is not None:
                 return sliced
+            t = one_row_index(index)  # (an index on a GPU, or rows too large for lists)
+            sliced = self._gathered_slice(t) if t is not None else None
+            if sliced is not None:
+                return sliced
         if self.dq_kv_order is not None:
             raise NotImplementedError("BlockMask.__getitem__: slicing a mask with a tensor dq_kv_order is not "
                                       "supported; build the sliced mask with from_kv_blocks instead.")
@@ -429,7 +451,7 @@ class BlockMask:
         if not torch.compiler.is_compiling():  # (eager caches' provenance: no tensor identities in a graph,
             parent = self._kv()                # and dynamo 2.11 cannot take id() of a tensor made in one)
             own = sliced._kv()
-            sliced.sliced_from = (parent, self._pinned_states(parent), pinned(table_states(own), own))
+            sliced._sliced_from = (parent, self._pinned_states(parent), pinned(table_states(own), own))
         return sliced
 
     def _pinned_states(self, tables: tuple) -> tuple:
@@ -457,6 +479,24 @@ class BlockMask:
             return None
         sliced = BlockMask.__new__(BlockMask)
         sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows = self.seq_lengths, None, rows
+        sliced.gathered_row = sliced._sliced_from = None
+        sliced._q_tables = None if self._has_q_tables() else (None,) * 4
+        sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None
+        sliced.dq_kv_order_spt, sliced.BLOCK_SIZE = self.dq_kv_order_spt, self.BLOCK_SIZE
+        sliced.mask_mod = _sliced_mask_mod_error
+        return sliced
+
+    def _gathered_slice(self, index: torch.Tensor) -> "BlockMask | None":
+        """``self[:, :, index]`` (``index`` a one-element tensor) gathered in one device op
+        (:mod:`flexc.masks.gathered_rows`), no host read of ``index``: decoding's step on a GPU. The
+        result's tables are views of its own copy of the row, made when someone asks for them (the
+        decode kernel reads them directly). None for tables that path does not serve."""
+        row, self._stacked_rows = gather(self._kv(), getattr(self, "_stacked_rows", None), index)
+        if row is None:
+            return None
+        sliced = BlockMask.__new__(BlockMask)
+        sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows, sliced.gathered_row = self.seq_lengths, None, None, row
+        sliced._sliced_from = None  # (made with the tables: see _kv)
         sliced._q_tables = None if self._has_q_tables() else (None,) * 4
         sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None
         sliced.dq_kv_order_spt, sliced.BLOCK_SIZE = self.dq_kv_order_spt, self.BLOCK_SIZE
