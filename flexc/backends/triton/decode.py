@@ -115,15 +115,16 @@ class DecodeLaunch:
         launcher.check_dropout(self.spec, dropout)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         gathered = getattr(block_mask, "gathered_row", None)
-        if gathered is not None and (gathered.row.dtype != torch.int32 or gathered.row.device != self.device):
-            gathered = None  # (tables the launch converts)
         warm = self.warm
         if warm is not None:
-            # a decoding step's slice gathered on the device: the kernel reads its tables where they start
-            # in the row (their shapes are in the warm arguments)
-            tables = (gathered.starts() if gathered is not None else self.tables(block_mask, same_tables))
-            return warm.launch(self, query, key, value, tables[:self.n_tables], score_mod, mask_mod, dropout, sinks)
-        if gathered is not None:
+            if gathered is not None and warm.direct:
+                # a decoding step's slice gathered on the device: the kernel reads its tables where they
+                # start in the row (their shapes are in the warm arguments)
+                tables = gathered.starts()[:self.n_tables]
+            else:
+                tables = self.tables(block_mask, same_tables)
+            return warm.launch(self, query, key, value, tables, score_mod, mask_mod, dropout, sinks)
+        if gathered is not None and _direct(gathered.row, self.device):
             tables = list(gathered.tables()[:self.n_tables])
         else:
             tables = self.tables(block_mask, same_tables)
@@ -149,7 +150,14 @@ class DecodeLaunch:
         if self.worked:
             self.warm = WarmDecode(self, generated[0], query, key, value, tables, score_mod, mask_mod, dropout, sinks,
                                    out_split, lse_split, out, lse)
+            # (every call of a signature has tables of one dtype and device: a gathered row of this one's)
+            self.warm.direct = block_mask is not None and _direct(block_mask.kv_num_blocks, self.device)
         return out, lse
+
+
+def _direct(table: torch.Tensor, device: torch.device) -> bool:
+    """Whether the kernel reads ``table`` as it is (int32 on the launch's device), not converted."""
+    return table.dtype == torch.int32 and table.device == device
 
 
 class WarmDecode:
@@ -171,8 +179,10 @@ class WarmDecode:
         # the CPU's non-finite guard depends on the values (:func:`launcher.guards_nonfinite_values`)
         self.guard_per_call = spec.mask_mod is not None and gpu.is_plain_cpu(device)
         self.grid = launcher.decode_grid(out_split)
-        self.work, self.split_shape, self.lse_split_shape = out_split.dtype, out_split.shape, lse_split.shape
-        self.out_shape, self.out_strides, self.lse_shape = out.shape, out.stride(), lse.shape
+        self.direct = False  # whether a gathered row's tables are passed as they are (set by the launch)
+        self.work = out_split.dtype
+        # (shape, strides) of each result, allocated by empty_strided: torch.empty parses a torch.Size slower
+        self.layouts = tuple((tuple(t.shape), t.stride()) for t in (out_split, lse_split, out, lse))
         merge_args, self.merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
                                                                     query.shape[2], query.shape[1], sinks)
         self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
@@ -182,8 +192,9 @@ class WarmDecode:
         """``(out, lse)`` of a call of ``launch`` with these tensors, ``tables`` (the kernel's, in order) and mods."""
         spec, device, work = launch.spec, launch.device, self.work
         kernel = cache.get_kernel(spec, device, launch.kernel_key)
-        out_split = torch.empty(self.split_shape, dtype=work, device=device)
-        lse_split = torch.empty(self.lse_split_shape, dtype=work, device=device)
+        splits, lse_splits, outs, lses = self.layouts
+        out_split = torch.empty_strided(*splits, dtype=work, device=device)
+        lse_split = torch.empty_strided(*lse_splits, dtype=work, device=device)
         constants = self.constants
         if self.guard_per_call:
             constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
@@ -193,8 +204,8 @@ class WarmDecode:
                     *launcher.dropout_arguments(dropout, device), *self.tail], constants)
         merge = launch.merge
         launcher.check_sinks(merge, sinks)
-        out = torch.empty_strided(self.out_shape, self.out_strides, dtype=query.dtype, device=device)
-        lse = torch.empty(self.lse_shape, dtype=work, device=device)
+        out = torch.empty_strided(*outs, dtype=query.dtype, device=device)
+        lse = torch.empty_strided(*lses, dtype=work, device=device)
         gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device,
                    [out_split, lse_split, out, lse, *self.merge_tail, *launcher.sink_arguments(sinks, work)],
                    self.merge_constants)
