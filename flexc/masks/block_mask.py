@@ -416,15 +416,15 @@ class BlockMask:
         """
         if (type(index) is tuple and len(index) == 3 and self.dq_kv_order is None
                 and not torch.compiler.is_compiling()):
-            # decoding's block_mask[:, :, pos // 128], every step: straight to the row
-            row = _one_row(index, self._kv()[0].shape[2])
-            sliced = self._row_slice(row) if row is not None else None
-            if sliced is not None:
-                return sliced
-            t = one_row_index(index)  # (an index on a GPU, or rows too large for lists)
-            sliced = self._gathered_slice(t) if t is not None else None
-            if sliced is not None:
-                return sliced
+            t = one_row_index(index)
+            if t is not None:  # decoding's block_mask[:, :, pos // 128], every step: straight to the row
+                tables = self._kv()
+                row = _row_of(t, tables[0].shape[2])
+                sliced = self._row_slice(row) if row is not None else None
+                if sliced is None:  # (an index on a GPU, or rows too large for lists)
+                    sliced = self._gathered_slice(t, tables)
+                if sliced is not None:
+                    return sliced
         if self.dq_kv_order is not None:
             raise NotImplementedError("BlockMask.__getitem__: slicing a mask with a tensor dq_kv_order is not "
                                       "supported; build the sliced mask with from_kv_blocks instead.")
@@ -486,12 +486,13 @@ class BlockMask:
         sliced.mask_mod = _sliced_mask_mod_error
         return sliced
 
-    def _gathered_slice(self, index: torch.Tensor) -> "BlockMask | None":
+    def _gathered_slice(self, index: torch.Tensor, tables: tuple) -> "BlockMask | None":
         """``self[:, :, index]`` (``index`` a one-element tensor) gathered in one device op
         (:mod:`flexc.masks.gathered_rows`), no host read of ``index``: decoding's step on a GPU. The
         result's tables are views of its own copy of the row, made when someone asks for them (the
-        decode kernel reads them directly). None for tables that path does not serve."""
-        row, self._stacked_rows = gather(self._kv(), getattr(self, "_stacked_rows", None), index)
+        decode kernel reads them directly). None for tables that path does not serve. ``tables``: this
+        mask's kv tables."""
+        row, self._stacked_rows = gather(tables, getattr(self, "_stacked_rows", None), index)
         if row is None:
             return None
         sliced = BlockMask.__new__(BlockMask)
@@ -551,9 +552,16 @@ def _one_row(index: tuple, rows: int) -> int | None:
     holding ``r`` in ``[0, rows)``, else None (negative or out-of-range values are left to advanced
     indexing, which wraps or raises IndexError)."""
     i = index[2]
+    if index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.dim() == 1 and i.numel() == 1 \
+            and i.dtype in _ROW_DTYPES:
+        return _row_of(i, rows)
+    return None
+
+
+def _row_of(i: torch.Tensor, rows: int) -> int | None:
+    """The row a one-element integer tensor ``i`` holds if it is on the CPU and in ``[0, rows)``, else None."""
     # (a GPU's index stays on the device: reading it would be a sync; simulated GPUs take that path too)
-    if (index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.is_cpu and not is_gpu(i.device)
-            and i.dim() == 1 and i.numel() == 1 and i.dtype in _ROW_DTYPES):
+    if i.is_cpu and not is_gpu(i.device):
         row = int(i)
         return row if 0 <= row < rows else None
     return None
