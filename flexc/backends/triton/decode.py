@@ -198,16 +198,19 @@ class WarmDecode:
         constants = self.constants
         if self.guard_per_call:
             constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
-        gpu.launch(kernel.fn, self.grid, spec, device,
-                   [query, key, value, out_split, lse_split, *tables,
-                    *launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device),
-                    *launcher.dropout_arguments(dropout, device), *self.tail], constants)
+        buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
+        if dropout is not None:
+            buffers += launcher.dropout_arguments(dropout, device)
+        gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, out_split, lse_split, *tables, *buffers,
+                                                        *self.tail], constants)
         merge = launch.merge
         launcher.check_sinks(merge, sinks)
         out = torch.empty_strided(*outs, dtype=query.dtype, device=device)
         lse = torch.empty_strided(*lses, dtype=work, device=device)
-        gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device,
-                   [out_split, lse_split, out, lse, *self.merge_tail, *launcher.sink_arguments(sinks, work)],
+        merge_args = [out_split, lse_split, out, lse, *self.merge_tail]
+        if sinks is not None:
+            merge_args += launcher.sink_arguments(sinks, work)
+        gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device, merge_args,
                    self.merge_constants)
         return out, lse
 
