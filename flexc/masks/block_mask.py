@@ -112,7 +112,7 @@ class BlockMask:
         # a one-row slice's tables as Python lists, its tables built from them on first access (see _row_slice)
         self.lazy_rows: TableContents | None = None
         # a one-row slice gathered on the device, its tables views of it made on first access (see _gathered_slice)
-        self.gathered_row: GatheredRow | None = None
+        self._gathered: GatheredRow | None = None
         self._sliced_from: tuple | None = None  # (see the property sliced_from)
         # None: derive from the kv tables on first access (see the class docstring)
         self._q_tables: tuple | None = None if all(derived) else q_tables
@@ -124,14 +124,11 @@ class BlockMask:
     # -- the kv tables (a one-row slice builds them from its lists on first access) --
     def _kv(self) -> tuple:
         tables = self._kv_tables
-        if tables is None and self.gathered_row is not None:
-            if torch.compiler.is_compiling():  # (a traced function changes no attribute: the views, made again)
-                return self.gathered_row.views()
-            gathered, self.gathered_row = self.gathered_row, None
-            tables = self._kv_tables = gathered.tables()
-            source = gathered.source  # (rows of the tables it was gathered from, as they were then)
-            self._sliced_from = (source.tables, source.states, pinned(table_states(tables), tables))
-        elif tables is None:
+        if tables is None and self._gathered is not None:
+            # (no attribute of the mask changes: torch.compile may have guarded on them, and torch 2.11's
+            # dynamo reads properties eagerly while it traces; a traced function makes the views again)
+            return self._gathered.views() if torch.compiler.is_compiling() else self._gathered.tables()
+        if tables is None:
             rows = self.lazy_rows
             tables = self._kv_tables = tuple(
                 torch.tensor(values, dtype=dtype).view(shape) if values is not None else None
@@ -153,9 +150,17 @@ class BlockMask:
         tables' states then (pinned))``, None for a mask that is not an unedited slice: rows of tables
         found valid are valid, so validation needs no look at the contents (a gathered row's tables
         are made to say it)."""
-        if self.gathered_row is not None:
-            self._kv()
+        if self._kv_tables is None and self._gathered is not None:
+            self._gathered.tables()
+            return self._gathered.provenance
         return self._sliced_from
+
+    @property
+    def gathered_row(self) -> GatheredRow | None:
+        """A one-row slice's row gathered on the device (:mod:`flexc.masks.gathered_rows`) while its
+        tables were not asked for (so not edited: the decode launch reads the row itself); else None."""
+        gathered = self._gathered
+        return gathered if gathered is not None and self._kv_tables is None and not gathered.handed_out else None
 
     kv_num_blocks = _table_property("kv", 0, "int32 ``[B, H, nQ]``: partial kv blocks per query-block row.")
     kv_indices = _table_property("kv", 1, "int32 ``[B, H, nQ, nKV]``: their kv-block columns, valid entries first.")
@@ -479,7 +484,7 @@ class BlockMask:
             return None
         sliced = BlockMask.__new__(BlockMask)
         sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows = self.seq_lengths, None, rows
-        sliced.gathered_row = sliced._sliced_from = None
+        sliced._gathered = sliced._sliced_from = None
         sliced._q_tables = None if self._has_q_tables() else (None,) * 4
         sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None
         sliced.dq_kv_order_spt, sliced.BLOCK_SIZE = self.dq_kv_order_spt, self.BLOCK_SIZE
@@ -496,7 +501,7 @@ class BlockMask:
         if row is None:
             return None
         sliced = BlockMask.__new__(BlockMask)
-        sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows, sliced.gathered_row = self.seq_lengths, None, None, row
+        sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows, sliced._gathered = self.seq_lengths, None, None, row
         sliced._sliced_from = None  # (made with the tables: see _kv)
         sliced._q_tables = None if self._has_q_tables() else (None,) * 4
         sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None

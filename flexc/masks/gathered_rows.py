@@ -49,20 +49,29 @@ class StackedRows:
 
 class GatheredRow:
     """One query-block row of :class:`StackedRows` ``source``, gathered into ``row`` (``[1, width]``, a
-    copy): :meth:`tables` are the four kv tables of the slice, views of ``row``."""
+    copy): :meth:`tables` are the four kv tables of the slice, views of ``row``; ``provenance``, once
+    they are made, is the slice's as :attr:`flexc.masks.block_mask.BlockMask.sliced_from` gives it."""
 
-    __slots__ = ("row", "source", "_tables")
+    __slots__ = ("row", "source", "_tables", "provenance")
 
     def __init__(self, row: torch.Tensor, source: StackedRows):
-        self.row, self.source, self._tables = row, source, None
+        self.row, self.source, self._tables, self.provenance = row, source, None, None
 
     def tables(self) -> tuple:
         """``(kv_num_blocks [B, H, 1], kv_indices [B, H, 1, nKV], full counts, full indices)``, contiguous
         views of :attr:`row` (the same objects on every call; None for absent full tables)."""
         tables = self._tables
         if tables is None:
-            tables = self._tables = self.views()
+            tables = self.views()
+            source = self.source  # (rows of the tables it was gathered from, as they were then; unedited now)
+            self.provenance = (source.tables, source.states, pinned(table_states(tables), tables))
+            self._tables = tables
         return tables
+
+    @property
+    def handed_out(self) -> bool:
+        """Whether :meth:`tables` made the views (whoever holds them may have edited the row since)."""
+        return self._tables is not None
 
     def views(self) -> tuple:
         """:meth:`tables` made now (view ops torch.compile traces, should a slice reach a compiled function)."""
