@@ -10,6 +10,9 @@ gathers one row of it (``stacked[index]``, torch's indexing: a negative row wrap
 raises, as slicing each table does). The :class:`GatheredRow` is a copy, as torch's slice is
 (editing the parent afterwards does not reach it), and its tables are views of that copy, laid out
 as torch's slices are (contiguous ``[B, H, 1]`` and ``[B, H, 1, nKV]``), made when asked for.
+
+The laid-out table is kept by the parent BlockMask (freed with it): a copy of its kv tables, so
+tables of more than :data:`LIMIT` index entries are sliced table by table instead.
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from .. import device as gpu
 from ..versions import pinned, table_states
 
 # index entries up to which a parent's tables are laid out again for gathering (more: each table is
-# indexed on its own, and no copy of the parent is kept)
-LIMIT = 1 << 24
+# indexed on its own, and no copy of the parent is kept): at most 32 MiB more for int32 tables
+LIMIT = 1 << 22
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
@@ -31,15 +34,15 @@ class StackedRows:
     """The kv tables ``tables`` of a BlockMask laid out for :func:`gather`: ``stacked [nQ, width]``,
     each present table's row in ``widths`` entries (padded), in order, with the sliced table's
     ``shapes`` (None for an absent full table). ``states`` (their contents states as they were,
-    pinned) and ``token`` (the stream it was made on) say when it is still theirs; ``states`` is also
-    what a slice's plan is keyed by (one object per laid-out state)."""
+    pinned) and ``token`` (the stream it was made on) say when it is still theirs; ``states`` and
+    ``layout`` are what a slice's plan is keyed by (:mod:`flexc.call.signature`)."""
 
     def __init__(self, tables: tuple, states: tuple, token: Any, stacked: torch.Tensor, widths: list,
                  shapes: tuple):
         self.tables, self.states, self.token = tables, states, token
         self.stacked, self.widths, self.shapes = stacked, widths, shapes
         device = stacked.device
-        # the tables' (shape, dtype, device) as a slice's plan is keyed by (flexc.call.signature)
+        # the sliced tables' (shape, dtype, device), as a slice's plan key names them
         self.layout = tuple(None if shape is None else (torch.Size(shape), stacked.dtype, device) for shape in shapes)
         offsets = [sum(widths[:i]) for i in range(len(widths))] + [0, 0]
         # (offset, entries, shape) of each table's view of a gathered row
