@@ -89,7 +89,9 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.
 class DecodeLaunch:
     """The decode kernel's and its merge's launches for one call signature, decided once (splits,
     specs), then launched on each call's tensors and tables (:mod:`flexc.call.plans` keeps one with a
-    call's plan; :func:`launch` makes one and runs it once)."""
+    call's plan; :func:`launch` makes one and runs it once). Once a launch has worked, later calls
+    launch with the arguments it read off (:class:`WarmDecode`), and a decoding step's gathered row
+    (:mod:`flexc.masks.gathered_rows`) goes to the kernel as it is."""
 
     def __init__(self, spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
