@@ -87,11 +87,18 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
     if block_mask is None:
         return None
     rows = getattr(block_mask, "lazy_rows", None)  # a one-row slice whose tables are still lists
-    provenance = getattr(block_mask, "sliced_from", None)
+    gathered = getattr(block_mask, "gathered_row", None)  # a one-row slice gathered on the device
     if rows is not None and not training:
         keep.append(rows)
         tables: tuple = ("rows", id(rows))  # (the same lists object for every slice of that row)
-    elif provenance is not None and not training and table_states(kv_tables(block_mask)) == provenance[2]:
+    elif gathered is not None and not training:
+        # a decoding step's block_mask[:, :, pos // 128] on a GPU, its tables not asked for (so not
+        # edited): keyed as an unedited slice is, below (read off what it was gathered from)
+        source = gathered.source
+        keep.append(source.states)
+        tables = ("slice", source.states, source.layout)
+    elif (provenance := None if training else getattr(block_mask, "sliced_from", None)) is not None \
+            and table_states(kv_tables(block_mask)) == provenance[2]:
         # an unedited slice (a decoding step's block_mask[:, :, pos // 128], new tables every step):
         # keyed by the tables it was sliced from as they were then (their states pinned, weakly), and
         # its tables' layout

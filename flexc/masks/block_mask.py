@@ -21,6 +21,7 @@ import torch
 
 from ..device import is_gpu
 from ..errors import AssertedValueError, InvalidValueError
+from .gathered_rows import GatheredRow, gather, one_row_index
 from .kv_tables import KV_TABLE_NAMES
 from .mask_arguments import block_sizes, positive_int
 from .mask_mods import noop_mask
@@ -110,9 +111,9 @@ class BlockMask:
         self._kv_tables: tuple | None = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         # a one-row slice's tables as Python lists, its tables built from them on first access (see _row_slice)
         self.lazy_rows: TableContents | None = None
-        # a slice's provenance, (parent's kv tables, their write counts, this mask's write counts) when
-        # sliced: rows of tables found valid are valid, so validation needs no look at the contents
-        self.sliced_from: tuple | None = None
+        # a one-row slice gathered on the device, its tables views of it made on first access (see _gathered_slice)
+        self._gathered: GatheredRow | None = None
+        self._sliced_from: tuple | None = None  # (see the property sliced_from)
         # None: derive from the kv tables on first access (see the class docstring)
         self._q_tables: tuple | None = None if all(derived) else q_tables
         self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
@@ -123,6 +124,10 @@ class BlockMask:
     # -- the kv tables (a one-row slice builds them from its lists on first access) --
     def _kv(self) -> tuple:
         tables = self._kv_tables
+        if tables is None and self._gathered is not None:
+            # (no attribute of the mask changes: torch.compile may have guarded on them, and torch 2.11's
+            # dynamo reads properties eagerly while it traces; a traced function makes the views again)
+            return self._gathered.views() if torch.compiler.is_compiling() else self._gathered.tables()
         if tables is None:
             rows = self.lazy_rows
             tables = self._kv_tables = tuple(
@@ -137,7 +142,25 @@ class BlockMask:
         tables = list(self._kv())
         tables[slot] = value
         self._kv_tables = tuple(tables)
-        self.sliced_from = None  # a table of other provenance
+        self._sliced_from = None  # a table of other provenance
+
+    @property
+    def sliced_from(self) -> tuple | None:
+        """A slice's provenance, ``(the parent's kv tables, their states then (pinned), this mask's
+        tables' states then (pinned))``, None for a mask that is not an unedited slice: rows of tables
+        found valid are valid, so validation needs no look at the contents (a gathered row's tables
+        are made to say it)."""
+        if self._kv_tables is None and self._gathered is not None:
+            self._gathered.tables()
+            return self._gathered.provenance
+        return self._sliced_from
+
+    @property
+    def gathered_row(self) -> GatheredRow | None:
+        """A one-row slice's row gathered on the device (:mod:`flexc.masks.gathered_rows`) while its
+        tables were not asked for (so not edited: the decode launch reads the row itself); else None."""
+        gathered = self._gathered
+        return gathered if gathered is not None and self._kv_tables is None and not gathered.handed_out else None
 
     kv_num_blocks = _table_property("kv", 0, "int32 ``[B, H, nQ]``: partial kv blocks per query-block row.")
     kv_indices = _table_property("kv", 1, "int32 ``[B, H, nQ, nKV]``: their kv-block columns, valid entries first.")
@@ -398,11 +421,15 @@ class BlockMask:
         """
         if (type(index) is tuple and len(index) == 3 and self.dq_kv_order is None
                 and not torch.compiler.is_compiling()):
-            # decoding's block_mask[:, :, pos // 128], every step: straight to the row
-            row = _one_row(index, self._kv()[0].shape[2])
-            sliced = self._row_slice(row) if row is not None else None
-            if sliced is not None:
-                return sliced
+            t = one_row_index(index)
+            if t is not None:  # decoding's block_mask[:, :, pos // 128], every step: straight to the row
+                tables = self._kv()
+                row = _row_of(t, tables[0].shape[2])
+                sliced = self._row_slice(row) if row is not None else None
+                if sliced is None:  # (an index on a GPU, or rows too large for lists)
+                    sliced = self._gathered_slice(t, tables)
+                if sliced is not None:
+                    return sliced
         if self.dq_kv_order is not None:
             raise NotImplementedError("BlockMask.__getitem__: slicing a mask with a tensor dq_kv_order is not "
                                       "supported; build the sliced mask with from_kv_blocks instead.")
@@ -429,7 +456,7 @@ class BlockMask:
         if not torch.compiler.is_compiling():  # (eager caches' provenance: no tensor identities in a graph,
             parent = self._kv()                # and dynamo 2.11 cannot take id() of a tensor made in one)
             own = sliced._kv()
-            sliced.sliced_from = (parent, self._pinned_states(parent), pinned(table_states(own), own))
+            sliced._sliced_from = (parent, self._pinned_states(parent), pinned(table_states(own), own))
         return sliced
 
     def _pinned_states(self, tables: tuple) -> tuple:
@@ -457,6 +484,25 @@ class BlockMask:
             return None
         sliced = BlockMask.__new__(BlockMask)
         sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows = self.seq_lengths, None, rows
+        sliced._gathered = sliced._sliced_from = None
+        sliced._q_tables = None if self._has_q_tables() else (None,) * 4
+        sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None
+        sliced.dq_kv_order_spt, sliced.BLOCK_SIZE = self.dq_kv_order_spt, self.BLOCK_SIZE
+        sliced.mask_mod = _sliced_mask_mod_error
+        return sliced
+
+    def _gathered_slice(self, index: torch.Tensor, tables: tuple) -> "BlockMask | None":
+        """``self[:, :, index]`` (``index`` a one-element tensor) gathered in one device op
+        (:mod:`flexc.masks.gathered_rows`), no host read of ``index``: decoding's step on a GPU. The
+        result's tables are views of its own copy of the row, made when someone asks for them (the
+        decode kernel reads them directly). None for tables that path does not serve. ``tables``: this
+        mask's kv tables."""
+        row, self._stacked_rows = gather(tables, getattr(self, "_stacked_rows", None), index)
+        if row is None:
+            return None
+        sliced = BlockMask.__new__(BlockMask)
+        sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows, sliced._gathered = self.seq_lengths, None, None, row
+        sliced._sliced_from = None  # (made with the tables: see _kv)
         sliced._q_tables = None if self._has_q_tables() else (None,) * 4
         sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None
         sliced.dq_kv_order_spt, sliced.BLOCK_SIZE = self.dq_kv_order_spt, self.BLOCK_SIZE
@@ -511,9 +557,16 @@ def _one_row(index: tuple, rows: int) -> int | None:
     holding ``r`` in ``[0, rows)``, else None (negative or out-of-range values are left to advanced
     indexing, which wraps or raises IndexError)."""
     i = index[2]
+    if index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.dim() == 1 and i.numel() == 1 \
+            and i.dtype in _ROW_DTYPES:
+        return _row_of(i, rows)
+    return None
+
+
+def _row_of(i: torch.Tensor, rows: int) -> int | None:
+    """The row a one-element integer tensor ``i`` holds if it is on the CPU and in ``[0, rows)``, else None."""
     # (a GPU's index stays on the device: reading it would be a sync; simulated GPUs take that path too)
-    if (index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.is_cpu and not is_gpu(i.device)
-            and i.dim() == 1 and i.numel() == 1 and i.dtype in _ROW_DTYPES):
+    if i.is_cpu and not is_gpu(i.device):
         row = int(i)
         return row if 0 <= row < rows else None
     return None

@@ -101,6 +101,7 @@ class _Snapshot:
         self.tensors: set[int] = set()  # ids of the tensors met outside lifted cells
         self.lifted_tensors: list[int] = []
         self.located: list = []  # (tensor, its memory) of the tensors keyed by memory
+        self.lifted_located: list = []  # the same, of the lifted cells' tensors
 
     def ident(self, tag: str, obj: Any) -> tuple:
         self.keep.append(obj)
@@ -190,9 +191,13 @@ class _Snapshot:
         if type(x) is torch.Tensor:
             tensors = self.tensors
             self.tensors = set()
-            self.values.append(self.tensor(x))
+            where = self.tensor(x)
+            self.values.append(where)
             self.tensors = tensors
             self.lifted_tensors.append(id(x))
+            if where[0] == "memory":  # ("memory", address, shape, strides, dtype, device): read once
+                self.lifted_located.append(self.located.pop())
+                return ("lifted tensor", where[4], where[2], where[5], False)  # (keyed by memory: no grad)
             return ("lifted tensor", x.dtype, x.shape, _CPU if x.is_cpu else x.device, x.requires_grad)
         self.values.append(self.value(x, frozenset(), 0))
         return ("lifted", type(x))
@@ -242,10 +247,11 @@ class _Snapshot:
 
 
 def snapshot(fn: Callable, lift: tuple[int, ...] = ()) -> tuple[Any, tuple | None, list, tuple] | None:
-    """``(key, values of the lifted cells or None, kept objects, located)`` describing everything
-    ``fn``'s trace can depend on, or None if unknown; ``located``: each tensor keyed by its memory
-    with that memory (:func:`still_located`). ``lift``: cells of ``fn`` keyed by kind (a tensor in
-    one of them that is also reached another way is not lifted: the template would share its slot)."""
+    """``(key, values of the lifted cells or None, kept objects, located, the key's located)`` describing
+    everything ``fn``'s trace can depend on, or None if unknown; ``located``: each tensor keyed by its
+    memory with that memory (:func:`still_located`), the key's (outside lifted cells) first. ``lift``:
+    cells of ``fn`` keyed by kind (a tensor in one of them that is also reached another way is not
+    lifted: the template would share its slot)."""
     snap = _Snapshot(lift)
     try:
         key = snap.value(fn, frozenset(), 0)
@@ -253,11 +259,11 @@ def snapshot(fn: Callable, lift: tuple[int, ...] = ()) -> tuple[Any, tuple | Non
         return None
     located = tuple(snap.located)
     if not lift:
-        return key, None, snap.keep, located
+        return key, None, snap.keep, located, located
     ids = snap.lifted_tensors
     if len(set(ids)) != len(ids) or not snap.tensors.isdisjoint(ids):
         return snapshot(fn)
-    return key, tuple(snap.values), snap.keep, located
+    return key, tuple(snap.values), snap.keep, located + tuple(snap.lifted_located), located
 
 
 def still_located(located: tuple) -> bool:
@@ -279,7 +285,7 @@ def _lift_cells(fn: Callable) -> tuple[int, ...]:
         return ()
     closure = fn.__closure__
     try:
-        return tuple(i for i in cells if lifted_cells.liftable_value(closure[i].cell_contents))
+        return tuple([i for i in cells if lifted_cells.liftable_value(closure[i].cell_contents)])
     except ValueError:  # a cell not yet assigned
         return ()
 
@@ -325,6 +331,7 @@ class _Token(NamedTuple):
     located: tuple  # the snapshot's tensors keyed by memory, checked before the trace is served
     generic: Any = None  # the key by cell kinds, for the template
     cells: tuple = ()
+    generic_located: tuple = ()  # those of the key by cell kinds (a template's instances check their own)
 
 
 def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
@@ -337,7 +344,7 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
     snap = snapshot(fn, cells)
     if snap is None:
         return None, None
-    key, values, keep, located = snap
+    key, values, keep, located, key_located = snap
     if values is None:
         entry = store.get(key)
         if entry is not None and (kind is None or entry[0].kind == kind) and still_located(entry[2]):
@@ -348,7 +355,7 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
     # lifted cells: the template for these kinds gives the trace for these values
     generic = store.get(key)
     if generic is None or not still_located(generic[2]):
-        return None, _Token(store, (key, values), keep, located, key, cells)
+        return None, _Token(store, (key, values), keep, located, key, cells, key_located)
     if len(store) > 1:
         store.move_to_end(key)
     template = generic[0]
@@ -379,7 +386,7 @@ def template_cells(token: Any) -> tuple[int, ...]:
 def remember_template(token: Any, template: Any) -> None:
     """Store the template for ``token``'s key, or that there is none (None)."""
     # (keep: the key's ids stay valid while the entry lives)
-    token.store[token.generic] = (_NO_TEMPLATE if template is None else template, token.keep, token.located)
+    token.store[token.generic] = (_NO_TEMPLATE if template is None else template, token.keep, token.generic_located)
     _trim(token.store)
 
 

@@ -89,7 +89,9 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.
 class DecodeLaunch:
     """The decode kernel's and its merge's launches for one call signature, decided once (splits,
     specs), then launched on each call's tensors and tables (:mod:`flexc.call.plans` keeps one with a
-    call's plan; :func:`launch` makes one and runs it once)."""
+    call's plan; :func:`launch` makes one and runs it once). Once a launch has worked, later calls
+    launch with the arguments it read off (:class:`WarmDecode`), and a decoding step's gathered row
+    (:mod:`flexc.masks.gathered_rows`) goes to the kernel as it is."""
 
     def __init__(self, spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
@@ -104,6 +106,8 @@ class DecodeLaunch:
         self.merge_key = cache.kernel_key(self.merge, self.device)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         self.kernel_key = cache.kernel_key(spec, self.device)
+        self.n_tables = 4 if spec.has_full_blocks else 2
+        self.warm: WarmDecode | None = None  # once it worked: what every later call passes alike
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
                  dropout: Dropout | None = None, sinks: torch.Tensor | None = None, mods: tuple | None = None,
@@ -111,11 +115,27 @@ class DecodeLaunch:
         """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`) on its ``block_mask``;
         ``mods`` and ``same_tables`` as :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
         launcher.check_dropout(self.spec, dropout)
-        tables = self.tables(block_mask, same_tables)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
+        gathered = getattr(block_mask, "gathered_row", None)
+        warm = self.warm
+        if warm is not None:
+            if gathered is not None and warm.direct:
+                # a decoding step's slice gathered on the device: the kernel reads its tables where they
+                # start in the row (their shapes are in the warm arguments)
+                tables = gathered.starts()[:self.n_tables]
+            else:
+                tables = self.tables(block_mask, same_tables)
+            return warm.launch(self, query, key, value, tables, score_mod, mask_mod, dropout, sinks)
+        if gathered is not None and _direct(gathered.row, self.device):
+            tables = list(gathered.tables()[:self.n_tables])
+        else:
+            tables = self.tables(block_mask, same_tables)
+
+        generated = []  # (the kernel of the spec that ran)
 
         def attempt(spec: DecodeSpec) -> tuple[torch.Tensor, torch.Tensor]:
             kernel = cache.get_kernel(spec, self.device, self.kernel_key if spec is self.spec else None)
+            generated[:] = [kernel.generated]
             args, constants, splits = launcher.decode_arguments(
                 spec, kernel.generated, query, key, value, score_mod, mask_mod, None, self.scale, self.splits,
                 dropout=dropout, tables=tables)
@@ -127,8 +147,74 @@ class DecodeLaunch:
         else:
             out_split, lse_split = retry.launch_with_fallbacks(self.spec, self.device, attempt, "decode")
             self.worked = cache.resolve_fallback(self.spec, self.device) is self.spec
-        return merge_splits(out_split, lse_split, query, query.shape[1], query.shape[2], self.merge, sinks,
-                            self.merge_key)
+        out, lse = merge_splits(out_split, lse_split, query, query.shape[1], query.shape[2], self.merge, sinks,
+                                self.merge_key)
+        if self.worked:
+            self.warm = WarmDecode(self, generated[0], query, key, value, tables, score_mod, mask_mod, dropout, sinks,
+                                   out_split, lse_split, out, lse)
+            # (every call of a signature has tables of one dtype and device: a gathered row of this one's)
+            self.warm.direct = block_mask is not None and _direct(block_mask.kv_num_blocks, self.device)
+        return out, lse
+
+
+def _direct(table: torch.Tensor, device: torch.device) -> bool:
+    """Whether the kernel reads ``table`` as it is (int32 on the launch's device), not converted."""
+    return table.dtype == torch.int32 and table.device == device
+
+
+class WarmDecode:
+    """What every later call of a :class:`DecodeLaunch` passes alike, read off its first call's arguments:
+    the decode kernel's arguments after the captured values (scale, lengths, strides, table shapes), its
+    constexprs and grid, the partial results' and outputs' shapes, the merge's arguments between its
+    tensors and the sinks, its constexprs and grid. A warm call allocates, fills in its own tensors and
+    launches (the calls of one signature have the same shapes, strides and dtypes)."""
+
+    def __init__(self, launch: DecodeLaunch, generated: Any, query, key, value, tables, score_mod, mask_mod, dropout,
+                 sinks, out_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+        spec, device = launch.spec, launch.device
+        args, self.constants, _ = launcher.decode_arguments(
+            spec, generated, query, key, value, score_mod, mask_mod, None, launch.scale, launch.splits,
+            dropout=dropout, tables=tables)
+        heads = 5 + len(tables) + len(launcher.mod_arguments(generated, score_mod, mask_mod, device)) \
+            + len(launcher.dropout_arguments(dropout, device))  # (q, k, v, the partial results, tables, buffers)
+        self.tail = args[heads:]
+        # the CPU's non-finite guard depends on the values (:func:`launcher.guards_nonfinite_values`)
+        self.guard_per_call = spec.mask_mod is not None and gpu.is_plain_cpu(device)
+        self.grid = launcher.decode_grid(out_split)
+        self.direct = False  # whether a gathered row's tables are passed as they are (set by the launch)
+        self.work = out_split.dtype
+        # (shape, strides) of each result, allocated by empty_strided: torch.empty parses a torch.Size slower
+        self.layouts = tuple((tuple(t.shape), t.stride()) for t in (out_split, lse_split, out, lse))
+        merge_args, self.merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
+                                                                    query.shape[2], query.shape[1], sinks)
+        self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
+        self.merge_grid = launcher.merge_grid(launch.merge, out_split, query.shape[2], query.shape[1])
+
+    def launch(self, launch: DecodeLaunch, query, key, value, tables, score_mod, mask_mod, dropout, sinks):
+        """``(out, lse)`` of a call of ``launch`` with these tensors, ``tables`` (the kernel's, in order) and mods."""
+        spec, device, work = launch.spec, launch.device, self.work
+        kernel = cache.get_kernel(spec, device, launch.kernel_key)
+        splits, lse_splits, outs, lses = self.layouts
+        out_split = torch.empty_strided(*splits, dtype=work, device=device)
+        lse_split = torch.empty_strided(*lse_splits, dtype=work, device=device)
+        constants = self.constants
+        if self.guard_per_call:
+            constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
+        buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
+        if dropout is not None:
+            buffers += launcher.dropout_arguments(dropout, device)
+        gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, out_split, lse_split, *tables, *buffers,
+                                                        *self.tail], constants)
+        merge = launch.merge
+        launcher.check_sinks(merge, sinks)
+        out = torch.empty_strided(*outs, dtype=query.dtype, device=device)
+        lse = torch.empty_strided(*lses, dtype=work, device=device)
+        merge_args = [out_split, lse_split, out, lse, *self.merge_tail]
+        if sinks is not None:
+            merge_args += launcher.sink_arguments(sinks, work)
+        gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device, merge_args,
+                   self.merge_constants)
+        return out, lse
 
 
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

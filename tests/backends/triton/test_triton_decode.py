@@ -220,3 +220,32 @@ def test_a_query_row_with_a_nan_gives_nan_output_and_lse_as_the_forward_and_torc
     fine = ~ref_lse.isnan()
     torch.testing.assert_close(lse[fine], ref_lse[fine], atol=1e-5, rtol=0)
     torch.testing.assert_close(out[fine], ref_out[fine], atol=1e-5, rtol=0)
+
+
+def test_warm_decoding_steps_take_each_steps_own_tensors_sinks_and_row():
+    """gpt-fast's loop on a simulated sm_90 with sinks: every step after the first launches with the
+    arguments its plan read off once, filled in with the step's own query, cache (written in place),
+    sinks (changed in place), position and gathered BlockMask row; each equals float64 dense."""
+    g = torch.Generator().manual_seed(11)
+    Hq, Hkv, S2 = 4, 2, 160
+    k, v = torch.randn(1, Hkv, S2, E, generator=g), torch.randn(1, Hkv, S2, E, generator=g)
+    sinks = torch.randn(Hq, generator=g)
+    window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 40)  # noqa: E731
+    with flexc.device.simulate("sm_90"), torch.no_grad():
+        parent = flexc.create_block_mask(window, None, None, S2, S2, BLOCK_SIZE=BLOCK)
+        position = torch.tensor([0])
+        for pos in (60, 61, 95, 159):
+            position.fill_(pos)
+            offset = position[0]
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return window(b, h, q_idx + offset, kv_idx)
+            mask = parent[:, :, position // BLOCK]
+            mask.mask_mod, mask.seq_lengths = mask_mod, (1, S2)
+            q = torch.randn(1, Hq, 1, E, generator=g)
+            k[:, :, pos], v[:, :, pos] = torch.randn(2, Hkv, E, generator=g)  # the step's key and value
+            sinks.add_(0.5)
+            out, lse = flexc.flex_attention(q, k, v, block_mask=mask, enable_gqa=True, return_lse=True, sinks=sinks,
+                                            kernel_options=TRITON)
+            at = lambda b, h, q_idx, kv_idx, p=pos: window(b, h, q_idx + p, kv_idx)  # noqa: E731
+            check(out, lse, *dense_attention(q, k, v, mask_mod=at, sinks=sinks)[:2])
