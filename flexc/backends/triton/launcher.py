@@ -141,7 +141,7 @@ def buffer_arguments(traced: TracedMod | None, params, device: torch.device) -> 
                                      f"{traced.buffer_names[p.slot]!r} is on {t.device} but the inputs are on {device}. "
                                      f"Fix: create it on {device} (e.g. `.to('{device}')`).")
                 t = _device_copy(t, device)  # (detached)
-            else:
+            elif t.requires_grad:  # (a kernel reads memory only; no new tensor for one without grad)
                 t = t.detach()
             args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
         elif p.what == "stride":
