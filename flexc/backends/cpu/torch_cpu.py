@@ -40,7 +40,7 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
-from . import causal_call, decode_cpu, fused_cpu
+from . import band_calls, causal_call, decode_cpu, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, all_full, chunk_kv_index, chunk_rows, memo_by_tables,
@@ -387,11 +387,15 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
         query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
         n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
+        bands, tasks = _bands(block_mask, query, value, Hkv, tasks, n_workers, sinks)
         tasks, costs = fused_cpu.group_tasks(tasks, n_workers)
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + costs
 
     def one_row(task, worker):
         g, mods, row = task
-        if fused:
+        if isinstance(row, band_calls.Band):
+            band_calls.forward(query, key, value, out, lse, g, row, mods, scale)
+        elif fused:
             fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale, sinks)
         else:
             _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite, sinks)
@@ -399,6 +403,30 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     # rows write disjoint slices of out/lse; a single worker too runs with one torch thread (workers.run)
     workers.run(tasks, costs, one_row, n_workers, dynamic=True, torch_threads=False)
     return out, lse, row_max
+
+
+def _bands(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, tasks: list, n_workers: int,
+           sinks: torch.Tensor | None) -> tuple[list, list]:
+    """``(bands, rest)``: the fused row tasks whose rows run as batched band calls
+    (:mod:`flexc.backends.cpu.band_calls`), and the others. (Sinks join each row's merge: rows.)"""
+    if sinks is not None or not tasks:
+        return [], tasks
+    B, Hq, L, _ = query.shape
+    Bkv, _, S, Ev = value.shape
+    key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads())
+    mask_mod = tasks[0][1].mask_mod
+    every = lambda q0, q1, start, end: torch.ones(q1 - q0, end - start, dtype=torch.bool)
+
+    def allowed_for(g):
+        return every if mask_mod is None else _allowed_tile(mask_mod, g, B, Hq, L, S)
+    return band_calls.plan_bands(block_mask, key, tasks, n_workers, S,
+                                 lambda g: (len(range(B)[g.b]), len(range(Hq)[g.qh])), allowed_for, query.dtype,
+                                 query.device)
+
+
+def _band_cost(task) -> float:
+    g, mods, band = task
+    return float(mods.b.numel() * mods.h.numel() * band.n * band.r * band.c)
 
 
 def _batched_view(t: torch.Tensor, shape: tuple) -> torch.Tensor | None:
@@ -592,8 +620,16 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
         q_, k_, v_, o_, go_ = (fused_cpu.unit_last_stride(t) for t in (query, key, value, out, grad_out))
 
+        cost_of = {id(task): cost for task, cost in zip(tasks, costs)}
+        bands, tasks = _bands(block_mask, query, value, Hkv, tasks, n_workers, sinks)
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + [cost_of[id(task)] for task in tasks]
+
         def fused_row(task, worker):
             g, mods, row = task
+            if isinstance(row, band_calls.Band):
+                band_calls.backward(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, row, mods,
+                                    scale)
+                return
             fused_cpu.backward_row(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, row, mods,
                                    scale)
         workers.run(tasks, costs, fused_row, n_workers, torch_threads=False)

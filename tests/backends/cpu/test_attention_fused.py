@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import causal_call, fused_cpu
+from flexc.backends.cpu import band_calls, causal_call, fused_cpu
 from reference import dense_attention
 
 B, H, L, S, E = 2, 4, 300, 260, 16  # ragged: neither length a multiple of the blocks
@@ -58,10 +58,12 @@ def _absolute_positions(score, b, h, q, kv):  # a bias, but not of kv - q alone
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Count fused tasks (and those covering several rows), so each test knows which path ran.
-    Causal masks run here on the block calls too, not as one causal call (test_causal_call.py)."""
-    count = {"tasks": 0, "tall": 0}
+    """Count fused tasks (and those covering several rows, and batched bands of narrow rows), so
+    each test knows which path ran. Causal masks run here on the block calls too, not as one causal
+    call (test_causal_call.py)."""
+    count = {"tasks": 0, "tall": 0, "bands": 0}
     real = fused_cpu.forward_rows
+    real_band = band_calls.forward
     monkeypatch.setattr(causal_call, "applies", lambda *args: None)
 
     def spy(query, key, value, out, lse, g, rows, mods, scale, sinks=None):
@@ -69,7 +71,13 @@ def calls(monkeypatch):
         count["tall"] += len(rows) > 1
         return real(query, key, value, out, lse, g, rows, mods, scale, sinks)
 
+    def band_spy(*args):
+        count["tasks"] += 1
+        count["bands"] += 1
+        return real_band(*args)
+
     monkeypatch.setattr(fused_cpu, "forward_rows", spy)
+    monkeypatch.setattr(band_calls, "forward", band_spy)
     return count
 
 

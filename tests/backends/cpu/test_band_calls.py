@@ -1,0 +1,127 @@
+"""Narrow rows of the fused CPU path as batched band calls (flexc/backends/cpu/band_calls.py): taken
+for windows a few dozen keys wide, and equal to a float64 dense reference forward and backward for
+causal and bidirectional windows, head- and batch-dependent masks and biases, keys broadcast over
+the batch, rows that allow nothing, documents cutting the windows, non-square lengths and float64;
+the remembered masks follow a captured tensor changed in place."""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import strategies
+
+import flexc
+from flexc.backends.cpu import band_calls, causal_call
+from reference import dense_attention, random_qkv
+
+B, H, E = 2, 2, 16
+BLOCK = (32, 32)
+_SLOPES = torch.tensor([0.5, 0.125])
+_DOCS = torch.arange(256) // 90  # documents of 90 positions
+
+
+def _sliding(b, h, q, kv):
+    return (q >= kv) & (q - kv <= 17)
+
+
+def _bidirectional(b, h, q, kv):  # natten-like: a 7-key neighbourhood, shifted in at the edges
+    return (torch.clamp(q, 3, 252) - kv).abs() <= 3
+
+
+def _per_head_and_batch(b, h, q, kv):
+    return (q >= kv) & (q - kv <= 9 + 12 * h + 5 * b)
+
+
+def _dead_rows(b, h, q, kv):  # every 7th query sees nothing
+    return (q % 7 != 3) & (q >= kv) & (q - kv <= 20)
+
+
+def _window_in_documents(b, h, q, kv):
+    return (_DOCS[q] == _DOCS[kv]) & (q >= kv) & (q - kv <= 17)
+
+
+def _lower_right(b, h, q, kv):  # L=200 queries aligned to the end of S=256 keys
+    diff = q + 56 - kv
+    return (diff >= 0) & (diff <= 17)
+
+
+def _alibi(score, b, h, q, kv):
+    return score + _SLOPES[h] * (kv - q)
+
+
+@pytest.fixture
+def bands(monkeypatch):
+    """The bands each forward ran (their row counts), with causal_call's own path turned off."""
+    seen = []
+    real = band_calls.forward
+    monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+
+    def spy(query, key, value, out, lse, g, band, mods, scale):
+        seen.append(band.n)
+        return real(query, key, value, out, lse, g, band, mods, scale)
+
+    monkeypatch.setattr(band_calls, "forward", spy)
+    return seen
+
+
+def _check(mask_mod, score_mod=None, L=256, S=256, Bkv=B, dtype=torch.float32, atol=2e-5, block=BLOCK):
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, H, H, L, S, E, dtype=dtype, Bkv=Bkv))
+    block_mask = flexc.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=block)
+    out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse, _ = dense_attention(q64, k64, v64, score_mod, mask_mod)
+    want = torch.autograd.grad(ref_out, (q64, k64, v64), grad.double())
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=atol, rtol=0)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a.double(), b, atol=4 * atol, rtol=0, msg=f"d{name}")
+    return out, lse
+
+
+@pytest.mark.parametrize("mask_mod", [_sliding, _bidirectional, _per_head_and_batch, _dead_rows,
+                                      _window_in_documents])
+@pytest.mark.parametrize("score_mod", [None, _alibi])
+def test_narrow_windows_run_as_bands_and_match_dense_reference(bands, mask_mod, score_mod):
+    _check(mask_mod, score_mod)
+    assert max(bands) > 1  # several rows in one call
+
+
+def test_rows_that_allow_nothing_in_a_band_give_zero_output_and_minus_inf_lse(bands):
+    out, lse = _check(_dead_rows)
+    assert max(bands) > 1
+    dead = torch.arange(256) % 7 == 3
+    assert torch.isneginf(lse[..., dead]).all() and (out[..., dead, :] == 0).all()
+
+
+def test_bands_with_keys_broadcast_over_the_batch_and_non_square_lengths(bands):
+    _check(_per_head_and_batch, _alibi, Bkv=1)
+    _check(_lower_right, L=200, S=256)
+    assert max(bands) > 1
+
+
+def test_bands_in_float64_keep_float64_accuracy(bands):
+    _check(_bidirectional, _alibi, dtype=torch.float64, atol=1e-12)
+    assert max(bands) > 1
+
+
+def test_remembered_band_masks_follow_a_captured_tensor_changed_in_place(bands):
+    widths = torch.tensor([5, 30])
+
+    def per_head(b, h, q, kv):
+        return (q >= kv) & (q - kv <= widths[h])
+    _check(per_head)
+    widths[0] = 12  # the same tensor, new values: the band's mask must be evaluated again
+    _check(per_head)
+    assert max(bands) > 1
+
+
+@given(window=st.integers(0, 60), lead=st.integers(-8, 8), block=st.sampled_from([(32, 32), (64, 32), (32, 16)]),
+       alibi=st.booleans())
+@strategies.examples(12)
+def test_any_window_matches_dense_reference(window, lead, block, alibi):
+    # windows of any width and offset (keys before and after the query), on any block shape
+    def mask_mod(b, h, q, kv):
+        diff = q + lead - kv
+        return (diff >= 0) & (diff <= window)
+    _check(mask_mod, _alibi if alibi else None, L=200, S=220, block=block)
