@@ -65,6 +65,12 @@ class Band:
         return self.q0 + self.n * self.r
 
 
+def sub_band(band: Band, t0: int, t1: int) -> Band:
+    """Rows ``t0`` to ``t1`` of ``band`` (same windows), for callers that bound their tiles' size."""
+    mask = band.mask[:, t0:t1] if band.mask is not None else None
+    return Band(band.q0 + t0 * band.r, band.r, t1 - t0, band.off, band.c, band.listed[t0:t1], mask)
+
+
 def bandable(g, mods, row: Row) -> bool:
     """Whether a fused row task may join a band: one query head per key head, and keys within
     :data:`BAND_COLS` positions and :data:`BAND_SHAPE` times its rows (wider rows are mostly full
@@ -150,15 +156,22 @@ def new_band(rows: list[Row], off: int, c: int) -> Band:
     return Band(rows[0].q0, r, n, off, c, listed)
 
 
+def index_values(band: Band, mods, reads, device) -> dict[str, torch.Tensor]:
+    """The ``reads`` of ``b``, ``h``, ``q_idx`` and ``kv_idx`` over the band's tiles, broadcastable to
+    ``[Bg, Hg, n, r, c]``."""
+    n, r, c = band.n, band.r, band.c
+    values = {"b": lambda: mods.b.view(-1, 1, 1, 1, 1), "h": lambda: mods.h.view(1, -1, 1, 1, 1),
+              "q_idx": lambda: (band.q0 + torch.arange(n * r, device=device)).view(1, 1, n, r, 1),
+              "kv_idx": lambda: (band.q0 + band.off + r * torch.arange(n, device=device).view(n, 1)
+                                 + torch.arange(c, device=device)).view(1, 1, n, 1, c)}
+    return {name: values[name]() for name in reads if name in values}
+
+
 def band_mask(band: Band, mods, Bg: int, Hg: int, dtype: torch.dtype, device) -> torch.Tensor:
     """The band's additive mask ``[1 or Bg*Hg, n, r, c]``: the bias (or 0) where a full block, or a
     partial block whose mask_mod allows the pair, lists the key; -inf elsewhere."""
     n, r, c = band.n, band.r, band.c
-    q = (band.q0 + torch.arange(n * r, device=device)).view(1, 1, n, r, 1)
-    kv = (band.q0 + band.off + band.r * torch.arange(n, device=device).view(n, 1)
-          + torch.arange(c, device=device)).view(1, 1, n, 1, c)
-    values = {"b": mods.b.view(-1, 1, 1, 1, 1), "h": mods.h.view(1, -1, 1, 1, 1), "q_idx": q, "kv_idx": kv}
-    at = lambda reads: {name: values[name] for name in reads if name in values}
+    at = lambda reads: index_values(band, mods, reads, device)
     listed = band.listed.to(device).view(1, 1, n, 1, c)
     allowed = listed == 2
     if mods.mask_mod is not None:
@@ -221,13 +234,13 @@ def plan_bands(block_mask, key: tuple, tasks: list, n_workers: int, S: int, Bg_H
     return [(tasks[i][0], tasks[i][1], band) for i, band in bands], [tasks[i] for i in rest]
 
 
-def _views(t: torch.Tensor, g, band: Band, Bg: int, Hg: int) -> torch.Tensor:
+def query_rows(t: torch.Tensor, g, band: Band, Bg: int, Hg: int) -> torch.Tensor:
     """Rows ``[q0, q1)`` of group ``g`` in ``t [B, H, L, *]`` as ``[Bg*Hg, n, r, *]`` (a view when possible)."""
     rows = t[g.b, g.qh, band.q0:band.q1]
     return rows.reshape(Bg * Hg, band.n, band.r, *t.shape[3:])
 
 
-def _windows(t: torch.Tensor, g, band: Band, Bg: int) -> torch.Tensor:
+def windows(t: torch.Tensor, g, band: Band, Bg: int) -> torch.Tensor:
     """Keys or values of group ``g``'s band windows, ``[Bg*Hg, n, c, D]``: a strided view of ``t``
     (overlapping windows), copied only when its batches broadcast over several heads."""
     kv = t[g.kb, g.kvh]
@@ -240,7 +253,7 @@ def _windows(t: torch.Tensor, g, band: Band, Bg: int) -> torch.Tensor:
     return windows.reshape(Bg * Hk, band.n, band.c, D)
 
 
-def _add_windows(grad: torch.Tensor, g, band: Band, part: torch.Tensor, Bg: int) -> None:
+def add_windows(grad: torch.Tensor, g, band: Band, part: torch.Tensor, Bg: int) -> None:
     """``grad``'s rows under the band's windows += ``part`` (``[Bg*Hg, n, c, D]``), a column range
     at a time: ``r`` columns of every window are disjoint rows, so each range is one strided add."""
     target = grad[g.kb, g.kvh]
@@ -256,15 +269,15 @@ def _add_windows(grad: torch.Tensor, g, band: Band, part: torch.Tensor, Bg: int)
         rows.add_(part[..., j:j + width, :])
 
 
-def _mask(band: Band, mods, Bg: int, Hg: int, dtype, device) -> torch.Tensor:
+def call_mask(band: Band, mods, Bg: int, Hg: int, dtype, device) -> torch.Tensor:
     return band.mask if band.mask is not None and band.mask.dtype == dtype else band_mask(band, mods, Bg, Hg, dtype, device)
 
 
 def forward(query, key, value, out, lse, g, band: Band, mods, scale: float) -> None:
     """The band's rows of ``out`` and ``lse``, by one fused kernel call."""
     Bg, Hg = len(range(out.shape[0])[g.b]), len(range(out.shape[1])[g.qh])
-    mask = _mask(band, mods, Bg, Hg, query.dtype, query.device)
-    o, l = FLASH(_views(query, g, band, Bg, Hg), _windows(key, g, band, Bg), _windows(value, g, band, Bg),
+    mask = call_mask(band, mods, Bg, Hg, query.dtype, query.device)
+    o, l = FLASH(query_rows(query, g, band, Bg, Hg), windows(key, g, band, Bg), windows(value, g, band, Bg),
                  attn_mask=mask, scale=scale)
     fix_dead_rows(l, mask)
     out[g.b, g.qh, band.q0:band.q1].unflatten(2, (band.n, band.r)).copy_(o.view(Bg, Hg, band.n, band.r, -1))
@@ -276,13 +289,13 @@ def backward(query, key, value, out, lse, grad_out, dq, dk, dv, g, band: Band, m
     """The band's gradients added into ``dq``, ``dk`` and ``dv``: one fused backward call over the
     forward's windows and mask. ``lse`` is the saved one with -inf made +inf (probabilities 0)."""
     Bg, Hg = len(range(out.shape[0])[g.b]), len(range(out.shape[1])[g.qh])
-    mask = _mask(band, mods, Bg, Hg, query.dtype, query.device)
-    view = lambda t: _views(t, g, band, Bg, Hg)
-    k_w, v_w = _windows(key, g, band, Bg), _windows(value, g, band, Bg)
+    mask = call_mask(band, mods, Bg, Hg, query.dtype, query.device)
+    view = lambda t: query_rows(t, g, band, Bg, Hg)
+    k_w, v_w = windows(key, g, band, Bg), windows(value, g, band, Bg)
     l = lse[g.b, g.qh, band.q0:band.q1].reshape(Bg * Hg, band.n, band.r)
     with denormals_flushed() if mods.bias_node is not None else contextlib.nullcontext():
         gq, gk, gv = FLASH_BACKWARD(view(grad_out), view(query), k_w, v_w, view(out), l, 0.0, False,
                                     attn_mask=mask, scale=scale)
     dq[g.b, g.qh, band.q0:band.q1].unflatten(2, (band.n, band.r)).add_(gq.view(Bg, Hg, band.n, band.r, -1))
-    _add_windows(dk, g, band, gk, Bg)
-    _add_windows(dv, g, band, gv, Bg)
+    add_windows(dk, g, band, gk, Bg)
+    add_windows(dv, g, band, gv, Bg)

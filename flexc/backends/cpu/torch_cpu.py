@@ -40,7 +40,7 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
-from . import band_calls, causal_call, decode_cpu, fused_cpu
+from . import band_calls, band_plain, causal_call, decode_cpu, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, all_full, chunk_kv_index, chunk_rows, memo_by_tables,
@@ -387,13 +387,20 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
         query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
         n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
-        bands, tasks = _bands(block_mask, query, value, Hkv, tasks, n_workers, sinks)
+        bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
         tasks, costs = fused_cpu.group_tasks(tasks, n_workers)
         tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + costs
 
+    elif tasks and _plain_bands(tasks[0][1], query, finite, dropout, sinks) and row_max is None:
+        cost_of = {id(task): cost for task, cost in zip(tasks, costs)}
+        bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + [cost_of[id(task)] for task in tasks]
+
     def one_row(task, worker):
         g, mods, row = task
-        if isinstance(row, band_calls.Band):
+        if isinstance(row, band_calls.Band) and not fused:
+            band_plain.forward(query, key, value, out, lse, g, row, mods, scale, work)
+        elif isinstance(row, band_calls.Band):
             band_calls.forward(query, key, value, out, lse, g, row, mods, scale)
         elif fused:
             fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale, sinks)
@@ -405,23 +412,32 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     return out, lse, row_max
 
 
-def _bands(block_mask: Any, query: torch.Tensor, value: torch.Tensor, Hkv: int, tasks: list, n_workers: int,
-           sinks: torch.Tensor | None) -> tuple[list, list]:
-    """``(bands, rest)``: the fused row tasks whose rows run as batched band calls
-    (:mod:`flexc.backends.cpu.band_calls`), and the others. (Sinks join each row's merge: rows.)"""
-    if sinks is not None or not tasks:
+def _bands(block_mask: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, Hkv: int, tasks: list,
+           n_workers: int, sinks: torch.Tensor | None) -> tuple[list, list]:
+    """``(bands, rest)``: the row tasks whose rows run as batched band calls
+    (:mod:`flexc.backends.cpu.band_calls`, :mod:`flexc.backends.cpu.band_plain`), and the others. (Sinks join each row's merge: rows. A
+    band's window may hold keys of blocks its row does not list, masked by -inf: finite inputs only.)"""
+    if sinks is not None or not tasks or not all_finite(query, key, value):
         return [], tasks
     B, Hq, L, _ = query.shape
     Bkv, _, S, Ev = value.shape
-    key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads())
+    plan_key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads())
     mask_mod = tasks[0][1].mask_mod
     every = lambda q0, q1, start, end: torch.ones(q1 - q0, end - start, dtype=torch.bool)
 
     def allowed_for(g):
         return every if mask_mod is None else _allowed_tile(mask_mod, g, B, Hq, L, S)
-    return band_calls.plan_bands(block_mask, key, tasks, n_workers, S,
+    return band_calls.plan_bands(block_mask, plan_key, tasks, n_workers, S,
                                  lambda g: (len(range(B)[g.b]), len(range(Hq)[g.qh])), allowed_for, query.dtype,
                                  query.device)
+
+
+def _plain_bands(mods: "_Mods", query: torch.Tensor, finite: bool, dropout, sinks) -> bool:
+    """Whether the row loop's narrow rows may run as bands in plain torch ops
+    (:mod:`flexc.backends.cpu.band_plain`): a general score_mod, float32/64, finite inputs (masks are
+    an additive -inf), no dropout or sinks (the caller checks row maxima and gradient-wanting buffers)."""
+    return (mods.log2_mod is not None and finite and dropout is None and sinks is None
+            and query.dtype in (torch.float32, torch.float64))
 
 
 def _band_cost(task) -> float:
@@ -621,7 +637,7 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         q_, k_, v_, o_, go_ = (fused_cpu.unit_last_stride(t) for t in (query, key, value, out, grad_out))
 
         cost_of = {id(task): cost for task, cost in zip(tasks, costs)}
-        bands, tasks = _bands(block_mask, query, value, Hkv, tasks, n_workers, sinks)
+        bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
         tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + [cost_of[id(task)] for task in tasks]
 
         def fused_row(task, worker):
@@ -649,9 +665,18 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     if sinks is not None and own_delta:
         sink_share = (sinks.to(work).unsqueeze(-1) - lse_safe).exp().expand(B, Hq, L, 1)
 
+    if tasks and _plain_bands(tasks[0][1], query, finite, dropout, sinks) and not leaves:
+        cost_of = {id(task): cost for task, cost in zip(tasks, costs)}
+        bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + [cost_of[id(task)] for task in tasks]
+
     def one_row(task, worker):
         g, mods, row = task
         dk_w, dv_w, buf_w = sums[worker]
+        if isinstance(row, band_calls.Band):
+            band_plain.backward(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, g, row, mods, scale,
+                                work)
+            return
         _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
                       buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite, own_delta, sink_share)
 

@@ -1,8 +1,9 @@
-"""Narrow rows of the fused CPU path as batched band calls (flexc/backends/cpu/band_calls.py): taken
-for windows a few dozen keys wide, and equal to a float64 dense reference forward and backward for
-causal and bidirectional windows, head- and batch-dependent masks and biases, keys broadcast over
-the batch, rows that allow nothing, documents cutting the windows, non-square lengths and float64;
-the remembered masks follow a captured tensor changed in place."""
+"""Narrow rows of the CPU paths as batched band calls (flexc/backends/cpu/band_calls.py, and
+band_plain.py for general score_mods such as soft-capping): taken for windows a few dozen keys wide,
+and equal to a float64 dense reference forward and backward for causal and bidirectional windows,
+head- and batch-dependent masks and biases, keys broadcast over the batch, rows that allow nothing,
+documents cutting the windows, non-square lengths and float64; the remembered masks follow a
+captured tensor changed in place."""
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -10,7 +11,7 @@ from hypothesis import given, strategies as st
 import strategies
 
 import flexc
-from flexc.backends.cpu import band_calls, causal_call
+from flexc.backends.cpu import band_calls, band_plain, causal_call
 from reference import dense_attention, random_qkv
 
 B, H, E = 2, 2, 16
@@ -48,6 +49,14 @@ def _alibi(score, b, h, q, kv):
     return score + _SLOPES[h] * (kv - q)
 
 
+def _soft_cap(score, b, h, q, kv):
+    return 20.0 * torch.tanh(score / 20.0)
+
+
+def _gate(score, b, h, q, kv):  # a general score_mod (autograd carries dS through it), reading h
+    return score * torch.sigmoid((q - kv) * 0.1 + h)
+
+
 @pytest.fixture
 def bands(monkeypatch):
     """The bands each forward ran (their row counts), with causal_call's own path turned off."""
@@ -59,7 +68,13 @@ def bands(monkeypatch):
         seen.append(band.n)
         return real(query, key, value, out, lse, g, band, mods, scale)
 
+    def plain_spy(query, key, value, out, lse, g, band, mods, scale, work):
+        seen.append(band.n)
+        return real_plain(query, key, value, out, lse, g, band, mods, scale, work)
+
+    real_plain = band_plain.forward
     monkeypatch.setattr(band_calls, "forward", spy)
+    monkeypatch.setattr(band_plain, "forward", plain_spy)
     return seen
 
 
@@ -81,7 +96,7 @@ def _check(mask_mod, score_mod=None, L=256, S=256, Bkv=B, dtype=torch.float32, a
 
 @pytest.mark.parametrize("mask_mod", [_sliding, _bidirectional, _per_head_and_batch, _dead_rows,
                                       _window_in_documents])
-@pytest.mark.parametrize("score_mod", [None, _alibi])
+@pytest.mark.parametrize("score_mod", [None, _alibi, _soft_cap, _gate])
 def test_narrow_windows_run_as_bands_and_match_dense_reference(bands, mask_mod, score_mod):
     _check(mask_mod, score_mod)
     assert max(bands) > 1  # several rows in one call
@@ -100,8 +115,28 @@ def test_bands_with_keys_broadcast_over_the_batch_and_non_square_lengths(bands):
     assert max(bands) > 1
 
 
-def test_bands_in_float64_keep_float64_accuracy(bands):
-    _check(_bidirectional, _alibi, dtype=torch.float64, atol=1e-12)
+@pytest.mark.parametrize("score_mod", [_alibi, _soft_cap])
+def test_bands_in_float64_keep_float64_accuracy(bands, score_mod):
+    _check(_bidirectional, score_mod, dtype=torch.float64, atol=1e-12)
+    assert max(bands) > 1
+
+
+def test_plain_bands_cut_their_tiles_to_the_score_budget(bands, monkeypatch):
+    monkeypatch.setattr(band_plain, "TILE_ELEMENTS", 3000)  # a few tiles at a time
+    _check(_sliding, _soft_cap)
+    assert max(bands) > 1
+
+
+def test_soft_capping_with_a_gradient_into_the_logsumexp_in_bands(bands):
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, H, H, 256, 256, E))
+    block_mask = flexc.create_block_mask(_sliding, B, H, 256, 256, device="cpu", BLOCK_SIZE=BLOCK)
+    out, lse = flexc.flex_attention(q, k, v, score_mod=_soft_cap, block_mask=block_mask, return_lse=True)
+    got = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse, _ = dense_attention(q64, k64, v64, _soft_cap, _sliding)
+    want = torch.autograd.grad(ref_out.sum() + ref_lse.sum(), (q64, k64, v64))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=0)
     assert max(bands) > 1
 
 
@@ -117,11 +152,11 @@ def test_remembered_band_masks_follow_a_captured_tensor_changed_in_place(bands):
 
 
 @given(window=st.integers(0, 60), lead=st.integers(-8, 8), block=st.sampled_from([(32, 32), (64, 32), (32, 16)]),
-       alibi=st.booleans())
+       score_mod=st.sampled_from([None, _alibi, _soft_cap]))
 @strategies.examples(12)
-def test_any_window_matches_dense_reference(window, lead, block, alibi):
+def test_any_window_matches_dense_reference(window, lead, block, score_mod):
     # windows of any width and offset (keys before and after the query), on any block shape
     def mask_mod(b, h, q, kv):
         diff = q + lead - kv
         return (diff >= 0) & (diff <= window)
-    _check(mask_mod, _alibi if alibi else None, L=200, S=220, block=block)
+    _check(mask_mod, score_mod, L=200, S=220, block=block)
