@@ -715,18 +715,25 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
     post = None
     if mods.tanh_cap is not None and not grad_buffers:
         # soft-capping: qb holds the query times the mod's pre-factor, so s4 = score * pre; its tanh,
-        # in place, is kept in s4 for the slope (_backward_row), and p = exp(cap * tanh - lse)
-        p = torch.mul(s4.tanh_(), mods.tanh_cap[1])
-    elif mods.score_mod is not None:
-        if grad and "score" in mods.score_reads:
-            s4.requires_grad_()
-        with torch.set_grad_enabled(grad):
-            post = mods.score(s4, q0, q1, kv, buffers).expand(s4.shape)
-        p = torch.empty_like(s4).copy_(post.detach())
+        # in place, is kept in s4 for the slope (_backward_row), and p = exp(cap * tanh - lse), the
+        # product and the logsumexp in one pass
+        cap = mods.tanh_cap[1]
+        p = torch.add(lse_r.neg(), s4.tanh_(), alpha=cap)
+        if -abs(cap) - float(lse_r.max()) > _exp_floor(p.dtype)[0]:
+            p.exp_()  # every argument is above exp's slow range: no floor needed
+        else:
+            _exp_floored_(p)
     else:
-        p = s4
-    # natural exp, as the softmax of the reference (exp2 of (s - lse) * log2(e) adds one rounding)
-    _exp_floored_(p.sub_(lse_r))
+        if mods.score_mod is not None:
+            if grad and "score" in mods.score_reads:
+                s4.requires_grad_()
+            with torch.set_grad_enabled(grad):
+                post = mods.score(s4, q0, q1, kv, buffers).expand(s4.shape)
+            p = torch.empty_like(s4).copy_(post.detach())
+        else:
+            p = s4
+        # natural exp, as the softmax of the reference (exp2 of (s - lse) * log2(e) adds one rounding)
+        _exp_floored_(p.sub_(lse_r))
     _zero_blocked(p, blocked)
     dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
     if not finite:
