@@ -11,7 +11,8 @@ from hypothesis import given, strategies as st
 import strategies
 
 import flexc
-from flexc.backends.cpu import band_calls, band_plain, causal_call
+from flexc import workers
+from flexc.backends.cpu import band_calls, band_plain, causal_call, fused_cpu
 from reference import dense_attention, random_qkv
 
 B, H, E = 2, 2, 16
@@ -160,3 +161,17 @@ def test_any_window_matches_dense_reference(window, lead, block, score_mod):
         diff = q + lead - kv
         return (diff >= 0) & (diff <= window)
     _check(mask_mod, score_mod, L=200, S=220, block=block)
+
+
+@pytest.mark.parametrize("score_mod", [None, _soft_cap])
+def test_bands_split_over_two_workers_match_dense_reference(bands, monkeypatch, score_mod):
+    # small jobs run on one worker: lower the bar so two workers each take a band
+    monkeypatch.setattr(fused_cpu, "MIN_COST_PER_WORKER", 1.0)
+    monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, min_cost=0: min(2, n_tasks))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check(_sliding, score_mod)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(bands) >= 2 and max(bands) > 1
