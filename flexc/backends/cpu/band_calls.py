@@ -1,4 +1,5 @@
-"""Narrow query rows of the fused CPU path as one batched kernel call per run of rows (a *band*).
+"""Narrow query rows of the fused CPU path as one batched kernel call per run of rows (a *band*); the
+bands of general score_mods run in plain torch ops (:mod:`flexc.backends.cpu.band_plain`).
 
 A sliding window of 17 keys, a 7-key neighbourhood or small documents leave each row of the plan
 (32 query rows after trimming, :func:`flexc.backends.cpu.block_plan.trimmed_rows`) a few dozen key
@@ -10,8 +11,9 @@ from its first query (one offset and width for the run, covering every row's all
 queries ``[Bg*Hg, n, r, E]``, keys and values ``[Bg*Hg, n, c, E]`` (strided views, the windows
 overlapping), and one additive mask ``[1 or Bg*Hg, n, r, c]`` (0 on full blocks, the mask_mod on
 partial ones, -inf on columns the row does not list; plus a bias score_mod). One forward call and
-one backward call then cover the run (L=4096, H=8, window 17, one thread: 13 ms and ~50 ms instead
-of 32 ms and 72 ms); the mask is evaluated once per plan and remembered with it
+one backward call then cover the run (L=4096, H=8, window 17, one thread: 13 ms and ~55 ms instead
+of 32 ms and 72 ms, most of it the kernel's own work on 32 x 49 tiles); the mask is evaluated once
+per plan and remembered with it
 (:func:`flexc.backends.cpu.block_plan.memo_by_tables`).
 
 Only rows whose keys span at most :data:`BAND_COLS` positions and :data:`BAND_SHAPE` times their
@@ -38,10 +40,12 @@ BAND_COLS = 256
 BAND_SHAPE = 4
 # columns scored in a band (every row padded to the widest) at most this many times its rows' own
 PADDING = 1.5
-# one band's additive mask holds at most this many elements (a run is cut where it would exceed it)
-BAND_MASK_ELEMENTS = 1 << 22
-# a plan's bands keep their masks (for the next calls, forward and backward) up to this many elements
-KEPT_MASK_ELEMENTS = 1 << 23
+# one band's additive mask holds at most this many elements, 8 MiB in fp32 (a run is cut where it
+# would exceed it; L=4096, H=8, window 17 with ALiBi's per-head bias: 1.6M)
+BAND_MASK_ELEMENTS = 1 << 21
+# a plan's bands keep their masks (for the next calls, forward and backward) up to this many
+# elements in all; the rest are built at each call
+KEPT_MASK_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def sub_band(band: Band, t0: int, t1: int) -> Band:
 
 
 def bandable(g, mods, row: Row) -> bool:
-    """Whether a fused row task may join a band: one query head per key head, and keys within
+    """Whether a row task may join a band: one query head per key head, and keys within
     :data:`BAND_COLS` positions and :data:`BAND_SHAPE` times its rows (wider rows are mostly full
     blocks, which the row path attends unmasked, in tall calls shared by consecutive rows)."""
     if g.G != 1 or not row.segments:
@@ -194,7 +198,7 @@ def band_mask(band: Band, mods, Bg: int, Hg: int, dtype: torch.dtype, device) ->
 
 def plan_bands(block_mask, key: tuple, tasks: list, n_workers: int, S: int, Bg_Hg, allowed_for, dtype: torch.dtype,
                device) -> tuple[list, list]:
-    """``(band_tasks, rest)``: the fused row tasks' bands as tasks ``(g, mods, Band)``, and the tasks
+    """``(band_tasks, rest)``: the row tasks' bands as tasks ``(g, mods, Band)``, and the tasks
     that stay rows; ``allowed_for(g)`` is group ``g``'s :func:`extent` function. The bands and their
     masks are remembered for the block mask's tables, the mods' captured tensors and ``key`` (which
     must fix the task list: the plan's key and the mods' graphs)."""
@@ -270,6 +274,7 @@ def add_windows(grad: torch.Tensor, g, band: Band, part: torch.Tensor, Bg: int) 
 
 
 def call_mask(band: Band, mods, Bg: int, Hg: int, dtype, device) -> torch.Tensor:
+    """The band's additive mask: the one kept with the plan, else built now (:func:`band_mask`)."""
     return band.mask if band.mask is not None and band.mask.dtype == dtype else band_mask(band, mods, Bg, Hg, dtype, device)
 
 

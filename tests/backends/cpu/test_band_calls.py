@@ -175,3 +175,11 @@ def test_bands_split_over_two_workers_match_dense_reference(bands, monkeypatch, 
     finally:
         torch.set_num_threads(threads)
     assert len(bands) >= 2 and max(bands) > 1
+
+
+@pytest.mark.parametrize("score_mod", [_alibi, _soft_cap])
+def test_bands_past_the_kept_mask_budget_build_their_masks_at_each_call(bands, monkeypatch, score_mod):
+    monkeypatch.setattr(band_calls, "KEPT_MASK_ELEMENTS", 0)
+    monkeypatch.setattr(band_calls, "BAND_MASK_ELEMENTS", 16 * 32 * 64)  # runs of a few rows (B*H mask rows)
+    _check(_per_head_and_batch, score_mod)
+    assert len(bands) >= 2 and max(bands) > 1
