@@ -636,18 +636,18 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
         q_, k_, v_, o_, go_ = (fused_cpu.unit_last_stride(t) for t in (query, key, value, out, grad_out))
 
-        cost_of = {id(task): cost for task, cost in zip(tasks, costs)}
         bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
-        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + [cost_of[id(task)] for task in tasks]
+        tasks, costs = fused_cpu.group_tasks(tasks, n_workers)  # runs of rows share tall calls, as forward
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + costs
 
         def fused_row(task, worker):
-            g, mods, row = task
-            if isinstance(row, band_calls.Band):
-                band_calls.backward(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, row, mods,
+            g, mods, rows = task
+            if isinstance(rows, band_calls.Band):
+                band_calls.backward(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, rows, mods,
                                     scale)
                 return
-            fused_cpu.backward_row(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, row, mods,
-                                   scale)
+            fused_cpu.backward_rows(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, rows, mods,
+                                    scale)
         workers.run(tasks, costs, fused_row, n_workers, torch_threads=False)
         return _summed(query, key, value, dq, sums, buf_grads, dtypes)
     # the softmax Jacobian's correction delta = rowsum(dO * P * dP) - dLSE. With a score_mod,

@@ -235,6 +235,25 @@ def test_fused_backward_takes_the_forwards_calls_and_matches_float64(monkeypatch
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize("mask_mod, score_mod", [(_causal, None), (_causal, _alibi), (_window, _minus_distance),
+                                                  (_documents, None)])
+def test_fused_backward_over_runs_of_rows_takes_tall_calls_and_matches_float64(monkeypatch, mask_mod, score_mod):
+    # small blocks give many rows; runs of them share tall calls over their common full key spans
+    tall = []
+    real = fused_cpu.backward_rows
+    monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+    monkeypatch.setattr(fused_cpu, "backward_rows", lambda *a: tall.append(len(a[10]) > 1) or real(*a))
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float64, seed=6))
+    bm = flexc.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=(16, 16))
+    out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    mine = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert any(tall), "no run of rows took tall backward calls"
+    ref = dense_attention(q, k, v, score_mod, mask_mod)[0]
+    for a, b in zip(mine, torch.autograd.grad(ref, (q, k, v), grad_out)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
 def _dense_with_sinks(q, k, v, score_mod, mask_mod, sinks):
     """The dense float64 output, with each head's sink logit as one more key of value 0."""
     if sinks is None:
