@@ -41,7 +41,7 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
-from . import causal_call, decode_cpu, fused_cpu
+from . import band_calls, band_plain, causal_call, decode_cpu, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, all_full, chunk_kv_index, chunk_rows, memo_by_tables,
@@ -421,11 +421,22 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     if fused:  # few, large kernel calls that release the GIL: workers pay off on smaller jobs
         query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
         n_workers = workers.worker_count(len(tasks), sum(costs), fused_cpu.MIN_COST_PER_WORKER)
+        bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
         tasks, costs = fused_cpu.group_tasks(tasks, n_workers)
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + costs
+
+    elif tasks and _plain_bands(tasks[0][1], query, finite, dropout, sinks) and row_max is None:
+        cost_of = {id(task): cost for task, cost in zip(tasks, costs)}
+        bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + [cost_of[id(task)] for task in tasks]
 
     def one_row(task, worker):
         g, mods, row = task
-        if fused:
+        if isinstance(row, band_calls.Band) and not fused:
+            band_plain.forward(query, key, value, out, lse, g, row, mods, scale, work)
+        elif isinstance(row, band_calls.Band):
+            band_calls.forward(query, key, value, out, lse, g, row, mods, scale)
+        elif fused:
             fused_cpu.forward_rows(query, key, value, out, lse, g, row, mods, scale, sinks)
         else:
             _forward_row(query, key, value, out, lse, row_max, g, row, mods, scale, work, finite, sinks)
@@ -433,6 +444,39 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
     # rows write disjoint slices of out/lse; a single worker too runs with one torch thread (workers.run)
     workers.run(tasks, costs, one_row, n_workers, dynamic=True, torch_threads=False)
     return out, lse, row_max
+
+
+def _bands(block_mask: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, Hkv: int, tasks: list,
+           n_workers: int, sinks: torch.Tensor | None) -> tuple[list, list]:
+    """``(bands, rest)``: the row tasks whose rows run as batched band calls
+    (:mod:`flexc.backends.cpu.band_calls`, :mod:`flexc.backends.cpu.band_plain`), and the others. (Sinks join each row's merge: rows. A
+    band's window may hold keys of blocks its row does not list, masked by -inf: finite inputs only.)"""
+    if sinks is not None or not tasks or not all_finite(query, key, value):
+        return [], tasks
+    B, Hq, L, _ = query.shape
+    Bkv, _, S, Ev = value.shape
+    plan_key = (getattr(block_mask, "BLOCK_SIZE", None), B, Bkv, Hq, Hkv, L, S, Ev, torch.get_num_threads())
+    mask_mod = tasks[0][1].mask_mod
+    every = lambda q0, q1, start, end: torch.ones(q1 - q0, end - start, dtype=torch.bool)
+
+    def allowed_for(g):
+        return every if mask_mod is None else _allowed_tile(mask_mod, g, B, Hq, L, S)
+    return band_calls.plan_bands(block_mask, plan_key, tasks, n_workers, S,
+                                 lambda g: (len(range(B)[g.b]), len(range(Hq)[g.qh])), allowed_for, query.dtype,
+                                 query.device)
+
+
+def _plain_bands(mods: "_Mods", query: torch.Tensor, finite: bool, dropout, sinks) -> bool:
+    """Whether the row loop's narrow rows may run as bands in plain torch ops
+    (:mod:`flexc.backends.cpu.band_plain`): a general score_mod, float32/64, finite inputs (masks are
+    an additive -inf), no dropout or sinks (the caller checks row maxima and gradient-wanting buffers)."""
+    return (mods.log2_mod is not None and finite and dropout is None and sinks is None
+            and query.dtype in (torch.float32, torch.float64))
+
+
+def _band_cost(task) -> float:
+    g, mods, band = task
+    return float(mods.b.numel() * mods.h.numel() * band.n * band.r * band.c)
 
 
 def _batched_view(t: torch.Tensor, shape: tuple) -> torch.Tensor | None:
@@ -626,10 +670,18 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
         lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
         q_, k_, v_, o_, go_ = (fused_cpu.unit_last_stride(t) for t in (query, key, value, out, grad_out))
 
+        bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
+        tasks, costs = fused_cpu.group_tasks(tasks, n_workers)  # runs of rows share tall calls, as forward
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + costs
+
         def fused_row(task, worker):
-            g, mods, row = task
-            fused_cpu.backward_row(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, row, mods,
-                                   scale)
+            g, mods, rows = task
+            if isinstance(rows, band_calls.Band):
+                band_calls.backward(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, rows, mods,
+                                    scale)
+                return
+            fused_cpu.backward_rows(q_, k_, v_, o_, lse_bw, go_, dq, sums[worker][0], sums[worker][1], g, rows, mods,
+                                    scale)
         workers.run(tasks, costs, fused_row, n_workers, torch_threads=False)
         return _summed(query, key, value, dq, sums, buf_grads, dtypes)
     # the softmax Jacobian's correction delta = rowsum(dO * P * dP) - dLSE. With a score_mod,
@@ -647,9 +699,18 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     if sinks is not None and own_delta:
         sink_share = (sinks.to(work).unsqueeze(-1) - lse_safe).exp().expand(B, Hq, L, 1)
 
+    if tasks and _plain_bands(tasks[0][1], query, finite, dropout, sinks) and not leaves:
+        cost_of = {id(task): cost for task, cost in zip(tasks, costs)}
+        bands, tasks = _bands(block_mask, query, key, value, Hkv, tasks, n_workers, sinks)
+        tasks, costs = bands + tasks, [_band_cost(task) for task in bands] + [cost_of[id(task)] for task in tasks]
+
     def one_row(task, worker):
         g, mods, row = task
         dk_w, dv_w, buf_w = sums[worker]
+        if isinstance(row, band_calls.Band):
+            band_plain.backward(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, g, row, mods, scale,
+                                work)
+            return
         _backward_row(query, key, value, grad_out, delta, lse_safe, dq, dk_w, dv_w, buffers, leaves,
                       buf_w, g, row, mods, scale, work, Bkv == 1 and B > 1, finite, own_delta, sink_share)
 
@@ -688,18 +749,25 @@ def _chunk_probs(qb, k_g, v_g, dob_g, lse_r, buffers, chunk: Chunk, mods: _Mods,
     post = None
     if mods.tanh_cap is not None and not grad_buffers:
         # soft-capping: qb holds the query times the mod's pre-factor, so s4 = score * pre; its tanh,
-        # in place, is kept in s4 for the slope (_backward_row), and p = exp(cap * tanh - lse)
-        p = torch.mul(s4.tanh_(), mods.tanh_cap[1])
-    elif mods.score_mod is not None:
-        if grad and "score" in mods.score_reads:
-            s4.requires_grad_()
-        with torch.set_grad_enabled(grad):
-            post = mods.score(s4, q0, q1, kv, buffers).expand(s4.shape)
-        p = torch.empty_like(s4).copy_(post.detach())
+        # in place, is kept in s4 for the slope (_backward_row), and p = exp(cap * tanh - lse), the
+        # product and the logsumexp in one pass
+        cap = mods.tanh_cap[1]
+        p = torch.add(lse_r.neg(), s4.tanh_(), alpha=cap)
+        if -abs(cap) - float(lse_r.max()) > _exp_floor(p.dtype)[0]:
+            p.exp_()  # every argument is above exp's slow range: no floor needed
+        else:
+            _exp_floored_(p)
     else:
-        p = s4
-    # natural exp, as the softmax of the reference (exp2 of (s - lse) * log2(e) adds one rounding)
-    _exp_floored_(p.sub_(lse_r))
+        if mods.score_mod is not None:
+            if grad and "score" in mods.score_reads:
+                s4.requires_grad_()
+            with torch.set_grad_enabled(grad):
+                post = mods.score(s4, q0, q1, kv, buffers).expand(s4.shape)
+            p = torch.empty_like(s4).copy_(post.detach())
+        else:
+            p = s4
+        # natural exp, as the softmax of the reference (exp2 of (s - lse) * log2(e) adds one rounding)
+        _exp_floored_(p.sub_(lse_r))
     _zero_blocked(p, blocked)
     dp = torch.matmul(dob_g, vc.transpose(-1, -2)).view(Bg, Hqg, r, -1)
     if not finite:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import causal_call, fused_cpu
+from flexc.backends.cpu import band_calls, causal_call, fused_cpu
 from reference import dense_attention
 
 B, H, L, S, E = 2, 4, 300, 260, 16  # ragged: neither length a multiple of the blocks
@@ -58,10 +58,12 @@ def _absolute_positions(score, b, h, q, kv):  # a bias, but not of kv - q alone
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Count fused tasks (and those covering several rows), so each test knows which path ran.
-    Causal masks run here on the block calls too, not as one causal call (test_causal_call.py)."""
-    count = {"tasks": 0, "tall": 0}
+    """Count fused tasks (and those covering several rows, and batched bands of narrow rows), so
+    each test knows which path ran. Causal masks run here on the block calls too, not as one causal
+    call (test_causal_call.py)."""
+    count = {"tasks": 0, "tall": 0, "bands": 0}
     real = fused_cpu.forward_rows
+    real_band = band_calls.forward
     monkeypatch.setattr(causal_call, "applies", lambda *args: None)
 
     def spy(query, key, value, out, lse, g, rows, mods, scale, sinks=None):
@@ -69,7 +71,13 @@ def calls(monkeypatch):
         count["tall"] += len(rows) > 1
         return real(query, key, value, out, lse, g, rows, mods, scale, sinks)
 
+    def band_spy(*args):
+        count["tasks"] += 1
+        count["bands"] += 1
+        return real_band(*args)
+
     monkeypatch.setattr(fused_cpu, "forward_rows", spy)
+    monkeypatch.setattr(band_calls, "forward", band_spy)
     return count
 
 
@@ -224,6 +232,25 @@ def test_fused_backward_takes_the_forwards_calls_and_matches_float64(monkeypatch
     ref = _dense_with_sinks(q, k, v, score_mod, mask_mod, sinks)
     for a, b in zip(mine, torch.autograd.grad(ref, wrt, grad_out)):
         assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("mask_mod, score_mod", [(_causal, None), (_causal, _alibi), (_window, _minus_distance),
+                                                  (_documents, None)])
+def test_fused_backward_over_runs_of_rows_takes_tall_calls_and_matches_float64(monkeypatch, mask_mod, score_mod):
+    # small blocks give many rows; runs of them share tall calls over their common full key spans
+    tall = []
+    real = fused_cpu.backward_rows
+    monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+    monkeypatch.setattr(fused_cpu, "backward_rows", lambda *a: tall.append(len(a[10]) > 1) or real(*a))
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float64, seed=6))
+    bm = flexc.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=(16, 16))
+    out = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    mine = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert any(tall), "no run of rows took tall backward calls"
+    ref = dense_attention(q, k, v, score_mod, mask_mod)[0]
+    for a, b in zip(mine, torch.autograd.grad(ref, (q, k, v), grad_out)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
 
 
