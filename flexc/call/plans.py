@@ -24,7 +24,7 @@ from ..analysis import bounds
 from ..backends import dropout as dropouts
 from ..backends import registry
 from ..backends.cpu.torch_cpu import forward_with_max, prepare_recorded
-from ..backends.layout import laid_out_like
+from ..backends.layout import laid_out_like, output_strides
 from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
 from .plan import in_dtype_of, plan_call, prepare_call
@@ -62,6 +62,7 @@ class Plan:
         # the compacted mask, weakly (flexc.masks.empty_entries keeps it while the caller's tables live)
         self.compacted = weakref.ref(compacted) if self.compacts and self.same_tables else None
         block_mask = compacted
+        self.casts = key.dtype != query.dtype or value.dtype != query.dtype  # (key/value in query's dtype)
         key, value = in_dtype_of(query, key), in_dtype_of(query, value)
         choice = plan_call(query, key, value, self.score_mod, self.mask_mod, self.options, return_lse, return_aux,
                            dropout_p=drop.p if drop is not None else 0.0,
@@ -71,6 +72,9 @@ class Plan:
         self.backend, self.want_lse, self.want_max = choice.backend, choice.want_lse, choice.want_max
         self.slots, self.generated = choice.slots, choice.generated
         self.lse_dtype = work_dtype(query.dtype)
+        # the strides flex_attention returns its output with (the signature fixes them): an output
+        # a backend allocated so is returned as it is, without asking laid_out_like each call
+        self.out_strides = output_strides((*query.shape[:3], value.shape[3]), query)
         # the mods whose bounds depend on captured values: checked again at each call
         self.rechecked = tuple(m for m in (self.score_mod, self.mask_mod) if bounds.has_checks(m))
         self.prepared: Callable | None = None
@@ -87,7 +91,7 @@ class Plan:
                                          self.options, self.slots, drop is not None, sinks is not None,
                                          same_tables=self.same_tables)
             self.trainer = trainer(registry.BACKENDS[self.backend], self.generated, self.score_mod, self.mask_mod,
-                                   self.scale, self.options, self.slots)
+                                   self.scale, self.options, self.slots, query, key, value)
         elif self.want_max:
             self.path = WITH_MAX
         elif self.backend == registry.TORCH and (drop is not None or (self.want_lse and query.dtype == torch.float64)):
@@ -111,7 +115,8 @@ class Plan:
             B, Hq, L, _ = query.shape
             for mod in self.rechecked:
                 bounds.check_mod(mod, B, Hq, L, key.shape[-2], "flex_attention", block_mask)
-        key, value = in_dtype_of(query, key), in_dtype_of(query, value)
+        if self.casts:
+            key, value = in_dtype_of(query, key), in_dtype_of(query, value)
         score_mod, mask_mod, scale = self.score_mod, self.mask_mod, self.scale
         path, max_scores = self.path, None
         if path == FORWARD:
@@ -137,7 +142,8 @@ class Plan:
         else:
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False,
                                            lse_dtype=self.lse_dtype, dropout=drop, sinks=sinks)
-        out = laid_out_like(out, query)
+        if out.stride() != self.out_strides:
+            out = laid_out_like(out, query)
         if lse is not None and lse.dtype != self.lse_dtype:
             lse = lse.to(self.lse_dtype)
         return out, lse, max_scores

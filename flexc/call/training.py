@@ -13,7 +13,7 @@ import torch
 
 from ..backends import dropout
 from ..backends.cpu.torch_cpu import forward_with_max, torch_backward, torch_forward
-from ..backends.layout import laid_out_like
+from ..backends.layout import laid_out_like, output_strides
 from ..dtypes import work_dtype
 from .plan import falls_back, warn_fallback
 from .sinks import sink_grad
@@ -30,12 +30,14 @@ class Trainer(NamedTuple):
     options: dict
     slots: tuple
     fallback: str | None  # the backend whose generated backward this call trains without (warned once)
+    grad_strides: tuple  # the strides the query's, key's and value's gradients are returned with
 
 
 def trainer(forward: Callable, training: tuple | None, score_mod: Any, mask_mod: Any, scale: float, options: dict,
-            slots: tuple) -> Trainer:
-    """The :class:`Trainer` of a plan's calls."""
-    return Trainer(forward, training, score_mod, mask_mod, scale, options, tuple(slots), falls_back(forward, training))
+            slots: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Trainer:
+    """The :class:`Trainer` of a plan's calls (inputs of the layouts of ``query``, ``key``, ``value``)."""
+    return Trainer(forward, training, score_mod, mask_mod, scale, options, tuple(slots), falls_back(forward, training),
+                   tuple(output_strides(t.shape, t) for t in (query, key, value)))
 
 
 class FlexAttentionFunction(torch.autograd.Function):
@@ -89,7 +91,14 @@ class FlexAttentionFunction(torch.autograd.Function):
             dq, dk, dv, buf_grads = torch_backward(query, key, value, out, saved, grad_out, grad_lse, score_mod,
                                                    mask_mod, block_mask, scale, slots, dropout=ctx.dropout,
                                                    sinks=sinks)
-        dq, dk, dv = laid_out_like(dq, query), laid_out_like(dk, key), laid_out_like(dv, value)
+        # laid out as torch returns gradients (the backend's own layout when it is that one already)
+        q_strides, k_strides, v_strides = trainer.grad_strides
+        if dq.stride() != q_strides:
+            dq = laid_out_like(dq, query)
+        if dk.stride() != k_strides:
+            dk = laid_out_like(dk, key)
+        if dv.stride() != v_strides:
+            dv = laid_out_like(dv, value)
         # the sinks' gradient, eagerly from the output, dO and the logsumexp (no kernel computes it:
         # it is one pass over the output per call, flexc.call.sinks.sink_grad)
         d_sinks = (sink_grad(sinks, out, grad_out, lse, grad_lse) if sinks is not None and ctx.needs_input_grad[6]
