@@ -9,6 +9,7 @@ import torch
 
 import flexc
 from flexc.backends.cpu import band_calls, causal_call, fused_cpu
+from flexc.call import plans
 from reference import dense_attention
 
 B, H, L, S, E = 2, 4, 300, 260, 16  # ragged: neither length a multiple of the blocks
@@ -242,6 +243,7 @@ def test_fused_backward_over_runs_of_rows_takes_tall_calls_and_matches_float64(m
     tall = []
     real = fused_cpu.backward_rows
     monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+    monkeypatch.setattr(plans, "prepare_recorded", lambda *args: None)  # (nor torch's own node for causal)
     monkeypatch.setattr(fused_cpu, "backward_rows", lambda *a: tall.append(len(a[10]) > 1) or real(*a))
     q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float64, seed=6))
     bm = flexc.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=(16, 16))
