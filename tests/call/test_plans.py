@@ -180,6 +180,24 @@ def test_a_training_plans_backward_takes_each_calls_gradient_layouts(precise, co
     assert len(counted) == 1
 
 
+def test_a_kept_training_plan_keeps_no_output_or_gradient_of_its_calls(counted):
+    """What a training plan keeps for later calls (argument tails, grids, constexprs) holds no tensor
+    of a call: the output and the gradient fed to the backward are freed once the caller drops them."""
+    import gc
+    import weakref
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=7))
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    options = {"BACKEND": "TRITON", "PRECISE_GRADIENTS": False}  # (the prologue path)
+    out = flexc.flex_attention(q, k, v, block_mask=bm, kernel_options=options)
+    grad_out = torch.randn(out.shape)
+    torch.autograd.grad(out, (q, k, v), grad_out)
+    dropped = [weakref.ref(out), weakref.ref(grad_out)]
+    del out, grad_out
+    gc.collect()
+    assert [ref() for ref in dropped] == [None, None]
+    assert len(counted) == 1
+
+
 def test_tables_without_write_counts_are_planned_at_every_call(counted):
     """Tables made under inference mode have no version counter: an in-place edit cannot be seen,
     so no plan is kept for them (each call decides again, and follows the edit), and flexc says so once."""

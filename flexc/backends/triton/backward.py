@@ -91,8 +91,9 @@ def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dty
                     kernel: cache.Kernel | None = None, kept: dict | None = None, rows: EmptyMaker | None = None):
     """Run the prologue kernel: ``(delta, lse2)``, each ``[B, Hq, L]`` contiguous in ``work_dtype``
     (``stats``: the forward's ``[2, B, Hq, L]``, or its two planes; ``kernel``: the prologue's, when the
-    caller keeps it; ``kept``: where a caller of one signature keeps the launch's grid and arguments past
-    the tensors, by the tensors' strides; ``rows``: makes the two, when the caller keeps it)."""
+    caller keeps it; ``kept``: where a caller of one signature keeps the launch's grid, the arguments
+    after its tensors and its constexprs, by the tensors' strides (no tensor of a call is kept);
+    ``rows``: makes the two, when the caller keeps it)."""
     if rows is None:
         rows = EmptyMaker(stats[0].shape, work_dtype, out.device)
     delta, lse2 = rows(), rows()
@@ -104,7 +105,7 @@ def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dty
     args, constants = launcher.prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2,
                                                   known[1] if known is not None else None)
     if kept is not None and known is None:
-        kept[strides] = (grid, (args, constants))
+        kept[strides] = (grid, (args[launcher.PROLOGUE_TENSORS:], constants))
     gpu.launch(kernel.fn, grid, spec, out.device, args, constants)
     return delta, lse2
 

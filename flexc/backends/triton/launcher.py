@@ -468,19 +468,22 @@ def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.T
             dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad))
 
 
+PROLOGUE_TENSORS = 7  # the prologue's tensor arguments, first in its signature (prologue_arguments)
+
+
 def prologue_arguments(spec: PrologueSpec, out: torch.Tensor, grad_out: torch.Tensor, stats: torch.Tensor,
                        grad_lse: torch.Tensor | None, delta: torch.Tensor, lse2: torch.Tensor,
-                       kept: tuple[list, dict] | None = None) -> tuple[list, dict]:
+                       tail: tuple[list, dict] | None = None) -> tuple[list, dict]:
     """The backward prologue's positional and constexpr arguments: ``out``, ``grad_out`` ``[B, Hq, L, Ev]``,
     the forward's statistics ``stats`` ``[2, B, Hq, L]`` (or its two planes) and ``grad_lse`` (None: no gradient) ``[B, Hq, L]``
-    into ``delta`` and ``lse2`` (contiguous). ``kept``: what an earlier call of the same signature,
-    ``grad_out`` strides and ``grad_lse`` strides returned, when the caller keeps it (its tensors are
-    replaced, its lengths, strides and constexprs kept)."""
+    into ``delta`` and ``lse2`` (contiguous). ``tail``: an earlier call's arguments after the first
+    :data:`PROLOGUE_TENSORS` and its constexprs, for a call of the same signature and the same
+    ``grad_out`` and ``grad_lse`` strides, when the caller keeps them."""
     has_grad_lse = grad_lse is not None
     grad_lse = grad_lse if has_grad_lse else delta  # an unread stand-in
     tensors = [out, grad_out, stats[0], stats[1], grad_lse, delta, lse2]
-    if kept is not None:
-        return tensors + kept[0][7:], kept[1]
+    if tail is not None:
+        return tensors + tail[0], tail[1]
     return ([*tensors, out.shape[2], out.shape[3], *out.stride(), *grad_out.stride(), *stats[0].stride(),
              *grad_lse.stride(), delta.stride(0), delta.stride(1)],
             dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad, HAS_GRAD_LSE=has_grad_lse))
@@ -527,7 +530,7 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
     return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
 
 
-__all__ = ["INT32_OFFSET_LIMIT", "LastTables", "backward_arguments", "backward_argument_tail", "backward_constexprs", "guards_nonfinite_inputs", "backward_grid", "backward_rows_grid", "backward_outputs", "backward_output_makers",
+__all__ = ["INT32_OFFSET_LIMIT", "LastTables", "PROLOGUE_TENSORS", "backward_arguments", "backward_argument_tail", "backward_constexprs", "guards_nonfinite_inputs", "backward_grid", "backward_rows_grid", "backward_outputs", "backward_output_makers",
            "backward_tables", "buffer_arguments", "check_dropout", "check_query_blocks", "check_sinks",
            "decode_arguments", "decode_grid",
            "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",
