@@ -62,14 +62,15 @@ def output_strides(shape: tuple, reference: torch.Tensor) -> tuple[int, ...]:
     return tuple(strides_like(tuple(shape), ref))
 
 
-def laid_out_like(t: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+def laid_out_like(t: torch.Tensor, reference: torch.Tensor, strides: tuple | None = None) -> torch.Tensor:
     """``t`` with :func:`output_strides` (a query permuted from [B, L, H, D] gives an output whose
     transpose back is free), as torch returns outputs and gradients; copies only when ``t`` is laid
     out otherwise. The strides never depend on ``t``'s own, so every path that produces ``t``
-    (backends, the custom operators' real and fake implementations) returns the same ones."""
-    if t.shape == reference.shape and t.stride() == reference.stride() == row_major(reference.shape):
-        return t  # (the common case, read on every call: a row-major reference's own strides)
-    strides = output_strides(t.shape, reference)
+    (backends, the custom operators' real and fake implementations) returns the same ones.
+    ``strides``: :func:`output_strides` of ``t``'s shape and ``reference``, when the caller keeps them
+    (a plan's calls all have them)."""
+    if strides is None:
+        strides = output_strides(t.shape, reference)
     if t.stride() == strides:
         return t
     return t.new_empty_strided(t.shape, strides).copy_(t)

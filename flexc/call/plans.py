@@ -72,8 +72,7 @@ class Plan:
         self.backend, self.want_lse, self.want_max = choice.backend, choice.want_lse, choice.want_max
         self.slots, self.generated = choice.slots, choice.generated
         self.lse_dtype = work_dtype(query.dtype)
-        # the strides flex_attention returns its output with (the signature fixes them): an output
-        # a backend allocated so is returned as it is, without asking laid_out_like each call
+        # the strides flex_attention returns its output with (the signature fixes them), worked out once
         self.out_strides = output_strides((*query.shape[:3], value.shape[3]), query)
         # the mods whose bounds depend on captured values: checked again at each call
         self.rechecked = tuple(m for m in (self.score_mod, self.mask_mod) if bounds.has_checks(m))
@@ -142,8 +141,7 @@ class Plan:
         else:
             out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False,
                                            lse_dtype=self.lse_dtype, dropout=drop, sinks=sinks)
-        if out.stride() != self.out_strides:
-            out = laid_out_like(out, query)
+        out = laid_out_like(out, query, self.out_strides)
         if lse is not None and lse.dtype != self.lse_dtype:
             lse = lse.to(self.lse_dtype)
         return out, lse, max_scores

@@ -93,12 +93,8 @@ class FlexAttentionFunction(torch.autograd.Function):
                                                    sinks=sinks)
         # laid out as torch returns gradients (the backend's own layout when it is that one already)
         q_strides, k_strides, v_strides = trainer.grad_strides
-        if dq.stride() != q_strides:
-            dq = laid_out_like(dq, query)
-        if dk.stride() != k_strides:
-            dk = laid_out_like(dk, key)
-        if dv.stride() != v_strides:
-            dv = laid_out_like(dv, value)
+        dq, dk = laid_out_like(dq, query, q_strides), laid_out_like(dk, key, k_strides)
+        dv = laid_out_like(dv, value, v_strides)
         # the sinks' gradient, eagerly from the output, dO and the logsumexp (no kernel computes it:
         # it is one pass over the output per call, flexc.call.sinks.sink_grad)
         d_sinks = (sink_grad(sinks, out, grad_out, lse, grad_lse) if sinks is not None and ctx.needs_input_grad[6]
