@@ -100,6 +100,15 @@ class EmptyMaker:
         return torch.empty_like(self.template)
 
 
+def empty_maker_like(sample: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Makes uninitialised tensors with ``sample``'s shape, strides, dtype and device (an
+    :class:`EmptyMaker` for a row-major sample); holds no sample tensor."""
+    if sample.stride() == row_major(sample.shape):
+        return EmptyMaker(sample.shape, sample.dtype, sample.device)
+    return functools.partial(torch.empty_strided, tuple(sample.shape), sample.stride(), dtype=sample.dtype,
+                             device=sample.device)
+
+
 def output_maker(reference: torch.Tensor, shape: tuple | None = None, dtype: torch.dtype | None = None
                  ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``make(reference)``: uninitialised ``shape`` tensors (the reference's by default) in ``dtype``
@@ -118,5 +127,5 @@ def output_maker(reference: torch.Tensor, shape: tuple | None = None, dtype: tor
     return functools.partial(empty_like_reference, shape, dtype=dtype)
 
 
-__all__ = ["EmptyMaker", "output_maker", "empty_like_reference", "laid_out_like", "output_strides", "row_major",
+__all__ = ["EmptyMaker", "empty_maker_like", "output_maker", "empty_like_reference", "laid_out_like", "output_strides", "row_major",
            "strides_like"]

@@ -20,7 +20,7 @@ from ...codegen.scalars import lift_for_call
 from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod
 from ..dropout import Dropout
-from ..layout import empty_like_reference
+from ..layout import empty_like_reference, empty_maker_like
 from . import cache, config, launcher, retry
 
 MAX_PACKED = 128  # GQA group x query rows in one tile
@@ -183,8 +183,8 @@ class WarmDecode:
         self.grid = launcher.decode_grid(out_split)
         self.direct = False  # whether a gathered row's tables are passed as they are (set by the launch)
         self.work = out_split.dtype
-        # (shape, strides) of each result, allocated by empty_strided: torch.empty parses a torch.Size slower
-        self.layouts = tuple((tuple(t.shape), t.stride()) for t in (out_split, lse_split, out, lse))
+        # what allocates each result as the first call's (torch.empty with its keywords costs about twice as much)
+        self.makers = tuple(empty_maker_like(t) for t in (out_split, lse_split, out, lse))
         merge_args, self.merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
                                                                     query.shape[2], query.shape[1], sinks)
         self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
@@ -194,9 +194,8 @@ class WarmDecode:
         """``(out, lse)`` of a call of ``launch`` with these tensors, ``tables`` (the kernel's, in order) and mods."""
         spec, device, work = launch.spec, launch.device, self.work
         kernel = cache.get_kernel(spec, device, launch.kernel_key)
-        splits, lse_splits, outs, lses = self.layouts
-        out_split = torch.empty_strided(*splits, dtype=work, device=device)
-        lse_split = torch.empty_strided(*lse_splits, dtype=work, device=device)
+        new_out_split, new_lse_split, new_out, new_lse = self.makers
+        out_split, lse_split = new_out_split(), new_lse_split()
         constants = self.constants
         if self.guard_per_call:
             constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
@@ -207,8 +206,7 @@ class WarmDecode:
                                                         *self.tail], constants)
         merge = launch.merge
         launcher.check_sinks(merge, sinks)
-        out = torch.empty_strided(*outs, dtype=query.dtype, device=device)
-        lse = torch.empty_strided(*lses, dtype=work, device=device)
+        out, lse = new_out(), new_lse()
         merge_args = [out_split, lse_split, out, lse, *self.merge_tail]
         if sinks is not None:
             merge_args += launcher.sink_arguments(sinks, work)
