@@ -439,7 +439,8 @@ class BlockMask:
         padded = (*index, slice(None), slice(None), slice(None))[:3]
         sizes = self.kv_num_blocks.shape[:3]
         index = tuple(_keep_dim(i, n) for i, n in zip(padded, sizes))
-        row = _one_row(index, sizes[2]) if not torch.compiler.is_compiling() else None
+        t = one_row_index(index) if not torch.compiler.is_compiling() else None
+        row = _row_of(t, sizes[2]) if t is not None else None
         if row is not None:  # decoding's block_mask[:, :, pos // 128]
             sliced = self._row_slice(row)
             if sliced is not None:
@@ -548,23 +549,9 @@ class BlockMask:
                          dq_kv_order_spt=self.dq_kv_order_spt)
 
 
-_ALL = slice(None)
-_ROW_DTYPES = (torch.int64, torch.int32)
-
-
-def _one_row(index: tuple, rows: int) -> int | None:
-    """The row ``r`` when ``index`` is ``[:, :, t]`` with ``t`` a one-element CPU integer tensor
-    holding ``r`` in ``[0, rows)``, else None (negative or out-of-range values are left to advanced
-    indexing, which wraps or raises IndexError)."""
-    i = index[2]
-    if index[0] == index[1] == _ALL and type(i) is torch.Tensor and i.dim() == 1 and i.numel() == 1 \
-            and i.dtype in _ROW_DTYPES:
-        return _row_of(i, rows)
-    return None
-
-
 def _row_of(i: torch.Tensor, rows: int) -> int | None:
-    """The row a one-element integer tensor ``i`` holds if it is on the CPU and in ``[0, rows)``, else None."""
+    """The row a one-element integer tensor ``i`` holds if it is on the CPU and in ``[0, rows)``, else None
+    (negative or out-of-range values are left to advanced indexing, which wraps or raises IndexError)."""
     # (a GPU's index stays on the device: reading it would be a sync; simulated GPUs take that path too)
     if i.is_cpu and not is_gpu(i.device):
         row = int(i)
