@@ -14,6 +14,7 @@ from ..backends import dropout, registry
 from ..backends.triton.backward import backward_source
 from ..backends.triton.forward import plan_forward
 from ..backends.triton.sources import sources_text
+from .forward_path import GENERATED, forward_path
 from .plan import generated_backward_fallback, plan_call, prepare_call
 from .sinks import check_sinks
 
@@ -69,9 +70,12 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
                     f"backward\n# (flexc.backends.cpu.torch_cpu.torch_backward, per query row on {query.device}) "
                     f"after the generated forward.\n")
         return backward_source(query, value, traced_score, traced_mask, block_mask, options, dropout=bool(dropout_p))
-    forward = plan_forward(query, key, value, traced_score, traced_mask, block_mask, options,
-                           plan.want_lse or plan.training, training=plan.generated is not None,
-                           dropout=bool(dropout_p), sinks=rows is not None)
+    # the forward a call runs (training saves the logsumexp, or the generated pair's statistics)
+    want_lse = plan.want_lse or plan.training
+    path = forward_path(plan.backend, plan.generated is not None, plan.want_max, want_lse, query.dtype,
+                        bool(dropout_p))
+    forward = plan_forward(query, key, value, traced_score, traced_mask, block_mask, options, want_lse,
+                           training=path == GENERATED, dropout=bool(dropout_p), sinks=rows is not None)
     return sources_text(forward.kernels, query.device)
 
 

@@ -23,21 +23,21 @@ import torch
 from ..analysis import bounds
 from ..backends import dropout as dropouts
 from ..backends import registry
-from ..backends.cpu.torch_cpu import forward_with_max, prepare_recorded
+from ..backends.cpu.torch_cpu import prepare_recorded
 from ..backends.layout import laid_out_like, output_strides
 from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
+from .forward_path import Forward
 from .plan import in_dtype_of, plan_call, prepare_call
 from .plan_store import PlanStore
 from .signature import call_signature, held
-from .training import FlexAttentionFunction, backend_keywords, trainer
+from .training import FlexAttentionFunction, trainer
 
-# the paths a call takes, decided once per plan
+# the paths a call takes, decided once per plan (which forward computes the output, training or
+# not: flexc.call.forward_path, the rule compiled calls follow too)
 RECORDED = "recorded"  # training on TORCH through ops autograd records itself, when the inputs allow
 TRAINED = "trained"  # training through flexc's autograd Function (the backend's generated backward, or torch's)
-WITH_MAX = "with max"  # the TORCH row loop, also returning the row maxima
-ROWS = "rows"  # the TORCH row loop: dropout, or a float64 logsumexp
-FORWARD = "forward"  # the backend's forward
+FORWARD = "forward"  # the forward forward_path chose, without autograd
 
 
 class Plan:
@@ -76,7 +76,6 @@ class Plan:
         self.out_strides = output_strides((*query.shape[:3], value.shape[3]), query)
         # the mods whose bounds depend on captured values: checked again at each call
         self.rechecked = tuple(m for m in (self.score_mod, self.mask_mod) if bounds.has_checks(m))
-        self.prepared: Callable | None = None
         self.recorded: Callable | None = None
         if choice.training:
             self.path = (RECORDED if self.backend == registry.TORCH and drop is None and sinks is None
@@ -89,18 +88,17 @@ class Plan:
                 self.generated = prepare(query, key, value, self.score_mod, self.mask_mod, block_mask, self.scale,
                                          self.options, self.slots, drop is not None, sinks is not None,
                                          same_tables=self.same_tables)
-            self.trainer = trainer(registry.BACKENDS[self.backend], self.generated, self.score_mod, self.mask_mod,
-                                   self.scale, self.options, self.slots, query, key, value)
-        elif self.want_max:
-            self.path = WITH_MAX
-        elif self.backend == registry.TORCH and (drop is not None or (self.want_lse and query.dtype == torch.float64)):
-            self.path = ROWS  # (the row loop draws the dropout; a float64 lse for float64 inputs, as torch's)
+            # (the logsumexp always: the backward reads it, or the generated pair's statistics)
+            forward = Forward(self.backend, self.generated, query, key, value, self.score_mod, self.mask_mod,
+                              block_mask, self.scale, self.options, True, self.want_max, drop is not None,
+                              sinks is not None, same_tables=self.same_tables)
+            self.trainer = trainer(registry.BACKENDS[self.backend], forward, self.generated, self.score_mod,
+                                   self.mask_mod, self.scale, self.options, self.slots, query, key, value)
         else:
             self.path = FORWARD
-            prepare = registry.PREPARE.get(self.backend)
-            if prepare is not None:
-                self.prepared = prepare(query, key, value, self.score_mod, self.mask_mod, block_mask,
-                                        self.scale, self.options, self.want_lse, drop is not None, sinks is not None)
+            self.forward = Forward(self.backend, None, query, key, value, self.score_mod, self.mask_mod, block_mask,
+                                   self.scale, self.options, self.want_lse, self.want_max, drop is not None,
+                                   sinks is not None, same_tables=self.same_tables)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
             drop: dropouts.Dropout | None, sinks: torch.Tensor | None
@@ -116,31 +114,17 @@ class Plan:
                 bounds.check_mod(mod, B, Hq, L, key.shape[-2], "flex_attention", block_mask)
         if self.casts:
             key, value = in_dtype_of(query, key), in_dtype_of(query, value)
-        score_mod, mask_mod, scale = self.score_mod, self.mask_mod, self.scale
-        path, max_scores = self.path, None
+        path = self.path
         if path == FORWARD:
-            if self.prepared is not None:
-                out, lse = self.prepared(query, key, value, block_mask, drop, sinks, same_tables=self.same_tables)
-            else:
-                out, lse = registry.BACKENDS[self.backend](query, key, value, score_mod, mask_mod, block_mask, scale,
-                                                           self.options, self.want_lse,
-                                                           **backend_keywords(drop, sinks))
+            out, lse, max_scores, _ = self.forward.run(query, key, value, self.score_mod, self.mask_mod, block_mask,
+                                                       drop, sinks)
         elif path == RECORDED and self.recorded is not None and (recorded := self.recorded(query, key, value)) is not None:
-            out, lse = recorded, None  # torch's own autograd nodes: no Python in the backward
-        elif path in (RECORDED, TRAINED):
-            grad_buffers = [score_mod.buffers[i] for i in self.slots] if self.slots else ()
-            out, lse = FlexAttentionFunction.apply(query, key, value, self.trainer, block_mask, drop, sinks,
-                                                   *grad_buffers)
-            if self.want_max:
-                with torch.no_grad():
-                    max_scores = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                                  dropout=drop)[2]
-        elif path == WITH_MAX:
-            out, lse, max_scores = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                                    lse_dtype=self.lse_dtype, dropout=drop, sinks=sinks)
+            out, lse, max_scores = recorded, None, None  # torch's own autograd nodes: no Python in the backward
         else:
-            out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, need_max=False,
-                                           lse_dtype=self.lse_dtype, dropout=drop, sinks=sinks)
+            score_mod = self.score_mod
+            grad_buffers = [score_mod.buffers[i] for i in self.slots] if self.slots else ()
+            out, lse, max_scores = FlexAttentionFunction.apply(query, key, value, self.trainer, block_mask, drop,
+                                                               sinks, *grad_buffers)
         out = laid_out_like(out, query, self.out_strides)
         if lse is not None and lse.dtype != self.lse_dtype:
             lse = lse.to(self.lse_dtype)
@@ -186,4 +170,4 @@ def cache_clear() -> None:
     clear_kernels()
 
 
-__all__ = ["FORWARD", "Plan", "RECORDED", "ROWS", "TRAINED", "WITH_MAX", "cache_clear", "clear", "plan_for"]
+__all__ = ["FORWARD", "Plan", "RECORDED", "TRAINED", "cache_clear", "clear", "plan_for"]

@@ -11,10 +11,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..backends import dropout
-from ..backends.cpu.torch_cpu import forward_with_max, torch_backward, torch_forward
+from ..backends.cpu.torch_cpu import torch_backward
 from ..backends.layout import laid_out_like, output_strides
 from ..dtypes import work_dtype
+from .forward_path import Forward, backend_keywords
 from .plan import falls_back, warn_fallback
 from .sinks import sink_grad
 
@@ -22,7 +22,7 @@ from .sinks import sink_grad
 class Trainer(NamedTuple):
     """What :class:`FlexAttentionFunction` runs for the calls of one plan, decided with the plan."""
 
-    forward: Callable  # the backend's forward (registry.BACKENDS)
+    forward: Forward  # the forward that saves what the backward reads (flexc.call.forward_path's rule)
     training: tuple[Callable, Callable] | None  # its generated (forward, backward), prepared; None: torch's backward
     score_mod: Any  # the call's traced mods, scale, options and the score_mod's slots that receive gradients
     mask_mod: Any
@@ -33,18 +33,20 @@ class Trainer(NamedTuple):
     grad_strides: tuple  # the strides the query's, key's and value's gradients are returned with
 
 
-def trainer(forward: Callable, training: tuple | None, score_mod: Any, mask_mod: Any, scale: float, options: dict,
-            slots: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Trainer:
-    """The :class:`Trainer` of a plan's calls (inputs of the layouts of ``query``, ``key``, ``value``)."""
-    return Trainer(forward, training, score_mod, mask_mod, scale, options, tuple(slots), falls_back(forward, training),
-                   tuple(output_strides(t.shape, t) for t in (query, key, value)))
+def trainer(backend_forward: Callable, forward: Forward, training: tuple | None, score_mod: Any, mask_mod: Any,
+            scale: float, options: dict, slots: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+            ) -> Trainer:
+    """The :class:`Trainer` of a plan's calls (inputs of the layouts of ``query``, ``key``, ``value``) on the
+    backend whose registered forward is ``backend_forward``."""
+    return Trainer(forward, training, score_mod, mask_mod, scale, options, tuple(slots),
+                   falls_back(backend_forward, training), tuple(output_strides(t.shape, t) for t in (query, key, value)))
 
 
 class FlexAttentionFunction(torch.autograd.Function):
     """Forward on the chosen backend; backward by its generated kernels, or recomputing scores per
     query row on the torch path. ``apply(query, key, value, trainer, block_mask, drop, sinks,
-    *grad_buffers)``: the non-tensor arguments in one :class:`Trainer` (what autograd's apply reads
-    per argument costs a warm call's host time)."""
+    *grad_buffers)`` returns ``(out, lse, row maxima or None)``; the non-tensor arguments in one
+    :class:`Trainer` (what autograd's apply reads per argument costs a warm call's host time)."""
 
     @staticmethod
     def forward(ctx, query, key, value, trainer: Trainer, block_mask, drop, sinks, *grad_buffers):
@@ -52,19 +54,8 @@ class FlexAttentionFunction(torch.autograd.Function):
             warn_fallback(trainer.score_mod, trainer.fallback)
         ctx.trainer, ctx.block_mask, ctx.dropout = trainer, block_mask, drop
         ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no zeros made and read back
-        extra = backend_keywords(drop, sinks)
-        score_mod, mask_mod, scale, options = trainer.score_mod, trainer.mask_mod, trainer.scale, trainer.options
-        stats = None
-        if trainer.training is not None:
-            out, lse, stats = trainer.training[0](query, key, value, score_mod, mask_mod, block_mask, scale, options,
-                                                  **extra)
-        elif trainer.forward is torch_forward and (query.dtype == torch.float64 or drop is not None):
-            # a float64 logsumexp, for the backward and for the caller (torch returns float64 too)
-            out, lse, _ = forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale,
-                                           need_max=False, lse_dtype=work_dtype(query.dtype), **extra)
-        else:
-            out, lse = trainer.forward(query, key, value, score_mod, mask_mod, block_mask, scale, options, True,
-                                       **extra)
+        out, lse, row_max, stats = trainer.forward.run(query, key, value, trainer.score_mod, trainer.mask_mod,
+                                                       block_mask, drop, sinks)
         # what the backward reads: the generated backward's own statistics, else the logsumexp; with
         # sinks also the logsumexp and the sinks, for the sinks' gradient
         saved = lse if stats is None else stats
@@ -73,10 +64,12 @@ class FlexAttentionFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(query, key, value, out, saved, lse, sinks)
         lse_dtype = work_dtype(query.dtype)
-        return out, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype))
+        if row_max is not None:
+            ctx.mark_non_differentiable(row_max)
+        return out, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype)), row_max
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out, grad_lse, grad_max=None):
         query, key, value, out, saved, *with_sinks = ctx.saved_tensors
         lse, sinks = with_sinks or (None, None)
         trainer, block_mask = ctx.trainer, ctx.block_mask
@@ -102,17 +95,4 @@ class FlexAttentionFunction(torch.autograd.Function):
         return (dq, dk, dv, None, None, None, d_sinks, *buf_grads)
 
 
-def backend_keywords(drop: dropout.Dropout | None, sinks: torch.Tensor | None) -> dict:
-    """A backend function's keywords for a call's dropout and sinks: ``dropout=drop`` when the call
-    drops (a backend without dropout support is never asked: :func:`flexc.call.plan.dropout_backend`)
-    and ``sinks=rows`` (``[B or 1, Hq, 1]``) when it has sinks; a call without them passes nothing,
-    so it runs exactly the sink-free, dropout-free kernels."""
-    keywords: dict = {}
-    if drop is not None:
-        keywords["dropout"] = drop
-    if sinks is not None:
-        keywords["sinks"] = sinks
-    return keywords
-
-
-__all__ = ["FlexAttentionFunction", "Trainer", "backend_keywords", "trainer"]
+__all__ = ["FlexAttentionFunction", "Trainer", "trainer"]

@@ -97,7 +97,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     arguments equal to their defaults, which the autograd formula could not tell from the inputs it is given).
     """
     return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                        seq_lengths, scale, kernel_options, need_max, True, _dropout(dropout_p, seed), sinks)
+                        seq_lengths, scale, kernel_options, need_max, True, True, _dropout(dropout_p, seed), sinks)
 
 
 def _forward_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -108,7 +108,7 @@ def _forward_inference(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_forward` for calls without gradients; the logsumexp is empty unless ``need_lse``."""
     return _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                        seq_lengths, scale, kernel_options, need_max, need_lse, _dropout(dropout_p, seed),
+                        seq_lengths, scale, kernel_options, need_max, need_lse, False, _dropout(dropout_p, seed),
                         sinks)[:3]
 
 
@@ -118,21 +118,23 @@ def _dropout(dropout_p: float, seed: Optional[torch.Tensor]) -> Dropout | None:
 
 
 def _saves_stats(kernel_options: str, dropout_p: float) -> bool:
-    """Whether the forward runs a backend's training forward (:data:`flexc.backends.registry.TRAINING`), which
+    """Whether the training op's forward runs a backend's training forward (:data:`flexc.backends.registry.TRAINING`), which
     returns the generated backward's statistics (e.g. :func:`flexc.backends.triton.backward.forward_for_training`)."""
     return training_pair(dropout_backend(options_of(kernel_options)["BACKEND"], dropout_p)) is not None
 
 
 def _run_forward(query, key, value, tables, score_buffers, mask_buffers, score_mod, mask_mod, block_size,
-                 seq_lengths, scale, kernel_options, need_max, need_lse, drop=None, sinks=None):
+                 seq_lengths, scale, kernel_options, need_max, need_lse, training, drop=None, sinks=None):
+    """``training``: the op autograd records (its forward saves what the backward op reads)."""
     score, mask = _mods(score_mod, score_buffers, mask_mod, mask_buffers)
     block_mask = _block_mask(tables, block_size, seq_lengths, mask)
     constants = ("forward", score_mod, mask_mod, tuple(block_size), tuple(seq_lengths), scale, kernel_options,
-                 need_max, need_lse, drop.p if drop is not None else 0.0)
+                 need_max, need_lse, training, drop.p if drop is not None else 0.0)
     plan = op_plan(op_signature(query, key, value, tables, score_buffers, mask_buffers, constants, sinks),
                    lambda: OpPlan(query, key, value, score, mask, block_mask, scale, kernel_options,
-                                  drop.p if drop is not None else 0.0, sinks, True, need_max, need_lse))
-    out, lse, row_max, stats = plan.forward(query, key, value, score, mask, block_mask, scale, drop, sinks)
+                                  drop.p if drop is not None else 0.0, sinks, True, need_max, need_lse,
+                                  training=training))
+    out, lse, row_max, stats = plan.forward(query, key, value, score, mask, block_mask, drop, sinks)
     if row_max is None:
         row_max = query.new_empty((0,), dtype=torch.float32)
     # laid out as an eager call returns it (the query's dimension order, flexc.backends.layout) whatever a

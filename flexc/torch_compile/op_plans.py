@@ -17,17 +17,14 @@ import functools
 import json
 from typing import Any, Callable
 
-import torch
-
 from ..analysis import bounds
 from ..backends import registry
-from ..backends.cpu.torch_cpu import forward_with_max
 from ..call import validate
+from ..call.forward_path import GENERATED, Forward
 from ..call.plan import dropout_backend
 from ..call.plan_store import PlanStore
 from ..call.signature import Unkeyable, Unpinned, environment_signature, held, tensor_signature
 from ..codegen.printer import precise_math_for
-from ..dtypes import work_dtype
 from ..masks.empty_entries import without_empty_entries
 from ..versions import contents_states, rememberable
 
@@ -72,11 +69,14 @@ def op_signature(query, key, value, tables, score_buffers, mask_buffers, constan
 
 class OpPlan:
     """What every call of one compiled signature runs (see the module docstring): the forward op's
-    (``forward``; ``need_max``, ``need_lse``), else the backward op's (``grad_slots``)."""
+    (``forward``; ``need_max``, ``need_lse``; ``training``: the op that autograd records, whose
+    forward runs the backend's training forward where it has one, since its backward op reads that
+    forward's statistics), else the backward op's (``grad_slots``). Which forward runs is
+    :mod:`flexc.call.forward_path`'s rule, as in eager calls."""
 
     def __init__(self, query, key, value, score, mask, block_mask, scale: float, kernel_options: str,
                  dropout_p: float, sinks, forward: bool = True, need_max: bool = False, need_lse: bool = True,
-                 grad_slots: tuple = ()):
+                 grad_slots: tuple = (), training: bool = True):
         B, Hq, L, _ = query.shape
         if block_mask is not None and forward:  # the value checks eager flex_attention makes (dynamo cannot read values)
             validate.check_block_tables(block_mask, L, key.shape[2])
@@ -90,12 +90,9 @@ class OpPlan:
             self.rechecked = any(bounds.has_checks(m) for m in (score, mask))
         self.options = options_of(kernel_options)
         self.backend = dropout_backend(self.options["BACKEND"], dropout_p)
-        self.generated = training_pair(self.backend)
-        self.lse_dtype = work_dtype(query.dtype)
-        self.need_max, self.need_lse = need_max, need_lse
+        self.generated = training_pair(self.backend) if training else None
         # the backend's functions decided for this signature: they read each call's tables and captured
         # tensors, and take the mods as the call gives them (the planned structure is theirs)
-        self.prepared: Callable | None = None
         self.prepared_training = False
         score, mask = precise_math_for(self.options, score, mask)  # FAST_MATH=False, as in eager calls
         dropped, has_sinks = dropout_p > 0, sinks is not None
@@ -105,12 +102,15 @@ class OpPlan:
                 self.generated = prepare(query, key, value, score, mask, compacted, scale, self.options, grad_slots,
                                          dropped, has_sinks, compiled=True, same_tables=True)
                 self.prepared_training = True
-        elif forward and not (self.backend == registry.TORCH and (need_max or query.dtype == torch.float64
-                                                                  or dropped)):
-            prepare = registry.PREPARE.get(self.backend)
-            if prepare is not None:
-                self.prepared = prepare(query, key, value, score, mask, compacted, scale, self.options, need_lse,
-                                        dropped, has_sinks)
+        self.forward_plan: Forward | None = None
+        # (whether the forward reads only the captured tensors of the mods a call passes: prepared ones do)
+        self.prepared_forward = False
+        if forward:
+            self.forward_plan = Forward(self.backend, self.generated, query, key, value, score, mask, compacted,
+                                        scale, self.options, need_lse, need_max, dropped, has_sinks, compiled=True,
+                                        same_tables=True)
+            self.prepared_forward = (self.prepared_training if self.forward_plan.path == GENERATED
+                                     else self.forward_plan.prepared is not None)
 
     def block_mask(self, block_mask: Any) -> Any:
         """This call's BlockMask as its kernels read it (compacted when the plan's tables needed it)."""
@@ -121,34 +121,16 @@ class OpPlan:
         the functions were prepared (then only their captured tensors are read)."""
         return (score, mask) if self.prepared_training else precise_math_for(self.options, score, mask)
 
-    def forward(self, query, key, value, score, mask, block_mask, scale: float, drop, sinks):
+    def forward(self, query, key, value, score, mask, block_mask, drop, sinks):
         """The op's forward on this call's tensors: ``(out, lse, row maxima or None, stats or None)``."""
         block_mask = self.block_mask(block_mask)
         if self.rechecked:
             for traced in (score, mask):
                 bounds.check_mod(traced, query.shape[0], query.shape[1], query.shape[2], key.shape[-2],
                                  "flex_attention", block_mask)
-        options = self.options
-        if self.generated is not None:  # the forward that also serves the generated backward (drawing the dropout mask)
-            score, mask = self.training_mods(score, mask)
-            out, lse, stats = self.generated[0](query, key, value, score, mask, block_mask, scale, options,
-                                                dropout=drop, sinks=sinks)
-            return out, lse, None, stats
-        if self.prepared is not None:
-            out, lse = self.prepared(query, key, value, block_mask, drop, sinks, (score, mask), same_tables=True)
-            return out, lse, None, None
-        score, mask = precise_math_for(options, score, mask)
-        if self.backend == registry.TORCH and (self.need_max or query.dtype == torch.float64 or drop is not None):
-            # (the row loop: row maxima, dropout, and a float64 logsumexp for float64 inputs)
-            out, lse, row_max = forward_with_max(query, key, value, score, mask, block_mask, scale,
-                                                 need_max=self.need_max, lse_dtype=self.lse_dtype, dropout=drop,
-                                                 sinks=sinks)
-            return out, lse, row_max, None
-        # the registered forward, as an eager call runs it (validation let through only what it takes)
-        extra = {"sinks": sinks} if sinks is not None else {}
-        out, lse = registry.BACKENDS[self.backend](query, key, value, score, mask, block_mask, scale, options,
-                                                   self.need_lse, **extra)
-        return out, lse, None, None
+        if not self.prepared_forward:
+            score, mask = precise_math_for(self.options, score, mask)
+        return self.forward_plan.run(query, key, value, score, mask, block_mask, drop, sinks)
 
 
 def op_plan(found: tuple | None, make: Callable[[], OpPlan]) -> OpPlan:

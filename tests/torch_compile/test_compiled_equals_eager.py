@@ -10,11 +10,14 @@ derivative, not the Function's backward) and a torch.dot of captured rows failed
 both are checked here, and a row lookup nested in another stays traceable."""
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flexc
+import flexc.call.forward_path as forward_path_module
 import flexc.call.training as training_module
 import flexc.torch_compile.custom_ops as custom_ops_module
 from catalogue import score_catalogue
@@ -136,3 +139,59 @@ def test_a_function_under_compile_keeps_its_backward(fresh_dynamo):
     dq_inlined = torch.autograd.grad(inlined.sum(), q64)[0]
     torch.testing.assert_close(dq_compiled, dq_eager, atol=1e-6, rtol=1e-5)
     assert (dq_eager.double() - dq_inlined).abs().max() > 1e-3
+
+
+def _path_cases(q, k, v, q64, k64, v64, sinks):
+    """The calls whose forward eager and compiled rules used to choose apart, in one graph."""
+    causal = flexc.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device="cpu")
+    torch_options = {"BACKEND": "TORCH"}
+    both = flexc.AuxRequest(lse=True, max_scores=True)
+    out, aux = flexc.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + (qi - ki) * 0.1,
+                                    block_mask=causal, kernel_options=torch_options, return_aux=both, sinks=sinks)
+    return [
+        flexc.flex_attention(q64, k64, v64, block_mask=causal, kernel_options=torch_options),  # no lse
+        *flexc.flex_attention(q64, k64, v64, block_mask=causal, kernel_options=torch_options, return_lse=True),
+        flexc.flex_attention(q, k, v, block_mask=causal, kernel_options=torch_options, dropout_p=0.25),  # training
+        out, aux.lse, aux.max_scores,  # training with row maxima and sinks
+        *flexc.flex_attention(q.detach(), k, v, block_mask=causal, kernel_options={"BACKEND": "TRITON"},
+                              return_lse=True),  # inference
+    ]
+
+
+def test_eager_and_compiled_calls_ask_one_rule_for_their_forward_and_agree(fresh_dynamo, monkeypatch):
+    """Eager calls, their training and the compiled ops ask one rule which forward runs
+    (:func:`flexc.call.forward_path.forward_path`) and get the same answers where their own ladders
+    differed: a float64 call without the logsumexp (compiled took the row loop), TRITON inference
+    (compiled ran the training forward) and row maxima in training (eager ran a second forward for
+    them, its output taken from the other). Outputs, float64 logsumexps, row maxima, sinks, dropout
+    draws and gradients are identical."""
+    asked = []
+
+    def spy(*arguments):
+        path = rule(*arguments)
+        asked.append((*arguments, path))
+        return path
+    rule = forward_path_module.forward_path
+    monkeypatch.setattr(forward_path_module, "forward_path", spy)
+    q, k, v = random_qkv(B, H, H, L, L, E, seed=25)
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    sinks = torch.linspace(-1.0, 1.0, H)
+    results = {}
+    for name, fn in (("eager", _path_cases), ("compiled", torch.compile(_path_cases, backend="aot_eager",
+                                                                        fullgraph=True))):
+        flexc.cache_clear()  # (every plan made now, asking the rule)
+        asked.clear()
+        trained = q.clone().requires_grad_()
+        torch.manual_seed(26)  # (the dropout's seed, drawn in the graph as eagerly)
+        outs = fn(trained, k, v, q64, k64, v64, sinks)
+        grad = torch.autograd.grad(sum(o.sum() for o in outs[3:6]), trained)[0]
+        results[name] = (outs, grad, collections.Counter(asked))
+    (eager, eager_grad, eager_asked), (compiled, compiled_grad, compiled_asked) = results.values()
+    assert compiled_asked == eager_asked
+    assert sorted(path for *_, path in eager_asked.elements()) == sorted(
+        ["forward", "rows", "rows", "rows", "forward"])
+    assert [o.dtype for o in compiled] == [o.dtype for o in eager]
+    assert compiled[2].dtype == torch.float64  # a float64 logsumexp for float64 inputs
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        assert torch.equal(c, e), i
+    assert torch.equal(compiled_grad, eager_grad)
