@@ -2,7 +2,8 @@
 
 :func:`flex_attention` and :func:`flexc.kernel_source` both decide here, so the source shown is the
 source launched; the torch.compile path uses the same choices (:func:`choose_backend`,
-:func:`generated_backward_applies`).
+:func:`generated_backward_applies`), and all of them ask :mod:`flexc.call.forward_path` which
+forward runs.
 """
 from __future__ import annotations
 

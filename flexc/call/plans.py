@@ -3,10 +3,11 @@
 A :class:`Plan` holds everything a call decides before its kernels run: the validated scale and
 options, the traced mods, whether the BlockMask's empty entries need compacting, the backend
 (:func:`flexc.call.plan.plan_call`),
-the path through training, the logsumexp and the row maxima, and the backend's forward decided for
-these shapes (:data:`flexc.backends.registry.PREPARE`: for TRITON the kernels, tables, grids and
-constants). :func:`plan_for` finds it by the call's signature (:mod:`flexc.call.signature`) or makes
-it, so a warm call checks its signature, allocates its outputs and launches.
+the path through training, the logsumexp and the row maxima, and the forward that computes the
+output (:mod:`flexc.call.forward_path`, the rule compiled calls follow too) decided for these shapes
+(:data:`flexc.backends.registry.PREPARE`: for TRITON the kernels, tables, grids and constants).
+:func:`plan_for` finds it by the call's signature (:mod:`flexc.call.signature`) or makes it, so a
+warm call checks its signature, allocates its outputs and launches.
 
 What depends on tensor values is not decided once: kernels read the captured tensors and the
 BlockMask at each call, the bounds checks of a mod that indexes a captured tensor with another's
