@@ -82,10 +82,14 @@ class Forward:
 def _runner(path: str, backend: str, pair: tuple | None, prepared: Callable | None, scale: float, options: dict,
             want_lse: bool, want_max: bool, lse_dtype: torch.dtype, compiled: bool, same_tables: bool) -> Callable:
     """:attr:`Forward.run` for ``path``."""
-    if prepared is not None:
+    if prepared is not None and compiled:  # (the prepared forward reads these mods' captured tensors)
         def run(query, key, value, score_mod, mask_mod, block_mask, drop, sinks):
-            out, lse = prepared(query, key, value, block_mask, drop, sinks, (score_mod, mask_mod) if compiled else None,
+            out, lse = prepared(query, key, value, block_mask, drop, sinks, (score_mod, mask_mod),
                                 same_tables=same_tables)
+            return out, lse, None, None
+    elif prepared is not None:  # (the plan's own mods: the same objects)
+        def run(query, key, value, score_mod, mask_mod, block_mask, drop, sinks):
+            out, lse = prepared(query, key, value, block_mask, drop, sinks, same_tables=same_tables)
             return out, lse, None, None
     elif path == GENERATED:
         training_forward = pair[0]

@@ -100,6 +100,7 @@ class Plan:
             self.forward = Forward(self.backend, None, query, key, value, self.score_mod, self.mask_mod, block_mask,
                                    self.scale, self.options, self.want_lse, self.want_max, drop is not None,
                                    sinks is not None, same_tables=self.same_tables)
+            self.run_forward = self.forward.run
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
             drop: dropouts.Dropout | None, sinks: torch.Tensor | None
@@ -117,15 +118,16 @@ class Plan:
             key, value = in_dtype_of(query, key), in_dtype_of(query, value)
         path = self.path
         if path == FORWARD:
-            out, lse, max_scores, _ = self.forward.run(query, key, value, self.score_mod, self.mask_mod, block_mask,
+            out, lse, max_scores, _ = self.run_forward(query, key, value, self.score_mod, self.mask_mod, block_mask,
                                                        drop, sinks)
         elif path == RECORDED and self.recorded is not None and (recorded := self.recorded(query, key, value)) is not None:
             out, lse, max_scores = recorded, None, None  # torch's own autograd nodes: no Python in the backward
         else:
             score_mod = self.score_mod
             grad_buffers = [score_mod.buffers[i] for i in self.slots] if self.slots else ()
-            out, lse, max_scores = FlexAttentionFunction.apply(query, key, value, self.trainer, block_mask, drop,
-                                                               sinks, *grad_buffers)
+            outputs = FlexAttentionFunction.apply(query, key, value, self.trainer, block_mask, drop, sinks,
+                                                  *grad_buffers)
+            out, lse, max_scores = outputs[0], outputs[1], outputs[2] if self.want_max else None
         out = laid_out_like(out, query, self.out_strides)
         if lse is not None and lse.dtype != self.lse_dtype:
             lse = lse.to(self.lse_dtype)

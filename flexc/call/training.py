@@ -45,7 +45,8 @@ def trainer(backend_forward: Callable, forward: Forward, training: tuple | None,
 class FlexAttentionFunction(torch.autograd.Function):
     """Forward on the chosen backend; backward by its generated kernels, or recomputing scores per
     query row on the torch path. ``apply(query, key, value, trainer, block_mask, drop, sinks,
-    *grad_buffers)`` returns ``(out, lse, row maxima or None)``; the non-tensor arguments in one
+    *grad_buffers)`` returns ``(out, lse)``, and the row maxima third when the plan wants them
+    (a None output would cost every call autograd's handling of it); the non-tensor arguments in one
     :class:`Trainer` (what autograd's apply reads per argument costs a warm call's host time)."""
 
     @staticmethod
@@ -64,12 +65,14 @@ class FlexAttentionFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(query, key, value, out, saved, lse, sinks)
         lse_dtype = work_dtype(query.dtype)
-        if row_max is not None:
-            ctx.mark_non_differentiable(row_max)
-        return out, (lse if lse.dtype == lse_dtype else lse.to(lse_dtype)), row_max
+        lse = lse if lse.dtype == lse_dtype else lse.to(lse_dtype)
+        if row_max is None:
+            return out, lse
+        ctx.mark_non_differentiable(row_max)
+        return out, lse, row_max
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse, grad_max=None):
+    def backward(ctx, grad_out, grad_lse, *grad_max):
         query, key, value, out, saved, *with_sinks = ctx.saved_tensors
         lse, sinks = with_sinks or (None, None)
         trainer, block_mask = ctx.trainer, ctx.block_mask
