@@ -190,6 +190,7 @@ def test_backend_dispatch_uses_the_registered_forward_and_trains_through_the_tor
         return torch_forward(*args)
 
     monkeypatch.setitem(registry.BACKENDS, "TRITON", fake_triton)
+    monkeypatch.delitem(registry.PREPARE, "TRITON", raising=False)  # (else its forward prepared per signature runs)
     monkeypatch.delitem(registry.TRAINING, "TRITON", raising=False)  # no generated backward: the torch one
     q, k, v = (t.double().requires_grad_() for t in _qkv())
     out = flexc.flex_attention(q, k, v, kernel_options={"BACKEND": "TRITON"})
