@@ -15,12 +15,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..backends import dropout, registry
+from ..backends import dropout
 from ..backends.layout import laid_out_like
 from ..dtypes import work_dtype
 from . import plans, validate
 from .plan import (AuxOutput, AuxRequest, CallPlan, FallbackWarning, choose_backend, falls_back,  # noqa: F401
-                   generated_backward_fallback, in_dtype_of, plan_call, prepare_call, warn_fallback)
+                   generated_backward_fallback, in_dtype_of, plan_call, prepare_call, wanted_outputs, warn_fallback)
 from .sinks import check_sinks
 
 
@@ -127,11 +127,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     options = validate.check_kernel_options(kernel_options)
     key, value = in_dtype_of(query, key), in_dtype_of(query, value)
     backend = options["BACKEND"] = choose_backend(options, query.device)
-    want_max = bool(return_aux is not None and return_aux.max_scores)
-    if want_max and backend != registry.TORCH:
-        raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
-                         f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
-    want_lse = return_lse or bool(return_aux is not None and return_aux.lse)
+    want_lse, want_max = wanted_outputs(backend, return_lse, return_aux)
     from ..torch_compile import under_compile  # (the compile path, imported when a compiled call needs it)
 
     out, lse, max_scores = under_compile.flex_attention(query, key, value, score_mod, block_mask, scale, options,

@@ -144,6 +144,18 @@ def falls_back(forward: Callable, training: Any) -> str | None:
     return next((name for name in registry.TRAINING if registry.BACKENDS.get(name) is forward), None)
 
 
+def wanted_outputs(backend: str, return_lse: bool, return_aux: Any) -> tuple[bool, bool]:
+    """``(want_lse, want_max)`` of a call on ``backend``: the logsumexp (``return_lse`` or
+    ``return_aux.lse``) and the row maxima (``return_aux.max_scores``, which only the TORCH backend's
+    row loop computes: raises on another). Eager and compiled calls."""
+    want_lse = bool(return_lse) or bool(return_aux is not None and return_aux.lse)
+    want_max = bool(return_aux is not None and return_aux.max_scores)
+    if want_max and backend != registry.TORCH:
+        raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
+                         f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
+    return want_lse, want_max
+
+
 class CallPlan(NamedTuple):
     """What one eager :func:`flex_attention` call runs, decided by :func:`plan_call` for the call
     itself and for :func:`flexc.kernel_source` (one rule, so the source shown is the one launched)."""
@@ -178,11 +190,7 @@ def plan_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     # (over the tiles ``block_mask`` lists: no path evaluates a mod elsewhere)
     bounds.check_mod(score_mod, B, Hq, L, S, "flex_attention", block_mask)
     bounds.check_mod(mask_mod, B, Hq, L, S, "flex_attention", block_mask)
-    want_lse = bool(return_lse) or bool(return_aux is not None and return_aux.lse)
-    want_max = bool(return_aux is not None and return_aux.max_scores)
-    if want_max and backend != registry.TORCH:
-        raise ValueError(f"flex_attention: return_aux.max_scores is supported by the TORCH backend only, got "
-                         f"BACKEND={backend!r}. Fix: pass kernel_options={{'BACKEND': 'TORCH'}} or drop max_scores.")
+    want_lse, want_max = wanted_outputs(backend, return_lse, return_aux)
     slots = trainable_slots(score_mod)
     if training is None:
         training = torch.is_grad_enabled() and (
