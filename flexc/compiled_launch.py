@@ -16,15 +16,21 @@ arguments ``JITFunction.run`` passes it (every parameter in signature order, con
 defaults included), on the current stream, with Triton's launch hooks. Any argument this cannot
 classify, a kernel with pre-run hooks, or Triton's stage-inspection hook sends the launch through
 ``JITFunction.run`` every time. Triton 3.6 and 3.9 make the same ``CompiledKernel.run`` call.
+
+``FLEXC_COMPILED_LAUNCH=0`` (read at import; :data:`ENABLED` at run time) launches every kernel
+through ``JITFunction.run``: what ``bench/gpu.py`` compares against, and a way around this module
+should a Triton release change the launcher's call.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Any
 
 import torch
 
+ENABLED = os.environ.get("FLEXC_COMPILED_LAUNCH", "1") != "0"  # (see the module docstring)
 MAX_KERNELS = 16  # specializations kept per kernel function (the oldest dropped past that)
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = {float: float, bool: bool, type(None): None}  # (Triton does not specialize these by value)
@@ -84,7 +90,7 @@ class CompiledLaunches:
                fixed: int = 0) -> None:
         """``fn[grid](*args, **constants, **options)`` on the current CUDA device (``device_index``);
         ``fixed`` as :meth:`key` takes it."""
-        key = self.key(fn, args, constants, options, device_index, fixed)
+        key = self.key(fn, args, constants, options, device_index, fixed) if ENABLED else None
         kept = self.kernels.get(key) if key is not None else None
         if kept is None:
             kernel = fn[grid](*args, **constants, **options)
@@ -131,4 +137,4 @@ def launches_of(fn: Any) -> CompiledLaunches:
     return launches
 
 
-__all__ = ["CompiledLaunches", "MAX_KERNELS", "arguments_key", "current_stream", "launches_of"]
+__all__ = ["CompiledLaunches", "ENABLED", "MAX_KERNELS", "arguments_key", "current_stream", "launches_of"]

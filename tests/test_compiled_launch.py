@@ -174,3 +174,7 @@ def test_a_warm_launch_calls_the_compiled_kernel_with_every_parameter(monkeypatc
     launches.launch(fn, (5,), [y, 128, 0.25], {"BLOCK": 16}, options, 0, fixed=2)
     launches.launch(fn, (5,), [y, 128.0, 0.25], {"BLOCK": 16}, options, 0, fixed=2)
     assert len(fn.runs) == 9 and fn.compiled[7].calls == [kernel.calls[0]]
+    # FLEXC_COMPILED_LAUNCH=0: every launch through JITFunction.run
+    monkeypatch.setattr(compiled_launch, "ENABLED", False)
+    launches.launch(fn, (5,), [y, 128, 0.25], {"BLOCK": 16}, options, 0)
+    assert len(fn.runs) == 10 and len(kernel.calls) == 1
