@@ -48,7 +48,9 @@ cases it did not run; one still busy 60 s past its share is stopped by a watchdo
    flexc's output checked against torch's.
 5. decode: one token per step, B=4, Hq=32, Hkv=8, KV cache 16K, 4K, 1K (``--decode-lengths``),
    causal and sliding window, each step captured in a CUDA graph (flexc's also with 4 warps).
-6. host time: wall time per eager call (a small forward, a decoding step), flexc and torch compiled.
+6. host time: wall time per eager call (a small forward, a decoding step), flexc and torch compiled;
+   the forward also with flexc's launches through Triton's ``JITFunction.run``
+   (``FLEXC_COMPILED_LAUNCH=0``), whose output must equal the compiled launch's bit for bit.
 7. block-mask build: a causal document mask (1000-token documents) at L=32K (both) and 128K (flexc).
 
 Every table has a flexc/torch column: torch's time over flexc's (> 1: flexc faster). The tables
@@ -1199,7 +1201,9 @@ def part_host_time(ctx: Context, run: Run, deadline: float) -> None:
                 row["flexc_error"] = e
             row[who] = short_error(e)
 
-    def forward() -> dict:
+    from flexc import compiled_launch  # (FLEXC_COMPILED_LAUNCH: flexc's launches through JITFunction.run)
+
+    def forward(through_jit: bool = False) -> dict:
         B, H, L, D = s.host_forward
         g = torch.Generator().manual_seed(4)
         q, k, v = (_randn((B, H, L, D), torch.bfloat16, device, g) for _ in range(3))
@@ -1209,7 +1213,18 @@ def part_host_time(ctx: Context, run: Run, deadline: float) -> None:
         def make(lib, call):
             block_mask = lib.create_block_mask(causal, None, None, L, L, device=device)
             return lambda: call(q, k, v, block_mask=block_mask)
-        side(row, "flexc", lambda: make(ctx.flexc, ctx.flexc.flex_attention))
+        enabled = compiled_launch.ENABLED
+        try:
+            compiled_launch.ENABLED = not through_jit
+            side(row, "flexc", lambda: make(ctx.flexc, ctx.flexc.flex_attention))
+            if not through_jit:  # the compiled launch computes what Triton's own launch does, bit for bit
+                call = make(ctx.flexc, ctx.flexc.flex_attention)
+                direct = call()
+                compiled_launch.ENABLED = False
+                if not torch.equal(direct, call()):
+                    row["flexc_error"] = AssertionError("the compiled launch's output differs from JITFunction.run's")
+        finally:
+            compiled_launch.ENABLED = enabled
         side(row, "torch", lambda: make(ctx.torch_flex, ctx.baseline))
         return row
 
@@ -1225,10 +1240,12 @@ def part_host_time(ctx: Context, run: Run, deadline: float) -> None:
     B, H, L, D = s.host_forward
     Bd, Hd, S, Dd = s.host_decode
     labels = {"forward": f"forward B={B}, H={H}, L={L}, D={D}, causal",
+              "forward via JITFunction.run": f"forward B={B}, H={H}, L={L}, D={D}, causal, FLEXC_COMPILED_LAUNCH=0",
               "decode": f"decode B={Bd}, H={Hd}, 1 row, S={S}, D={Dd}"}
 
     def one(what: str) -> dict:
-        row = {"forward": forward, "decode": decode}[what]()
+        row = {"forward": forward, "forward via JITFunction.run": functools.partial(forward, True),
+               "decode": decode}[what]()
         cell_line("host time", labels[what], row, "us", 1e3)
         if "flexc_error" in row:
             raise CaseFailed(row.pop("flexc_error"), row)

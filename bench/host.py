@@ -20,6 +20,10 @@ a call does on the host up to the launch, and nothing of the kernel or of Triton
   forward and backward) on the CPU for real (no simulation, nothing stubbed), flexc with a causal
   BlockMask against ``torch.nn.functional.scaled_dot_product_attention`` with the dense boolean mask
   (bench/cpu_training.py's "small" row): where kernels are this short, host time shows.
+- launch binding, per kernel kind: what a GPU launch costs before Triton's launcher runs, which the
+  stub leaves out: ``JITFunction.run``'s argument binding, specialization and cache key (Triton's
+  binder for an sm_90 target, built without a GPU) against :mod:`flexc.compiled_launch`'s key and
+  argument list, for the arguments of each kind's launch above.
 
 Medians over repetitions (interleaved: each repetition times every row once), one thread, µs per call.
 The last line is a one-line summary.
@@ -43,6 +47,7 @@ sys.path[:0] = [ROOT]  # this checkout's flexc
 import torch  # noqa: E402
 
 import flexc  # noqa: E402
+from flexc import compiled_launch  # noqa: E402
 from flexc import device as gpu  # noqa: E402
 
 B, H, L, D = 1, 8, 256, 64
@@ -52,13 +57,17 @@ BLOCK = 128
 
 
 class LaunchCounter:
-    """Stands in for :func:`flexc.device.launch`: counts the launches and launches nothing."""
+    """Stands in for :func:`flexc.device.launch`: counts the launches and launches nothing; keeps the
+    first launch of each kernel kind (``seen``: name -> (spec, device, args, constexprs))."""
 
     def __init__(self):
         self.count = 0
+        self.seen: dict = {}
 
-    def __call__(self, *args, **kwargs) -> None:
+    def __call__(self, fn, grid, spec, device, args, constants, fixed: int = 0) -> None:
         self.count += 1
+        if spec is not None:
+            self.seen.setdefault(type(spec).__name__.removesuffix("Spec").lower(), (spec, device, args, constants, fixed))
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -159,7 +168,42 @@ def measure(repeats: int = 7, calls: int = 200, clock: Callable[[], float] = tim
     finally:
         gpu.launch = real_launch
         torch.set_num_threads(threads)
+    measure.seen = stub.seen  # (the launches measure_binding times)
     return {name: (us, launches[name]) for name, us in medians.items()}
+
+
+def measure_binding(seen: dict, repeats: int = 7, calls: int = 2000, clock: Callable[[], float] = time.perf_counter
+                    ) -> dict[str, dict[str, float]]:
+    """``{kernel kind: {"triton": µs, "flexc": µs}}`` per launch on a GPU, before the launcher runs:
+    ``JITFunction.run``'s binding, specialization and cache key (Triton's binder for an sm_90 target,
+    built offline) against :mod:`flexc.compiled_launch`'s key and bound arguments, for the arguments
+    each kind's first launch in :func:`measure` had (``seen``: :attr:`LaunchCounter.seen`)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+    from flexc.backends.triton import cache
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    out = {}
+    for kind, (spec, device, args, constants, fixed) in seen.items():
+        generated = cache.generated_for(spec, device)  # (the source a GPU compiles, imported as one)
+        module, _ = cache.import_source(generated.source, "cuda")
+        fn = getattr(module, generated.kernel_name)
+        binder, keys = create_function_from_signature(fn.signature, fn.params, backend), {}
+        options = gpu.launch_options(spec, device)
+        launches = compiled_launch.launches_of(fn)
+
+        def triton_binds():
+            kwargs = dict(constants, **options, debug=False)
+            bound, specialization, opts = binder(*args, **kwargs)
+            return compute_cache_key(keys, specialization, opts), list(bound.values())
+
+        def flexc_binds():
+            return launches.kernels.get(launches.key(fn, args, constants, options, 0, fixed)), launches.bound(args, constants)
+
+        out[kind] = interleaved_medians({"triton": triton_binds, "flexc": flexc_binds}, repeats, calls, clock)
+    return out
 
 
 def interleaved_medians(rows: dict[str, Callable[[], object]], repeats: int, calls: int,
@@ -230,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     B2, H2, L2, D2 = CPU_ROW
     print(f"CPU training step, B={B2} H={H2} L={L2} D={D2} fp32, causal: flexc {cpu['flexc']:.1f} µs, "
           f"SDPA {cpu['sdpa']:.1f} µs")
+    for kind, us in measure_binding(measure.seen, args.repeats).items():
+        print(f"{kind} launch on a GPU, before the launcher: JITFunction.run's binding {us['triton']:.1f} µs, "
+              f"flexc.compiled_launch {us['flexc']:.1f} µs")
     print(summary(results, cpu))
 
 

@@ -29,6 +29,8 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
+from .compiled_launch import launches_of
+
 SIMULATE_ENV = "FLEXC_SIMULATE_DEVICE"
 
 
@@ -303,13 +305,20 @@ def launching(device: torch.device) -> Iterator[None]:
             yield
 
 
-def launch(fn, grid: tuple, spec, device: torch.device, args: list, constants: dict) -> None:
+def launch(fn, grid: tuple, spec, device: torch.device, args: list, constants: dict, fixed: int = 0) -> None:
     """Launch the ``@triton.jit`` kernel ``fn`` of ``spec`` on ``grid`` for tensors on ``device``:
-    compiled in the device's CUDA context, or in Triton's interpreter for CPU tensors (after
-    :func:`check_launch`: a simulated GPU refuses what the real one would)."""
+    compiled in the device's CUDA context (through its compiled launcher once a launch of the same
+    specialization compiled it: :mod:`flexc.compiled_launch`), or in Triton's interpreter for CPU
+    tensors (after :func:`check_launch`: a simulated GPU refuses what the real one would). ``fixed``:
+    how many of the last ``args`` are a plan's scalars, the same at its every launch (keyed faster)."""
     check_launch(grid, spec, device, args)
-    with launching(device):
-        fn[grid](*args, **constants, **launch_options(spec, device))
+    if runs_interpreted(device):
+        with interpreting():
+            fn[grid](*args, **constants, **launch_options(spec, device))
+        return
+    with torch.cuda.device(device):  # (later launches of a specialization skip Triton's argument binding)
+        launches_of(fn).launch(fn, grid, args, constants, launch_options(spec, device),
+                               device.index if device.index is not None else torch.cuda.current_device(), fixed)
 
 
 def launch_options(spec, device: torch.device) -> dict:

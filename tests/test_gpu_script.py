@@ -36,15 +36,15 @@ def test_a_case_forced_to_fail_is_counted_and_listed_and_every_other_case_runs(t
     # every part ran every one of its cases; only the forced one failed
     assert sum(line.startswith("PASS ") for line in lines) == 2
     assert any(line.startswith("CUDA graph: 4 replays with input_pos advanced in place equal dense") for line in lines)
-    for part, cases in (("forward", 5), ("forward+backward", 5), ("decode", 2), ("host time", 2),
+    for part, cases in (("forward", 5), ("forward+backward", 5), ("decode", 2), ("host time", 3),
                         ("block-mask build", 1)):
         assert sum(line.startswith(f"{part} ") and ": flexc " in line for line in lines) == cases - (part == "forward")
     failures = [line for line in lines if line.startswith("FAIL")]
     assert failures == [f"FAIL {forced}: ForcedFailure: forced by --fail-case {forced!r}"] * 2, failures
     summary = lines[-1]
-    assert summary.startswith(f"gpu.py summary: FAILED; 17 passed, 1 failed ({forced}), 0 not run (passed/cases: "
+    assert summary.startswith(f"gpu.py summary: FAILED; 18 passed, 1 failed ({forced}), 0 not run (passed/cases: "
                               "correctness 2/2, capture 1/1, forward 4/5, forward+backward 5/5, decode 2/2, "
-                              "host time 2/2, block-mask build 1/1); flexc/torch speed: forward worst "), summary
+                              "host time 3/3, block-mask build 1/1); flexc/torch speed: forward worst "), summary
     assert f"tables in {out};" in summary
     table = [line for line in lines if line.split()[:4] == ["64", "128", "-", "document"]]
     assert len(table) == 1 and table[0].endswith("FAILED")

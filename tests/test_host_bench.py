@@ -23,6 +23,9 @@ def test_every_row_reaches_the_stubbed_launcher_and_the_summary_names_each():
     line = bench.summary(results)
     for word in ("forward", "forward+lse", "training step", "floor", "decode step", "compiled forward"):
         assert word in line
+    binding = bench.measure_binding(bench.measure.seen, repeats=1, calls=1)  # (each kernel kind launched)
+    assert {"forward", "prologue", "backward", "decode", "merge"} <= set(binding)
+    assert all(us["triton"] > 0 and us["flexc"] > 0 for us in binding.values())
     cpu = bench.measure_cpu_training(repeats=1, calls=1)
     assert cpu["flexc"] > 0 and cpu["sdpa"] > 0
     assert "x SDPA's" in bench.summary(results, cpu)

@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "flexc"
 # torch_compile, which plans it with the call's own rules).
 STAGES = [
     ("flexc._version", "flexc.errors", "flexc.constants", "flexc.dtypes", "flexc.versions", "flexc.device",
-     "flexc.workers"),
+     "flexc.compiled_launch", "flexc.workers"),
     ("flexc.mods",),
     ("flexc.analysis",),
     ("flexc.masks",),

@@ -106,7 +106,9 @@ def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dty
                                                   known[1] if known is not None else None)
     if kept is not None and known is None:
         kept[strides] = (grid, (args[launcher.PROLOGUE_TENSORS:], constants))
-    gpu.launch(kernel.fn, grid, spec, out.device, args, constants)
+    # (the arguments past the tensors are the same at every launch with these strides)
+    gpu.launch(kernel.fn, grid, spec, out.device, args, constants,
+               fixed=len(args) - launcher.PROLOGUE_TENSORS if kept is not None else 0)
     return delta, lse2
 
 
@@ -211,9 +213,10 @@ class BackwardLaunch:
                 self.constants[guard] = constants
             rows_grid, grid = (self.grids if mine else (launcher.backward_rows_grid(spec, query, key),
                                                         launcher.backward_grid(spec, query, key)))
+            fixed = len(tail) if mine else 0  # (the kept tail: the same at every launch with these strides)
             if spec.precise:
-                gpu.launch(first_kernel.fn, rows_grid, spec, device, args, constants)
-            gpu.launch(kernel.fn, grid, spec, device, args, constants)
+                gpu.launch(first_kernel.fn, rows_grid, spec, device, args, constants, fixed)
+            gpu.launch(kernel.fn, grid, spec, device, args, constants, fixed)
             if summed:
                 dk = dk.sum(0, keepdim=True).to(key.dtype)
                 dv = dv.sum(0, keepdim=True).to(value.dtype)

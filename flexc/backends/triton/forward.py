@@ -192,7 +192,7 @@ class ForwardLaunch:
             if spec.tma and not gpu.runs_interpreted(self.device):  # the descriptors' scratch memory
                 tma.ensure_allocator()
             gpu.launch(kernel.fn, self.grid if spec is self.spec else launcher.forward_grid(spec, query), spec,
-                       self.device, args, constants)
+                       self.device, args, constants, len(self.tail) if mine else 0)
 
         if self.worked:
             attempt(spec)

@@ -33,12 +33,12 @@ def launches(monkeypatch):
     launch = gpu.launch
     launched, rule = [], [lambda spec: False]
 
-    def guarded(fn, grid, spec, device, args, constants):
+    def guarded(fn, grid, spec, device, args, constants, fixed=0):
         launched.append(spec)
         error = rule[0](spec)
         if error:
             raise OutOfResources(300000, gpu.facts(device).shared_memory, "shared memory") if error is True else error
-        return launch(fn, grid, spec, device, args, constants)
+        return launch(fn, grid, spec, device, args, constants, fixed)
 
     monkeypatch.setattr(gpu, "launch", guarded)
     kernel_cache.cache_clear()

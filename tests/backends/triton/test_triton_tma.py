@@ -118,11 +118,11 @@ def test_a_tma_kernel_that_fails_to_compile_warns_once_and_runs_with_plain_loads
     tried = []
     error = [PTXASError("no tensor descriptors here")]
 
-    def failing_tma(fn, grid, spec, device, args, constants):
+    def failing_tma(fn, grid, spec, device, args, constants, fixed=0):
         if getattr(spec, "tma", False):
             tried.append(spec)
             raise error[0]
-        return launch(fn, grid, spec, device, args, constants)
+        return launch(fn, grid, spec, device, args, constants, fixed)
 
     monkeypatch.setattr(gpu, "launch", failing_tma)
     kernel_cache.cache_clear()
