@@ -242,3 +242,22 @@ def _drop_a_mask_and_plan_another(backend, counted, gc, weakref):
     _close(flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"BACKEND": backend}),
            dense_attention(q, k, v, mask_mod=window)[0], "a new mask after the first was freed")
     assert len(counted) == 2
+
+
+def test_alternating_signatures_each_run_their_own_plan_and_odd_option_values_are_not_keyed(counted):
+    """The store compares the last plan's signature first: calls alternating between two signatures
+    (scale, options) still run each its own plan, and an option value of no plain type (a tensor, which
+    ``==`` would compare by value) is planned at each call, never matched to another's plan."""
+    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32)
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    for _ in range(2):
+        for scale in (0.25, 0.5, 0.25):
+            _close(flexc.flex_attention(q, k, v, block_mask=bm, scale=scale),
+                   dense_attention(q, k, v, mask_mod=causal, scale=scale)[0], f"scale {scale}")
+    assert len(counted) == 2
+    store = plans._PLANS
+    found = store.get(next(iter(store._plans)))  # (the last plan found is now that one)
+    assert found is not None
+    for blocks in (True, torch.tensor(True), torch.tensor(True)):
+        flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"PRESCALE_QK": blocks})
+    assert len(counted) == 2 + 1 + 2  # (True once; each tensor value planned at its call)
