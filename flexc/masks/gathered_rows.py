@@ -40,7 +40,7 @@ class StackedRows:
     def __init__(self, tables: tuple, states: tuple, token: Any, stacked: torch.Tensor, widths: list,
                  shapes: tuple):
         self.tables, self.states, self.token = tables, states, token
-        self.stacked, self.widths, self.shapes = stacked, widths, shapes
+        self.stacked, self.widths, self.shapes = stacked, tuple(widths), shapes
         device = stacked.device
         # the sliced tables' (shape, dtype, device), as a slice's plan key names them
         self.layout = tuple(None if shape is None else (torch.Size(shape), stacked.dtype, device) for shape in shapes)
@@ -81,13 +81,6 @@ class GatheredRow:
         row = self.row
         return tuple(None if view is None else row.narrow(1, view[0], view[1]).view(view[2])
                      for view in self.source.views)
-
-    def starts(self) -> tuple:
-        """The tables as :meth:`tables` orders them, each a ``[1, n]`` view of :attr:`row` from where
-        it starts (its entries first, then padding): what a kernel told the tables' shapes apart
-        reads, in one view op instead of four."""
-        starts = self.row.split_with_sizes(self.source.widths, 1)
-        return starts if len(starts) == 4 else (*starts, None, None)
 
 
 def one_row_index(index: Any) -> torch.Tensor | None:

@@ -95,8 +95,10 @@ class DecodeLaunch:
 
     def __init__(self, spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False):
+                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False,
+                 need_lse: bool = True):
         self.spec, self.score_mod, self.mask_mod, self.scale = spec, score_mod, mask_mod, scale
+        self.need_lse = need_lse  # (else calls return None for the logsumexp)
         self.device = query.device
         S = value.shape[2]
         self.tables = launcher.LastTables(lambda block_mask: launcher.kv_tables(block_mask, spec, S, self.device))
@@ -112,20 +114,26 @@ class DecodeLaunch:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
                  dropout: Dropout | None = None, sinks: torch.Tensor | None = None, mods: tuple | None = None,
                  same_tables: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`) on its ``block_mask``;
-        ``mods`` and ``same_tables`` as :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
+        """``(out [B,Hq,L,Ev], lse [B,Hq,L] or None unless need_lse)`` of this call (see :func:`launch`) on
+        its ``block_mask``; ``mods`` and ``same_tables`` as
+        :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
         launcher.check_dropout(self.spec, dropout)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         gathered = getattr(block_mask, "gathered_row", None)
         warm = self.warm
         if warm is not None:
             if gathered is not None and warm.direct:
-                # a decoding step's slice gathered on the device: the kernel reads its tables where they
-                # start in the row (their shapes are in the warm arguments)
-                tables = gathered.starts()[:self.n_tables]
+                # a decoding step's slice gathered on the device: the kernel reads every table from the
+                # row, each where it starts (its shape is in the warm arguments), so no view is made
+                constants = warm.row_constants.get(gathered.source.widths)
+                if constants is None:
+                    constants = warm.row_constants[gathered.source.widths] = dict(
+                        warm.constants, **launcher.decode_table_offsets(self.spec, gathered.source.widths))
+                tables = [gathered.row] * self.n_tables
             else:
-                tables = self.tables(block_mask, same_tables)
-            return warm.launch(self, query, key, value, tables, score_mod, mask_mod, dropout, sinks)
+                constants, tables = warm.constants, self.tables(block_mask, same_tables)
+            out, lse = warm.launch(self, query, key, value, tables, score_mod, mask_mod, dropout, sinks, constants)
+            return out, lse if self.need_lse else None
         if gathered is not None and _direct(gathered.row, self.device):
             tables = list(gathered.tables()[:self.n_tables])
         else:
@@ -154,7 +162,7 @@ class DecodeLaunch:
                                    out_split, lse_split, out, lse)
             # (every call of a signature has tables of one dtype and device: a gathered row of this one's)
             self.warm.direct = block_mask is not None and _direct(block_mask.kv_num_blocks, self.device)
-        return out, lse
+        return out, lse if self.need_lse else None
 
 
 def _direct(table: torch.Tensor, device: torch.device) -> bool:
@@ -182,6 +190,8 @@ class WarmDecode:
         self.guard_per_call = spec.mask_mod is not None and gpu.is_plain_cpu(device)
         self.grid = launcher.decode_grid(out_split)
         self.direct = False  # whether a gathered row's tables are passed as they are (set by the launch)
+        # the constexprs of a gathered row passed as every table, by the widths of its tables
+        self.row_constants: dict = {}
         self.work = out_split.dtype
         # what allocates each result as the first call's (torch.empty with its keywords costs about twice as much)
         self.makers = tuple(empty_maker_like(t) for t in (out_split, lse_split, out, lse))
@@ -190,13 +200,14 @@ class WarmDecode:
         self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
         self.merge_grid = launcher.merge_grid(launch.merge, out_split, query.shape[2], query.shape[1])
 
-    def launch(self, launch: DecodeLaunch, query, key, value, tables, score_mod, mask_mod, dropout, sinks):
-        """``(out, lse)`` of a call of ``launch`` with these tensors, ``tables`` (the kernel's, in order) and mods."""
+    def launch(self, launch: DecodeLaunch, query, key, value, tables, score_mod, mask_mod, dropout, sinks,
+               constants: dict):
+        """``(out, lse)`` of a call of ``launch`` with these tensors, ``tables`` (the kernel's, in order), mods
+        and decode constexprs (:attr:`constants`, or :attr:`row_constants`' for a gathered row)."""
         spec, device, work = launch.spec, launch.device, self.work
         kernel = cache.get_kernel(spec, device, launch.kernel_key)
         new_out_split, new_lse_split, new_out, new_lse = self.makers
         out_split, lse_split = new_out_split(), new_lse_split()
-        constants = self.constants
         if self.guard_per_call:
             constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
         buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
