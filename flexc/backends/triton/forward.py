@@ -282,6 +282,8 @@ def _decode_launches(plan: ForwardPlan, query, key, value, block_mask, scale, ke
 
 # the plans whose first kernel is not the forward kernel's, launched by their first kernel's spec type
 PLAN_LAUNCHES = {DecodeSpec: _decode_launches}
+# those whose launch is itself prepare_forward's callable ((out, lse or None) of a call)
+PREPARED_LAUNCHES = {DecodeSpec: _decode_launch}
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
@@ -309,8 +311,9 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     calls pass them; ``mods``, ``same_tables``: see :meth:`ForwardLaunch.__call__`)."""
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
                         dropout=dropout, sinks=sinks)
-    if plan.kernels and type(plan.kernels[0]) is DecodeSpec:  # (a decoding step: its launch called directly)
-        return _decode_launch(plan, query, key, value, block_mask, scale, kernel_options, need_lse)
+    direct = PREPARED_LAUNCHES.get(type(plan.kernels[0])) if plan.kernels else None
+    if direct is not None:  # (a decoding step: its launch called directly, no wrapper in between)
+        return direct(plan, query, key, value, block_mask, scale, kernel_options, need_lse)
     launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)
 
     def forward(query, key, value, block_mask, dropout=None, sinks=None, mods=None, same_tables=False):
