@@ -109,7 +109,7 @@ def gather(tables: tuple, kept: StackedRows | None, index: torch.Tensor
         return None, kept
     device = idx.device
     token = gpu.stream_token(device)
-    if not gpu.keeps(token):
+    if token is not None and not gpu.keeps(token):
         return None, kept
     states = table_states(tables)
     if kept is None or kept.tables is not tables or kept.token != token or kept.states != states:

@@ -117,23 +117,12 @@ class DecodeLaunch:
         """``(out [B,Hq,L,Ev], lse [B,Hq,L] or None unless need_lse)`` of this call (see :func:`launch`) on
         its ``block_mask``; ``mods`` and ``same_tables`` as
         :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
+        warm = self.warm
+        if warm is not None:
+            return warm.launch(self, query, key, value, block_mask, dropout, sinks, mods, same_tables)
         launcher.check_dropout(self.spec, dropout)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         gathered = getattr(block_mask, "gathered_row", None)
-        warm = self.warm
-        if warm is not None:
-            if gathered is not None and warm.direct:
-                # a decoding step's slice gathered on the device: the kernel reads every table from the
-                # row, each where it starts (its shape is in the warm arguments), so no view is made
-                constants = warm.row_constants.get(gathered.source.widths)
-                if constants is None:
-                    constants = warm.row_constants[gathered.source.widths] = dict(
-                        warm.constants, **launcher.decode_table_offsets(self.spec, gathered.source.widths))
-                tables = [gathered.row] * self.n_tables
-            else:
-                constants, tables = warm.constants, self.tables(block_mask, same_tables)
-            out, lse = warm.launch(self, query, key, value, tables, score_mod, mask_mod, dropout, sinks, constants)
-            return out, lse if self.need_lse else None
         if gathered is not None and _direct(gathered.row, self.device):
             tables = list(gathered.tables()[:self.n_tables])
         else:
@@ -200,11 +189,24 @@ class WarmDecode:
         self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
         self.merge_grid = launcher.merge_grid(launch.merge, out_split, query.shape[2], query.shape[1])
 
-    def launch(self, launch: DecodeLaunch, query, key, value, tables, score_mod, mask_mod, dropout, sinks,
-               constants: dict):
-        """``(out, lse)`` of a call of ``launch`` with these tensors, ``tables`` (the kernel's, in order), mods
-        and decode constexprs (:attr:`constants`, or :attr:`row_constants`' for a gathered row)."""
-        spec, device, work = launch.spec, launch.device, self.work
+    def launch(self, launch: DecodeLaunch, query, key, value, block_mask, dropout, sinks, mods, same_tables):
+        """:meth:`DecodeLaunch.__call__` of a warm launch (all in one function: it runs every decoding step)."""
+        spec, device = launch.spec, launch.device
+        if spec.dropout != (dropout is not None):
+            launcher.check_dropout(spec, dropout)
+        score_mod, mask_mod = mods if mods is not None else (launch.score_mod, launch.mask_mod)
+        gathered = getattr(block_mask, "gathered_row", None)
+        if gathered is not None and self.direct:
+            # a decoding step's slice gathered on the device: the kernel reads every table from the row,
+            # each where it starts (its shape is in the warm arguments), so no view of it is made
+            widths = gathered.source.widths
+            constants = self.row_constants.get(widths)
+            if constants is None:
+                constants = self.row_constants[widths] = dict(self.constants,
+                                                              **launcher.decode_table_offsets(spec, widths))
+            tables = (gathered.row,) * launch.n_tables
+        else:
+            constants, tables = self.constants, launch.tables(block_mask, same_tables)
         kernel = cache.get_kernel(spec, device, launch.kernel_key)
         new_out_split, new_lse_split, new_out, new_lse = self.makers
         out_split, lse_split = new_out_split(), new_lse_split()
@@ -216,14 +218,15 @@ class WarmDecode:
         gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, out_split, lse_split, *tables, *buffers,
                                                         *self.tail], constants)
         merge = launch.merge
-        launcher.check_sinks(merge, sinks)
+        if merge.sinks != (sinks is not None):
+            launcher.check_sinks(merge, sinks)
         out, lse = new_out(), new_lse()
         merge_args = [out_split, lse_split, out, lse, *self.merge_tail]
         if sinks is not None:
-            merge_args += launcher.sink_arguments(sinks, work)
+            merge_args += launcher.sink_arguments(sinks, self.work)
         gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device, merge_args,
                    self.merge_constants)
-        return out, lse
+        return out, lse if launch.need_lse else None
 
 
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
