@@ -536,7 +536,7 @@ def _fast_hit(fast: _Fast, fn: Any, kind: str | None) -> Any:
         t = type(x)
         if t is torch.Tensor:  # (lifted_cells.liftable_value: plain strided tensors; _memory checks)
             where = _memory(x)
-            if where is None or any([y is x for y in keep]):  # (a tensor in two cells is not lifted)
+            if where is None or keep and any([y is x for y in keep]):  # (a tensor in two cells is not lifted)
                 return _MISSED
             values.append(where)
             keep.append(x)

@@ -88,16 +88,19 @@ def test_a_table_edited_in_place_or_swapped_makes_a_new_plan(backend, counted):
     assert len(counted) == 3
 
 
-def test_a_captured_tensor_swapped_by_data_or_edited_is_read_at_each_call(counted):
-    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=2)
+@pytest.mark.parametrize("rows", [L, 1], ids=["forward", "decode"])
+def test_a_captured_tensor_swapped_by_data_or_edited_is_read_at_each_call(rows, counted):
+    """The captured tensor edited in place or swapped by ``.data`` between warm calls: each call reads it as
+    it is then (the decode launch keeps the plan's captured tensors as its arguments: the same objects)."""
+    q, k, v = random_qkv(B, H, H, rows, L, E, dtype=torch.float32, seed=2)
     bias = torch.randn(H)
 
     def per_head(score, b, h, q_idx, kv_idx):
         return score + bias[h]
-    for step in range(3):
-        if step == 1:
+    for step in range(4):
+        if step == 2:
             bias.mul_(3)
-        elif step == 2:
+        elif step == 3:
             bias.data = torch.randn(H)
         got = flexc.flex_attention(q, k, v, score_mod=per_head, kernel_options={"BACKEND": "TRITON"})
         _close(got, dense_attention(q, k, v, score_mod=per_head)[0], f"step {step}")

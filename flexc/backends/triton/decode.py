@@ -159,6 +159,13 @@ def _direct(table: torch.Tensor, device: torch.device) -> bool:
     return table.dtype == torch.int32 and table.device == device
 
 
+def _as_captured(arguments: list, score_mod: TracedMod | None, mask_mod: TracedMod | None) -> bool:
+    """Whether every tensor among a kernel's mod ``arguments`` is one of the mods' captured tensors itself
+    (no copy to the device, no detached or reinterpreted view: those are made at each call)."""
+    captured = [id(t) for mod in (score_mod, mask_mod) if mod is not None for t in mod.buffers]
+    return all(id(a) in captured for a in arguments if isinstance(a, torch.Tensor))
+
+
 class WarmDecode:
     """What every later call of a :class:`DecodeLaunch` passes alike, read off its first call's arguments:
     the decode kernel's arguments after the captured values (scale, lengths, strides, table shapes), its
@@ -181,6 +188,9 @@ class WarmDecode:
         self.direct = False  # whether a gathered row's tables are passed as they are (set by the launch)
         # the constexprs of a gathered row passed as every table, by the widths of its tables
         self.row_constants: dict = {}
+        # the plan's mods' arguments of the kernel ``generated``, where they are its captured tensors as they are
+        self.plan_buffers: list | None = None
+        self.generated = None
         self.work = out_split.dtype
         # what allocates each result as the first call's (torch.empty with its keywords costs about twice as much)
         self.makers = tuple(empty_maker_like(t) for t in (out_split, lse_split, out, lse))
@@ -212,9 +222,15 @@ class WarmDecode:
         out_split, lse_split = new_out_split(), new_lse_split()
         if self.guard_per_call:
             constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
-        buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
+        buffers = self.plan_buffers if mods is None and kernel.generated is self.generated else None
+        if buffers is None:
+            buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
+            if mods is None and self.plan_buffers is None and _as_captured(buffers, score_mod, mask_mod):
+                # the plan's own mods: their captured tensors themselves (and numbers, strides, sizes), which
+                # every call of the signature passes alike (a new value or layout is another trace and plan)
+                self.plan_buffers, self.generated = buffers, kernel.generated
         if dropout is not None:
-            buffers += launcher.dropout_arguments(dropout, device)
+            buffers = buffers + launcher.dropout_arguments(dropout, device)
         gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, out_split, lse_split, *tables, *buffers,
                                                         *self.tail], constants)
         merge = launch.merge
