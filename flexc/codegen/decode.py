@@ -233,7 +233,7 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         *constexprs(("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS,
                      ("SINGLE_ROW", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES"),
-                     TABLE_OFFSETS[:3 if spec.has_full_blocks else 1]),
+                     TABLE_OFFSETS[:3 if spec.has_full_blocks else 1], ("LSE_SPLIT_AT",)),
     ]
     unspecialised = ["Q_LEN", "KV_LEN", "NUM_SPLITS"] + [b for b in buffers if not b.endswith("_ptr")]
 
@@ -295,11 +295,13 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "    out = acc / l_safe[:, None]",
         f"    lse = tl.where(l_i == 0.0, float(\"-inf\"), (m_i + tl.log2(l_safe)) * {LN2})  # natural log",
         "    # per-split results: out_split [B, Hkv, NUM_SPLITS, BLOCK_M, V_HEAD_DIM], lse_split [B, Hkv, NUM_SPLITS, BLOCK_M]",
+        "    # from LSE_SPLIT_AT entries past its pointer (a warm launch passes one scratch tensor for both)",
         "    slot = (b * KV_HEADS + h_kv) * NUM_SPLITS + split",
         "    tl.store(out_split_ptr + (slot * BLOCK_M + rows[:, None]) * V_HEAD_DIM + offs_dv[None, :],",
         f"             out.to(out_split_ptr.dtype.element_ty), "
         f"mask={bounds('row_in_range[:, None]', head_check(spec, '[None, :]', value=True))})",
-        "    tl.store(lse_split_ptr + slot * BLOCK_M + rows, lse.to(lse_split_ptr.dtype.element_ty), mask=row_in_range)",
+        "    tl.store(lse_split_ptr + LSE_SPLIT_AT + slot * BLOCK_M + rows, lse.to(lse_split_ptr.dtype.element_ty),",
+        "             mask=row_in_range)",
     ]
     return body
 

@@ -192,10 +192,19 @@ class WarmDecode:
         self.plan_buffers: list | None = None
         self.generated = None
         self.work = out_split.dtype
+        # one scratch tensor holds the partial results (both in the work dtype, contiguous, each part 16-byte
+        # aligned) and, when the call returns none, the logsumexp the merge writes: one allocation, not three
+        align = 16 // out_split.element_size()
+        lse_split_at = -(-out_split.numel() // align) * align
+        lse_at = lse_split_at + -(-lse_split.numel() // align) * align
+        self.keeps_lse = launch.need_lse
+        scratch = torch.empty(lse_at + (0 if self.keeps_lse else lse.numel()), dtype=self.work, device=device)
+        self.constants = dict(self.constants, LSE_SPLIT_AT=lse_split_at)
         # what allocates each result as the first call's (torch.empty with its keywords costs about twice as much)
-        self.makers = tuple(empty_maker_like(t) for t in (out_split, lse_split, out, lse))
-        merge_args, self.merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
-                                                                    query.shape[2], query.shape[1], sinks)
+        self.new_scratch, self.new_out, self.new_lse = (empty_maker_like(t) for t in (scratch, out, lse))
+        merge_args, merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
+                                                               query.shape[2], query.shape[1], sinks)
+        self.merge_constants = dict(merge_constants, LSE_SPLIT_AT=lse_split_at, LSE_AT=0 if self.keeps_lse else lse_at)
         self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
         self.merge_grid = launcher.merge_grid(launch.merge, out_split, query.shape[2], query.shape[1])
 
@@ -218,8 +227,7 @@ class WarmDecode:
         else:
             constants, tables = self.constants, launch.tables(block_mask, same_tables)
         kernel = cache.get_kernel(spec, device, launch.kernel_key)
-        new_out_split, new_lse_split, new_out, new_lse = self.makers
-        out_split, lse_split = new_out_split(), new_lse_split()
+        scratch = self.new_scratch()  # (the partial results, and the logsumexp unless the call returns it)
         if self.guard_per_call:
             constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
         buffers = self.plan_buffers if mods is None and kernel.generated is self.generated else None
@@ -231,18 +239,19 @@ class WarmDecode:
                 self.plan_buffers, self.generated = buffers, kernel.generated
         if dropout is not None:
             buffers = buffers + launcher.dropout_arguments(dropout, device)
-        gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, out_split, lse_split, *tables, *buffers,
+        gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, scratch, scratch, *tables, *buffers,
                                                         *self.tail], constants)
         merge = launch.merge
         if merge.sinks != (sinks is not None):
             launcher.check_sinks(merge, sinks)
-        out, lse = new_out(), new_lse()
-        merge_args = [out_split, lse_split, out, lse, *self.merge_tail]
+        out = self.new_out()
+        lse = self.new_lse() if self.keeps_lse else None
+        merge_args = [scratch, scratch, out, scratch if lse is None else lse, *self.merge_tail]
         if sinks is not None:
             merge_args += launcher.sink_arguments(sinks, self.work)
         gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device, merge_args,
                    self.merge_constants)
-        return out, lse if launch.need_lse else None
+        return out, lse
 
 
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -450,7 +450,8 @@ def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key:
                      # variant without bounds checks, as the forward's KV_LEN_DIVISIBLE
                      KV_LEN_DIVISIBLE=S % spec.kv_block_size == 0,
                      # one query row per head: q_idx is the constant 0 (a second variant)
-                     SINGLE_ROW=L == 1, GUARD_NONFINITE_VALUES=guard_values, **decode_table_offsets(spec))
+                     SINGLE_ROW=L == 1, GUARD_NONFINITE_VALUES=guard_values, LSE_SPLIT_AT=0,
+                     **decode_table_offsets(spec))
     return args, constants, (out_split, lse_split)
 
 
@@ -476,7 +477,7 @@ def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.T
     return ([out_split, lse_split, out, lse, splits, rows, L, Hq // Hkv, Ev, *out_split.stride()[:4],
              *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1),
              *sink_arguments(sinks, lse_split.dtype)],
-            dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad))
+            dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad, LSE_SPLIT_AT=0, LSE_AT=0))
 
 
 PROLOGUE_TENSORS = 7  # the prologue's tensor arguments, first in its signature (prologue_arguments)
