@@ -481,13 +481,14 @@ def _guard(fn: Any, lifted: set, depth: int, active: set) -> tuple:
 
 
 def _value_guard(x: Any, depth: int, active: set) -> tuple | None:
-    """The guard of a value met by a snapshot (None: its identity says its snapshot), as :meth:`_Snapshot.value`
-    sees it."""
+    """The guard of a value met by a snapshot (None: its identity says its snapshot; ``(code,)`` for torch's
+    functions, whose identity does while their code is that one), as :meth:`_Snapshot.value` sees it."""
     t = type(x)
     if t in _GUARD_EXACT or x is _MISSING:
         return None
     if t is types.FunctionType:
-        return None if _code_facts(x.__code__)[2] else _guard(x, set(), depth, active)
+        code = x.__code__  # (torch's functions: by identity, while their code is torch's)
+        return (code,) if _code_facts(code)[2] else _guard(x, set(), depth, active)
     if t is types.ModuleType:
         if _is_library_module(x):
             return None
@@ -499,6 +500,8 @@ def _value_guard(x: Any, depth: int, active: set) -> tuple | None:
 
 def _holds(guard: tuple, fn: Any) -> bool:
     """Whether ``fn`` (a function of ``guard``'s code) reads now the very objects ``guard`` names."""
+    if len(guard) == 1:  # a library function, snapshotted by identity
+        return fn.__code__ is guard[0]
     code, name, globs, cells, reads = guard
     if (fn.__code__ is not code or fn.__globals__ is not globs or fn.__name__ != name or fn.__defaults__ is not None
             or fn.__kwdefaults__ is not None):
