@@ -104,7 +104,9 @@ def empty_maker_like(sample: torch.Tensor) -> Callable[[], torch.Tensor]:
     """Makes uninitialised tensors with ``sample``'s shape, strides, dtype and device (an
     :class:`EmptyMaker` for a row-major sample); holds no sample tensor."""
     if sample.stride() == row_major(sample.shape):
-        return EmptyMaker(sample.shape, sample.dtype, sample.device)
+        maker = EmptyMaker(sample.shape, sample.dtype, sample.device)
+        # (torch.empty_like of the template called straight, without the maker's Python call in between)
+        return maker if maker.template is None else functools.partial(torch.empty_like, maker.template)
     return functools.partial(torch.empty_strided, tuple(sample.shape), sample.stride(), dtype=sample.dtype,
                              device=sample.device)
 

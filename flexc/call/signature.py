@@ -44,6 +44,8 @@ from ..versions import contents_states, pinned, rememberable, table_states
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _Q_TABLES = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+_PLAIN_VALUES = (bool, int, float, str, type(None))  # option values a signature keys (compared by value)
+_SCALES = (float, int, type(None))  # scales a signature keys
 
 
 class Unpinned(NamedTuple):
@@ -124,13 +126,28 @@ def mod_signature(traced: TracedMod | None) -> tuple | None:
 
 
 def options_signature(kernel_options: dict | None) -> tuple | None:
+    """The options' items, each value of a plain type (others are not keyed: a signature is compared with
+    ``==``, :class:`flexc.call.plan_store.PlanStore`, which for a tensor would compare values)."""
     if kernel_options is None:
         return None
     if type(kernel_options) is not dict:
         raise Unkeyable
     items = tuple(kernel_options.items())
-    hash(items)  # (TypeError for an unhashable value)
+    for _, v in items:
+        if type(v) not in _PLAIN_VALUES:
+            raise Unkeyable
+    hash(items)  # (TypeError for an unhashable key)
     return items
+
+
+def aux_signature(return_aux: Any) -> tuple | None:
+    """``return_aux``'s type and fields (plain values only, as for the options)."""
+    if return_aux is None:
+        return None
+    for v in return_aux:
+        if type(v) not in _PLAIN_VALUES:
+            raise Unkeyable
+    return (type(return_aux), *return_aux)
 
 
 def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
@@ -154,8 +171,8 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         signature = (tensor_signature(query), tensor_signature(key), tensor_signature(value),
                      None if sinks is None else tensor_signature(sinks), grad, environment_signature(query),
                      block_mask_signature(block_mask, training, keep), mod_signature(traced_score),
-                     mod_signature(traced_mask), scale if type(scale) in (float, int, type(None)) else _unkeyable(),
-                     bool(enable_gqa), bool(return_lse), None if return_aux is None else (type(return_aux), *return_aux),
+                     mod_signature(traced_mask), scale if type(scale) in _SCALES else _unkeyable(),
+                     bool(enable_gqa), bool(return_lse), aux_signature(return_aux),
                      options_signature(kernel_options), None if dropout is None else dropout.p)
     except (Unkeyable, TypeError, AttributeError, ValueError, RuntimeError, NotImplementedError):
         return None
@@ -166,9 +183,11 @@ def environment_signature(query: torch.Tensor) -> tuple:
     """What outside a call's arguments changes its decisions: the simulated GPU, the CUDA stream (a
     plan's device values are made on one; raises :class:`Unkeyable` while a CUDA graph is captured, so
     a capture records every step as it runs), TF32 for fp32 calls, and the registry's changes."""
-    stream = gpu.stream_token(query.device) if query.device.type == "cuda" else None
-    if not gpu.keeps(stream):
-        raise Unkeyable
+    stream = None
+    if query.is_cuda:
+        stream = gpu.stream_token(query.device)
+        if not gpu.keeps(stream):
+            raise Unkeyable
     return (gpu.simulated_facts(), stream, query.dtype == torch.float32 and gpu.allows_tf32(), registry.changes())
 
 

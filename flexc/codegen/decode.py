@@ -35,6 +35,10 @@ from .parts import (KEY_TILE, KV_BASES, VALUE_TILE, attention_source, dot, dropo
 from .spec import AttentionSpec, GeneratedKernel, generates, padded_head_dim
 
 KERNEL_NAME = "flex_decode_split"
+# where the kv tables after the partial counts start, in entries past their pointers (constexprs): 0 for a
+# BlockMask's own tables; a decoding step's gathered row (flexc.masks.gathered_rows) is passed as the
+# pointer of every table, each table at its offset in the row, so the launch makes no view of it
+TABLE_OFFSETS = ("PARTIAL_INDICES_AT", "FULL_COUNTS_AT", "FULL_INDICES_AT")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,7 +232,8 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "stride_vb, stride_vh, stride_vn, stride_vd,",
         "MASK_BATCH, MASK_HEADS, MASK_Q_BLOCKS, MASK_KV_BLOCKS,",
         *constexprs(("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"), HEAD_DIMS,
-                     ("SINGLE_ROW", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES")),
+                     ("SINGLE_ROW", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES"),
+                     TABLE_OFFSETS[:3 if spec.has_full_blocks else 1], ("LSE_SPLIT_AT",)),
     ]
     unspecialised = ["Q_LEN", "KV_LEN", "NUM_SPLITS"] + [b for b in buffers if not b.endswith("_ptr")]
 
@@ -236,14 +241,14 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         return call("acc, l_i, m_i", "attend_range", [
             "acc, l_i, m_i, q, b, h, q_idx,",
             "key_base, value_base, stride_kn, stride_kd, stride_vn, stride_vd,",
-            f"{kind}_block_indices_ptr + mask_row * MASK_KV_BLOCKS, {first}, {last}, scale, KV_LEN,",
+            f"{kind}_block_indices_ptr + {kind.upper()}_INDICES_AT + mask_row * MASK_KV_BLOCKS, {first}, {last}, scale, KV_LEN,",
             *names_line(buffers),
             *dropout_args(spec),
             *keywords((f"IS_FULL_BLOCKS={full}", "KV_LEN_DIVISIBLE", "GUARD_NONFINITE_VALUES"), ("BLOCK_M", "BLOCK_N", "KV_BLOCK_SIZE"),
                       HEAD_DIMS),
         ], "    ")
 
-    full_count = "tl.load(full_block_counts_ptr + mask_row)" if spec.has_full_blocks else "0"
+    full_count = "tl.load(full_block_counts_ptr + FULL_COUNTS_AT + mask_row)" if spec.has_full_blocks else "0"
     body = [
         *jit_def(KERNEL_NAME, params, f"@triton.jit(do_not_specialize={unspecialised!r})"),
         "    split = tl.program_id(0)",
@@ -267,7 +272,8 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "    q = tl.load(query_ptr + b * stride_qb + h * stride_qh + q_idx * stride_qm + offs_d[None, :] * stride_qd,",
         f"                mask={bounds('row_in_range[:, None]', head_check(spec, '[None, :]'))}, "
         f"other=0.0){widen_suffix(spec)}",
-        "    # the group's row of the BlockMask tables (shared by its heads: MASK_HEADS is 1 or GQA_GROUP is 1)",
+        "    # the group's row of the BlockMask tables (shared by its heads: MASK_HEADS is 1 or GQA_GROUP is 1); each",
+        "    # table starts *_AT entries past its pointer (a decoding step's gathered row: one row holds them all)",
         "    mask_row = ((b % MASK_BATCH) * MASK_HEADS + (h_kv * GQA_GROUP) % MASK_HEADS) * MASK_Q_BLOCKS",
         "    n_partial = tl.load(partial_block_counts_ptr + mask_row)",
         f"    n_full = {full_count}",
@@ -289,13 +295,15 @@ def _kernel(spec: DecodeSpec, score, mask) -> list[str]:
         "    out = acc / l_safe[:, None]",
         f"    lse = tl.where(l_i == 0.0, float(\"-inf\"), (m_i + tl.log2(l_safe)) * {LN2})  # natural log",
         "    # per-split results: out_split [B, Hkv, NUM_SPLITS, BLOCK_M, V_HEAD_DIM], lse_split [B, Hkv, NUM_SPLITS, BLOCK_M]",
+        "    # from LSE_SPLIT_AT entries past its pointer (a warm launch passes one scratch tensor for both)",
         "    slot = (b * KV_HEADS + h_kv) * NUM_SPLITS + split",
         "    tl.store(out_split_ptr + (slot * BLOCK_M + rows[:, None]) * V_HEAD_DIM + offs_dv[None, :],",
         f"             out.to(out_split_ptr.dtype.element_ty), "
         f"mask={bounds('row_in_range[:, None]', head_check(spec, '[None, :]', value=True))})",
-        "    tl.store(lse_split_ptr + slot * BLOCK_M + rows, lse.to(lse_split_ptr.dtype.element_ty), mask=row_in_range)",
+        "    tl.store(lse_split_ptr + LSE_SPLIT_AT + slot * BLOCK_M + rows, lse.to(lse_split_ptr.dtype.element_ty),",
+        "             mask=row_in_range)",
     ]
     return body
 
 
-__all__ = ["DecodeSpec", "GeneratedDecode", "KERNEL_NAME", "generate_decode"]
+__all__ = ["DecodeSpec", "GeneratedDecode", "KERNEL_NAME", "TABLE_OFFSETS", "generate_decode"]

@@ -58,6 +58,7 @@ def {name}(
     stride_ob, stride_oh, stride_ol, stride_od,  # out [B, Hq, L, Ev]
     stride_xb, stride_xh,  # lse [B, Hq, L] (L contiguous)
 {sink_params}    BLOCK_ROWS: tl.constexpr, V_HEAD_DIM_PAD: tl.constexpr,
+    LSE_SPLIT_AT: tl.constexpr, LSE_AT: tl.constexpr,  # where lse_split and lse start past their pointers
 ):
     row0 = tl.program_id(0) * BLOCK_ROWS
     hkv = tl.program_id(1)
@@ -65,7 +66,7 @@ def {name}(
     r = row0 + tl.arange(0, BLOCK_ROWS)  # packed rows: query head hkv * G + r // L, query row r % L
     d = tl.arange(0, V_HEAD_DIM_PAD)
     live_row = r < rows
-    lse_base = lse_split + b * stride_lb + hkv * stride_lh + r
+    lse_base = lse_split + LSE_SPLIT_AT + b * stride_lb + hkv * stride_lh + r
     out_base = out_split + b * stride_sb + hkv * stride_sh + r[:, None] * stride_sm + d[None, :]
     tile = live_row[:, None] & (d[None, :] < V_HEAD_DIM)
 {sink_load}    # pass 1: the largest split logsumexp per row
@@ -87,7 +88,7 @@ def {name}(
     q = r % L
     o = out + b * stride_ob + head[:, None] * stride_oh + q[:, None] * stride_ol + d[None, :] * stride_od
     tl.store(o, (acc / total[:, None]).to(out.dtype.element_ty), mask=tile)
-    tl.store(lse + b * stride_xb + head * stride_xh + q, m + tl.log(total), mask=live_row)
+    tl.store(lse + LSE_AT + b * stride_xb + head * stride_xh + q, m + tl.log(total), mask=live_row)
 '''
 
 

@@ -40,7 +40,7 @@ class StackedRows:
     def __init__(self, tables: tuple, states: tuple, token: Any, stacked: torch.Tensor, widths: list,
                  shapes: tuple):
         self.tables, self.states, self.token = tables, states, token
-        self.stacked, self.widths, self.shapes = stacked, widths, shapes
+        self.stacked, self.widths, self.shapes = stacked, tuple(widths), shapes
         device = stacked.device
         # the sliced tables' (shape, dtype, device), as a slice's plan key names them
         self.layout = tuple(None if shape is None else (torch.Size(shape), stacked.dtype, device) for shape in shapes)
@@ -82,13 +82,6 @@ class GatheredRow:
         return tuple(None if view is None else row.narrow(1, view[0], view[1]).view(view[2])
                      for view in self.source.views)
 
-    def starts(self) -> tuple:
-        """The tables as :meth:`tables` orders them, each a ``[1, n]`` view of :attr:`row` from where
-        it starts (its entries first, then padding): what a kernel told the tables' shapes apart
-        reads, in one view op instead of four."""
-        starts = self.row.split_with_sizes(self.source.widths, 1)
-        return starts if len(starts) == 4 else (*starts, None, None)
-
 
 def one_row_index(index: Any) -> torch.Tensor | None:
     """``index[2]`` when ``index`` is ``(:, :, t)`` with ``t`` a one-element 1-D integer tensor, else None."""
@@ -116,7 +109,7 @@ def gather(tables: tuple, kept: StackedRows | None, index: torch.Tensor
         return None, kept
     device = idx.device
     token = gpu.stream_token(device)
-    if not gpu.keeps(token):
+    if token is not None and not gpu.keeps(token):
         return None, kept
     states = table_states(tables)
     if kept is None or kept.tables is not tables or kept.token != token or kept.states != states:

@@ -33,6 +33,12 @@ A closure's cells that its code uses only as operator operands (``q_idx + offset
 (:mod:`flexc.mods.lifted_cells`): the key holds their kind (a Python int or float, or a tensor's dtype,
 shape, device and grad flag) instead of their value, and a template traced once per key gives each
 new value its trace by substitution, so gpt-fast's new ``offset`` each decoding step traces once.
+
+A hit also keeps a *guard* of its function (:func:`_guard`): the objects its snapshot read, where
+each is immutable or compared by identity anyway. The next lookup of that code object checks that
+it finds the very same objects (a few identity checks) and, lifted cells aside, skips the snapshot;
+a mod reaching anything else (a tensor outside a lifted cell, an object, a container, defaults) is
+snapshotted every call, as before.
 """
 from __future__ import annotations
 
@@ -61,6 +67,9 @@ _MISSING = ("missing",)
 _CPU = "cpu"  # a CPU tensor's device in a snapshot (reading x.device builds an object)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _NO_DEFAULTS = (type(None), None)  # what value() makes of None
+# C functions and torch's own classes: snapshotted by identity (they do not change)
+_C_KINDS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType, types.MethodWrapperType,
+            types.MethodDescriptorType, types.GetSetDescriptorType, torch._C._TensorMeta)
 
 
 class _Unknown(Exception):
@@ -146,9 +155,7 @@ class _Snapshot:
             if _is_library_module(x):
                 return self.ident("module", x)
             return (*self.ident("module", x), self.attributes(x, names, depth))
-        if isinstance(x, (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
-                          types.MethodWrapperType, types.MethodDescriptorType, types.GetSetDescriptorType,
-                          torch._C._TensorMeta)) or t.__module__.split(".")[0] == "torch" and not hasattr(x, "__dict__"):
+        if isinstance(x, _C_KINDS) or t.__module__.split(".")[0] == "torch" and not hasattr(x, "__dict__"):
             return self.ident("c", x)  # C functions and torch's own objects do not change
         if isinstance(x, type):
             if x.__module__.split(".")[0] in _LIBRARY_MODULES:
@@ -172,18 +179,13 @@ class _Snapshot:
 
     def tensor(self, x: torch.Tensor) -> tuple:
         self.tensors.add(id(x))
-        if not x.requires_grad and type(x) in _PLAIN_TENSORS and x.layout is torch.strided:
-            try:
-                address = x.data_ptr()
-            except (RuntimeError, NotImplementedError):  # fake or meta tensors: identity only
-                address = 0
-            if address:
-                # the same memory: a view made anew each call reads what the kept one reads, while
-                # the kept one still views it (:func:`still_located`)
-                self.keep.append(x)
-                where = ("memory", address, x.shape, x.stride(), x.dtype, _CPU if x.is_cpu else x.device)
-                self.located.append((x, where))
-                return where
+        where = _memory(x)
+        if where is not None:
+            # the same memory: a view made anew each call reads what the kept one reads, while
+            # the kept one still views it (:func:`still_located`)
+            self.keep.append(x)
+            self.located.append((x, where))
+            return where
         return (*self.ident("tensor", x), x.dtype, x.shape, x.device)
 
     def lifted(self, x: Any) -> tuple:
@@ -197,7 +199,7 @@ class _Snapshot:
             self.lifted_tensors.append(id(x))
             if where[0] == "memory":  # ("memory", address, shape, strides, dtype, device): read once
                 self.lifted_located.append(self.located.pop())
-                return ("lifted tensor", where[4], where[2], where[5], False)  # (keyed by memory: no grad)
+                return _memory_kind(where)
             return ("lifted tensor", x.dtype, x.shape, _CPU if x.is_cpu else x.device, x.requires_grad)
         self.values.append(self.value(x, frozenset(), 0))
         return ("lifted", type(x))
@@ -246,6 +248,24 @@ class _Snapshot:
                 _NO_DEFAULTS if kwdefaults is None else self.value(kwdefaults, names, inner), tuple(cells), reads)
 
 
+def _memory(x: torch.Tensor) -> tuple | None:
+    """``("memory", address, shape, strides, dtype, device)`` of a tensor keyed by the memory it views (one
+    that does not require grad, plain and strided, with an address), else None (keyed by identity)."""
+    if not x.requires_grad and type(x) in _PLAIN_TENSORS and x.layout is torch.strided:
+        try:
+            address = x.data_ptr()
+        except (RuntimeError, NotImplementedError):  # fake or meta tensors: identity only
+            return None
+        if address:
+            return ("memory", address, x.shape, x.stride(), x.dtype, _CPU if x.is_cpu else x.device)
+    return None
+
+
+def _memory_kind(where: tuple) -> tuple:
+    """A lifted cell's kind in the key, for a tensor keyed by memory (so one that does not require grad)."""
+    return ("lifted tensor", where[4], where[2], where[5], False)
+
+
 def snapshot(fn: Callable, lift: tuple[int, ...] = ()) -> tuple[Any, tuple | None, list, tuple] | None:
     """``(key, values of the lifted cells or None, kept objects, located, the key's located)`` describing
     everything ``fn``'s trace can depend on, or None if unknown; ``located``: each tensor keyed by its
@@ -290,8 +310,17 @@ def _lift_cells(fn: Callable) -> tuple[int, ...]:
         return ()
 
 
-# id(code) -> (code, OrderedDict(snapshot key -> (trace, kept objects))); the code object is kept
-# so that its id is never reused while the entry lives
+class _Store(OrderedDict):
+    """One code object's traces: ``snapshot key -> (trace, kept objects, located)``, and ``fast``, the
+    :class:`_Fast` path of its last hit (None before one, :data:`_UNGUARDED` where it cannot be had)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fast: Any = None
+        self.misses = 0  # the fast path's misses in a row (see _MAX_FAST_MISSES)
+
+
+# id(code) -> (code, its _Store); the code object is kept so that its id is never reused while the entry lives
 _STORES: OrderedDict = OrderedDict()
 
 
@@ -312,7 +341,7 @@ def _store(fn: Callable, create: bool = True) -> OrderedDict | None:
         return entry[1]
     if not create:
         return None
-    store: OrderedDict = OrderedDict()
+    store = _Store()
     _STORES[id(code)] = (code, store)
     while len(_STORES) > _MAX_CODES:
         _STORES.popitem(last=False)
@@ -340,6 +369,13 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
     store = _store(fn)
     if store is None:
         return None, None
+    fast = store.fast
+    if fast is not None and fast is not _UNGUARDED:
+        found = _fast_hit(fast, fn, kind) if _holds(fast.guard, fn) else _MISSED
+        if found is not _MISSED:
+            store.misses = 0
+            return found, None
+        store.misses += 1
     cells = _lift_cells(fn)
     snap = snapshot(fn, cells)
     if snap is None:
@@ -350,6 +386,7 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
         if entry is not None and (kind is None or entry[0].kind == kind) and still_located(entry[2]):
             if len(store) > 1:  # (a decoding loop's closure has one entry: no second hashing of its key)
                 store.move_to_end(key)
+            _guard_hits(store, fn, cells, key, entry)
             return entry[0], None
         return None, _Token(store, key, keep, located)
     # lifted cells: the template for these kinds gives the trace for these values
@@ -368,10 +405,156 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
         return None, _Token(store, exact, keep, located)
     if kind is not None and template.traced.kind != kind:
         return None, _Token(store, (key, values), keep, located)  # (the tracer raises the kind's error)
+    if not key_located:  # (the fast path checks no memory outside the lifted cells)
+        _guard_hits(store, fn, cells, key, generic)
     latest = template.latest
     if latest is not None and latest[0] == values and still_located(latest[3]):
         return latest[1], None  # the same values again (a tensor advanced in place)
     return instance(template, fn, values, keep, located), None
+
+
+# -- the fast path: the last hit's snapshot, checked by the identities it was made of --
+#
+# A snapshot is a function of what it reads: a function's code, name, defaults, closure contents and
+# the globals its code names, recursively, and the values met there. Where every value met is
+# immutable (numbers, strings, dtypes, ...) or compared by identity anyway (torch's and C functions,
+# library modules), or a function read the same way, a guard that finds each of those objects to be
+# the very one the snapshot read says the snapshot is unchanged without building it: a hit's guard
+# is kept, and the next lookup of the code object checks it first. The top function itself may be a
+# new closure (gpt-fast's mod each decoding step): its lifted cells are read as the snapshot reads
+# them, the rest by identity. Anything else met (tensors outside lifted cells, objects, containers,
+# defaults, recursion) gives no guard, and the code object's lookups take the snapshot every time.
+
+_UNGUARDED = ("unguarded",)  # a store whose snapshots the fast path cannot check
+_MISSED = ("missed",)
+_MAX_FAST_MISSES = 8  # guards failing in a row (a cell holding a new object each call): stop making them
+_GUARD_EXACT = frozenset(_VALUE_TYPES | {float})  # immutable values, checked by identity
+
+
+class _Fast(NamedTuple):
+    """A store's fast path: ``guard`` (:func:`_guard`) of its last hit's function, the lifted ``cells``
+    then, and what the hit found: the trace entry (no lifted cells), or the template and the lifted
+    cells' kinds in its key."""
+
+    guard: tuple
+    cells: tuple
+    entry: Any = None
+    template: Any = None
+    kinds: tuple = ()
+
+
+def _guard_hits(store: _Store, fn: Callable, cells: tuple, key: Any, entry: tuple) -> None:
+    """After a hit found by a snapshot: keep the fast path to it, if ``fn``'s snapshot can be guarded."""
+    if store.fast is _UNGUARDED:
+        return
+    if store.misses >= _MAX_FAST_MISSES:
+        store.fast = _UNGUARDED
+        return
+    try:
+        guard = _guard(fn, set(cells), 0, set())
+    except (_Unknown, ValueError, AttributeError):
+        store.fast = _UNGUARDED
+        return
+    if cells:
+        store.fast = _Fast(guard, cells, template=entry[0], kinds=tuple([key[5][i] for i in cells]))
+    else:
+        store.fast = _Fast(guard, cells, entry=entry)
+
+
+def _guard(fn: Any, lifted: set, depth: int, active: set) -> tuple:
+    """``(code, name, globals, ((cell index, contents, guard), ...), ((global name, value, guard), ...))``
+    of a user function (``lifted``: cells left to the caller), each guard that of a function met there (None
+    for a value checked by identity alone); raises :class:`_Unknown` for what the fast path cannot check."""
+    if depth > _MAX_DEPTH or type(fn) is not types.FunctionType or id(fn) in active or fn.__defaults__ is not None \
+            or fn.__kwdefaults__ is not None:
+        raise _Unknown
+    active.add(id(fn))
+    code = fn.__code__
+    _, sorted_names, _ = _code_facts(code)
+    cells = tuple([(i, cell.cell_contents, None) for i, cell in enumerate(fn.__closure__ or ()) if i not in lifted])
+    cells = tuple([(i, x, _value_guard(x, depth + 1, active)) for i, x, _ in cells])
+    globs = fn.__globals__
+    reads = tuple([(name, x, _value_guard(x, depth + 1, active))
+                   for name, x in ((name, globs.get(name, _MISSING)) for name in sorted_names)])
+    active.discard(id(fn))
+    return (code, fn.__name__, globs, cells, reads)
+
+
+def _value_guard(x: Any, depth: int, active: set) -> tuple | None:
+    """The guard of a value met by a snapshot (None: its identity says its snapshot; ``(code,)`` for torch's
+    functions, whose identity does while their code is that one), as :meth:`_Snapshot.value` sees it."""
+    t = type(x)
+    if t in _GUARD_EXACT or x is _MISSING:
+        return None
+    if t is types.FunctionType:
+        code = x.__code__  # (torch's functions: by identity, while their code is torch's)
+        return (code,) if _code_facts(code)[2] else _guard(x, set(), depth, active)
+    if t is types.ModuleType:
+        if _is_library_module(x):
+            return None
+        raise _Unknown
+    if isinstance(x, _C_KINDS):
+        return None
+    raise _Unknown
+
+
+def _holds(guard: tuple, fn: Any) -> bool:
+    """Whether ``fn`` (a function of ``guard``'s code) reads now the very objects ``guard`` names."""
+    if len(guard) == 1:  # a library function, snapshotted by identity
+        return fn.__code__ is guard[0]
+    code, name, globs, cells, reads = guard
+    if (fn.__code__ is not code or fn.__globals__ is not globs or fn.__name__ != name or fn.__defaults__ is not None
+            or fn.__kwdefaults__ is not None):
+        return False
+    if cells:
+        closure = fn.__closure__
+        try:
+            for i, x, inner in cells:
+                if closure[i].cell_contents is not x or inner is not None and not _holds(inner, x):
+                    return False
+        except ValueError:  # a cell emptied since
+            return False
+    for name, x, inner in reads:
+        if globs.get(name, _MISSING) is not x or inner is not None and not _holds(inner, x):
+            return False
+    return True
+
+
+def _fast_hit(fast: _Fast, fn: Any, kind: str | None) -> Any:
+    """The trace a snapshot of ``fn`` would find (``fn`` holding ``fast.guard``), or :data:`_MISSED`. (The
+    guard checks every cell but ``fast.cells`` by identity, so those are the cells :func:`_lift_cells` lifts
+    where theirs are liftable still.)"""
+    if not fast.cells:
+        entry = fast.entry
+        if (kind is None or entry[0].kind == kind) and still_located(entry[2]):
+            return entry[0]
+        return _MISSED
+    template = fast.template
+    if kind is not None and template.traced.kind != kind:
+        return _MISSED
+    # the lifted cells as _Snapshot.lifted reads them
+    closure, values, keep, located = fn.__closure__, [], [], []
+    for i in fast.cells:
+        x = closure[i].cell_contents
+        t = type(x)
+        if t is torch.Tensor:  # (lifted_cells.liftable_value: plain strided tensors; _memory checks)
+            where = _memory(x)
+            if where is None or keep and any([y is x for y in keep]):  # (a tensor in two cells is not lifted)
+                return _MISSED
+            values.append(where)
+            keep.append(x)
+            located.append((x, where))
+        elif t is int or t is float:  # (lifted_cells.liftable_value) as _Snapshot.value keys them
+            values.append((t, x) if t is int else (float, x.hex()))
+        else:
+            return _MISSED
+    values = tuple(values)
+    latest = template.latest
+    if latest is not None and latest[0] == values and still_located(latest[3]):
+        return latest[1]  # (equal values have the kinds of the template's key)
+    if tuple([_memory_kind(v) if v[0] == "memory" else ("lifted", v[0]) for v in values]) != fast.kinds:
+        return _MISSED
+    return instance(template, fn, values, keep, tuple(located))
 
 
 def wants_template(token: Any) -> bool:

@@ -88,16 +88,19 @@ def test_a_table_edited_in_place_or_swapped_makes_a_new_plan(backend, counted):
     assert len(counted) == 3
 
 
-def test_a_captured_tensor_swapped_by_data_or_edited_is_read_at_each_call(counted):
-    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32, seed=2)
+@pytest.mark.parametrize("rows", [L, 1], ids=["forward", "decode"])
+def test_a_captured_tensor_swapped_by_data_or_edited_is_read_at_each_call(rows, counted):
+    """The captured tensor edited in place or swapped by ``.data`` between warm calls: each call reads it as
+    it is then (the decode launch keeps the plan's captured tensors as its arguments: the same objects)."""
+    q, k, v = random_qkv(B, H, H, rows, L, E, dtype=torch.float32, seed=2)
     bias = torch.randn(H)
 
     def per_head(score, b, h, q_idx, kv_idx):
         return score + bias[h]
-    for step in range(3):
-        if step == 1:
+    for step in range(4):
+        if step == 2:
             bias.mul_(3)
-        elif step == 2:
+        elif step == 3:
             bias.data = torch.randn(H)
         got = flexc.flex_attention(q, k, v, score_mod=per_head, kernel_options={"BACKEND": "TRITON"})
         _close(got, dense_attention(q, k, v, score_mod=per_head)[0], f"step {step}")
@@ -242,3 +245,22 @@ def _drop_a_mask_and_plan_another(backend, counted, gc, weakref):
     _close(flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"BACKEND": backend}),
            dense_attention(q, k, v, mask_mod=window)[0], "a new mask after the first was freed")
     assert len(counted) == 2
+
+
+def test_alternating_signatures_each_run_their_own_plan_and_odd_option_values_are_not_keyed(counted):
+    """The store compares the last plan's signature first: calls alternating between two signatures
+    (scale, options) still run each its own plan, and an option value of no plain type (a tensor, which
+    ``==`` would compare by value) is planned at each call, never matched to another's plan."""
+    q, k, v = random_qkv(B, H, H, L, L, E, dtype=torch.float32)
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    for _ in range(2):
+        for scale in (0.25, 0.5, 0.25):
+            _close(flexc.flex_attention(q, k, v, block_mask=bm, scale=scale),
+                   dense_attention(q, k, v, mask_mod=causal, scale=scale)[0], f"scale {scale}")
+    assert len(counted) == 2
+    store = plans._PLANS
+    found = store.get(next(iter(store._plans)))  # (the last plan found is now that one)
+    assert found is not None
+    for blocks in (True, torch.tensor(True), torch.tensor(True)):
+        flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"PRESCALE_QK": blocks})
+    assert len(counted) == 2 + 1 + 2  # (True once; each tensor value planned at its call)

@@ -128,3 +128,50 @@ def test_a_gathered_slice_crosses_into_a_compiled_function():
             sliced, _ = _step(parent, pos, q, k, v)
             want = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= pos)[0]
             torch.testing.assert_close(compiled(q, k, v, sliced).double(), want, atol=1e-5, rtol=0)
+
+
+def _windows(b, h, q_idx, kv_idx):
+    """A window per batch and head (so each (b, h) has its own row in every table)."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 60 + 70 * h + 45 * b)
+
+
+def test_warm_steps_pass_the_row_as_every_table_and_equal_dense(monkeypatch):
+    """A warm decoding step hands the gathered row itself to the decode kernel as each of its four tables,
+    each read at its offset in the row (the kernel's TABLE_OFFSETS), and one scratch tensor as both partial
+    results (and the logsumexp when none is returned): at every step of a mask that differs per batch and
+    head, attention and its logsumexp equal float64 dense."""
+    torch.manual_seed(3)
+    B, H, S, block = 2, 2, 384, 64
+    q, k, v = torch.randn(B, H, 1, 16), torch.randn(B, H, S, 16), torch.randn(B, H, S, 16)
+
+    position = torch.tensor([0])
+
+    def step(parent, pos):
+        position.fill_(pos)  # (in place, as gpt-fast advances input_pos: the steps share a plan)
+        offset = position[0]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return _windows(b, h, q_idx + offset, kv_idx)
+        sliced = parent[:, :, position // block]
+        sliced.mask_mod, sliced.seq_lengths = mask_mod, (1, S)
+        return sliced
+
+    with flexc.device.simulate("sm_90"):
+        parent = flexc.create_block_mask(_windows, B, H, S, S, BLOCK_SIZE=block)
+        for i, pos in enumerate((100, 127, 128, 129, 250, 383, 0, 64, 65, 300)):
+            want = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: _windows(b, h, q_idx + pos, kv_idx))
+            if i % 2:  # (a plan of its own, whose warm launch returns the logsumexp the merge writes)
+                out, lse = flexc.flex_attention(q, k, v, block_mask=step(parent, pos), return_lse=True)
+                torch.testing.assert_close(lse.double(), want[1], atol=1e-5, rtol=0, msg=f"lse at {pos}")
+            else:
+                out = flexc.flex_attention(q, k, v, block_mask=step(parent, pos))
+            torch.testing.assert_close(out.double(), want[0], atol=1e-5, rtol=0, msg=f"position {pos}")
+        launches = []
+        monkeypatch.setattr(flexc.device, "launch", lambda *args: launches.append(args))
+        flexc.flex_attention(q, k, v, block_mask=step(parent, 200))
+        _, _, spec, _, args, constants = launches[0]  # (the decode kernel's, then the merge's)
+        tables = args[5:9]  # (after q, k, v and the two partial results)
+        assert all(t is tables[0] for t in tables) and tables[0].shape == (1, 4 + 4 * 6 + 4 + 4 * 6)
+        assert (constants["PARTIAL_INDICES_AT"], constants["FULL_COUNTS_AT"], constants["FULL_INDICES_AT"]) == (4, 28, 32)
+        merge_args = launches[1][4]
+        assert args[3] is args[4] is merge_args[0] is merge_args[1] is merge_args[3]  # (one scratch tensor)

@@ -95,8 +95,10 @@ class DecodeLaunch:
 
     def __init__(self, spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
-                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False):
+                 num_splits: int | None = None, merge: MergeSpec | None = None, sinks: bool = False,
+                 need_lse: bool = True):
         self.spec, self.score_mod, self.mask_mod, self.scale = spec, score_mod, mask_mod, scale
+        self.need_lse = need_lse  # (else calls return None for the logsumexp)
         self.device = query.device
         S = value.shape[2]
         self.tables = launcher.LastTables(lambda block_mask: launcher.kv_tables(block_mask, spec, S, self.device))
@@ -112,20 +114,15 @@ class DecodeLaunch:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
                  dropout: Dropout | None = None, sinks: torch.Tensor | None = None, mods: tuple | None = None,
                  same_tables: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [B,Hq,L,Ev], lse [B,Hq,L])`` of this call (see :func:`launch`) on its ``block_mask``;
-        ``mods`` and ``same_tables`` as :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
+        """``(out [B,Hq,L,Ev], lse [B,Hq,L] or None unless need_lse)`` of this call (see :func:`launch`) on
+        its ``block_mask``; ``mods`` and ``same_tables`` as
+        :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
+        warm = self.warm
+        if warm is not None:
+            return warm.launch(self, query, key, value, block_mask, dropout, sinks, mods, same_tables)
         launcher.check_dropout(self.spec, dropout)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         gathered = getattr(block_mask, "gathered_row", None)
-        warm = self.warm
-        if warm is not None:
-            if gathered is not None and warm.direct:
-                # a decoding step's slice gathered on the device: the kernel reads its tables where they
-                # start in the row (their shapes are in the warm arguments)
-                tables = gathered.starts()[:self.n_tables]
-            else:
-                tables = self.tables(block_mask, same_tables)
-            return warm.launch(self, query, key, value, tables, score_mod, mask_mod, dropout, sinks)
         if gathered is not None and _direct(gathered.row, self.device):
             tables = list(gathered.tables()[:self.n_tables])
         else:
@@ -154,12 +151,19 @@ class DecodeLaunch:
                                    out_split, lse_split, out, lse)
             # (every call of a signature has tables of one dtype and device: a gathered row of this one's)
             self.warm.direct = block_mask is not None and _direct(block_mask.kv_num_blocks, self.device)
-        return out, lse
+        return out, lse if self.need_lse else None
 
 
 def _direct(table: torch.Tensor, device: torch.device) -> bool:
     """Whether the kernel reads ``table`` as it is (int32 on the launch's device), not converted."""
     return table.dtype == torch.int32 and table.device == device
+
+
+def _as_captured(arguments: list, score_mod: TracedMod | None, mask_mod: TracedMod | None) -> bool:
+    """Whether every tensor among a kernel's mod ``arguments`` is one of the mods' captured tensors itself
+    (no copy to the device, no detached or reinterpreted view: those are made at each call)."""
+    captured = [id(t) for mod in (score_mod, mask_mod) if mod is not None for t in mod.buffers]
+    return all(id(a) in captured for a in arguments if isinstance(a, torch.Tensor))
 
 
 class WarmDecode:
@@ -182,34 +186,69 @@ class WarmDecode:
         self.guard_per_call = spec.mask_mod is not None and gpu.is_plain_cpu(device)
         self.grid = launcher.decode_grid(out_split)
         self.direct = False  # whether a gathered row's tables are passed as they are (set by the launch)
+        # the constexprs of a gathered row passed as every table, by the widths of its tables
+        self.row_constants: dict = {}
+        # the plan's mods' arguments of the kernel ``generated``, where they are its captured tensors as they are
+        self.plan_buffers: list | None = None
+        self.generated = None
         self.work = out_split.dtype
+        # one scratch tensor holds the partial results (both in the work dtype, contiguous, each part 16-byte
+        # aligned) and, when the call returns none, the logsumexp the merge writes: one allocation, not three
+        align = 16 // out_split.element_size()
+        lse_split_at = -(-out_split.numel() // align) * align
+        lse_at = lse_split_at + -(-lse_split.numel() // align) * align
+        self.keeps_lse = launch.need_lse
+        scratch = torch.empty(lse_at + (0 if self.keeps_lse else lse.numel()), dtype=self.work, device=device)
+        self.constants = dict(self.constants, LSE_SPLIT_AT=lse_split_at)
         # what allocates each result as the first call's (torch.empty with its keywords costs about twice as much)
-        self.makers = tuple(empty_maker_like(t) for t in (out_split, lse_split, out, lse))
-        merge_args, self.merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
-                                                                    query.shape[2], query.shape[1], sinks)
+        self.new_scratch, self.new_out, self.new_lse = (empty_maker_like(t) for t in (scratch, out, lse))
+        merge_args, merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
+                                                               query.shape[2], query.shape[1], sinks)
+        self.merge_constants = dict(merge_constants, LSE_SPLIT_AT=lse_split_at, LSE_AT=0 if self.keeps_lse else lse_at)
         self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
         self.merge_grid = launcher.merge_grid(launch.merge, out_split, query.shape[2], query.shape[1])
 
-    def launch(self, launch: DecodeLaunch, query, key, value, tables, score_mod, mask_mod, dropout, sinks):
-        """``(out, lse)`` of a call of ``launch`` with these tensors, ``tables`` (the kernel's, in order) and mods."""
-        spec, device, work = launch.spec, launch.device, self.work
+    def launch(self, launch: DecodeLaunch, query, key, value, block_mask, dropout, sinks, mods, same_tables):
+        """:meth:`DecodeLaunch.__call__` of a warm launch (all in one function: it runs every decoding step)."""
+        spec, device = launch.spec, launch.device
+        if spec.dropout != (dropout is not None):
+            launcher.check_dropout(spec, dropout)
+        score_mod, mask_mod = mods if mods is not None else (launch.score_mod, launch.mask_mod)
+        gathered = getattr(block_mask, "gathered_row", None)
+        if gathered is not None and self.direct:
+            # a decoding step's slice gathered on the device: the kernel reads every table from the row,
+            # each where it starts (its shape is in the warm arguments), so no view of it is made
+            widths = gathered.source.widths
+            constants = self.row_constants.get(widths)
+            if constants is None:
+                constants = self.row_constants[widths] = dict(self.constants,
+                                                              **launcher.decode_table_offsets(spec, widths))
+            tables = (gathered.row,) * launch.n_tables
+        else:
+            constants, tables = self.constants, launch.tables(block_mask, same_tables)
         kernel = cache.get_kernel(spec, device, launch.kernel_key)
-        new_out_split, new_lse_split, new_out, new_lse = self.makers
-        out_split, lse_split = new_out_split(), new_lse_split()
-        constants = self.constants
+        scratch = self.new_scratch()  # (the partial results, and the logsumexp unless the call returns it)
         if self.guard_per_call:
             constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
-        buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
+        buffers = self.plan_buffers if mods is None and kernel.generated is self.generated else None
+        if buffers is None:
+            buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
+            if mods is None and self.plan_buffers is None and _as_captured(buffers, score_mod, mask_mod):
+                # the plan's own mods: their captured tensors themselves (and numbers, strides, sizes), which
+                # every call of the signature passes alike (a new value or layout is another trace and plan)
+                self.plan_buffers, self.generated = buffers, kernel.generated
         if dropout is not None:
-            buffers += launcher.dropout_arguments(dropout, device)
-        gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, out_split, lse_split, *tables, *buffers,
+            buffers = buffers + launcher.dropout_arguments(dropout, device)
+        gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, scratch, scratch, *tables, *buffers,
                                                         *self.tail], constants)
         merge = launch.merge
-        launcher.check_sinks(merge, sinks)
-        out, lse = new_out(), new_lse()
-        merge_args = [out_split, lse_split, out, lse, *self.merge_tail]
+        if merge.sinks != (sinks is not None):
+            launcher.check_sinks(merge, sinks)
+        out = self.new_out()
+        lse = self.new_lse() if self.keeps_lse else None
+        merge_args = [scratch, scratch, out, scratch if lse is None else lse, *self.merge_tail]
         if sinks is not None:
-            merge_args += launcher.sink_arguments(sinks, work)
+            merge_args += launcher.sink_arguments(sinks, self.work)
         gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device, merge_args,
                    self.merge_constants)
         return out, lse

@@ -263,20 +263,27 @@ def plan_launches(plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, val
     return ForwardLaunch(spec, query, value, plan.score_mod, plan.mask_mod, block_mask, scale, lse_dtype)
 
 
+def _decode_launch(plan: ForwardPlan, query, key, value, block_mask, scale, kernel_options,
+                   need_lse) -> decode.DecodeLaunch:
+    """A decode plan's launch: the split-KV decode kernel, then its merge."""
+    decode_spec, merge = plan.kernels
+    return decode.DecodeLaunch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
+                               num_splits=config.requested_splits(kernel_options), merge=merge, need_lse=need_lse)
+
+
 def _decode_launches(plan: ForwardPlan, query, key, value, block_mask, scale, kernel_options, need_lse) -> Callable:
     """A decode plan's launches: the split-KV decode kernel, then its merge (no statistics)."""
-    decode_spec, merge = plan.kernels
-    decoding = decode.DecodeLaunch(decode_spec, query, key, value, plan.score_mod, plan.mask_mod, block_mask, scale,
-                                   num_splits=config.requested_splits(kernel_options), merge=merge)
+    decoding = _decode_launch(plan, query, key, value, block_mask, scale, kernel_options, need_lse)
 
     def decode_launches(query, key, value, block_mask, dropout=None, sinks=None, mods=None, same_tables=False):
-        out, lse = decoding(query, key, value, block_mask, dropout, sinks, mods, same_tables)
-        return out, (lse if need_lse else None), None
+        return (*decoding(query, key, value, block_mask, dropout, sinks, mods, same_tables), None)
     return decode_launches
 
 
 # the plans whose first kernel is not the forward kernel's, launched by their first kernel's spec type
 PLAN_LAUNCHES = {DecodeSpec: _decode_launches}
+# those whose launch is itself prepare_forward's callable ((out, lse or None) of a call)
+PREPARED_LAUNCHES = {DecodeSpec: _decode_launch}
 
 
 def triton_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
@@ -304,6 +311,9 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     calls pass them; ``mods``, ``same_tables``: see :meth:`ForwardLaunch.__call__`)."""
     plan = plan_forward(query, key, value, score_mod, mask_mod, block_mask, kernel_options, need_lse,
                         dropout=dropout, sinks=sinks)
+    direct = PREPARED_LAUNCHES.get(type(plan.kernels[0])) if plan.kernels else None
+    if direct is not None:  # (a decoding step: its launch called directly, no wrapper in between)
+        return direct(plan, query, key, value, block_mask, scale, kernel_options, need_lse)
     launches = plan_launches(plan, query, key, value, block_mask, scale, kernel_options, need_lse, dropout, sinks)
 
     def forward(query, key, value, block_mask, dropout=None, sinks=None, mods=None, same_tables=False):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ... import device as gpu
 from ...analysis.tiles import cdiv, transpose_ordered
 from ...codegen.backward import BackwardSpec
-from ...codegen.decode import DecodeSpec
+from ...codegen.decode import TABLE_OFFSETS, DecodeSpec
 from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
 from ...codegen.merge import MergeSpec
 from ...codegen.prologue import PrologueSpec
@@ -450,8 +450,20 @@ def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key:
                      # variant without bounds checks, as the forward's KV_LEN_DIVISIBLE
                      KV_LEN_DIVISIBLE=S % spec.kv_block_size == 0,
                      # one query row per head: q_idx is the constant 0 (a second variant)
-                     SINGLE_ROW=L == 1, GUARD_NONFINITE_VALUES=guard_values)
+                     SINGLE_ROW=L == 1, GUARD_NONFINITE_VALUES=guard_values, LSE_SPLIT_AT=0,
+                     **decode_table_offsets(spec))
     return args, constants, (out_split, lse_split)
+
+
+def decode_table_offsets(spec: DecodeSpec, widths: Sequence[int] | None = None) -> dict:
+    """The decode kernel's :data:`flexc.codegen.decode.TABLE_OFFSETS` constexprs: 0 for tables passed each
+    at its own pointer, or, for one row passed as every table (a gathered row, each table ``widths[i]``
+    entries in order), where each starts in it."""
+    names = TABLE_OFFSETS[:3 if spec.has_full_blocks else 1]
+    if widths is None:
+        return dict.fromkeys(names, 0)
+    starts = [sum(widths[:i]) for i in range(1, 4)]
+    return dict(zip(names, starts))
 
 
 def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor,
@@ -465,7 +477,7 @@ def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.T
     return ([out_split, lse_split, out, lse, splits, rows, L, Hq // Hkv, Ev, *out_split.stride()[:4],
              *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1),
              *sink_arguments(sinks, lse_split.dtype)],
-            dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad))
+            dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad, LSE_SPLIT_AT=0, LSE_AT=0))
 
 
 PROLOGUE_TENSORS = 7  # the prologue's tensor arguments, first in its signature (prologue_arguments)
@@ -532,7 +544,7 @@ def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tup
 
 __all__ = ["INT32_OFFSET_LIMIT", "LastTables", "PROLOGUE_TENSORS", "backward_arguments", "backward_argument_tail", "backward_constexprs", "guards_nonfinite_inputs", "backward_grid", "backward_rows_grid", "backward_outputs", "backward_output_makers",
            "backward_tables", "buffer_arguments", "check_dropout", "check_query_blocks", "check_sinks",
-           "decode_arguments", "decode_grid",
+           "decode_arguments", "decode_grid", "decode_table_offsets",
            "dropout_arguments", "empty_output", "forward_arguments", "forward_constexprs", "forward_grid",
            "guards_nonfinite_values", "kernel_arguments", "kv_tables", "merge_arguments", "merge_grid", "mod_arguments",
            "prologue_arguments", "sink_arguments", "prologue_grid"]

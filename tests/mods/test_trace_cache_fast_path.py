@@ -1,0 +1,142 @@
+"""The trace cache's fast path: a hit's guard, checked by identity, stands for the snapshot.
+
+A lookup that finds the objects the last hit's snapshot read takes no snapshot (gpt-fast's new
+closure each decoding step included); every change a snapshot sees still gives a fresh trace.
+References: an uncached trace of the mod in its current state, and float64 dense attention.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import flexc
+from flexc.mods import trace_cache
+from flexc.mods.trace import Tracer, mod_kind, trace
+from reference import dense_attention, random_qkv
+
+LIMIT = 40
+
+
+def window(q_idx, kv_idx):
+    return q_idx - kv_idx <= LIMIT
+
+
+def causal(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & window(q_idx, kv_idx)
+
+
+def shifted(mask_mod, offset):
+    """gpt-fast's get_mask_mod: a new closure each step."""
+    def mask(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + offset, kv_idx)
+    return mask
+
+
+def assert_current(fn):
+    cached, fresh = trace(fn), Tracer(fn, mod_kind(fn)).run()
+    assert cached.root is fresh.root, (str(cached), str(fresh))
+    assert [(t.data_ptr(), t.shape, t.dtype) for t in cached.buffers] == \
+        [(t.data_ptr(), t.shape, t.dtype) for t in fresh.buffers]
+    return cached
+
+
+@pytest.fixture
+def snapshots(monkeypatch):
+    """How many snapshots lookups took."""
+    count = [0]
+    original = trace_cache.snapshot
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trace_cache, "snapshot", counting)
+    return count
+
+
+def test_new_closures_over_the_same_objects_take_no_snapshot(snapshots, runs):
+    input_pos = torch.tensor([5])
+    first = trace(shifted(causal, input_pos[0]))
+    trace(shifted(causal, input_pos[0]))  # (a hit by snapshot: keeps the guard)
+    taken = snapshots[0]
+    for _ in range(4):
+        input_pos += 1
+        assert trace(shifted(causal, input_pos[0])) is first
+        assert trace(causal) is trace(causal)
+    assert runs[0] == 2  # (the template and causal)
+    assert snapshots[0] == taken + 2  # (causal's first hit only)
+
+
+def test_every_change_a_snapshot_sees_is_seen(monkeypatch):
+    """Rebinding a global a nested function reads, a missing global defined, a nested function's name,
+    defaults and code changed, and the captured mod swapped: each gives the fresh trace."""
+    input_pos = torch.tensor([5])
+
+    def step():
+        return assert_current(shifted(causal, input_pos[0]))
+
+    step()
+    step()
+    monkeypatch.setattr(sys.modules[__name__], "LIMIT", 7)  # a global read two functions down
+    assert "7" in str(step())
+    step()
+
+    def narrow(q_idx, kv_idx):
+        return q_idx - kv_idx <= 3
+
+    monkeypatch.setattr(sys.modules[__name__], "window", narrow)  # the helper rebound
+    assert "3" in str(step())
+    step()
+    monkeypatch.setattr(narrow, "__code__", (lambda q_idx, kv_idx: q_idx - kv_idx <= 9).__code__)
+    assert "9" in str(step())
+    monkeypatch.setattr(narrow, "__defaults__", (1,))
+    step()
+    monkeypatch.setattr(narrow, "__defaults__", None)
+    monkeypatch.setattr(narrow, "__name__", "renamed")
+    step()
+    other = shifted(lambda b, h, q_idx, kv_idx: q_idx <= kv_idx, input_pos[0])  # another mod captured
+    assert_current(other)
+    assert_current(other)
+
+
+def test_a_cell_of_a_captured_closure_changed_in_place_is_seen():
+    bound = 4
+
+    def inner(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= bound
+
+    input_pos = torch.tensor([5])
+    for bound in (4, 4, 11, 11, 2):
+        assert str(bound) in str(assert_current(shifted(inner, input_pos[0])))
+
+
+def test_moved_memory_and_other_kinds_miss_the_fast_path():
+    input_pos = torch.tensor([5])
+    assert_current(shifted(causal, input_pos[0]))
+    assert_current(shifted(causal, input_pos[0]))
+    other = torch.tensor([9, 9])
+    moved = assert_current(shifted(causal, other[1]))  # another address: the template over the new view
+    assert moved.buffers[0].data_ptr() == other[1].data_ptr()
+    input_pos.data = torch.tensor([7])  # the kept view no longer views what it did
+    assert_current(shifted(causal, input_pos[0]))
+    assert_current(shifted(causal, 3))  # a number: another template
+    assert_current(shifted(causal, 3.5))
+    assert_current(shifted(causal, torch.tensor(2.0, requires_grad=True)))
+
+
+def test_decoding_with_the_fast_path_equals_dense_as_globals_change(monkeypatch):
+    S, block = 128, 32
+    q, k, v = random_qkv(1, 4, 4, 1, S, 16)
+    parent = flexc.create_block_mask(causal, None, None, S, S, BLOCK_SIZE=block)
+    input_pos = torch.tensor([0])
+    for step, pos in enumerate((70, 71, 72, 100, 101, 102, 127)):
+        if step == 4:
+            monkeypatch.setattr(sys.modules[__name__], "LIMIT", 5)  # seen by the next step's mod
+        input_pos.fill_(pos)
+        mask = parent[:, :, input_pos // block]
+        mask.mask_mod, mask.seq_lengths = shifted(causal, input_pos[0]), (1, S)
+        out = flexc.flex_attention(q, k, v, block_mask=mask)
+        ref = dense_attention(q, k, v, mask_mod=shifted(causal, pos))[0]
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=f"position {pos}")
