@@ -58,7 +58,7 @@ BLOCK = 128
 
 class LaunchCounter:
     """Stands in for :func:`flexc.device.launch`: counts the launches and launches nothing; keeps the
-    first launch of each kernel kind (``seen``: name -> (spec, device, args, constexprs))."""
+    latest (warm) launch of each kernel kind (``seen``: name -> (spec, device, args, constexprs, fixed))."""
 
     def __init__(self):
         self.count = 0
@@ -67,7 +67,7 @@ class LaunchCounter:
     def __call__(self, fn, grid, spec, device, args, constants, fixed: int = 0) -> None:
         self.count += 1
         if spec is not None:
-            self.seen.setdefault(type(spec).__name__.removesuffix("Spec").lower(), (spec, device, args, constants, fixed))
+            self.seen[type(spec).__name__.removesuffix("Spec").lower()] = (spec, device, args, constants, fixed)
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -177,7 +177,7 @@ def measure_binding(seen: dict, repeats: int = 7, calls: int = 2000, clock: Call
     """``{kernel kind: {"triton": µs, "flexc": µs}}`` per launch on a GPU, before the launcher runs:
     ``JITFunction.run``'s binding, specialization and cache key (Triton's binder for an sm_90 target,
     built offline) against :mod:`flexc.compiled_launch`'s key and bound arguments, for the arguments
-    each kind's first launch in :func:`measure` had (``seen``: :attr:`LaunchCounter.seen`)."""
+    each kind's last launch in :func:`measure` had (``seen``: :attr:`LaunchCounter.seen`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import compute_cache_key, create_function_from_signature

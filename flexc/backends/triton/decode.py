@@ -240,17 +240,19 @@ class WarmDecode:
         if dropout is not None:
             buffers = buffers + launcher.dropout_arguments(dropout, device)
         gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, scratch, scratch, *tables, *buffers,
-                                                        *self.tail], constants)
+                                                        *self.tail], constants, len(self.tail))  # (kept scalars)
         merge = launch.merge
         if merge.sinks != (sinks is not None):
             launcher.check_sinks(merge, sinks)
         out = self.new_out()
         lse = self.new_lse() if self.keeps_lse else None
         merge_args = [scratch, scratch, out, scratch if lse is None else lse, *self.merge_tail]
+        fixed = len(self.merge_tail)  # (the kept scalars last, unless the sinks follow them)
         if sinks is not None:
             merge_args += launcher.sink_arguments(sinks, self.work)
+            fixed = 0
         gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device, merge_args,
-                   self.merge_constants)
+                   self.merge_constants, fixed)
         return out, lse
 
 
