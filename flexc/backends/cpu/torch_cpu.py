@@ -41,7 +41,7 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
-from . import band_calls, band_plain, causal_call, decode_cpu, fused_cpu
+from . import band_calls, band_plain, causal_call, decode_cpu, dense_tile, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, all_full, chunk_kv_index, chunk_rows, memo_by_tables,
@@ -328,35 +328,87 @@ def prepare_recorded(query, key, value, score_mod, mask_mod, block_mask, scale) 
     """For training calls of one signature (a plan's: the same shapes, strides, dtypes, block-mask
     tables and mods), the function ``(query, key, value) -> output or None`` that computes a call's
     output by ops autograd records itself, or None when no such call can (then flexc's autograd
-    Function trains it). Plain causal attention (one sequence per batch), or attention with no block
-    mask (or one whose blocks are all full), with no score_mod, dropout, sinks, logsumexp or max asked
-    for (the caller's checks) and finite inputs, is the fused kernel's call (in its causal mode for
-    the first; :func:`causal_call.recorder`), whose backward torch registers in C++: a
+    Function trains it). With no dropout, sinks, logsumexp or max asked for (the caller's checks)
+    and finite inputs, it is one call of the fused kernel, whose backward torch registers in C++: a
     training step then runs no Python after the forward, which is most of a small layer's step
-    (B=2, H=4, L=256, D=32).
+    (B=2, H=4, L=256, D=32). The call is, in this order:
+
+    * with no score_mod, plain causal attention (one sequence per batch) or attention with no block
+      mask (or one whose blocks are all full): the kernel's causal or unmasked mode
+      (:func:`causal_call.recorder`);
+    * with no score_mod or a ``score +/- X`` one, a small call (:func:`dense_tile.fits`) other than
+      several causal sequences: the kernel with the whole tile's additive mask
+      (:mod:`flexc.backends.cpu.dense_tile`), while no captured tensor of the score_mod wants a gradient.
 
     What the signature fixes is decided here, once; a call checks only its thread count (where it
-    can matter), the mask_mod's captured tensors (their values are not in a signature) and its
+    can matter), the mods' captured tensors (their values are not in a signature) and its
     inputs' finiteness. A warm call's Python costs several times its own time inside a training
     step (the kernel's data and the interpreter's evict each other from the caches): deciding it
     all per call cost ~50 us of that step, the checks left ~25 us."""
-    if score_mod is not None or not causal_call.recordable(query, key, value) or not causal_call.kernel_takes(query,
-                                                                                                            value):
+    if not causal_call.recordable(query, key, value) or not causal_call.kernel_takes(query, value):
         return None
-    if _unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
+    if score_mod is None and _unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
         return _finite_only(causal_call.recorder(query, key, value, scale, causal=False))
-    if mask_mod is None:
-        return None
+    # (made on first need: a causal mask's plan has no use for it)
+    dense = functools.cache(lambda: _dense_recorded(query, key, value, score_mod, mask_mod, block_mask, scale))
+    if score_mod is not None or mask_mod is None:
+        return dense()
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     record = _finite_only(causal_call.recorder(query, key, value, scale))
+
+    def by_starts(starts: causal_call.Starts | None) -> Callable | None:
+        # several causal sequences: flexc's Function, whose kernel calls skip the pairs across them
+        # (6 documents in L=256 cost 0.8x the dense tile's step)
+        if starts == causal_call.ONE_SEQUENCE:
+            return record
+        return dense() if starts is None else None
     if mask_mod.buffers:  # their values may change what the mask allows: checked each call (a memo lookup)
         def checked(query, key, value):
-            one = causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S) == causal_call.ONE_SEQUENCE
-            return record(query, key, value) if one else None
+            run = by_starts(causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S))
+            return run(query, key, value) if run is not None else None
         return _one_thread_worker(query, key, checked)
-    if causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S) != causal_call.ONE_SEQUENCE:
+    run = by_starts(causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S))
+    return _one_thread_worker(query, key, run) if run is record else run
+
+
+def _dense_recorded(query, key, value, score_mod, mask_mod, block_mask, scale) -> Callable | None:
+    """:func:`prepare_recorded`'s dense tile (:mod:`flexc.backends.cpu.dense_tile`), or None where the
+    tile or its mask is too large or the score_mod is not ``score +/- X``."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, _ = key.shape
+    bias_node, bias_sign = _score_bias(score_mod)
+    if not dense_tile.fits(B, Hq, L, S) or (score_mod is not None and bias_node is None):
         return None
+    group = _Group(slice(0, B), slice(0, Bkv), slice(0, Hq), slice(0, Hkv), Hq // Hkv, 0, 0)
+    captured = [*(mask_mod.buffers if mask_mod is not None else ()), *(score_mod.buffers if score_mod is not None else ())]
+    mods_key = tuple((mod.root, mod.scalars) if mod is not None else None for mod in (score_mod, mask_mod))
+    device, dtype = query.device, query.dtype
+
+    def build() -> torch.Tensor:
+        mods = _Mods(score_mod, mask_mod, group, B, Hq, L, S, device)
+        allowed = bias = None
+        if mods.mask_mod is not None:
+            allowed = evaluate(mods.mask_mod, clamp_lookups=True, **mods._index(mods.mask_reads, 0, L, mods.kv_pos))
+        if mods.bias_node is not None:
+            bias = mods.bias(0, L, mods.kv_pos)
+            bias = bias.neg() if mods.bias_sign < 0 else bias
+        return dense_tile.additive_mask(dense_tile.block_classes(block_mask, B, Hq, L, S), allowed, bias, dtype)
+
+    def mask(fold: bool) -> torch.Tensor:
+        # remembered with the block tables and the mods' captured tensors (identity and version)
+        return memo_by_tables(block_mask, ("dense tile", mods_key, B, Hq, L, S, dtype, fold),
+                              lambda: dense_tile.kernel_mask(build(), B, Hq, fold), captured)
+
+    fold = causal_call.foldable(query, key, value)
+    if dense_tile.kernel_mask_elements(tuple(mask(fold).shape), B, Hq, fold) > dense_tile.MAX_MASK_ELEMENTS:
+        return None
+    record = _finite_only(causal_call.recorder(query, key, value, scale, causal=False, mask=mask))
+    if score_mod is not None and score_mod.buffers:
+        # a captured tensor wanting a gradient needs flexc's backward (the kernel's has none for the mask)
+        plain = record
+        record = lambda query, key, value: (None if any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                        for t in score_mod.buffers) else plain(query, key, value))
     return _one_thread_worker(query, key, record)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import band_calls, causal_call, fused_cpu
+from flexc.backends.cpu import band_calls, causal_call, dense_tile, fused_cpu
 from flexc.call import plans
 from reference import dense_attention
 
@@ -220,6 +220,7 @@ def test_fused_backward_takes_the_forwards_calls_and_matches_float64(monkeypatch
     rows = []
     real = fused_cpu.backward_row
     monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+    monkeypatch.setattr(dense_tile, "MAX_PAIRS", 0)  # (a call this small would be one dense tile)
     monkeypatch.setattr(fused_cpu, "backward_row", lambda *a: rows.append(1) or real(*a))
     q, k, v = (t.requires_grad_() for t in _qkv(Hq=H, Hkv=kv_heads, Bkv=kv_batch, dtype=torch.float64, seed=3))
     sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64, requires_grad=True) if with_sinks else None
