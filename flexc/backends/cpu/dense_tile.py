@@ -1,4 +1,4 @@
-"""A small training call as one fused-kernel call over its whole score tile, with a dense additive mask.
+"""A small call as one fused-kernel call over its whole score tile, with a dense additive mask.
 
 Where ``L x S`` is small, the block path's Python costs more than its kernels: a row plan's tasks,
 their kernel calls, masks and logsumexp merges, and flexc's autograd Function around them (B=2,
@@ -16,9 +16,12 @@ path's. It scores every pair, allowed or not, so only calls of at most :data:`MA
 tiles of at most :data:`MAX_TILE_PAIRS` run so: there the saved Python outweighs the masked pairs'
 work (a causal mask wastes half the tile).
 The mask is built once per BlockMask tables, mods and captured tensors (their versions) and kept
-(:func:`flexc.backends.cpu.block_plan.memo_by_tables`); the call is recorded by autograd, whose
-backward is torch's C++ node for the kernel with the same mask
-(:func:`flexc.backends.cpu.causal_call.recorder`).
+(:func:`flexc.backends.cpu.block_plan.memo_by_tables`). A training call is recorded by autograd,
+whose backward is torch's C++ node for the kernel with the same mask
+(:func:`flexc.backends.cpu.causal_call.recorder`); a forward, and flexc's Function where it
+trains (a logsumexp asked for, GQA in row-major memory), make one kernel call each way
+(:func:`flexc.backends.cpu.torch_cpu.forward_with_max`, ``torch_backward``; same shapes, forward
+only, one thread: causal + ALiBi 1.71 -> 0.88 ms, window 1.45 -> 0.81 ms; SDPA with the mask 0.65).
 """
 from __future__ import annotations
 
@@ -64,9 +67,8 @@ def block_classes(block_mask, B: int, H: int, L: int, S: int) -> torch.Tensor:
         listed = (torch.arange(idx.shape[-1]) < num.unsqueeze(-1)) & (idx >= 0) & (idx < n_cols)
         at = torch.where(listed, idx, n_cols)
         classes[:, :, :at.shape[2]].scatter_(-1, at, torch.full(at.shape, kind, dtype=torch.int8))
-    classes = classes[..., :n_cols]
-    # (a table with fewer block rows than the queries need lists nothing for the rest)
-    classes = classes.repeat_interleave(q_block, dim=2)[:, :, :L].repeat_interleave(kv_block, dim=3)[..., :S]
+    # each pair reads its block's entry (blocks may be larger than the lengths: torch's no-op masks)
+    classes = classes[:, :, torch.arange(L) // q_block][..., torch.arange(S) // kv_block]
     pick = lambda n, m: None if m in (1, n) else torch.arange(n) % m
     if (b := pick(B, Bm)) is not None:
         classes = classes[b]

@@ -26,6 +26,7 @@ jobs spread their rows over single-threaded workers (:mod:`flexc.workers`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -376,31 +377,11 @@ def _dense_recorded(query, key, value, score_mod, mask_mod, block_mask, scale) -
     """:func:`prepare_recorded`'s dense tile (:mod:`flexc.backends.cpu.dense_tile`), or None where the
     tile or its mask is too large or the score_mod is not ``score +/- X``."""
     B, Hq, L, _ = query.shape
-    Bkv, Hkv, S, _ = key.shape
-    bias_node, bias_sign = _score_bias(score_mod)
-    if not dense_tile.fits(B, Hq, L, S) or (score_mod is not None and bias_node is None):
+    S = key.shape[2]
+    if not dense_tile.fits(B, Hq, L, S) or (score_mod is not None and _score_bias(score_mod)[0] is None):
         return None
-    group = _Group(slice(0, B), slice(0, Bkv), slice(0, Hq), slice(0, Hkv), Hq // Hkv, 0, 0)
-    captured = [*(mask_mod.buffers if mask_mod is not None else ()), *(score_mod.buffers if score_mod is not None else ())]
-    mods_key = tuple((mod.root, mod.scalars) if mod is not None else None for mod in (score_mod, mask_mod))
-    device, dtype = query.device, query.dtype
-
-    def build() -> torch.Tensor:
-        mods = _Mods(score_mod, mask_mod, group, B, Hq, L, S, device)
-        allowed = bias = None
-        if mods.mask_mod is not None:
-            allowed = evaluate(mods.mask_mod, clamp_lookups=True, **mods._index(mods.mask_reads, 0, L, mods.kv_pos))
-        if mods.bias_node is not None:
-            bias = mods.bias(0, L, mods.kv_pos)
-            bias = bias.neg() if mods.bias_sign < 0 else bias
-        return dense_tile.additive_mask(dense_tile.block_classes(block_mask, B, Hq, L, S), allowed, bias, dtype)
-
-    def mask(fold: bool) -> torch.Tensor:
-        # remembered with the block tables and the mods' captured tensors (identity and version)
-        return memo_by_tables(block_mask, ("dense tile", mods_key, B, Hq, L, S, dtype, fold),
-                              lambda: dense_tile.kernel_mask(build(), B, Hq, fold), captured)
-
     fold = causal_call.foldable(query, key, value)
+    mask = lambda fold: _dense_mask(query, key, score_mod, mask_mod, block_mask, "folded" if fold else "plain")
     if dense_tile.kernel_mask_elements(tuple(mask(fold).shape), B, Hq, fold) > dense_tile.MAX_MASK_ELEMENTS:
         return None
     record = _finite_only(causal_call.recorder(query, key, value, scale, causal=False, mask=mask))
@@ -410,6 +391,87 @@ def _dense_recorded(query, key, value, score_mod, mask_mod, block_mask, scale) -
         record = lambda query, key, value: (None if any(isinstance(t, torch.Tensor) and t.requires_grad
                                                         for t in score_mod.buffers) else plain(query, key, value))
     return _one_thread_worker(query, key, record)
+
+
+def _dense_mask(query, key, score_mod, mask_mod, block_mask, layout: str) -> torch.Tensor:
+    """The additive mask of a call as one dense tile (:func:`dense_tile.additive_mask`), laid out for
+    the kernel's inputs: ``"plain"`` ``[b, h, L, S]``, ``"folded"`` (batch and heads one dimension,
+    :func:`dense_tile.kernel_mask`) or ``"stacked"`` (a key head's query heads as rows,
+    :func:`fused_cpu.stack_heads`). Remembered with the block tables and the mods' captured
+    tensors (identity and version)."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, _ = key.shape
+    mods_key = tuple((mod.root, mod.scalars) if mod is not None else None for mod in (score_mod, mask_mod))
+    captured = [*(mask_mod.buffers if mask_mod is not None else ()), *(score_mod.buffers if score_mod is not None else ())]
+
+    def build() -> torch.Tensor:
+        group = _Group(slice(0, B), slice(0, Bkv), slice(0, Hq), slice(0, Hkv), Hq // Hkv, 0, 0)
+        mods = _Mods(score_mod, mask_mod, group, B, Hq, L, S, query.device)
+        allowed = bias = None
+        if mods.mask_mod is not None:
+            allowed = evaluate(mods.mask_mod, clamp_lookups=True, **mods._index(mods.mask_reads, 0, L, mods.kv_pos))
+        if mods.bias_node is not None:
+            bias = mods.bias(0, L, mods.kv_pos)
+            bias = bias.neg() if mods.bias_sign < 0 else bias
+        mask = dense_tile.additive_mask(dense_tile.block_classes(block_mask, B, Hq, L, S), allowed, bias, query.dtype)
+        if layout == "stacked":
+            return fused_cpu.stack_heads(mask, Hq // Hkv)
+        return dense_tile.kernel_mask(mask, B, Hq, layout == "folded")
+    return memo_by_tables(block_mask, ("dense tile", mods_key, B, Hq, Hkv, L, S, query.dtype, layout), build,
+                          captured)
+
+
+def _dense_applies(query, key, value, score_mod, dropout, sinks) -> bool:
+    """Whether a forward, or its backward, runs as one dense tile (:func:`_dense_forward`): a small
+    call (:func:`dense_tile.fits`) the fused kernel takes, with no score_mod or a ``score +/- X``
+    one, no dropout or sinks, and finite inputs (the mask's -inf would turn NaN or inf into NaN)."""
+    B, Hq, L, _ = query.shape
+    return (dropout is None and sinks is None and dense_tile.fits(B, Hq, L, key.shape[2])
+            and fused_cpu.supported(query, value, None, False)
+            and (score_mod is None or _score_bias(score_mod)[0] is not None) and all_finite(query, key, value))
+
+
+def _dense_shapes(query, key, value):
+    """``(q, k, v)`` of one kernel call over the whole tile: a key head's query heads stacked as
+    rows (``[B, Hkv, G*L, E]``), a key batch broadcast over the query's as a stride-0 view."""
+    B, Hq, L, E = query.shape
+    Hkv = key.shape[1]
+    q = query.reshape(B, Hkv, Hq // Hkv * L, E)
+    k, v = (t.expand(B, *t.shape[1:]) if t.shape[0] != B else t for t in (key, value))
+    return q, k, v
+
+
+def _dense_forward(query, key, value, out, lse, score_mod, mask_mod, block_mask, scale) -> None:
+    """:func:`forward_with_max`'s small calls (:func:`dense_tile.fits`): one kernel call over the
+    whole tile with its dense mask, into ``out`` and ``lse``."""
+    B, Hq, L, _ = query.shape
+    mask = _dense_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
+    o, l = fused_cpu.FLASH(*_dense_shapes(query, key, value), attn_mask=mask, scale=scale)
+    fused_cpu.fix_dead_rows(l, mask)
+    out.copy_(o.reshape(B, Hq, L, o.shape[-1]))
+    l = l.reshape(B, Hq, L)
+    # a +inf score (a +inf bias) gives the kernel's logsumexp +inf: NaN, as the other paths' (fused_cpu.forward_rows)
+    lse.copy_(l.masked_fill(l.isposinf(), float("nan")))
+
+
+def _dense_backward(query, key, value, out, lse_bw, grad_out, dq, dk, dv, score_mod, mask_mod, block_mask,
+                    scale) -> None:
+    """:func:`torch_backward`'s gradients of a :func:`_dense_forward` call, added into ``dq``, ``dk``
+    and ``dv``: torch's fused backward with the same mask (``lse_bw``: the saved logsumexp with -inf
+    made +inf, as :func:`fused_cpu.backward_row` takes it)."""
+    B, Hq, L, E = query.shape
+    Hkv = key.shape[1]
+    mask = _dense_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
+    q, k, v = _dense_shapes(query, key, value)
+    o, go = (t.reshape(B, Hkv, -1, t.shape[-1]) for t in (out, grad_out))
+    with fused_cpu.denormals_flushed() if score_mod is not None else contextlib.nullcontext():
+        gq, gk, gv = fused_cpu.FLASH_BACKWARD(go, q, k, v, o, lse_bw.reshape(B, Hkv, -1), 0.0, False,
+                                              attn_mask=mask, scale=scale)
+    dq += gq.reshape(B, Hq, L, E)
+    if key.shape[0] != B:  # (one key batch for every query batch)
+        gk, gv = gk.sum(0, keepdim=True), gv.sum(0, keepdim=True)
+    dk += gk
+    dv += gv
 
 
 def _finite_only(record: Callable) -> Callable:
@@ -462,6 +524,10 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         lse.copy_(sinks.squeeze(-1).expand(B, Hq).unsqueeze(-1).expand(B, Hq, L))
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
     if B * Hq * L == 0:
+        return out, lse, row_max
+    if not need_max and _dense_applies(query, key, value, score_mod, dropout, sinks):  # one call, its whole tile
+        query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
+        _dense_forward(query, key, value, out, lse, score_mod, mask_mod, block_mask, scale)
         return out, lse, row_max
     tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     _zero_rows_without_blocks(out, groups, tasks, L)
@@ -708,6 +774,12 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     buf_grads = [torch.zeros_like(t) for t in leaves]
     if B * Hq * L == 0:
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), [g.to(d) for g, d in zip(buf_grads, dtypes)]
+    if (fused_cpu.FLASH_BACKWARD is not None and not grad_slots and (grad_lse is None or not bool(grad_lse.any()))
+            and _dense_applies(query, key, value, score_mod, dropout, sinks)):  # as the forward ran (_dense_forward)
+        lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
+        q_, k_, v_, o_, go_ = (fused_cpu.unit_last_stride(t) for t in (query, key, value, out, grad_out))
+        _dense_backward(q_, k_, v_, o_, lse_bw, go_, dq, dk, dv, score_mod, mask_mod, block_mask, scale)
+        return _summed(query, key, value, dq, [(dk, dv, buf_grads)], buf_grads, dtypes)
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
     fused = finite and tasks and fused_cpu.backward_supported(query, value, tasks[0][1], grad_lse, grad_slots)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import dense_tile
+from flexc.backends.cpu import dense_tile, fused_cpu
 from flexc.call import plans
 from reference import autograd_node_names, dense_attention, random_qkv
 
@@ -111,3 +111,27 @@ def test_calls_past_the_dense_sizes_keep_the_block_path():
     assert not dense_tile.fits(1, 1, 512, 512)
     bm = flexc.create_block_mask(_window, None, None, 512, 512, device="cpu")
     assert _path(flexc.flex_attention(q, k, v, score_mod=_minus_distance, block_mask=bm)) == "function"
+
+
+def test_small_calls_off_the_recorded_path_run_one_kernel_call_each_way(monkeypatch):
+    # the logsumexp asked for (flexc's Function trains it), GQA with one key batch for every query
+    # batch, rows that see nothing (head 3's first 30): one call forward, one backward
+    counts = {"forward": 0, "backward": 0}
+    forward, backward = fused_cpu.FLASH, fused_cpu.FLASH_BACKWARD
+    monkeypatch.setattr(fused_cpu, "FLASH", lambda *a, **kw: counts.__setitem__("forward", counts["forward"] + 1)
+                        or forward(*a, **kw))
+    monkeypatch.setattr(fused_cpu, "FLASH_BACKWARD", lambda *a, **kw: counts.__setitem__(
+        "backward", counts["backward"] + 1) or backward(*a, **kw))
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, H, 2, L, L, E, dtype=torch.float64, Bkv=1, seed=4))
+    bm = flexc.create_block_mask(_per_head_prefix, None, H, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    out, lse = flexc.flex_attention(q, k, v, score_mod=_alibi, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert _path(out) == "function" and counts == {"forward": 1, "backward": 0}
+    ref, ref_lse, _ = dense_attention(q, k, v, _alibi, _per_head_prefix)
+    torch.testing.assert_close(lse, ref_lse.to(lse.dtype), atol=1e-12, rtol=0)
+    assert torch.isneginf(lse[:, 3, :30]).all() and (out[:, 3, :30] == 0).all()
+    _assert_matches(out, ref, (q, k, v))
+    assert counts == {"forward": 1, "backward": 1}
+    with torch.no_grad():  # inference: the same call
+        torch.testing.assert_close(flexc.flex_attention(q, k, v, score_mod=_alibi, block_mask=bm, enable_gqa=True),
+                                   ref, atol=1e-12, rtol=0)
+    assert counts["forward"] == 2
