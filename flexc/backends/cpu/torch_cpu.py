@@ -774,8 +774,8 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     buf_grads = [torch.zeros_like(t) for t in leaves]
     if B * Hq * L == 0:
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), [g.to(d) for g, d in zip(buf_grads, dtypes)]
-    if (fused_cpu.FLASH_BACKWARD is not None and not grad_slots and (grad_lse is None or not bool(grad_lse.any()))
-            and _dense_applies(query, key, value, score_mod, dropout, sinks)):  # as the forward ran (_dense_forward)
+    if (_dense_applies(query, key, value, score_mod, dropout, sinks) and fused_cpu.FLASH_BACKWARD is not None
+            and not grad_slots and (grad_lse is None or not bool(grad_lse.any()))):  # as the forward ran (_dense_forward)
         lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
         q_, k_, v_, o_, go_ = (fused_cpu.unit_last_stride(t) for t in (query, key, value, out, grad_out))
         _dense_backward(q_, k_, v_, o_, lse_bw, go_, dq, dk, dv, score_mod, mask_mod, block_mask, scale)
