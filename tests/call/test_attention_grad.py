@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import flexc
+from flexc.backends.cpu import dense_tile
 from strategies import examples
 from catalogue import mask_catalogue, score_catalogue
 from reference import dense_attention
@@ -266,7 +267,8 @@ def test_row_workers_leave_torch_thread_settings_of_other_threads_alone(monkeypa
     monkeypatch.setattr(workers, "_pools", {})  # make the call start a fresh pool
     monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, *a: min(2, n_tasks))
     q, k, v = _inputs(seed=13)
-    # (a causal mask is one kernel call, without row workers)
+    # (a causal mask is one kernel call, without row workers; so is a call this small: dense_tile)
+    monkeypatch.setattr(dense_tile, "MAX_PAIRS", 0)
     bm = flexc.create_block_mask(MASKS["document_causal"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
     flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True).sum().backward()
     assert len(workers._pools) == 1
@@ -285,7 +287,8 @@ def test_row_workers_run_under_the_callers_inference_mode(monkeypatch):
 
     monkeypatch.setattr(workers, "worker_count", lambda n_tasks, cost, *a: min(2, n_tasks))
     q, k, v = (t.detach() for t in _inputs(seed=14))
-    # (a causal mask is one kernel call, without row workers)
+    # (a causal mask is one kernel call, without row workers; so is a call this small: dense_tile)
+    monkeypatch.setattr(dense_tile, "MAX_PAIRS", 0)
     bm = flexc.create_block_mask(MASKS["document_causal"], None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
     with torch.inference_mode():
         out = flexc.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)

@@ -287,7 +287,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     (:func:`sequence_starts`): one kernel call per sequence (``key``/``value`` of one batch are
     broadcast over the query's as stride-0 views; every row sees its sequence's first key, so no
     row is dead)."""
-    fold = _foldable(query, key, value)
+    fold = foldable(query, key, value)
     q, k, v = _kernel_inputs(query, key, value, fold)
     calls, n_workers = _split(_calls(starts, query.shape[1], q.shape[2], k.shape[2], fold), q.shape[0], q.shape[1])
     if len(calls) == 1:
@@ -309,27 +309,31 @@ def recordable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> b
     and torch's contract): row-major inputs that fold, or inputs laid out as the kernel lays its
     gradients out (``[B, L, H, E]`` memory, one key batch per query batch). A row-major GQA call's
     gradients would come back ``[B, L, H, E]``-strided."""
-    if _foldable(query, key, value):
+    if foldable(query, key, value):
         return True
     return key.shape[0] == query.shape[0] and all(t.transpose(1, 2).is_contiguous() for t in (query, key, value))
 
 
 def recorder(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-             causal: bool = True) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+             causal: bool = True, mask: Callable[[bool], torch.Tensor] | None = None
+             ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The function ``(query, key, value) -> output`` of plain causal attention
-    (:data:`ONE_SEQUENCE`; ``causal=False``: attention with no mask) as one kernel call recorded by
-    autograd, for :func:`recordable` inputs laid out as these (shapes and strides: what it decides
-    here, once, holds for every call of a plan): torch's own backward node for the kernel (and for
-    the fold's views) computes the gradients. The logsumexp the kernel returns is not
-    differentiable, so it is not returned. A causal call that :func:`causal_chunks.split` splits is
-    one node of flexc's instead, the split calls' (faster)."""
-    fold = _foldable(query, key, value)
+    (:data:`ONE_SEQUENCE`; ``causal=False``: attention with no mask, or with the additive mask
+    ``mask(folded)`` returns for the kernel's inputs, batch and heads folded or not) as one kernel
+    call recorded by autograd, for :func:`recordable` inputs laid out as these (shapes and strides:
+    what it decides here, once, holds for every call of a plan): torch's own backward node for the
+    kernel (and for the fold's views) computes the gradients. The logsumexp the kernel returns is
+    not differentiable, so it is not returned. A causal call that :func:`causal_chunks.split`
+    splits is one node of flexc's instead, the split calls' (faster)."""
+    fold = foldable(query, key, value)
     chunked = causal and causal_chunks.split(query.shape[2], key.shape[2])
 
     def record(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         q, k, v = _kernel_inputs(query, key, value, fold)
         if chunked:
             out = causal_chunks.RecordedChunks.apply(q, k, v, scale)
+        elif mask is not None:
+            out, _ = fused_cpu.FLASH(q, k, v, attn_mask=mask(fold), scale=scale)
         else:
             out, _ = fused_cpu.FLASH(q, k, v, is_causal=causal, scale=scale)
         return _unfolded(out, query, fold)
@@ -341,7 +345,7 @@ def backward(query, key, value, out, lse, grad_out, scale: float,
              starts: Starts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` from the forward's ``out`` and ``lse`` over the same kernel calls, in the
     inputs' dtypes (a key batch broadcast over the query's gets its gradients summed)."""
-    fold = _foldable(query, key, value, out, grad_out)
+    fold = foldable(query, key, value, out, grad_out)
     q, k, v = _kernel_inputs(query, key, value, fold)
     o, go, l = (_folded(t, fold) for t in (out, grad_out, lse.to(query.dtype)))
     calls, n_workers = _split(_calls(starts, query.shape[1], q.shape[2], k.shape[2], fold), q.shape[0], q.shape[1])
@@ -407,7 +411,7 @@ def _calls(starts: Starts, H: int, L: int, S: int, fold: bool) -> list[tuple[sli
 # flexc.backends.layout). Batch and heads folded into one batch of one head make that layout the
 # row-major one: the same work, split the same way, and no copies.
 
-def _foldable(*tensors: torch.Tensor) -> bool:
+def foldable(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is row-major with the query's batch and heads (no GQA, no key batch
     broadcast), so batch and heads fold into one dimension as views."""
     B, H = tensors[0].shape[:2]

@@ -26,6 +26,7 @@ jobs spread their rows over single-threaded workers (:mod:`flexc.workers`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -41,7 +42,7 @@ from ...mods import ir
 from ...mods.evaluate import evaluate
 from ...mods.trace import TracedMod
 from ... import workers
-from . import band_calls, band_plain, causal_call, decode_cpu, fused_cpu
+from . import band_calls, band_plain, causal_call, decode_cpu, dense_tile, fused_cpu
 from .score_mod_passes import FIXED_MAX_SPAN, log2_form, tanh_cap, value_bounds
 from ..nonfinite import all_finite, matmul_skipping_zeros
 from .block_plan import (Chunk, Row, add_chunk_rows, all_full, chunk_kv_index, chunk_rows, memo_by_tables,
@@ -328,36 +329,149 @@ def prepare_recorded(query, key, value, score_mod, mask_mod, block_mask, scale) 
     """For training calls of one signature (a plan's: the same shapes, strides, dtypes, block-mask
     tables and mods), the function ``(query, key, value) -> output or None`` that computes a call's
     output by ops autograd records itself, or None when no such call can (then flexc's autograd
-    Function trains it). Plain causal attention (one sequence per batch), or attention with no block
-    mask (or one whose blocks are all full), with no score_mod, dropout, sinks, logsumexp or max asked
-    for (the caller's checks) and finite inputs, is the fused kernel's call (in its causal mode for
-    the first; :func:`causal_call.recorder`), whose backward torch registers in C++: a
+    Function trains it). With no dropout, sinks, logsumexp or max asked for (the caller's checks)
+    and finite inputs, it is one call of the fused kernel, whose backward torch registers in C++: a
     training step then runs no Python after the forward, which is most of a small layer's step
-    (B=2, H=4, L=256, D=32).
+    (B=2, H=4, L=256, D=32). The call is, in this order:
+
+    * with no score_mod, plain causal attention (one sequence per batch) or attention with no block
+      mask (or one whose blocks are all full): the kernel's causal or unmasked mode
+      (:func:`causal_call.recorder`);
+    * with no score_mod or a ``score +/- X`` one, a small call (:func:`dense_tile.fits`) other than
+      several causal sequences: the kernel with the whole tile's additive mask
+      (:mod:`flexc.backends.cpu.dense_tile`), while no captured tensor of the score_mod wants a gradient.
 
     What the signature fixes is decided here, once; a call checks only its thread count (where it
-    can matter), the mask_mod's captured tensors (their values are not in a signature) and its
+    can matter), the mods' captured tensors (their values are not in a signature) and its
     inputs' finiteness. A warm call's Python costs several times its own time inside a training
     step (the kernel's data and the interpreter's evict each other from the caches): deciding it
     all per call cost ~50 us of that step, the checks left ~25 us."""
-    if score_mod is not None or not causal_call.recordable(query, key, value) or not causal_call.kernel_takes(query,
-                                                                                                            value):
+    if not causal_call.recordable(query, key, value) or not causal_call.kernel_takes(query, value):
         return None
-    if _unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
+    if score_mod is None and _unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
         return _finite_only(causal_call.recorder(query, key, value, scale, causal=False))
-    if mask_mod is None:
-        return None
+    # (made on first need: a causal mask's plan has no use for it)
+    dense = functools.cache(lambda: _dense_recorded(query, key, value, score_mod, mask_mod, block_mask, scale))
+    if score_mod is not None or mask_mod is None:
+        return dense()
     B, Hq, L, _ = query.shape
     S = key.shape[2]
     record = _finite_only(causal_call.recorder(query, key, value, scale))
+
+    def by_starts(starts: causal_call.Starts | None) -> Callable | None:
+        # several causal sequences: flexc's Function, whose kernel calls skip the pairs across them
+        # (6 documents in L=256 cost 0.8x the dense tile's step)
+        if starts == causal_call.ONE_SEQUENCE:
+            return record
+        return dense() if starts is None else None
     if mask_mod.buffers:  # their values may change what the mask allows: checked each call (a memo lookup)
         def checked(query, key, value):
-            one = causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S) == causal_call.ONE_SEQUENCE
-            return record(query, key, value) if one else None
+            run = by_starts(causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S))
+            return run(query, key, value) if run is not None else None
         return _one_thread_worker(query, key, checked)
-    if causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S) != causal_call.ONE_SEQUENCE:
+    run = by_starts(causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S))
+    return _one_thread_worker(query, key, run) if run is record else run
+
+
+def _dense_recorded(query, key, value, score_mod, mask_mod, block_mask, scale) -> Callable | None:
+    """:func:`prepare_recorded`'s dense tile (:mod:`flexc.backends.cpu.dense_tile`), or None where the
+    tile or its mask is too large or the score_mod is not ``score +/- X``."""
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    if not dense_tile.fits(B, Hq, L, S) or (score_mod is not None and _score_bias(score_mod)[0] is None):
         return None
+    fold = causal_call.foldable(query, key, value)
+    mask = lambda fold: _dense_mask(query, key, score_mod, mask_mod, block_mask, "folded" if fold else "plain")
+    if dense_tile.kernel_mask_elements(tuple(mask(fold).shape), B, Hq, fold) > dense_tile.MAX_MASK_ELEMENTS:
+        return None
+    record = _finite_only(causal_call.recorder(query, key, value, scale, causal=False, mask=mask))
+    if score_mod is not None and score_mod.buffers:
+        # a captured tensor wanting a gradient needs flexc's backward (the kernel's has none for the mask)
+        plain = record
+        record = lambda query, key, value: (None if any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                        for t in score_mod.buffers) else plain(query, key, value))
     return _one_thread_worker(query, key, record)
+
+
+def _dense_mask(query, key, score_mod, mask_mod, block_mask, layout: str) -> torch.Tensor:
+    """The additive mask of a call as one dense tile (:func:`dense_tile.additive_mask`), laid out for
+    the kernel's inputs: ``"plain"`` ``[b, h, L, S]``, ``"folded"`` (batch and heads one dimension,
+    :func:`dense_tile.kernel_mask`) or ``"stacked"`` (a key head's query heads as rows,
+    :func:`fused_cpu.stack_heads`). Remembered with the block tables and the mods' captured
+    tensors (identity and version)."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, _ = key.shape
+    mods_key = tuple((mod.root, mod.scalars) if mod is not None else None for mod in (score_mod, mask_mod))
+    captured = [*(mask_mod.buffers if mask_mod is not None else ()), *(score_mod.buffers if score_mod is not None else ())]
+
+    def build() -> torch.Tensor:
+        group = _Group(slice(0, B), slice(0, Bkv), slice(0, Hq), slice(0, Hkv), Hq // Hkv, 0, 0)
+        mods = _Mods(score_mod, mask_mod, group, B, Hq, L, S, query.device)
+        allowed = bias = None
+        if mods.mask_mod is not None:
+            allowed = evaluate(mods.mask_mod, clamp_lookups=True, **mods._index(mods.mask_reads, 0, L, mods.kv_pos))
+        if mods.bias_node is not None:
+            bias = mods.bias(0, L, mods.kv_pos)
+            bias = bias.neg() if mods.bias_sign < 0 else bias
+        mask = dense_tile.additive_mask(dense_tile.block_classes(block_mask, B, Hq, L, S), allowed, bias, query.dtype)
+        if layout == "stacked":
+            return fused_cpu.stack_heads(mask, Hq // Hkv)
+        return dense_tile.kernel_mask(mask, B, Hq, layout == "folded")
+    return memo_by_tables(block_mask, ("dense tile", mods_key, B, Hq, Hkv, L, S, query.dtype, layout), build,
+                          captured)
+
+
+def _dense_applies(query, key, value, score_mod, dropout, sinks) -> bool:
+    """Whether a forward, or its backward, runs as one dense tile (:func:`_dense_forward`): a small
+    call (:func:`dense_tile.fits`) the fused kernel takes, with no score_mod or a ``score +/- X``
+    one, no dropout or sinks, and finite inputs (the mask's -inf would turn NaN or inf into NaN)."""
+    B, Hq, L, _ = query.shape
+    return (dropout is None and sinks is None and dense_tile.fits(B, Hq, L, key.shape[2])
+            and fused_cpu.supported(query, value, None, False)
+            and (score_mod is None or _score_bias(score_mod)[0] is not None) and all_finite(query, key, value))
+
+
+def _dense_shapes(query, key, value):
+    """``(q, k, v)`` of one kernel call over the whole tile: a key head's query heads stacked as
+    rows (``[B, Hkv, G*L, E]``), a key batch broadcast over the query's as a stride-0 view."""
+    B, Hq, L, E = query.shape
+    Hkv = key.shape[1]
+    q = query.reshape(B, Hkv, Hq // Hkv * L, E)
+    k, v = (t.expand(B, *t.shape[1:]) if t.shape[0] != B else t for t in (key, value))
+    return q, k, v
+
+
+def _dense_forward(query, key, value, out, lse, score_mod, mask_mod, block_mask, scale) -> None:
+    """:func:`forward_with_max`'s small calls (:func:`dense_tile.fits`): one kernel call over the
+    whole tile with its dense mask, into ``out`` and ``lse``."""
+    B, Hq, L, _ = query.shape
+    mask = _dense_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
+    o, l = fused_cpu.FLASH(*_dense_shapes(query, key, value), attn_mask=mask, scale=scale)
+    fused_cpu.fix_dead_rows(l, mask)
+    out.copy_(o.reshape(B, Hq, L, o.shape[-1]))
+    l = l.reshape(B, Hq, L)
+    # a +inf score (a +inf bias) gives the kernel's logsumexp +inf: NaN, as the other paths' (fused_cpu.forward_rows)
+    lse.copy_(l.masked_fill(l.isposinf(), float("nan")))
+
+
+def _dense_backward(query, key, value, out, lse_bw, grad_out, dq, dk, dv, score_mod, mask_mod, block_mask,
+                    scale) -> None:
+    """:func:`torch_backward`'s gradients of a :func:`_dense_forward` call, added into ``dq``, ``dk``
+    and ``dv``: torch's fused backward with the same mask (``lse_bw``: the saved logsumexp with -inf
+    made +inf, as :func:`fused_cpu.backward_row` takes it)."""
+    B, Hq, L, E = query.shape
+    Hkv = key.shape[1]
+    mask = _dense_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
+    q, k, v = _dense_shapes(query, key, value)
+    o, go = (t.reshape(B, Hkv, -1, t.shape[-1]) for t in (out, grad_out))
+    with fused_cpu.denormals_flushed() if score_mod is not None else contextlib.nullcontext():
+        gq, gk, gv = fused_cpu.FLASH_BACKWARD(go, q, k, v, o, lse_bw.reshape(B, Hkv, -1), 0.0, False,
+                                              attn_mask=mask, scale=scale)
+    dq += gq.reshape(B, Hq, L, E)
+    if key.shape[0] != B:  # (one key batch for every query batch)
+        gk, gv = gk.sum(0, keepdim=True), gv.sum(0, keepdim=True)
+    dk += gk
+    dv += gv
 
 
 def _finite_only(record: Callable) -> Callable:
@@ -410,6 +524,10 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
         lse.copy_(sinks.squeeze(-1).expand(B, Hq).unsqueeze(-1).expand(B, Hq, L))
     row_max = torch.full((B, Hq, L), _NEG_INF, dtype=torch.float32, device=query.device) if need_max else None
     if B * Hq * L == 0:
+        return out, lse, row_max
+    if not need_max and _dense_applies(query, key, value, score_mod, dropout, sinks):  # one call, its whole tile
+        query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
+        _dense_forward(query, key, value, out, lse, score_mod, mask_mod, block_mask, scale)
         return out, lse, row_max
     tasks, costs, n_workers, groups = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     _zero_rows_without_blocks(out, groups, tasks, L)
@@ -656,6 +774,12 @@ def torch_backward(query, key, value, out, lse, grad_out, grad_lse, score_mod: T
     buf_grads = [torch.zeros_like(t) for t in leaves]
     if B * Hq * L == 0:
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), [g.to(d) for g, d in zip(buf_grads, dtypes)]
+    if (_dense_applies(query, key, value, score_mod, dropout, sinks) and fused_cpu.FLASH_BACKWARD is not None
+            and not grad_slots and (grad_lse is None or not bool(grad_lse.any()))):  # as the forward ran (_dense_forward)
+        lse_bw = lse.to(query.dtype).masked_fill(lse == _NEG_INF, float("inf"))
+        q_, k_, v_, o_, go_ = (fused_cpu.unit_last_stride(t) for t in (query, key, value, out, grad_out))
+        _dense_backward(q_, k_, v_, o_, lse_bw, go_, dq, dk, dv, score_mod, mask_mod, block_mask, scale)
+        return _summed(query, key, value, dq, [(dk, dv, buf_grads)], buf_grads, dtypes)
     tasks, costs, n_workers, _ = _tasks(block_mask, query, value, Hkv, score_mod, mask_mod, dropout)
     finite = not (tasks and tasks[0][1].mask_mod is not None) or all_finite(query, key, value)
     fused = finite and tasks and fused_cpu.backward_supported(query, value, tasks[0][1], grad_lse, grad_slots)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import band_calls, causal_call, fused_cpu
+from flexc.backends.cpu import band_calls, causal_call, dense_tile, fused_cpu
 from flexc.call import plans
 from reference import dense_attention
 
@@ -61,11 +61,12 @@ def _absolute_positions(score, b, h, q, kv):  # a bias, but not of kv - q alone
 def calls(monkeypatch):
     """Count fused tasks (and those covering several rows, and batched bands of narrow rows), so
     each test knows which path ran. Causal masks run here on the block calls too, not as one causal
-    call (test_causal_call.py)."""
+    call (test_causal_call.py), nor as one dense tile (test_dense_tile.py)."""
     count = {"tasks": 0, "tall": 0, "bands": 0}
     real = fused_cpu.forward_rows
     real_band = band_calls.forward
     monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+    monkeypatch.setattr(dense_tile, "MAX_PAIRS", 0)
 
     def spy(query, key, value, out, lse, g, rows, mods, scale, sinks=None):
         count["tasks"] += 1
@@ -220,6 +221,7 @@ def test_fused_backward_takes_the_forwards_calls_and_matches_float64(monkeypatch
     rows = []
     real = fused_cpu.backward_row
     monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+    monkeypatch.setattr(dense_tile, "MAX_PAIRS", 0)  # (a call this small would be one dense tile)
     monkeypatch.setattr(fused_cpu, "backward_row", lambda *a: rows.append(1) or real(*a))
     q, k, v = (t.requires_grad_() for t in _qkv(Hq=H, Hkv=kv_heads, Bkv=kv_batch, dtype=torch.float64, seed=3))
     sinks = torch.linspace(-1.0, 2.0, H, dtype=torch.float64, requires_grad=True) if with_sinks else None
@@ -244,6 +246,7 @@ def test_fused_backward_over_runs_of_rows_takes_tall_calls_and_matches_float64(m
     real = fused_cpu.backward_rows
     monkeypatch.setattr(causal_call, "applies", lambda *args: None)
     monkeypatch.setattr(plans, "prepare_recorded", lambda *args: None)  # (nor torch's own node for causal)
+    monkeypatch.setattr(dense_tile, "MAX_PAIRS", 0)  # (nor one dense tile)
     monkeypatch.setattr(fused_cpu, "backward_rows", lambda *a: tall.append(len(a[10]) > 1) or real(*a))
     q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float64, seed=6))
     bm = flexc.create_block_mask(mask_mod, B, H, L, S, device="cpu", BLOCK_SIZE=(16, 16))

@@ -12,7 +12,7 @@ import strategies
 
 import flexc
 from flexc import workers
-from flexc.backends.cpu import band_calls, band_plain, causal_call, fused_cpu
+from flexc.backends.cpu import band_calls, band_plain, causal_call, dense_tile, fused_cpu
 from reference import dense_attention, random_qkv
 
 B, H, E = 2, 2, 16
@@ -60,10 +60,12 @@ def _gate(score, b, h, q, kv):  # a general score_mod (autograd carries dS throu
 
 @pytest.fixture
 def bands(monkeypatch):
-    """The bands each forward ran (their row counts), with causal_call's own path turned off."""
+    """The bands each forward ran (their row counts), with causal_call's own path and the dense tile
+    (calls this small would be one) turned off."""
     seen = []
     real = band_calls.forward
     monkeypatch.setattr(causal_call, "applies", lambda *args: None)
+    monkeypatch.setattr(dense_tile, "MAX_PAIRS", 0)
 
     def spy(query, key, value, out, lse, g, band, mods, scale):
         seen.append(band.n)
