@@ -344,13 +344,16 @@ def stream_token(device: torch.device):
     replays recompute them from their sources' contents then.
 
     ``None`` for CPU tensors (simulated or not: one stream), where every cache hits as before. One
-    current-stream query on CUDA, a few microseconds.
+    current-stream query on CUDA, read from torch's C getter (a ``torch.cuda.Stream`` object costs
+    microseconds to build at every call).
     """
     if runs_interpreted(device):
         return None
-    if torch.cuda.is_current_stream_capturing():
+    if torch._C._cuda_isCurrentStreamCapturing():  # (torch.cuda.is_current_stream_capturing's C call)
         return _CaptureToken()  # equal to nothing else: never served again
-    return torch.cuda.current_stream(device)
+    # (stream id, device index, device type): what torch.cuda.current_stream(device) reads before
+    # wrapping it in a Stream object, and what two Streams compare by; asked on every GPU call
+    return torch._C._cuda_getCurrentStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class _CaptureToken:

@@ -39,10 +39,10 @@ def test_the_token_is_none_on_the_cpu_the_current_stream_on_cuda_and_new_while_c
     with gpu.simulate("sm_90"):
         assert gpu.stream_token(cpu) is None  # the interpreter runs launches in order: one stream
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream 7", device))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert gpu.stream_token(cuda) == ("stream 7", cuda)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: (7, index, 1), raising=False)  # (CPU builds lack it)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+    assert gpu.stream_token(cuda) == (7, 0, 1)  # (stream id, device index, device type), as a Stream compares
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True)
     assert gpu.stream_token(cuda) != gpu.stream_token(cuda)  # a capture's values are never served again
 
 
