@@ -310,8 +310,9 @@ def launch(fn, grid: tuple, spec, device: torch.device, args: list, constants: d
     compiled in the device's CUDA context (through its compiled launcher once a launch of the same
     specialization compiled it: :mod:`flexc.compiled_launch`), or in Triton's interpreter for CPU
     tensors (after :func:`check_launch`: a simulated GPU refuses what the real one would). ``fixed``:
-    how many of the last ``args`` are a plan's scalars, the same at its every launch (keyed faster)."""
-    check_launch(grid, spec, device, args)
+    how many of the last ``args`` are a plan's scalars, the same at its every launch (no tensor among
+    them: checked and keyed faster)."""
+    check_launch(grid, spec, device, args, fixed)
     if runs_interpreted(device):
         with interpreting():
             fn[grid](*args, **constants, **launch_options(spec, device))
@@ -398,11 +399,12 @@ def fit_message(required: str, *optional: str, limit: int = ASSERT_MESSAGE_LIMIT
     return text
 
 
-def check_launch(grid: tuple, spec, device: torch.device, args: list) -> None:
+def check_launch(grid: tuple, spec, device: torch.device, args: list, fixed: int = 0) -> None:
     """Raise where a GPU launch of ``spec`` on ``grid`` with ``args`` would fail: a grid extent past
     CUDA's limits, a tensor that is not on ``device`` (a host tensor handed to a GPU kernel), or, on
     a simulated GPU, more shared memory than the simulated one has per block (Triton's
-    ``OutOfResources``, as a compile for the real one raises; :func:`shared_memory_estimate`)."""
+    ``OutOfResources``, as a compile for the real one raises; :func:`shared_memory_estimate`).
+    ``fixed``: how many of the last ``args`` are a plan's scalars (no tensor there to check)."""
     if not is_gpu(device) or spec.target != "cuda":
         return
     for axis, (extent, limit) in enumerate(zip(grid if isinstance(grid, tuple) else (), GRID_LIMITS)):
@@ -410,8 +412,8 @@ def check_launch(grid: tuple, spec, device: torch.device, args: list) -> None:
             raise ValueError(f"flexc: a launch of {type(spec).__name__} needs a grid of {tuple(grid)}, but CUDA "
                              f"allows at most {limit} programs along axis {'xyz'[axis]}. Fix: split the call "
                              f"(e.g. the batch into chunks) so that each launch stays within the limit.")
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and not same_device(a.device, device):
+    for i, a in enumerate(args[:len(args) - fixed] if fixed else args):
+        if isinstance(a, torch.Tensor) and a.device != device and not same_device(a.device, device):
             raise ValueError(f"flexc: kernel argument {i} of a {type(spec).__name__} launch is a tensor on "
                              f"{a.device} {tuple(a.shape)}, but the kernel runs on {device}: a GPU kernel cannot "
                              f"read it. Fix: create that tensor on {device}.")
