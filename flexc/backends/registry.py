@@ -9,7 +9,7 @@ None (everything allowed). ``"TORCH"`` is the CPU block-sparse path; the Triton 
 
 A backend that also generates its backward registers it in :data:`TRAINING` as ``(forward,
 backward)``: that forward returns ``(out, lse natural log, float64 for float64 inputs, stats)``, and
-the backward takes :func:`flexc.backends.cpu.torch_cpu.torch_backward`'s arguments with ``stats``
+the backward takes :func:`flexc.backends.cpu.torch_cpu_backward.torch_backward`'s arguments with ``stats``
 (whatever that forward saves for it) in place of the logsumexp, plus kernel_options.
 Backends not listed there train through the torch row loop.
 

@@ -67,7 +67,7 @@ def kernel_source(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
             why = (f"the generated backward cannot differentiate its\n# score_mod ({reason})"
                    if registry.TRITON in registry.TRAINING else "no generated backward is registered\n# for the TRITON backend")
             return (f"# flexc: this call's backward runs no generated kernel: {why}, so training runs the torch "
-                    f"backward\n# (flexc.backends.cpu.torch_cpu.torch_backward, per query row on {query.device}) "
+                    f"backward\n# (flexc.backends.cpu.torch_cpu_backward.torch_backward, per query row on {query.device}) "
                     f"after the generated forward.\n")
         return backward_source(query, value, traced_score, traced_mask, block_mask, options, dropout=bool(dropout_p))
     # the forward a call runs (training saves the logsumexp, or the generated pair's statistics)
@@ -84,10 +84,11 @@ def _runs_instead(backend: str, device: torch.device, backward: bool, own_backwa
     trains it (the backend's registered backward, else the torch backward)."""
     what = "backward" if backward else "call"
     if backend == registry.TORCH:
-        runs = "flexc's block-sparse PyTorch path (flexc.backends.cpu.torch_cpu), forward and backward"
+        runs = ("flexc's block-sparse PyTorch path, forward\n# (flexc.backends.cpu.torch_cpu) and backward "
+                "(flexc.backends.cpu.torch_cpu_backward)")
     elif backward:
         trains = ("its own registered backward (flexc.backends.registry.TRAINING)" if own_backward else
-                  "the torch backward\n# (flexc.backends.cpu.torch_cpu.torch_backward)")
+                  "the torch backward\n# (flexc.backends.cpu.torch_cpu_backward.torch_backward)")
         runs = f"the {backend!r} backend's forward and trains through {trains}"
     else:
         runs = f"the {backend!r} backend"

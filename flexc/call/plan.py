@@ -131,7 +131,7 @@ def warn_fallback(score_mod: TracedMod | None, backend: str) -> None:
         return
     _warned.add(score_mod.root)
     warnings.warn(f"flex_attention: BACKEND={backend!r} trains score_mod {score_mod.name} through the torch backward "
-                  f"(flexc.backends.cpu.torch_cpu.torch_backward, per query row), not the generated backward kernel: "
+                  f"(flexc.backends.cpu.torch_cpu_backward.torch_backward, per query row), not the generated backward kernel: "
                   f"{reason.rstrip('.')}. Fix: write the Function's backward with operations flexc traces (as a mod), or "
                   f"ignore this warning: the gradients are the same, only slower.", FallbackWarning, stacklevel=3)
 

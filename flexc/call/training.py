@@ -2,7 +2,7 @@
 
 :class:`FlexAttentionFunction` runs a call's forward on the chosen backend and saves what its
 backward reads: the generated backward's statistics (:data:`flexc.backends.registry.TRAINING`) or
-the logsumexp for the torch backward (:func:`flexc.backends.cpu.torch_cpu.torch_backward`, per
+the logsumexp for the torch backward (:func:`flexc.backends.cpu.torch_cpu_backward.torch_backward`, per
 query row), so every backend trains. Learned attention sinks get their gradient here too.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..backends.cpu.torch_cpu import torch_backward
+from ..backends.cpu.torch_cpu_backward import torch_backward
 from ..backends.layout import laid_out_like, output_strides
 from ..dtypes import work_dtype
 from .forward_path import Forward, backend_keywords

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..backends.cpu.torch_cpu import torch_backward
+from ..backends.cpu.torch_cpu_backward import torch_backward
 from ..masks.block_mask import DERIVED, BlockMask
 from ..masks.create import create_block_mask
 from ..codegen.printer import precise_math_for

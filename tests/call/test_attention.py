@@ -192,9 +192,9 @@ def test_random_shapes_and_windows_match_float64_reference(b, hkv, group, q_len,
 
 def test_long_causal_row_is_split_into_chunks_and_still_exact(monkeypatch):
     """Force tiny chunks so rows need the online-softmax merge across many chunks."""
-    import flexc.backends.cpu.torch_cpu as backend
+    import flexc.backends.cpu.head_groups as groups
 
-    monkeypatch.setattr(backend, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(groups, "CHUNK_ELEMENTS", 64)
     q, k, v = _qkv(seed=10)
     mask_mod = MASKS["global_tokens_with_window"]
     bm = flexc.create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=(32, 8))

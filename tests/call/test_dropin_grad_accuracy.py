@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import flexc
-from flexc.backends.cpu import torch_cpu
+from flexc.backends.cpu import torch_cpu_backward
 
 SEEDS = range(20)
 # the TRITON backend runs in Triton's interpreter on CPU (milliseconds per tile step): smaller sizes
@@ -178,7 +178,7 @@ def test_gradients_within_bound_of_reference_for_every_seed(backend, dtype, case
 
 def test_fp32_gradients_when_the_second_pass_recomputes_every_chunk(monkeypatch):
     """The TORCH backward's second pass recomputes the probabilities instead of keeping them."""
-    monkeypatch.setattr(torch_cpu, "_KEEP_ELEMENTS", 0)
+    monkeypatch.setattr(torch_cpu_backward, "_KEEP_ELEMENTS", 0)
     worst = worst_ratios("TORCH", torch.float32, "bias", seeds=range(5))
     assert all(r <= BOUND[torch.float32] for r, _ in worst.values()), worst
 

@@ -18,16 +18,26 @@ work (a causal mask wastes half the tile).
 The mask is built once per BlockMask tables, mods and captured tensors (their versions) and kept
 (:func:`flexc.backends.cpu.block_plan.memo_by_tables`). A training call is recorded by autograd,
 whose backward is torch's C++ node for the kernel with the same mask
-(:func:`flexc.backends.cpu.causal_call.recorder`); a forward, and flexc's Function where it
+(:func:`flexc.backends.cpu.causal_call.recorder`, from
+:func:`flexc.backends.cpu.torch_cpu.prepare_recorded`); a forward, and flexc's Function where it
 trains (a logsumexp asked for, GQA in row-major memory), make one kernel call each way
-(:func:`flexc.backends.cpu.torch_cpu.forward_with_max`, ``torch_backward``; same shapes, forward
-only, one thread: causal + ALiBi 1.71 -> 0.88 ms, window 1.45 -> 0.81 ms; SDPA with the mask 0.65).
+(:func:`forward` and :func:`backward`, from :func:`flexc.backends.cpu.torch_cpu.forward_with_max` and
+:func:`flexc.backends.cpu.torch_cpu_backward.torch_backward`; same shapes, forward only, one
+thread: causal + ALiBi 1.71 -> 0.88 ms, window 1.45 -> 0.81 ms; SDPA with the mask 0.65).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from ...masks.kv_tables import block_sizes_of, kv_tables
+from ...mods.evaluate import evaluate
+from ..nonfinite import all_finite
+from . import fused_cpu
+from .block_plan import memo_by_tables
+from .head_groups import Group
+from .row_mods import Mods, score_bias
 
 # a call runs as one dense tile when it scores at most this many pairs, ``B * H * L * S`` (B=4,
 # H=4, L=256: 1M), in tiles of at most MAX_TILE_PAIRS (L = S = 362). Past them the kernel's work on
@@ -106,3 +116,84 @@ def kernel_mask_elements(mask_shape: tuple, B: int, H: int, folded: bool) -> int
     """Elements :func:`kernel_mask` passes the kernel for a mask of ``mask_shape``."""
     b, h, L, S = mask_shape
     return (B * H if folded and (b, h) != (1, 1) else b * h) * L * S
+
+
+def call_mask(query, key, score_mod, mask_mod, block_mask, layout: str) -> torch.Tensor:
+    """The additive mask of a call as one dense tile (:func:`additive_mask`), laid out for
+    the kernel's inputs: ``"plain"`` ``[b, h, L, S]``, ``"folded"`` (batch and heads one dimension,
+    :func:`kernel_mask`) or ``"stacked"`` (a key head's query heads as rows,
+    :func:`flexc.backends.cpu.fused_cpu.stack_heads`). Remembered with the block tables and the mods' captured
+    tensors (identity and version)."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, _ = key.shape
+    mods_key = tuple((mod.root, mod.scalars) if mod is not None else None for mod in (score_mod, mask_mod))
+    captured = [*(mask_mod.buffers if mask_mod is not None else ()), *(score_mod.buffers if score_mod is not None else ())]
+
+    def build() -> torch.Tensor:
+        group = Group(slice(0, B), slice(0, Bkv), slice(0, Hq), slice(0, Hkv), Hq // Hkv, 0, 0)
+        mods = Mods(score_mod, mask_mod, group, B, Hq, L, S, query.device)
+        allowed = bias = None
+        if mods.mask_mod is not None:
+            allowed = evaluate(mods.mask_mod, clamp_lookups=True, **mods.indices(mods.mask_reads, 0, L, mods.kv_pos))
+        if mods.bias_node is not None:
+            bias = mods.bias(0, L, mods.kv_pos)
+            bias = bias.neg() if mods.bias_sign < 0 else bias
+        mask = additive_mask(block_classes(block_mask, B, Hq, L, S), allowed, bias, query.dtype)
+        if layout == "stacked":
+            return fused_cpu.stack_heads(mask, Hq // Hkv)
+        return kernel_mask(mask, B, Hq, layout == "folded")
+    return memo_by_tables(block_mask, ("dense tile", mods_key, B, Hq, Hkv, L, S, query.dtype, layout), build,
+                          captured)
+
+
+def applies(query, key, value, score_mod, dropout, sinks) -> bool:
+    """Whether a forward, or its backward, runs as one dense tile (:func:`forward`): a small
+    call (:func:`fits`) the fused kernel takes, with no score_mod or a ``score +/- X``
+    one, no dropout or sinks, and finite inputs (the mask's -inf would turn NaN or inf into NaN)."""
+    B, Hq, L, _ = query.shape
+    return (dropout is None and sinks is None and fits(B, Hq, L, key.shape[2])
+            and fused_cpu.supported(query, value, None, False)
+            and (score_mod is None or score_bias(score_mod)[0] is not None) and all_finite(query, key, value))
+
+
+def _shapes(query, key, value):
+    """``(q, k, v)`` of one kernel call over the whole tile: a key head's query heads stacked as
+    rows (``[B, Hkv, G*L, E]``), a key batch broadcast over the query's as a stride-0 view."""
+    B, Hq, L, E = query.shape
+    Hkv = key.shape[1]
+    q = query.reshape(B, Hkv, Hq // Hkv * L, E)
+    k, v = (t.expand(B, *t.shape[1:]) if t.shape[0] != B else t for t in (key, value))
+    return q, k, v
+
+
+def forward(query, key, value, out, lse, score_mod, mask_mod, block_mask, scale) -> None:
+    """:func:`flexc.backends.cpu.torch_cpu.forward_with_max`'s small calls (:func:`fits`): one kernel call over the
+    whole tile with its dense mask, into ``out`` and ``lse``."""
+    B, Hq, L, _ = query.shape
+    mask = call_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
+    o, l = fused_cpu.FLASH(*_shapes(query, key, value), attn_mask=mask, scale=scale)
+    fused_cpu.fix_dead_rows(l, mask)
+    out.copy_(o.reshape(B, Hq, L, o.shape[-1]))
+    l = l.reshape(B, Hq, L)
+    # a +inf score (a +inf bias) gives the kernel's logsumexp +inf: NaN, as the other paths' (fused_cpu.forward_rows)
+    lse.copy_(l.masked_fill(l.isposinf(), float("nan")))
+
+
+def backward(query, key, value, out, lse_bw, grad_out, dq, dk, dv, score_mod, mask_mod, block_mask,
+             scale) -> None:
+    """:func:`flexc.backends.cpu.torch_cpu_backward.torch_backward`'s gradients of a :func:`forward`
+    call, added into ``dq``, ``dk`` and ``dv``: torch's fused backward with the same mask (``lse_bw``:
+    the saved logsumexp with -inf made +inf, as :func:`flexc.backends.cpu.fused_cpu.backward_row` takes it)."""
+    B, Hq, L, E = query.shape
+    Hkv = key.shape[1]
+    mask = call_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
+    q, k, v = _shapes(query, key, value)
+    o, go = (t.reshape(B, Hkv, -1, t.shape[-1]) for t in (out, grad_out))
+    with fused_cpu.denormals_flushed() if score_mod is not None else contextlib.nullcontext():
+        gq, gk, gv = fused_cpu.FLASH_BACKWARD(go, q, k, v, o, lse_bw.reshape(B, Hkv, -1), 0.0, False,
+                                              attn_mask=mask, scale=scale)
+    dq += gq.reshape(B, Hq, L, E)
+    if key.shape[0] != B:  # (one key batch for every query batch)
+        gk, gv = gk.sum(0, keepdim=True), gv.sum(0, keepdim=True)
+    dk += gk
+    dv += gv

@@ -260,7 +260,7 @@ def triton_backward(query, key, value, out, stats, grad_out, grad_lse, score_mod
                     mask_mod: TracedMod | None, block_mask: Any, scale: float, grad_slots: Sequence[int] = (),
                     kernel_options: dict | None = None, dropout: Dropout | None = None,
                     sinks: torch.Tensor | None = None):
-    """The ``"TRITON"`` backward: ``(dq, dk, dv, buffer_grads)`` like :func:`torch_cpu.torch_backward`.
+    """The ``"TRITON"`` backward: ``(dq, dk, dv, buffer_grads)`` like :func:`torch_cpu_backward.torch_backward`.
 
     ``stats`` are :func:`forward_for_training`'s (in place of the logsumexp ``torch_backward`` takes);
     ``grad_lse`` may be None; ``buffer_grads`` follows ``grad_slots``; ``dropout`` is the forward's

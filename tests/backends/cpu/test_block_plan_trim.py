@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import block_plan, torch_cpu
+from flexc.backends.cpu import block_plan, head_groups
 from flexc.mods.trace import trace
 from reference import dense_attention
 
@@ -18,8 +18,8 @@ def _window(b, h, q, kv):
 
 def test_a_narrow_window_is_planned_as_a_band_of_short_rows():
     bm = flexc.create_block_mask(_window, None, None, L, L, device="cpu", BLOCK_SIZE=128)
-    plain = torch_cpu._new_plan(bm, B, B, H, H, L, L, E)
-    trimmed = torch_cpu._new_plan(bm, B, B, H, H, L, L, E, trace(_window))
+    plain = head_groups._new_plan(bm, B, B, H, H, L, L, E)
+    trimmed = head_groups._new_plan(bm, B, B, H, H, L, L, E, trace(_window))
     work = lambda plan: sum((r.q1 - r.q0) * sum(b - a for a, b, _ in r.segments) for _, rows in plan for r in rows)
     assert max(r.q1 - r.q0 for _, rows in trimmed for r in rows) == 32
     assert work(trimmed) < work(plain) / 3

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flexc
-from flexc.backends.cpu import score_mod_passes, torch_cpu
+from flexc.backends.cpu import fused_cpu, head_groups, row_mods, score_mod_passes, torch_cpu_backward
 from flexc.mods.trace import trace
 from reference import dense_attention
 
@@ -90,7 +90,7 @@ def test_rewrite_is_taken_exactly_where_it_applies(score_mod, pre, folded):
 def test_bounds_and_fixed_offset_are_taken_exactly_where_they_apply(score_mod, bounds, fixed):
     traced = trace(score_mod, "score_mod")
     assert score_mod_passes.value_bounds(traced.root) == (None if bounds is None else pytest.approx(bounds))
-    mods = torch_cpu._Mods(traced, None, torch_cpu._groups(1, 1, 1, 1, 1, 1)[0], 1, 1, 4, 4, torch.device("cpu"))
+    mods = row_mods.Mods(traced, None, head_groups._groups(1, 1, 1, 1, 1, 1)[0], 1, 1, 4, 4, torch.device("cpu"))
     assert (mods.fixed_max is not None) is fixed
     if bounds is not None and fixed:  # every value of the mod at most the offset (base 2)
         s = torch.linspace(-1e4, 1e4, 20001, dtype=torch.float64).view(1, 1, 1, -1)
@@ -108,7 +108,7 @@ def test_bounds_and_fixed_offset_are_taken_exactly_where_they_apply(score_mod, b
 def test_forward_with_rewritten_mods_matches_dense_reference(monkeypatch, score_mod, masked, dtype, atol, with_max,
                                                              small_chunks):
     if small_chunks:  # many key chunks per row: the softmax state carries across them
-        monkeypatch.setattr(torch_cpu, "CHUNK_ELEMENTS", 1 << 12)
+        monkeypatch.setattr(head_groups, "CHUNK_ELEMENTS", 1 << 12)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, H, n, E, generator=g, dtype=torch.float64).to(dtype) for n in (L, S, S))
     mask_mod = _window if masked else None
@@ -142,10 +142,10 @@ def test_tanh_cap_recognises_soft_capping_only(fn, expected):
 
 @pytest.mark.parametrize("fn", [_softcap, _scaled_tanh])
 def test_soft_capping_gradients_with_the_slope_in_place_match_float64(monkeypatch, fn):
-    monkeypatch.setattr(torch_cpu.fused_cpu, "backward_supported", lambda *a: False)
+    monkeypatch.setattr(fused_cpu, "backward_supported", lambda *a: False)
     taken = []
-    real = torch_cpu._chunk_probs
-    monkeypatch.setattr(torch_cpu, "_chunk_probs", lambda *a, **k: taken.append(a[7].tanh_cap) or real(*a, **k))
+    real = torch_cpu_backward._chunk_probs
+    monkeypatch.setattr(torch_cpu_backward, "_chunk_probs", lambda *a, **k: taken.append(a[7].tanh_cap) or real(*a, **k))
     window = lambda b, h, q, kv: (q - kv <= 50) & (kv - q <= 20)
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(B, H, n, E, generator=g, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
