@@ -48,6 +48,7 @@ from ...analysis.tiles import ordered_to_dense
 from ...mods.trace import TracedMod
 from ...mods.lifted_cells import structure
 from . import fused_cpu
+from .row_mods import is_true
 from ..nonfinite import all_finite, matmul_skipping_zeros
 
 # Scores [B, Hq, L, n] above this many elements go to the row path (bounded working memory).
@@ -63,10 +64,6 @@ def applies(query: torch.Tensor, key: torch.Tensor) -> bool:
     _, Hkv, S, _ = key.shape
     # no key heads (H == 0): the row path returns the empty output (the GQA group would divide by 0)
     return 0 < L <= MAX_ROWS and B * Hq * L * S <= MAX_SCORES and S > 0 and Hkv > 0
-
-
-def _is_true(mod: TracedMod | None) -> bool:
-    return mod is None or (mod.root.op == "const" and mod.root.attr is True)
 
 
 def _reads(mod: TracedMod) -> frozenset[str]:
@@ -505,7 +502,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
         n = positions.numel()
     lo, hi = 0, n  # the columns of ``positions`` read (sliced only where needed: a view costs a call)
     masked = []  # (offset, length, blocked) of the columns the mask_mod blocks in part (one-row plans)
-    if spans and not _is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
+    if spans and not is_true(mask_mod):  # only partial blocks need the mask_mod; full ones need nothing
         intervals = None  # one row of a mask of affine comparisons: its allowed keys as intervals
         if L == 1 and plan.span_starts is not None and _reads_only_row_inputs(structure(mask_mod)[0]):
             intervals = allowed_intervals(mask_mod, 0, S)  # (None: the mod needs its elements evaluated)
@@ -551,11 +548,11 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
     allowed = None
     if partial is not None:
         allowed = partial
-        if not _is_true(mask_mod):
+        if not is_true(mask_mod):
             allowed = allowed & evaluate(mask_mod, clamp_lookups=True, **{k: index(k) for k in _reads(mask_mod)})
         if full is not None:
             allowed = allowed | full
-    elif spans is None and not _is_true(mask_mod):  # no BlockMask tables but a mask_mod: evaluate it everywhere
+    elif spans is None and not is_true(mask_mod):  # no BlockMask tables but a mask_mod: evaluate it everywhere
         allowed = evaluate(mask_mod, clamp_lookups=True, **{k: index(k) for k in _reads(mask_mod)})
     if allowed is not None:
         s4.masked_fill_(allowed.logical_not(), _NEG_INF)
