@@ -160,20 +160,29 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     it keys: a call with invalid arguments gives None or a signature no valid call was planned under."""
     keep: list = []
     try:
-        traced_score = cached_trace(score_mod, SCORE_MOD)
-        traced_mask = cached_trace(getattr(block_mask, "mask_mod", None), MASK_MOD)
+        traced_score = None if score_mod is None else cached_trace(score_mod, SCORE_MOD)
+        mask_mod = None if block_mask is None else getattr(block_mask, "mask_mod", None)
+        traced_mask = None if mask_mod is None else cached_trace(mask_mod, MASK_MOD)
+        # (the tensors' parts read inline, in one comprehension: a call per tensor costs as much as the reads)
+        tensors = (query, key, value) if sinks is None else (query, key, value, sinks)
+        described = tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15 == 0)
+                           for t in tensors if type(t) in _PLAIN])
+        if len(described) != len(tensors):
+            raise Unkeyable
         grad = torch.is_grad_enabled()
-        training = grad and (query.requires_grad or key.requires_grad or value.requires_grad
+        training = grad and (described[0][4] or described[1][4] or described[2][4]
                              or (traced_score is not None and any([t.requires_grad for t in traced_score.buffers]))
-                             or (sinks is not None and sinks.requires_grad))
+                             or (sinks is not None and described[3][4]))
         if dropout is not None and (dropout.q_positions is not None or dropout.kv_positions is not None):
             raise Unkeyable  # (a context-parallel shard's dropout: planned each call)
-        signature = (tensor_signature(query), tensor_signature(key), tensor_signature(value),
-                     None if sinks is None else tensor_signature(sinks), grad, environment_signature(query),
-                     block_mask_signature(block_mask, training, keep), mod_signature(traced_score),
-                     mod_signature(traced_mask), scale if type(scale) in _SCALES else _unkeyable(),
-                     bool(enable_gqa), bool(return_lse), aux_signature(return_aux),
-                     options_signature(kernel_options), None if dropout is None else dropout.p)
+        signature = (described, grad, environment_signature(query),
+                     None if block_mask is None else block_mask_signature(block_mask, training, keep),
+                     None if traced_score is None else mod_signature(traced_score),
+                     None if traced_mask is None else mod_signature(traced_mask),
+                     scale if type(scale) in _SCALES else _unkeyable(), bool(enable_gqa), bool(return_lse),
+                     None if return_aux is None else aux_signature(return_aux),
+                     None if kernel_options is None else options_signature(kernel_options),
+                     None if dropout is None else dropout.p)
     except (Unkeyable, TypeError, AttributeError, ValueError, RuntimeError, NotImplementedError):
         return None
     return signature, (traced_score, traced_mask, *keep)  # (hashed where it is looked up: unhashable, no plan)
