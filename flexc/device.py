@@ -346,7 +346,7 @@ def stream_token(device: torch.device):
     ``None`` for CPU tensors (simulated or not: one stream), where every cache hits as before. One
     current-stream query on CUDA, a few microseconds.
     """
-    if runs_interpreted(device):
+    if device.type == "cpu":  # (runs_interpreted, read inline: a decoding step asks twice)
         return None
     if torch.cuda.is_current_stream_capturing():
         return _CaptureToken()  # equal to nothing else: never served again

@@ -88,17 +88,17 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
     it, so no other object takes those addresses while the plan lives)."""
     if block_mask is None:
         return None
-    rows = getattr(block_mask, "lazy_rows", None)  # a one-row slice whose tables are still lists
-    gathered = getattr(block_mask, "gathered_row", None)  # a one-row slice gathered on the device
-    if rows is not None and not training:
-        keep.append(rows)
-        tables: tuple = ("rows", id(rows))  # (the same lists object for every slice of that row)
-    elif gathered is not None and not training:
+    gathered = None if training else getattr(block_mask, "gathered_row", None)  # a one-row slice gathered on the device
+    rows = None if training or gathered is not None else getattr(block_mask, "lazy_rows", None)  # (as lists)
+    if gathered is not None:
         # a decoding step's block_mask[:, :, pos // 128] on a GPU, its tables not asked for (so not
         # edited): keyed as an unedited slice is, below (read off what it was gathered from)
         source = gathered.source
         keep.append(source.states)
-        tables = ("slice", source.states, source.layout)
+        tables: tuple = source.key
+    elif rows is not None:
+        keep.append(rows)
+        tables = ("rows", id(rows))  # (the same lists object for every slice of that row)
     elif (provenance := None if training else getattr(block_mask, "sliced_from", None)) is not None \
             and table_states(kv_tables(block_mask)) == provenance[2]:
         # an unedited slice (a decoding step's block_mask[:, :, pos // 128], new tables every step):
