@@ -30,6 +30,7 @@ subclasses, unhashable options.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -46,6 +47,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _Q_TABLES = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 _PLAIN_VALUES = (bool, int, float, str, type(None))  # option values a signature keys (compared by value)
 _SCALES = (float, int, type(None))  # scales a signature keys
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")  # (mapped over captured tensors: no Python frame per tensor)
 
 
 class Unpinned(NamedTuple):
@@ -119,12 +121,6 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
     return (type(block_mask), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), tables)
 
 
-def mod_signature(traced: TracedMod | None) -> tuple | None:
-    if traced is None:
-        return None
-    return (id(traced), tuple([t.requires_grad for t in traced.buffers]))
-
-
 def options_signature(kernel_options: dict | None) -> tuple | None:
     """The options' items, each value of a plain type (others are not keyed: a signature is compared with
     ``==``, :class:`flexc.call.plan_store.PlanStore`, which for a tensor would compare values)."""
@@ -171,14 +167,16 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             raise Unkeyable
         grad = torch.is_grad_enabled()
         training = grad and (described[0][4] or described[1][4] or described[2][4]
-                             or (traced_score is not None and any([t.requires_grad for t in traced_score.buffers]))
+                             or (traced_score is not None and any(map(_REQUIRES_GRAD, traced_score.buffers)))
                              or (sinks is not None and described[3][4]))
         if dropout is not None and (dropout.q_positions is not None or dropout.kv_positions is not None):
             raise Unkeyable  # (a context-parallel shard's dropout: planned each call)
         signature = (described, grad, environment_signature(query),
                      None if block_mask is None else block_mask_signature(block_mask, training, keep),
-                     None if traced_score is None else mod_signature(traced_score),
-                     None if traced_mask is None else mod_signature(traced_mask),
+                     # the mods as traced, with their captured tensors' requires_grad
+                     None if traced_score is None
+                     else (id(traced_score), tuple(map(_REQUIRES_GRAD, traced_score.buffers))),
+                     None if traced_mask is None else (id(traced_mask), tuple(map(_REQUIRES_GRAD, traced_mask.buffers))),
                      scale if type(scale) in _SCALES else _unkeyable(), bool(enable_gqa), bool(return_lse),
                      None if return_aux is None else aux_signature(return_aux),
                      None if kernel_options is None else options_signature(kernel_options),

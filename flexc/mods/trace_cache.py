@@ -373,7 +373,8 @@ class _Token(NamedTuple):
 def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
     """``(cached trace or None, token)``; pass the token to :func:`remember` after tracing on a miss
     (to :func:`remember_template` first when :func:`wants_template` says so)."""
-    store = _store(fn)
+    latest = _latest[0]  # (the latest code object's store, read here: a decoding step's one lookup)
+    store = latest[1] if type(fn) is types.FunctionType and fn.__code__ is latest[0] else _store(fn)
     if store is None:
         return None, None
     fast = store.fast

@@ -7,6 +7,7 @@ Triton backend's one LRU kernel cache with the forward and backward kernels (cou
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -138,7 +139,8 @@ class DecodeLaunch:
         else:
             constants, tables = warm.constants, self.tables(block_mask, same_tables)
         kernel = cache.get_kernel(spec, device, self.kernel_key)
-        scratch = warm.new_scratch()  # (the partial results, and the logsumexp unless the call returns it)
+        # (the partial results, and the logsumexp unless the call returns it)
+        scratch = warm.scratch if threading.get_ident() == warm.thread else warm.new_scratch()
         if warm.guard_per_call:
             constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
         buffers = warm.plan_buffers if mods is None and kernel.generated is warm.generated else None
@@ -219,8 +221,8 @@ class WarmDecode:
     """What every later call of a :class:`DecodeLaunch` passes alike, read off its first call's arguments:
     the decode kernel's arguments after the captured values (scale, lengths, strides, table shapes), its
     constexprs and grid, the partial results' and outputs' shapes, the merge's arguments between its
-    tensors and the sinks, its constexprs and grid. A warm call (:meth:`DecodeLaunch.__call__`) allocates,
-    fills in its own tensors and launches (the calls of one signature have the same shapes, strides and dtypes)."""
+    tensors and the sinks, its constexprs and grid. A warm call (:meth:`DecodeLaunch.__call__`) allocates its
+    outputs, fills in its own tensors and launches (the calls of one signature have the same shapes, strides and dtypes)."""
 
     def __init__(self, launch: DecodeLaunch, generated: Any, query, key, value, tables, score_mod, mask_mod, dropout,
                  sinks, out_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
@@ -251,6 +253,10 @@ class WarmDecode:
         self.constants = dict(self.constants, LSE_SPLIT_AT=lse_split_at)
         # what allocates each result as the first call's (torch.empty with its keywords costs about twice as much)
         self.new_scratch, self.new_out, self.new_lse = (empty_maker_like(t) for t in (scratch, out, lse))
+        # the scratch tensor every warm call of this thread passes: the calls of one signature are queued on one
+        # stream (flexc.call.signature keys it), so a call's kernels write it after the previous call's merge
+        # read it (no allocation a step); another thread's calls could queue theirs in between: they make their own
+        self.scratch, self.thread = scratch, threading.get_ident()
         merge_args, merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
                                                                query.shape[2], query.shape[1], sinks)
         self.merge_constants = dict(merge_constants, LSE_SPLIT_AT=lse_split_at, LSE_AT=0 if self.keeps_lse else lse_at)
