@@ -348,7 +348,7 @@ def stream_token(device: torch.device):
     current-stream query on CUDA, read from torch's C getter (a ``torch.cuda.Stream`` object costs
     microseconds to build at every call).
     """
-    if runs_interpreted(device):
+    if device.type == "cpu":  # (runs_interpreted, read inline: a decoding step asks twice)
         return None
     if torch._C._cuda_isCurrentStreamCapturing():  # (torch.cuda.is_current_stream_capturing's C call)
         return _CaptureToken()  # equal to nothing else: never served again

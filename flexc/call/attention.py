@@ -69,7 +69,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if sinks is not None:
         validate.check_flags(enable_gqa, return_lse, return_aux)
         rows = check_sinks(sinks, query)
-    dropout_p = dropout.check(dropout_p, generator)
+    if type(dropout_p) is not float or dropout_p != 0.0 or generator is not None:  # (the default needs no check)
+        dropout_p = dropout.check(dropout_p, generator)
     if torch.compiler.is_compiling():
         seed = (dropout.seed_tensor(None) if generator is None else _generator_seed_outside_the_graph(generator)) if dropout_p else None
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,

@@ -78,6 +78,8 @@ class Plan:
         # the mods whose bounds depend on captured values: checked again at each call
         self.rechecked = tuple(m for m in (self.score_mod, self.mask_mod) if bounds.has_checks(m))
         self.recorded: Callable | None = None
+        # the prepared forward, which run calls straight where nothing else is done around it
+        self.prepared: Callable | None = None
         if choice.training:
             self.path = (RECORDED if self.backend == registry.TORCH and drop is None and sinks is None
                          and not self.want_lse and not self.want_max else TRAINED)
@@ -101,12 +103,30 @@ class Plan:
                                    self.scale, self.options, self.want_lse, self.want_max, drop is not None,
                                    sinks is not None, same_tables=self.same_tables)
             self.run_forward = self.forward.run
+            if not (self.compacts or self.rechecked or self.casts):
+                self.prepared = self.forward.prepared
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
             drop: dropouts.Dropout | None, sinks: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(out laid out like the query, lse in torch's dtype or None, row maxima or None)`` of one call
         of this plan's signature."""
+        prepared = self.prepared
+        if prepared is not None:  # (a warm forward or decoding step: one call to its launch)
+            out, lse = prepared(query, key, value, block_mask, drop, sinks, None, self.same_tables)
+            max_scores = None
+        else:
+            out, lse, max_scores = self._run(query, key, value, block_mask, drop, sinks)
+        if out.stride() != self.out_strides:
+            out = laid_out_like(out, query, self.out_strides)
+        if lse is not None and lse.dtype != self.lse_dtype:
+            lse = lse.to(self.lse_dtype)
+        return out, lse, max_scores
+
+    def _run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+             drop: dropouts.Dropout | None, sinks: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`run`'s ``(out, lse, row maxima)`` as the path computes them, before their layout and dtype."""
         if self.compacts:
             compacted = self.compacted() if self.compacted is not None else None
             block_mask = compacted if compacted is not None else without_empty_entries(block_mask)
@@ -128,9 +148,6 @@ class Plan:
             outputs = FlexAttentionFunction.apply(query, key, value, self.trainer, block_mask, drop, sinks,
                                                   *grad_buffers)
             out, lse, max_scores = outputs[0], outputs[1], outputs[2] if self.want_max else None
-        out = laid_out_like(out, query, self.out_strides)
-        if lse is not None and lse.dtype != self.lse_dtype:
-            lse = lse.to(self.lse_dtype)
         return out, lse, max_scores
 
 

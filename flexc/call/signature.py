@@ -30,6 +30,7 @@ subclasses, unhashable options.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -46,6 +47,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _Q_TABLES = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 _PLAIN_VALUES = (bool, int, float, str, type(None))  # option values a signature keys (compared by value)
 _SCALES = (float, int, type(None))  # scales a signature keys
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")  # (mapped over captured tensors: no Python frame per tensor)
 
 
 class Unpinned(NamedTuple):
@@ -88,17 +90,17 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
     it, so no other object takes those addresses while the plan lives)."""
     if block_mask is None:
         return None
-    rows = getattr(block_mask, "lazy_rows", None)  # a one-row slice whose tables are still lists
-    gathered = getattr(block_mask, "gathered_row", None)  # a one-row slice gathered on the device
-    if rows is not None and not training:
-        keep.append(rows)
-        tables: tuple = ("rows", id(rows))  # (the same lists object for every slice of that row)
-    elif gathered is not None and not training:
+    gathered = None if training else getattr(block_mask, "gathered_row", None)  # a one-row slice gathered on the device
+    rows = None if training or gathered is not None else getattr(block_mask, "lazy_rows", None)  # (as lists)
+    if gathered is not None:
         # a decoding step's block_mask[:, :, pos // 128] on a GPU, its tables not asked for (so not
         # edited): keyed as an unedited slice is, below (read off what it was gathered from)
         source = gathered.source
         keep.append(source.states)
-        tables = ("slice", source.states, source.layout)
+        tables: tuple = source.key
+    elif rows is not None:
+        keep.append(rows)
+        tables = ("rows", id(rows))  # (the same lists object for every slice of that row)
     elif (provenance := None if training else getattr(block_mask, "sliced_from", None)) is not None \
             and table_states(kv_tables(block_mask)) == provenance[2]:
         # an unedited slice (a decoding step's block_mask[:, :, pos // 128], new tables every step):
@@ -117,12 +119,6 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
             raise Unkeyable
         keep.append(Unpinned(tables, kept))  # (pinned, weakly, only if kept: a kept plan holds no table)
     return (type(block_mask), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), tables)
-
-
-def mod_signature(traced: TracedMod | None) -> tuple | None:
-    if traced is None:
-        return None
-    return (id(traced), tuple([t.requires_grad for t in traced.buffers]))
 
 
 def options_signature(kernel_options: dict | None) -> tuple | None:
@@ -160,20 +156,31 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     it keys: a call with invalid arguments gives None or a signature no valid call was planned under."""
     keep: list = []
     try:
-        traced_score = cached_trace(score_mod, SCORE_MOD)
-        traced_mask = cached_trace(getattr(block_mask, "mask_mod", None), MASK_MOD)
+        traced_score = None if score_mod is None else cached_trace(score_mod, SCORE_MOD)
+        mask_mod = None if block_mask is None else getattr(block_mask, "mask_mod", None)
+        traced_mask = None if mask_mod is None else cached_trace(mask_mod, MASK_MOD)
+        # (the tensors' parts read inline, in one comprehension: a call per tensor costs as much as the reads)
+        tensors = (query, key, value) if sinks is None else (query, key, value, sinks)
+        described = tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15 == 0)
+                           for t in tensors if type(t) in _PLAIN])
+        if len(described) != len(tensors):
+            raise Unkeyable
         grad = torch.is_grad_enabled()
-        training = grad and (query.requires_grad or key.requires_grad or value.requires_grad
-                             or (traced_score is not None and any([t.requires_grad for t in traced_score.buffers]))
-                             or (sinks is not None and sinks.requires_grad))
+        training = grad and (described[0][4] or described[1][4] or described[2][4]
+                             or (traced_score is not None and any(map(_REQUIRES_GRAD, traced_score.buffers)))
+                             or (sinks is not None and described[3][4]))
         if dropout is not None and (dropout.q_positions is not None or dropout.kv_positions is not None):
             raise Unkeyable  # (a context-parallel shard's dropout: planned each call)
-        signature = (tensor_signature(query), tensor_signature(key), tensor_signature(value),
-                     None if sinks is None else tensor_signature(sinks), grad, environment_signature(query),
-                     block_mask_signature(block_mask, training, keep), mod_signature(traced_score),
-                     mod_signature(traced_mask), scale if type(scale) in _SCALES else _unkeyable(),
-                     bool(enable_gqa), bool(return_lse), aux_signature(return_aux),
-                     options_signature(kernel_options), None if dropout is None else dropout.p)
+        signature = (described, grad, environment_signature(query),
+                     None if block_mask is None else block_mask_signature(block_mask, training, keep),
+                     # the mods as traced, with their captured tensors' requires_grad
+                     None if traced_score is None
+                     else (id(traced_score), tuple(map(_REQUIRES_GRAD, traced_score.buffers))),
+                     None if traced_mask is None else (id(traced_mask), tuple(map(_REQUIRES_GRAD, traced_mask.buffers))),
+                     scale if type(scale) in _SCALES else _unkeyable(), bool(enable_gqa), bool(return_lse),
+                     None if return_aux is None else aux_signature(return_aux),
+                     None if kernel_options is None else options_signature(kernel_options),
+                     None if dropout is None else dropout.p)
     except (Unkeyable, TypeError, AttributeError, ValueError, RuntimeError, NotImplementedError):
         return None
     return signature, (traced_score, traced_mask, *keep)  # (hashed where it is looked up: unhashable, no plan)

@@ -160,7 +160,7 @@ class BlockMask:
         """A one-row slice's row gathered on the device (:mod:`flexc.masks.gathered_rows`) while its
         tables were not asked for (so not edited: the decode launch reads the row itself); else None."""
         gathered = self._gathered
-        return gathered if gathered is not None and self._kv_tables is None and not gathered.handed_out else None
+        return gathered if gathered is not None and self._kv_tables is None and gathered.made is None else None
 
     kv_num_blocks = _table_property("kv", 0, "int32 ``[B, H, nQ]``: partial kv blocks per query-block row.")
     kv_indices = _table_property("kv", 1, "int32 ``[B, H, nQ, nKV]``: their kv-block columns, valid entries first.")
@@ -423,8 +423,11 @@ class BlockMask:
                 and not torch.compiler.is_compiling()):
             t = one_row_index(index)
             if t is not None:  # decoding's block_mask[:, :, pos // 128], every step: straight to the row
-                tables = self._kv()
-                row = _row_of(t, tables[0].shape[2])
+                tables = self._kv_tables
+                if tables is None:
+                    tables = self._kv()
+                # (an index on a GPU stays there: _row_of reads none)
+                row = _row_of(t, tables[0].shape[2]) if t.is_cpu else None
                 sliced = self._row_slice(row) if row is not None else None
                 if sliced is None:  # (an index on a GPU, or rows too large for lists)
                     sliced = self._gathered_slice(t, tables)

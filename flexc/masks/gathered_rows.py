@@ -44,6 +44,8 @@ class StackedRows:
         device = stacked.device
         # the sliced tables' (shape, dtype, device), as a slice's plan key names them
         self.layout = tuple(None if shape is None else (torch.Size(shape), stacked.dtype, device) for shape in shapes)
+        # a slice's tables as its plan is keyed (flexc.call.signature: as an unedited slice of these tables)
+        self.key = ("slice", self.states, self.layout)
         offsets = [sum(widths[:i]) for i in range(len(widths))] + [0, 0]
         # (offset, entries, shape) of each table's view of a gathered row
         self.views = tuple(None if shape is None else (offset, math.prod(shape), shape)
@@ -55,26 +57,22 @@ class GatheredRow:
     copy): :meth:`tables` are the four kv tables of the slice, views of ``row``; ``provenance``, once
     they are made, is the slice's as :attr:`flexc.masks.block_mask.BlockMask.sliced_from` gives it."""
 
-    __slots__ = ("row", "source", "_tables", "provenance")
+    __slots__ = ("row", "source", "made", "provenance")
 
     def __init__(self, row: torch.Tensor, source: StackedRows):
-        self.row, self.source, self._tables, self.provenance = row, source, None, None
+        # made: the tables once :meth:`tables` made them (whoever holds them may have edited the row since)
+        self.row, self.source, self.made, self.provenance = row, source, None, None
 
     def tables(self) -> tuple:
         """``(kv_num_blocks [B, H, 1], kv_indices [B, H, 1, nKV], full counts, full indices)``, contiguous
         views of :attr:`row` (the same objects on every call; None for absent full tables)."""
-        tables = self._tables
+        tables = self.made
         if tables is None:
             tables = self.views()
             source = self.source  # (rows of the tables it was gathered from, as they were then; unedited now)
             self.provenance = (source.tables, source.states, pinned(table_states(tables), tables))
-            self._tables = tables
+            self.made = tables
         return tables
-
-    @property
-    def handed_out(self) -> bool:
-        """Whether :meth:`tables` made the views (whoever holds them may have edited the row since)."""
-        return self._tables is not None
 
     def views(self) -> tuple:
         """:meth:`tables` made now (view ops torch.compile traces, should a slice reach a compiled function)."""

@@ -322,6 +322,9 @@ class _Store(OrderedDict):
 
 # id(code) -> (code, its _Store); the code object is kept so that its id is never reused while the entry lives
 _STORES: OrderedDict = OrderedDict()
+# [(code, its _Store)] of the latest lookup, the most recent in _STORES already (a decoding loop looks up one
+# code object every step: no dict lookup, no reordering); one tuple, read and replaced whole (threads)
+_latest: list = [(None, None)]
 
 
 def _code_of(fn: Callable) -> types.CodeType | None:
@@ -332,17 +335,21 @@ def _code_of(fn: Callable) -> types.CodeType | None:
 
 def _store(fn: Callable, create: bool = True) -> OrderedDict | None:
     """The cache of ``fn``'s code object; None for callables that are not (partials of) functions."""
-    code = _code_of(fn)
+    code = fn.__code__ if type(fn) is types.FunctionType else _code_of(fn)
     if code is None:
         return None
+    latest = _latest[0]
+    if latest[0] is code:
+        return latest[1]
     entry = _STORES.get(id(code))
     if entry is not None and entry[0] is code:
         _STORES.move_to_end(id(code))
+        _latest[0] = entry
         return entry[1]
     if not create:
         return None
     store = _Store()
-    _STORES[id(code)] = (code, store)
+    _STORES[id(code)] = _latest[0] = (code, store)
     while len(_STORES) > _MAX_CODES:
         _STORES.popitem(last=False)
     return store
@@ -366,14 +373,16 @@ class _Token(NamedTuple):
 def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
     """``(cached trace or None, token)``; pass the token to :func:`remember` after tracing on a miss
     (to :func:`remember_template` first when :func:`wants_template` says so)."""
-    store = _store(fn)
+    latest = _latest[0]  # (the latest code object's store, read here: a decoding step's one lookup)
+    store = latest[1] if type(fn) is types.FunctionType and fn.__code__ is latest[0] else _store(fn)
     if store is None:
         return None, None
     fast = store.fast
     if fast is not None and fast is not _UNGUARDED:
         found = _fast_hit(fast, fn, kind) if _holds(fast.guard, fn) else _MISSED
         if found is not _MISSED:
-            store.misses = 0
+            if store.misses:
+                store.misses = 0
             return found, None
         store.misses += 1
     cells = _lift_cells(fn)
@@ -601,3 +610,4 @@ def _trim(store: OrderedDict) -> None:
 def clear() -> None:
     """Forget every cached trace."""
     _STORES.clear()
+    _latest[0] = (None, None)

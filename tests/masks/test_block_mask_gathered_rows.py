@@ -175,3 +175,47 @@ def test_warm_steps_pass_the_row_as_every_table_and_equal_dense(monkeypatch):
         assert (constants["PARTIAL_INDICES_AT"], constants["FULL_COUNTS_AT"], constants["FULL_INDICES_AT"]) == (4, 28, 32)
         merge_args = launches[1][4]
         assert args[3] is args[4] is merge_args[0] is merge_args[1] is merge_args[3]  # (one scratch tensor)
+
+
+def test_warm_steps_of_one_thread_reuse_one_scratch_tensor_and_another_thread_gets_its_own(monkeypatch):
+    """A warm decoding step passes its plan's scratch tensor (the partial results) instead of allocating
+    one: every step of the calling thread the same tensor, a step from another thread (which could queue
+    its kernels between this thread's decode and merge) a tensor of its own; each step equals float64 dense."""
+    import threading
+
+    torch.manual_seed(5)
+    B, H, S, block = 1, 2, 256, 64
+    q, k, v = torch.randn(B, H, 1, 16), torch.randn(B, H, S, 16), torch.randn(B, H, S, 16)
+    position = torch.tensor([0])
+    real_launch, scratches = flexc.device.launch, []
+
+    def launch(fn, grid, spec, device, args, *rest):
+        if type(spec).__name__ == "DecodeSpec":
+            scratches.append(args[3])
+        return real_launch(fn, grid, spec, device, args, *rest)
+
+    def step(parent, pos):
+        position.fill_(pos)
+        offset = position[0]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return _windows(b, h, q_idx + offset, kv_idx)
+        sliced = parent[:, :, position // block]
+        sliced.mask_mod, sliced.seq_lengths = mask_mod, (1, S)
+        out = flexc.flex_attention(q, k, v, block_mask=sliced)
+        want = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: _windows(b, h, q_idx + pos, kv_idx))
+        torch.testing.assert_close(out.double(), want[0], atol=1e-5, rtol=0, msg=f"position {pos}")
+
+    monkeypatch.setattr(flexc.device, "launch", launch)
+    with flexc.device.simulate("sm_90"):
+        parent = flexc.create_block_mask(_windows, B, H, S, S, BLOCK_SIZE=block)
+        for pos in (10, 70, 200, 130):
+            step(parent, pos)
+        failed = []
+        other = threading.Thread(target=lambda: failed.append(None) or step(parent, 90) or failed.clear())
+        other.start()
+        other.join()
+        assert not failed, "the other thread's step raised"
+        step(parent, 40)
+    warm = scratches[1:]  # (the first step's launch makes the plan warm)
+    assert len(warm) == 5 and all(s is warm[0] for s in warm[:3] + warm[4:]) and warm[3] is not warm[0]

@@ -140,3 +140,16 @@ def test_decoding_with_the_fast_path_equals_dense_as_globals_change(monkeypatch)
         out = flexc.flex_attention(q, k, v, block_mask=mask)
         ref = dense_attention(q, k, v, mask_mod=shifted(causal, pos))[0]
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=f"position {pos}")
+
+
+def test_clear_forgets_the_store_of_the_latest_code_object_looked_up():
+    """The lookup serves the latest code object's store without a dict lookup: clearing the cache forgets it too."""
+    def make(n):
+        return lambda score, b, h, q_idx, kv_idx: score + n
+    fn = make(1)
+    flexc.trace(fn)
+    assert trace_cache.lookup(fn, None)[0] is not None
+    assert trace_cache.lookup(lambda score, b, h, q_idx, kv_idx: score * 2, None)[0] is None  # (another code object)
+    assert trace_cache.lookup(fn, None)[0] is not None and trace_cache.lookup(make(2), None)[0] is not None
+    trace_cache.clear()
+    assert trace_cache.lookup(fn, None)[0] is None

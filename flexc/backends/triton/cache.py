@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import os
 import sys
 import tempfile
@@ -47,24 +48,31 @@ _limit = {"kernels": int(os.environ.get("FLEXC_KERNEL_CACHE_SIZE", "64"))}
 # (capability, spec key) -> the spec that replaced it on GPUs of that capability (smaller tiles after
 # running out of resources, or plain loads after a TMA variant failed)
 _fallbacks: dict[tuple, Any] = {}
-_stats = {"hits": 0, "misses": 0}
+_stats = {"misses": 0, "hit reads": 0}
+# hits are counted by next() of a counter (one atomic step under the GIL, so a hit takes no lock) and read
+# by advancing it too: cache_info subtracts its own reads
+_hits = itertools.count()
 _cache_lock = threading.Lock()
 
 
 def cache_info() -> CacheInfo:
     """``CacheInfo(hits, misses, size)`` of the generated-kernel cache (a miss generates and compiles)."""
     with _cache_lock:
-        return CacheInfo(_stats["hits"], _stats["misses"], len(_cache))
+        hits = next(_hits) - _stats["hit reads"]
+        _stats["hit reads"] += 1
+        return CacheInfo(hits, _stats["misses"], len(_cache))
 
 
 def cache_clear() -> None:
     """Drop every cached kernel and reset the counters: their modules leave ``sys.modules`` and the
     source files this process wrote are deleted, so the memory is freed."""
+    global _hits
     with _cache_lock:
         while _cache:
             _release(_cache.popitem(last=False)[1])
         _fallbacks.clear()
-        _stats["hits"] = _stats["misses"] = 0
+        _stats["misses"] = _stats["hit reads"] = 0
+        _hits = itertools.count()
 
 
 def cache_limit(kernels: int | None = None) -> int:
@@ -217,11 +225,19 @@ def get_kernel(spec: AnySpec, device: torch.device | None = None, key: tuple | N
     call signature)."""
     if key is None:
         key = kernel_key(spec, device)
+    kernel = _cache.get(key)
+    if kernel is not None:  # a hit takes no lock: each step is atomic under the GIL (a decoding step makes two)
+        try:
+            _cache.move_to_end(key)  # (the LRU order sees the use)
+        except KeyError:  # dropped by another thread since: this call still launches it
+            pass
+        next(_hits)
+        return kernel
     with _cache_lock:
         kernel = _cache.get(key)
-        if kernel is not None:
+        if kernel is not None:  # (made by another thread meanwhile)
             _cache.move_to_end(key)
-            _stats["hits"] += 1
+            next(_hits)
             return kernel
         runs = gpu.runnable(spec, device) if device is not None else spec  # (a miss only: a new spec per call)
         generated = generate(runs)

@@ -7,6 +7,7 @@ Triton backend's one LRU kernel cache with the forward and backward kernels (cou
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -118,8 +119,58 @@ class DecodeLaunch:
         its ``block_mask``; ``mods`` and ``same_tables`` as
         :meth:`flexc.backends.triton.forward.ForwardLaunch.__call__` takes them."""
         warm = self.warm
-        if warm is not None:
-            return warm.launch(self, query, key, value, block_mask, dropout, sinks, mods, same_tables)
+        if warm is None:
+            return self._first_calls(query, key, value, block_mask, dropout, sinks, mods, same_tables)
+        # a warm call (all in this method: it runs every decoding step): what WarmDecode read off, this
+        # call's tensors and tables
+        spec, device = self.spec, self.device
+        if spec.dropout != (dropout is not None):
+            launcher.check_dropout(spec, dropout)
+        gathered = getattr(block_mask, "gathered_row", None)
+        if gathered is not None and warm.direct:
+            # a decoding step's slice gathered on the device: the kernel reads every table from the row,
+            # each where it starts (its shape is in the warm arguments), so no view of it is made
+            widths = gathered.source.widths
+            constants = warm.row_constants.get(widths)
+            if constants is None:
+                constants = warm.row_constants[widths] = dict(warm.constants,
+                                                              **launcher.decode_table_offsets(spec, widths))
+            tables = (gathered.row,) * self.n_tables
+        else:
+            constants, tables = warm.constants, self.tables(block_mask, same_tables)
+        kernel = cache.get_kernel(spec, device, self.kernel_key)
+        # (the partial results, and the logsumexp unless the call returns it)
+        scratch = warm.scratch if threading.get_ident() == warm.thread else warm.new_scratch()
+        if warm.guard_per_call:
+            constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
+        buffers = warm.plan_buffers if mods is None and kernel.generated is warm.generated else None
+        if buffers is None:
+            score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
+            buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
+            if mods is None and warm.plan_buffers is None and _as_captured(buffers, score_mod, mask_mod):
+                # the plan's own mods: their captured tensors themselves (and numbers, strides, sizes), which
+                # every call of the signature passes alike (a new value or layout is another trace and plan)
+                warm.plan_buffers, warm.generated = buffers, kernel.generated
+        if dropout is not None:
+            buffers = buffers + launcher.dropout_arguments(dropout, device)
+        gpu.launch(kernel.fn, warm.grid, spec, device, [query, key, value, scratch, scratch, *tables, *buffers,
+                                                        *warm.tail], constants, len(warm.tail))  # (kept scalars)
+        merge = self.merge
+        if merge.sinks != (sinks is not None):
+            launcher.check_sinks(merge, sinks)
+        out = warm.new_out()
+        lse = warm.new_lse() if warm.keeps_lse else None
+        merge_args = [scratch, scratch, out, scratch if lse is None else lse, *warm.merge_tail]
+        fixed = len(warm.merge_tail)  # (the kept scalars last, unless the sinks follow them)
+        if sinks is not None:
+            merge_args += launcher.sink_arguments(sinks, warm.work)
+            fixed = 0
+        gpu.launch(cache.get_kernel(merge, device, self.merge_key).fn, warm.merge_grid, merge, device, merge_args,
+                   warm.merge_constants, fixed)
+        return out, lse
+
+    def _first_calls(self, query, key, value, block_mask, dropout, sinks, mods, same_tables):
+        """:meth:`__call__` until a launch has worked (:attr:`worked`): launched with fallbacks, and made warm."""
         launcher.check_dropout(self.spec, dropout)
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         gathered = getattr(block_mask, "gathered_row", None)
@@ -170,8 +221,8 @@ class WarmDecode:
     """What every later call of a :class:`DecodeLaunch` passes alike, read off its first call's arguments:
     the decode kernel's arguments after the captured values (scale, lengths, strides, table shapes), its
     constexprs and grid, the partial results' and outputs' shapes, the merge's arguments between its
-    tensors and the sinks, its constexprs and grid. A warm call allocates, fills in its own tensors and
-    launches (the calls of one signature have the same shapes, strides and dtypes)."""
+    tensors and the sinks, its constexprs and grid. A warm call (:meth:`DecodeLaunch.__call__`) allocates its
+    outputs, fills in its own tensors and launches (the calls of one signature have the same shapes, strides and dtypes)."""
 
     def __init__(self, launch: DecodeLaunch, generated: Any, query, key, value, tables, score_mod, mask_mod, dropout,
                  sinks, out_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
@@ -202,58 +253,15 @@ class WarmDecode:
         self.constants = dict(self.constants, LSE_SPLIT_AT=lse_split_at)
         # what allocates each result as the first call's (torch.empty with its keywords costs about twice as much)
         self.new_scratch, self.new_out, self.new_lse = (empty_maker_like(t) for t in (scratch, out, lse))
+        # the scratch tensor every warm call of this thread passes: the calls of one signature are queued on one
+        # stream (flexc.call.signature keys it), so a call's kernels write it after the previous call's merge
+        # read it (no allocation a step); another thread's calls could queue theirs in between: they make their own
+        self.scratch, self.thread = scratch, threading.get_ident()
         merge_args, merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
                                                                query.shape[2], query.shape[1], sinks)
         self.merge_constants = dict(merge_constants, LSE_SPLIT_AT=lse_split_at, LSE_AT=0 if self.keeps_lse else lse_at)
         self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
         self.merge_grid = launcher.merge_grid(launch.merge, out_split, query.shape[2], query.shape[1])
-
-    def launch(self, launch: DecodeLaunch, query, key, value, block_mask, dropout, sinks, mods, same_tables):
-        """:meth:`DecodeLaunch.__call__` of a warm launch (all in one function: it runs every decoding step)."""
-        spec, device = launch.spec, launch.device
-        if spec.dropout != (dropout is not None):
-            launcher.check_dropout(spec, dropout)
-        score_mod, mask_mod = mods if mods is not None else (launch.score_mod, launch.mask_mod)
-        gathered = getattr(block_mask, "gathered_row", None)
-        if gathered is not None and self.direct:
-            # a decoding step's slice gathered on the device: the kernel reads every table from the row,
-            # each where it starts (its shape is in the warm arguments), so no view of it is made
-            widths = gathered.source.widths
-            constants = self.row_constants.get(widths)
-            if constants is None:
-                constants = self.row_constants[widths] = dict(self.constants,
-                                                              **launcher.decode_table_offsets(spec, widths))
-            tables = (gathered.row,) * launch.n_tables
-        else:
-            constants, tables = self.constants, launch.tables(block_mask, same_tables)
-        kernel = cache.get_kernel(spec, device, launch.kernel_key)
-        scratch = self.new_scratch()  # (the partial results, and the logsumexp unless the call returns it)
-        if self.guard_per_call:
-            constants = dict(constants, GUARD_NONFINITE_VALUES=launcher.guards_nonfinite_values(spec, value))
-        buffers = self.plan_buffers if mods is None and kernel.generated is self.generated else None
-        if buffers is None:
-            buffers = launcher.mod_arguments(kernel.generated, score_mod, mask_mod, device)
-            if mods is None and self.plan_buffers is None and _as_captured(buffers, score_mod, mask_mod):
-                # the plan's own mods: their captured tensors themselves (and numbers, strides, sizes), which
-                # every call of the signature passes alike (a new value or layout is another trace and plan)
-                self.plan_buffers, self.generated = buffers, kernel.generated
-        if dropout is not None:
-            buffers = buffers + launcher.dropout_arguments(dropout, device)
-        gpu.launch(kernel.fn, self.grid, spec, device, [query, key, value, scratch, scratch, *tables, *buffers,
-                                                        *self.tail], constants, len(self.tail))  # (kept scalars)
-        merge = launch.merge
-        if merge.sinks != (sinks is not None):
-            launcher.check_sinks(merge, sinks)
-        out = self.new_out()
-        lse = self.new_lse() if self.keeps_lse else None
-        merge_args = [scratch, scratch, out, scratch if lse is None else lse, *self.merge_tail]
-        fixed = len(self.merge_tail)  # (the kept scalars last, unless the sinks follow them)
-        if sinks is not None:
-            merge_args += launcher.sink_arguments(sinks, self.work)
-            fixed = 0
-        gpu.launch(cache.get_kernel(merge, device, launch.merge_key).fn, self.merge_grid, merge, device, merge_args,
-                   self.merge_constants, fixed)
-        return out, lse
 
 
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
