@@ -58,15 +58,17 @@ BLOCK = 128
 
 class LaunchCounter:
     """Stands in for :func:`flexc.device.launch`: counts the launches and launches nothing; keeps the
-    latest (warm) launch of each kernel kind (``seen``: name -> (spec, device, args, constexprs, fixed))."""
+    latest (warm) launch of each kernel kind while ``recording`` (``seen``: name -> (spec, device, args,
+    constexprs, fixed))."""
 
     def __init__(self):
         self.count = 0
         self.seen: dict = {}
+        self.recording = False  # (only while rows warm up: nothing is recorded while they are timed)
 
     def __call__(self, fn, grid, spec, device, args, constants, fixed: int = 0) -> None:
         self.count += 1
-        if spec is not None:
+        if self.recording and spec is not None:
             self.seen[type(spec).__name__.removesuffix("Spec").lower()] = (spec, device, args, constants, fixed)
 
 
@@ -159,11 +161,13 @@ def measure(repeats: int = 7, calls: int = 200, clock: Callable[[], float] = tim
             warnings.simplefilter("ignore")  # (flexc's "called without torch.compile"-style notes)
             rows = _rows(stub)
             launches = {}
+            stub.recording = True
             for name, fn in rows.items():
                 fn()  # warm: kernels generated, tables built, graphs compiled
                 before = stub.count
                 fn()
                 launches[name] = stub.count - before
+            stub.recording = False
             medians = interleaved_medians(rows, repeats, calls, clock)
     finally:
         gpu.launch = real_launch
