@@ -90,3 +90,17 @@ def autograd_node_names(t: torch.Tensor) -> set:
         names.add(type(node).__name__)
         todo.extend(next_node for next_node, _ in node.next_functions)
     return names
+
+
+def decoding_slice(parent, position: torch.Tensor, pos: int, mask_mod, kv_len: int):
+    """gpt-fast's decoding-step mask: ``position`` advanced in place to ``pos``, a new closure over
+    ``position[0]`` shifting ``mask_mod``'s query index, on ``parent[:, :, position // block]`` with
+    ``seq_lengths (1, kv_len)``."""
+    position.fill_(pos)
+    offset = position[0]
+
+    def shifted(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + offset, kv_idx)
+    sliced = parent[:, :, position // parent.BLOCK_SIZE[0]]
+    sliced.mask_mod, sliced.seq_lengths = shifted, (1, kv_len)
+    return sliced

@@ -10,7 +10,7 @@ import flexc
 from flexc import device as gpu
 from flexc import errors
 from flexc.call import plans
-from reference import dense_attention, random_qkv
+from reference import decoding_slice, dense_attention, random_qkv
 
 B, H, L, E = 1, 2, 64, 16
 
@@ -132,13 +132,7 @@ def test_decoding_slices_share_a_plan_and_each_step_reads_its_own_row(counted):
     position = torch.tensor([0])
     with gpu.simulate("sm_90"), torch.no_grad():
         for pos in (40, 41, 70, 100):
-            position.fill_(pos)
-            offset = position[0]
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return causal(b, h, q_idx + offset, kv_idx)
-            mask = parent[:, :, position // 32]
-            mask.mask_mod, mask.seq_lengths = mask_mod, (1, S)
+            mask = decoding_slice(parent, position, pos, causal, S)
             q = torch.randn(1, H, 1, E, generator=g)
             got = flexc.flex_attention(q, k, v, block_mask=mask)
             want = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= pos)[0]

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexc
 from catalogue import mask_catalogue
-from reference import dense_attention
+from reference import decoding_slice, dense_attention
 
 TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 
@@ -146,15 +146,8 @@ def test_warm_steps_pass_the_row_as_every_table_and_equal_dense(monkeypatch):
 
     position = torch.tensor([0])
 
-    def step(parent, pos):
-        position.fill_(pos)  # (in place, as gpt-fast advances input_pos: the steps share a plan)
-        offset = position[0]
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return _windows(b, h, q_idx + offset, kv_idx)
-        sliced = parent[:, :, position // block]
-        sliced.mask_mod, sliced.seq_lengths = mask_mod, (1, S)
-        return sliced
+    def step(parent, pos):  # (position advanced in place, as gpt-fast's input_pos: the steps share a plan)
+        return decoding_slice(parent, position, pos, _windows, S)
 
     with flexc.device.simulate("sm_90"):
         parent = flexc.create_block_mask(_windows, B, H, S, S, BLOCK_SIZE=block)
@@ -195,14 +188,7 @@ def test_warm_steps_of_one_thread_reuse_one_scratch_tensor_and_another_thread_ge
         return real_launch(fn, grid, spec, device, args, *rest)
 
     def step(parent, pos):
-        position.fill_(pos)
-        offset = position[0]
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return _windows(b, h, q_idx + offset, kv_idx)
-        sliced = parent[:, :, position // block]
-        sliced.mask_mod, sliced.seq_lengths = mask_mod, (1, S)
-        out = flexc.flex_attention(q, k, v, block_mask=sliced)
+        out = flexc.flex_attention(q, k, v, block_mask=decoding_slice(parent, position, pos, _windows, S))
         want = dense_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: _windows(b, h, q_idx + pos, kv_idx))
         torch.testing.assert_close(out.double(), want[0], atol=1e-5, rtol=0, msg=f"position {pos}")
 

@@ -11,7 +11,7 @@ from torch.nn.attention import flex_attention as torch_flex
 import flexc
 from flexc.backends.triton import decode as triton_decode
 from catalogue import mask_catalogue, score_catalogue
-from reference import dense_attention, random_qkv
+from reference import decoding_slice, dense_attention, random_qkv
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
@@ -235,13 +235,7 @@ def test_warm_decoding_steps_take_each_steps_own_tensors_sinks_and_row():
         parent = flexc.create_block_mask(window, None, None, S2, S2, BLOCK_SIZE=BLOCK)
         position = torch.tensor([0])
         for pos in (60, 61, 95, 159):
-            position.fill_(pos)
-            offset = position[0]
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return window(b, h, q_idx + offset, kv_idx)
-            mask = parent[:, :, position // BLOCK]
-            mask.mask_mod, mask.seq_lengths = mask_mod, (1, S2)
+            mask = decoding_slice(parent, position, pos, window, S2)
             q = torch.randn(1, Hq, 1, E, generator=g)
             k[:, :, pos], v[:, :, pos] = torch.randn(2, Hkv, E, generator=g)  # the step's key and value
             sinks.add_(0.5)
