@@ -91,7 +91,10 @@ class CompiledLaunches:
         """``fn[grid](*args, **constants, **options)`` on the current CUDA device (``device_index``);
         ``fixed`` as :meth:`key` takes it."""
         key = self.key(fn, args, constants, options, device_index, fixed) if ENABLED else None
-        kept = self.kernels.get(key) if key is not None else None
+        try:
+            kept = self.kernels.get(key) if key is not None else None
+        except TypeError:  # (an unhashable constexpr or fixed scalar: launched as Triton launches it)
+            key = kept = None
         if kept is None:
             kernel = fn[grid](*args, **constants, **options)
             if key is not None and hasattr(kernel, "packed_metadata"):

@@ -179,3 +179,8 @@ def test_a_warm_launch_calls_the_compiled_kernel_with_every_parameter(monkeypatc
     monkeypatch.setattr(compiled_launch, "ENABLED", False)
     launches.launch(fn, (5,), [y, 128, 0.25], {"BLOCK": 16}, options, 0)
     assert len(fn.runs) == 10 and len(kernel.calls) == 1
+    # an unhashable constexpr: through JITFunction.run, every time
+    monkeypatch.setattr(compiled_launch, "ENABLED", True)
+    for _ in range(2):
+        launches.launch(fn, (5,), [y, 128, 0.25], {"BLOCK": [16]}, options, 0)
+    assert len(fn.runs) == 12 and len(kernel.calls) == 1
