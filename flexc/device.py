@@ -3,7 +3,7 @@
 No other flexc module calls ``torch.cuda``. The rest of flexc asks this module whether a device
 takes the GPU's decisions (:func:`is_gpu`), what it is (:func:`facts`: compute capability, SM
 count, shared memory per block), which target kernels are generated for (:func:`target`), and how
-a kernel is launched (:func:`launching`: the device's context for a compiled kernel, the
+a kernel is launched (:func:`launch`: the device's context for a compiled kernel, the
 interpreter's lock for an interpreted one).
 
 ``FLEXC_SIMULATE_DEVICE=sm_90`` (also ``sm_80``, ``sm_100``; read at import) or the
@@ -293,18 +293,6 @@ def _fp_trunc_to_nearest(builder, src, dst_type):
     return interpreter.TensorHandle(rounded, tl.bfloat16)
 
 
-@contextlib.contextmanager
-def launching(device: torch.device) -> Iterator[None]:
-    """Around a kernel launch: the interpreter for CPU tensors (simulated GPU or not), the device's
-    CUDA context for CUDA tensors (kernels launch on its current stream)."""
-    if runs_interpreted(device):
-        with interpreting():
-            yield
-    else:
-        with torch.cuda.device(device):
-            yield
-
-
 def launch(fn, grid: tuple, spec, device: torch.device, args: list, constants: dict, fixed: int = 0) -> None:
     """Launch the ``@triton.jit`` kernel ``fn`` of ``spec`` on ``grid`` for tensors on ``device``:
     compiled in the device's CUDA context (through its compiled launcher once a launch of the same
@@ -319,7 +307,7 @@ def launch(fn, grid: tuple, spec, device: torch.device, args: list, constants: d
         return
     with torch.cuda.device(device):  # (later launches of a specialization skip Triton's argument binding)
         launches_of(fn).launch(fn, grid, args, constants, launch_options(spec, device),
-                               device.index if device.index is not None else torch.cuda.current_device(), fixed)
+                               device.index if device.index is not None else _current_index("cuda"), fixed)
 
 
 def launch_options(spec, device: torch.device) -> dict:
@@ -354,7 +342,7 @@ def stream_token(device: torch.device):
         return _CaptureToken()  # equal to nothing else: never served again
     # (stream id, device index, device type): what torch.cuda.current_stream(device) reads before
     # wrapping it in a Stream object, and what two Streams compare by; asked on every GPU call
-    return torch._C._cuda_getCurrentStream(device.index if device.index is not None else torch.cuda.current_device())
+    return torch._C._cuda_getCurrentStream(device.index if device.index is not None else _current_index("cuda"))
 
 
 class _CaptureToken:
