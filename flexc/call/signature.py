@@ -31,7 +31,7 @@ subclasses, unhashable options.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -121,29 +121,28 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
     return (type(block_mask), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), tables)
 
 
-def options_signature(kernel_options: dict | None) -> tuple | None:
+def options_signature(kernel_options: dict) -> tuple:
     """The options' items, each value of a plain type (others are not keyed: a signature is compared with
     ``==``, :class:`flexc.call.plan_store.PlanStore`, which for a tensor would compare values)."""
-    if kernel_options is None:
-        return None
     if type(kernel_options) is not dict:
         raise Unkeyable
     items = tuple(kernel_options.items())
-    for _, v in items:
-        if type(v) not in _PLAIN_VALUES:
-            raise Unkeyable
+    _check_plain(v for _, v in items)
     hash(items)  # (TypeError for an unhashable key)
     return items
 
 
-def aux_signature(return_aux: Any) -> tuple | None:
+def aux_signature(return_aux: Any) -> tuple:
     """``return_aux``'s type and fields (plain values only, as for the options)."""
-    if return_aux is None:
-        return None
-    for v in return_aux:
+    _check_plain(return_aux)
+    return (type(return_aux), *return_aux)
+
+
+def _check_plain(values: Iterable) -> None:
+    """Raise :class:`Unkeyable` unless every value is of a plain type (:data:`_PLAIN_VALUES`)."""
+    for v in values:
         if type(v) not in _PLAIN_VALUES:
             raise Unkeyable
-    return (type(return_aux), *return_aux)
 
 
 def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable | None,
