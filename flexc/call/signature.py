@@ -15,7 +15,9 @@ own tensors. A signature holds:
   (:func:`flexc.versions.contents_states`: storage, offset, shape, strides, dtype and write count,
   so ``.data =`` swaps, in-place edits and reused storage all differ), or a one-row slice's row
   lists, or for an unedited slice (``block_mask[:, :, row]``) the states of the tables it was
-  sliced from and its tables' layout; a training call adds the query-direction tables;
+  sliced from and its tables' layout; a training call adds the query-direction tables where a
+  backend's own backward may read them (a GPU's call, simulated or not, or one with
+  ``kernel_options``: a plain CPU call with default options trains on TORCH, which reads none);
 - the mods as traced: the :class:`~flexc.mods.traced_mod.TracedMod` the trace cache serves while
   nothing the mod can read has changed (:mod:`flexc.mods.trace_cache`: code, closure, globals,
   captured tensors' memory), with the captured tensors' ``requires_grad``;
@@ -85,9 +87,10 @@ def tensor_signature(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15 == 0)
 
 
-def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple | None:
+def block_mask_signature(block_mask: Any, training: bool, keep: list, q_tables: bool = True) -> tuple | None:
     """The BlockMask's part; what its ids and storage addresses name goes to ``keep`` (a plan holds
-    it, so no other object takes those addresses while the plan lives)."""
+    it, so no other object takes those addresses while the plan lives). A training call's part has
+    the tables' states, with the query-direction tables' where ``q_tables``."""
     if block_mask is None:
         return None
     gathered = None if training else getattr(block_mask, "gathered_row", None)  # a one-row slice gathered on the device
@@ -111,7 +114,7 @@ def block_mask_signature(block_mask: Any, training: bool, keep: list) -> tuple |
                                                  for t in kv_tables(block_mask)]))
     else:
         kept = list(kv_tables(block_mask))
-        if training:
+        if training and q_tables:
             kept += [getattr(block_mask, name, None) for name in _Q_TABLES]
         tables = contents_states(kept)
         if not rememberable(tables):
@@ -170,8 +173,13 @@ def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                              or (sinks is not None and described[3][4]))
         if dropout is not None and (dropout.q_positions is not None or dropout.kv_positions is not None):
             raise Unkeyable  # (a context-parallel shard's dropout: planned each call)
+        # the query-direction tables only where a backend's own backward can read them (Triton's): a
+        # plain CPU call with default options trains on TORCH, whose backward reads none (~15 us of a
+        # CPU training step)
+        q_tables = training and (kernel_options is not None or gpu.is_gpu(query.device)
+                                 or registry.TORCH in registry.TRAINING)
         signature = (described, grad, environment_signature(query),
-                     None if block_mask is None else block_mask_signature(block_mask, training, keep),
+                     None if block_mask is None else block_mask_signature(block_mask, training, keep, q_tables),
                      # the mods as traced, with their captured tensors' requires_grad
                      None if traced_score is None
                      else (id(traced_score), tuple(map(_REQUIRES_GRAD, traced_score.buffers))),

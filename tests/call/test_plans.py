@@ -10,6 +10,7 @@ import flexc
 from flexc import device as gpu
 from flexc import errors
 from flexc.call import plans
+from flexc.call.signature import call_signature
 from reference import decoding_slice, dense_attention, random_qkv
 
 B, H, L, E = 1, 2, 64, 16
@@ -154,6 +155,35 @@ def test_training_steps_share_a_plan_and_their_gradients_equal_dense(counted):
     with torch.no_grad():  # grad mode is part of the signature
         flexc.flex_attention(q, k, v, block_mask=bm, kernel_options={"BACKEND": "TRITON"})
     assert len(counted) == 2
+
+
+def test_a_cpu_training_plan_outlives_query_table_edits_that_only_a_triton_backward_reads(counted):
+    """A plain CPU call with default options trains on TORCH, whose backward reads no query-direction
+    table: writing one in place keeps the plan (its gradients still dense's), while the signature of a
+    call that may take Triton's backward (kernel_options, a simulated GPU) still changes with it."""
+    q, k, v = (t.requires_grad_() for t in random_qkv(B, H, H, L, L, E, dtype=torch.float64, seed=6))
+    bm = flexc.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    want = torch.autograd.grad(dense_attention(q, k, v, mask_mod=causal)[0].sum(), (q, k, v))
+
+    def signatures():
+        arguments = dict(score_mod=None, block_mask=bm, scale=None, enable_gqa=False, return_lse=False,
+                         return_aux=None, dropout=None, sinks=None)
+        with gpu.simulate("sm_90"):
+            simulated = call_signature(q, k, v, kernel_options=None, **arguments)[0]
+        return (call_signature(q, k, v, kernel_options=None, **arguments)[0],
+                call_signature(q, k, v, kernel_options={"BACKEND": "TRITON"}, **arguments)[0], simulated)
+
+    for step in range(2):
+        if step:
+            before = signatures()
+            bm.q_indices.add_(0)  # an in-place write: the table's state changes
+            after = signatures()
+            assert before[0] == after[0], "a CPU call's signature keys no query-direction table"
+            assert before[1] != after[1] and before[2] != after[2], "a Triton-capable call's signature keys them"
+        grads = torch.autograd.grad(flexc.flex_attention(q, k, v, block_mask=bm).sum(), (q, k, v))
+        for g, w, name in zip(grads, want, "qkv"):
+            _close(g, w, f"step {step}: d{name}")
+    assert len(counted) == 1
 
 
 @pytest.mark.parametrize("precise", [True, False])
