@@ -42,8 +42,14 @@ class Kernel(NamedTuple):
     path: str
 
 
-# spec key -> kernel, least recently used first; at most _limit["kernels"] entries
-_cache: "OrderedDict[tuple, Kernel]" = OrderedDict()
+# kernel number (kernel_key) -> kernel, least recently used first; at most _limit["kernels"] entries
+_cache: "OrderedDict[int, Kernel]" = OrderedDict()
+# (spec key, device part) -> its kernel number: the cache is keyed by small ints, so a warm launch's
+# lookup and LRU touch hash an int instead of a spec's key (two hashes of a few dozen fields a hit).
+# A number stands for its key for the whole process (plans keep numbers across cache_clear): one
+# small entry per spec ever launched
+_numbers: dict[tuple, int] = {}
+_next_number = itertools.count()
 _limit = {"kernels": int(os.environ.get("FLEXC_KERNEL_CACHE_SIZE", "64"))}
 # (capability, spec key) -> the spec that replaced it on GPUs of that capability (smaller tiles after
 # running out of resources, or plain loads after a TMA variant failed)
@@ -210,10 +216,16 @@ def device_key(spec: AnySpec, device: torch.device | None) -> tuple:
     return (capability, "interpreted") if gpu.runs_interpreted(device) else (capability,)
 
 
-def kernel_key(spec: AnySpec, device: torch.device | None = None) -> tuple:
-    """The cache key of ``spec``'s kernel launched for tensors on ``device`` (:func:`get_kernel`)."""
+def kernel_key(spec: AnySpec, device: torch.device | None = None) -> int:
+    """The cache key of ``spec``'s kernel launched for tensors on ``device`` (:func:`get_kernel`): the
+    number standing for its spec key and :func:`device_key`."""
     part = device_key(spec, device)
-    return (spec.key(), *part) if part else spec.key()
+    full = (spec.key(), *part) if part else spec.key()
+    number = _numbers.get(full)
+    if number is None:
+        with _cache_lock:
+            number = _numbers.setdefault(full, next(_next_number))
+    return number
 
 
 def get_kernel(spec: AnySpec, device: torch.device | None = None, key: tuple | None = None) -> Kernel:
@@ -281,7 +293,8 @@ def generated_for(spec: AnySpec, device: torch.device | None = None) -> Any:
     spec = resolve_fallback(spec, device)
     part = device_key(spec, device)[:1]  # the compiled kernel's entry, never the interpreted variant's
     with _cache_lock:
-        kernel = _cache.get((spec.key(), *part) if part else spec.key())
+        number = _numbers.get((spec.key(), *part) if part else spec.key())
+        kernel = _cache.get(number) if number is not None else None
     return kernel.generated if kernel is not None else generate(spec)
 
 
