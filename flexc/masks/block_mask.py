@@ -56,6 +56,13 @@ def _sliced_mask_mod_error(b, h, q_idx, kv_idx):
         "(for example with a q_idx offset).")
 
 
+# the fields every one-row slice starts with (BlockMask._bare_slice): no tables yet, lazy q tables
+# (derived when asked for), no dQ orders, and a mask_mod that raises (its rows are renumbered)
+_BARE_SLICE = {"_kv_tables": None, "lazy_rows": None, "_gathered": None, "_sliced_from": None, "_q_tables": None,
+               "dq_write_order": None, "dq_write_order_full": None, "dq_kv_order": None,
+               "mask_mod": _sliced_mask_mod_error}
+
+
 def _table_property(direction: str, slot: int, doc: str) -> property:
     """Table ``slot`` of the ``direction`` ("kv" or "q") tables, read and set through them."""
     built, build, setter = f"_{direction}_tables", f"_{direction}", f"_set_{direction}"
@@ -486,13 +493,8 @@ class BlockMask:
         rows = row_contents(self._kv(), row)
         if rows is None:
             return None
-        sliced = BlockMask.__new__(BlockMask)
-        sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows = self.seq_lengths, None, rows
-        sliced._gathered = sliced._sliced_from = None
-        sliced._q_tables = None if self._has_q_tables() else (None,) * 4
-        sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None
-        sliced.dq_kv_order_spt, sliced.BLOCK_SIZE = self.dq_kv_order_spt, self.BLOCK_SIZE
-        sliced.mask_mod = _sliced_mask_mod_error
+        sliced = self._bare_slice()
+        sliced.lazy_rows = rows
         return sliced
 
     def _gathered_slice(self, index: torch.Tensor, tables: tuple) -> "BlockMask | None":
@@ -504,13 +506,20 @@ class BlockMask:
         row, self._stacked_rows = gather(tables, getattr(self, "_stacked_rows", None), index)
         if row is None:
             return None
+        sliced = self._bare_slice()
+        sliced._gathered = row  # (its provenance is made with its tables: see _kv)
+        return sliced
+
+    def _bare_slice(self) -> "BlockMask":
+        """A one-row slice of this mask without its tables yet (the caller sets ``lazy_rows`` or
+        ``_gathered``), made field by field: a decoding step makes one, and its tables are rows of
+        tables already checked."""
         sliced = BlockMask.__new__(BlockMask)
-        sliced.seq_lengths, sliced._kv_tables, sliced.lazy_rows, sliced._gathered = self.seq_lengths, None, None, row
-        sliced._sliced_from = None  # (made with the tables: see _kv)
-        sliced._q_tables = None if self._has_q_tables() else (None,) * 4
-        sliced.dq_write_order = sliced.dq_write_order_full = sliced.dq_kv_order = None
-        sliced.dq_kv_order_spt, sliced.BLOCK_SIZE = self.dq_kv_order_spt, self.BLOCK_SIZE
-        sliced.mask_mod = _sliced_mask_mod_error
+        sliced.__dict__.update(_BARE_SLICE)
+        sliced.seq_lengths, sliced.BLOCK_SIZE, sliced.dq_kv_order_spt = (self.seq_lengths, self.BLOCK_SIZE,
+                                                                         self.dq_kv_order_spt)
+        if not self._has_q_tables():
+            sliced._q_tables = (None,) * 4
         return sliced
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
