@@ -160,12 +160,13 @@ def plan_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_
              return_aux: Any, drop: dropouts.Dropout | None, sinks: torch.Tensor | None) -> Plan:
     """The plan of this eager call: kept from an earlier call of the same signature, or made now
     (validating the call, which raises what the call raises) and kept."""
-    arguments = (query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
-                 return_aux, drop, sinks)
-    found = call_signature(*arguments)
+    found = call_signature(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
+                           return_aux, drop, sinks)
     plan = _PLANS.get(found[0]) if found is not None else None
     if plan is not None:
         return plan
+    arguments = (query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
+                 return_aux, drop, sinks)
     plan = Plan(*arguments)
     found = found or call_signature(*arguments)  # (the mods are traced now)
     if found is not None:
