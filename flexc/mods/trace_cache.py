@@ -207,10 +207,7 @@ class _Snapshot:
     def attributes(self, obj: Any, names: frozenset, depth: int) -> tuple:
         out = []
         for name in sorted(names):
-            try:
-                value = getattr(obj, name)
-            except Exception:  # absent (or a property that fails): recorded as missing
-                value = _MISSING
+            value = _attribute(obj, name)  # (absent, or a property that fails: recorded as missing)
             out.append(_MISSING if value is _MISSING else self.value(value, names, depth + 1))
         return tuple(out)
 
@@ -427,8 +424,8 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
 # A snapshot is a function of what it reads: a function's code, name, defaults, closure contents and
 # the globals its code names, recursively, and the values met there. Where every value met is
 # immutable (numbers, strings, dtypes, ...) or compared by identity anyway (torch's and C functions,
-# library modules), or a function read the same way, a guard that finds each of those objects to be
-# the very one the snapshot read says the snapshot is unchanged without building it: a hit's guard
+# library modules), or a function or a user module read the same way, a guard that finds each of
+# those objects to be the very one the snapshot read says the snapshot is unchanged without building it: a hit's guard
 # is kept, and the next lookup of the code object checks it first. The top function itself may be a
 # new closure (gpt-fast's mod each decoding step): its lifted cells are read as the snapshot reads
 # them, the rest by identity. Anything else met (tensors outside lifted cells, objects, containers,
@@ -479,19 +476,20 @@ def _guard(fn: Any, lifted: set, depth: int, active: set) -> tuple:
         raise _Unknown
     active.add(id(fn))
     code = fn.__code__
-    _, sorted_names, _ = _code_facts(code)
+    names, sorted_names, _ = _code_facts(code)
     cells = tuple([(i, cell.cell_contents, None) for i, cell in enumerate(fn.__closure__ or ()) if i not in lifted])
-    cells = tuple([(i, x, _value_guard(x, depth + 1, active)) for i, x, _ in cells])
+    cells = tuple([(i, x, _value_guard(x, depth + 1, active, names)) for i, x, _ in cells])
     globs = fn.__globals__
-    reads = tuple([(name, x, _value_guard(x, depth + 1, active))
+    reads = tuple([(name, x, _value_guard(x, depth + 1, active, names))
                    for name, x in ((name, globs.get(name, _MISSING)) for name in sorted_names)])
     active.discard(id(fn))
     return (code, fn.__name__, globs, cells, reads)
 
 
-def _value_guard(x: Any, depth: int, active: set) -> tuple | None:
+def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | None:
     """The guard of a value met by a snapshot (None: its identity says its snapshot; ``(code,)`` for torch's
-    functions, whose identity does while their code is that one), as :meth:`_Snapshot.value` sees it."""
+    functions, whose identity does while their code is that one; ``("module", attributes)`` for a user
+    module), as :meth:`_Snapshot.value` sees it; ``names``: those the code reading ``x`` names."""
     t = type(x)
     if t in _GUARD_EXACT or x is _MISSING:
         return None
@@ -501,16 +499,36 @@ def _value_guard(x: Any, depth: int, active: set) -> tuple | None:
     if t is types.ModuleType:
         if _is_library_module(x):
             return None
-        raise _Unknown
+        if depth > _MAX_DEPTH:
+            raise _Unknown
+        # a user module (a helper called as ``masks.causal(...)``): the attributes the reading code
+        # names, as _Snapshot.attributes reads them
+        attributes = [(name, _attribute(x, name)) for name in sorted(names)]
+        return ("module", tuple([(name, value, None if value is _MISSING else _value_guard(value, depth + 1, active, names))
+                                 for name, value in attributes]))
     if isinstance(x, _C_KINDS):
         return None
     raise _Unknown
 
 
+def _attribute(obj: Any, name: str) -> Any:
+    """``obj.name`` as a snapshot reads it: :data:`_MISSING` when absent (or when reading it raises)."""
+    try:
+        return getattr(obj, name)
+    except Exception:
+        return _MISSING
+
+
 def _holds(guard: tuple, fn: Any) -> bool:
-    """Whether ``fn`` (a function of ``guard``'s code) reads now the very objects ``guard`` names."""
+    """Whether ``fn`` (a function of ``guard``'s code, or the module of a module's guard) reads now the very
+    objects ``guard`` names."""
     if len(guard) == 1:  # a library function, snapshotted by identity
         return fn.__code__ is guard[0]
+    if len(guard) == 2:  # a user module: the attributes its reader names
+        for name, x, inner in guard[1]:
+            if _attribute(fn, name) is not x or inner is not None and not _holds(inner, x):
+                return False
+        return True
     code, name, globs, cells, reads = guard
     if (fn.__code__ is not code or fn.__globals__ is not globs or fn.__name__ != name or fn.__defaults__ is not None
             or fn.__kwdefaults__ is not None):

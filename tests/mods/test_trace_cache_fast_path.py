@@ -7,6 +7,7 @@ References: an uncached trace of the mod in its current state, and float64 dense
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -25,6 +26,15 @@ def window(q_idx, kv_idx):
 
 def causal(b, h, q_idx, kv_idx):
     return (q_idx >= kv_idx) & window(q_idx, kv_idx)
+
+
+# a user module whose helper a mod calls as ``USER_MASKS.rule(...)`` (a module global of the mod)
+USER_MASKS = types.ModuleType("user_masks")
+USER_MASKS.rule = causal
+
+
+def through_module(b, h, q_idx, kv_idx):
+    return USER_MASKS.rule(b, h, q_idx, kv_idx)
 
 
 def shifted(mask_mod, offset):
@@ -67,6 +77,34 @@ def test_new_closures_over_the_same_objects_take_no_snapshot(snapshots, runs):
         assert trace(causal) is trace(causal)
     assert runs[0] == 2  # (the template and causal)
     assert snapshots[0] == taken + 2  # (causal's first hit only)
+
+
+def test_helpers_called_through_a_user_module_take_the_fast_path_and_their_rebinding_is_seen(snapshots, monkeypatch):
+    """A mod calling ``module.helper(...)`` (the module a global, or a closure cell) is guarded like one
+    calling the helper directly: new closures take no snapshot, and the helper rebound on its module,
+    or a global it reads changed, gives the fresh trace."""
+    cell_masks = types.ModuleType("cell_masks")
+    cell_masks.rule = causal
+
+    def through_cell(b, h, q_idx, kv_idx):
+        return cell_masks.rule(b, h, q_idx, kv_idx)
+
+    input_pos = torch.tensor([5])
+    for mod, module in ((through_module, USER_MASKS), (through_cell, cell_masks)):
+        first = assert_current(shifted(mod, input_pos[0]))
+        assert_current(shifted(mod, input_pos[0]))  # (a hit by snapshot: keeps the guard)
+        taken = snapshots[0]
+        for _ in range(3):
+            input_pos += 1
+            assert trace(shifted(mod, input_pos[0])) is first
+        assert snapshots[0] == taken, mod.__name__
+        monkeypatch.setattr(module, "rule", lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 3)
+        assert "3" in str(assert_current(shifted(mod, input_pos[0])))
+        assert_current(shifted(mod, input_pos[0]))
+        monkeypatch.setattr(module, "rule", causal)
+        monkeypatch.setattr(sys.modules[__name__], "LIMIT", 9)  # a global of the helper, two reads down
+        assert "9" in str(assert_current(shifted(mod, input_pos[0])))
+        monkeypatch.setattr(sys.modules[__name__], "LIMIT", 40)
 
 
 def test_every_change_a_snapshot_sees_is_seen(monkeypatch):
