@@ -66,17 +66,26 @@ def snapshots(monkeypatch):
     return count
 
 
+def assert_steps_take_no_snapshot(mod, input_pos, snapshots, steps=3):
+    """gpt-fast's steps over ``mod`` (a new closure each, ``input_pos`` advanced in place) after a first
+    two: each finds the first step's trace, and no step takes a snapshot."""
+    first = trace(shifted(mod, input_pos[0]))
+    trace(shifted(mod, input_pos[0]))  # (a hit by snapshot: keeps the guard)
+    taken = snapshots[0]
+    for _ in range(steps):
+        input_pos += 1
+        assert trace(shifted(mod, input_pos[0])) is first
+    assert snapshots[0] == taken, getattr(mod, "__name__", mod)
+
+
 def test_new_closures_over_the_same_objects_take_no_snapshot(snapshots, runs):
     input_pos = torch.tensor([5])
-    first = trace(shifted(causal, input_pos[0]))
-    trace(shifted(causal, input_pos[0]))  # (a hit by snapshot: keeps the guard)
+    assert_steps_take_no_snapshot(causal, input_pos, snapshots)
     taken = snapshots[0]
-    for _ in range(4):
-        input_pos += 1
-        assert trace(shifted(causal, input_pos[0])) is first
+    for _ in range(3):
         assert trace(causal) is trace(causal)
     assert runs[0] == 2  # (the template and causal)
-    assert snapshots[0] == taken + 2  # (causal's first hit only)
+    assert snapshots[0] == taken + 2  # (causal's first lookup, a miss, and its first hit only)
 
 
 def test_helpers_called_through_a_user_module_take_the_fast_path_and_their_rebinding_is_seen(snapshots, monkeypatch):
@@ -91,13 +100,8 @@ def test_helpers_called_through_a_user_module_take_the_fast_path_and_their_rebin
 
     input_pos = torch.tensor([5])
     for mod, module in ((through_module, USER_MASKS), (through_cell, cell_masks)):
-        first = assert_current(shifted(mod, input_pos[0]))
-        assert_current(shifted(mod, input_pos[0]))  # (a hit by snapshot: keeps the guard)
-        taken = snapshots[0]
-        for _ in range(3):
-            input_pos += 1
-            assert trace(shifted(mod, input_pos[0])) is first
-        assert snapshots[0] == taken, mod.__name__
+        assert_current(shifted(mod, input_pos[0]))
+        assert_steps_take_no_snapshot(mod, input_pos, snapshots)
         monkeypatch.setattr(module, "rule", lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 3)
         assert "3" in str(assert_current(shifted(mod, input_pos[0])))
         assert_current(shifted(mod, input_pos[0]))
