@@ -173,7 +173,7 @@ def rcp(x):
 @triton.jit
 def fast_tanh(x, power):
     # tanh(x) with power = 2 log2(e) x: 1 - 2 / (2^power + 1), one ex2 and one rcp.approx, exactly +-1 for
-    # large |x| (never inf / inf), absolute error below 6e-7 (flexc.codegen.math_helpers); fp64: libdevice's
+    # large |x| (never inf / inf), absolute error below 6e-7 (flexc.codegen.triton_helpers); fp64: libdevice's
     if x.dtype == tl.float64:
         t = libdevice.tanh(x)
     else:
@@ -184,7 +184,7 @@ def fast_tanh(x, power):
 @triton.jit
 def fast_sigmoid(x, power):
     # sigmoid(x) with power = -log2(e) x: 1 / (1 + 2^power), one ex2 and one rcp.approx, exactly 0 or 1 for
-    # large |x|, relative error below 6e-7 + |x| 2^-24 (flexc.codegen.math_helpers); fp64: tl.sigmoid
+    # large |x|, relative error below 6e-7 + |x| 2^-24 (flexc.codegen.triton_helpers); fp64: tl.sigmoid
     if x.dtype == tl.float64:
         s = tl.sigmoid(x)
     else:
