@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from ... import device as gpu
+from ...analysis.tiles import cdiv, transpose_ordered
 from ...codegen.backward import BackwardSpec
 from ...codegen.backward_rows import rows_spec
 from ...codegen.prologue import PrologueSpec
@@ -28,7 +29,8 @@ from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod, trainable_slots
 from .. import registry
 from ..dropout import Dropout
-from ..layout import EmptyMaker
+from ..layout import EmptyMaker, output_maker
+from ..nonfinite import all_finite
 from . import cache, config, forward, launcher, retry
 from .sources import sources_text
 
@@ -101,14 +103,14 @@ def launch_prologue(spec: PrologueSpec, out, stats, grad_out, grad_lse, work_dty
         kernel = cache.get_kernel(spec, out.device)
     strides = (out.stride(), stats[0].stride(), grad_out.stride(), None if grad_lse is None else grad_lse.stride())
     known = kept.get(strides) if kept is not None else None
-    grid = known[0] if known is not None else launcher.prologue_grid(spec, out)
-    args, constants = launcher.prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2,
+    grid = known[0] if known is not None else prologue_grid(spec, out)
+    args, constants = prologue_arguments(spec, out, grad_out, stats, grad_lse, delta, lse2,
                                                   known[1] if known is not None else None)
     if kept is not None and known is None:
-        kept[strides] = (grid, (args[launcher.PROLOGUE_TENSORS:], constants))
+        kept[strides] = (grid, (args[PROLOGUE_TENSORS:], constants))
     # (the arguments past the tensors are the same at every launch with these strides)
     gpu.launch(kernel.fn, grid, spec, out.device, args, constants,
-               fixed=len(args) - launcher.PROLOGUE_TENSORS if kept is not None else 0)
+               fixed=len(args) - PROLOGUE_TENSORS if kept is not None else 0)
     return delta, lse2
 
 
@@ -147,21 +149,21 @@ class BackwardLaunch:
         self.first = rows_spec(spec) if spec.precise else prologue_spec(spec)
         self.keys = (cache.kernel_key(self.first, self.device), cache.kernel_key(spec, self.device))
         # what the launches pass besides the call's tensors: the backward kernel's per grad_out strides
-        # (launcher.backward_argument_tail) and per input guard (launcher.backward_constexprs), the
+        # (backward_argument_tail) and per input guard (backward_constexprs), the
         # prologue's per gradients' strides (launch_prologue)
         self.tails: dict[tuple, list] = {}
         self.constants: dict[bool, dict] = {}
         self.prologue: dict[tuple, tuple] = {}
         self.grids = (None if self.nothing else
-                      (launcher.backward_rows_grid(spec, query, value), launcher.backward_grid(spec, query, value)))
-        # what allocates the gradients (made at the first call: launcher.backward_output_makers) and
+                      (backward_rows_grid(spec, query, value), backward_grid(spec, query, value)))
+        # what allocates the gradients (made at the first call: backward_output_makers) and
         # the prologue's outputs
         self.makers: tuple | None = None
         self.rows = EmptyMaker(query.shape[:3], self.acc, self.device)
 
     def tables_of(self, block_mask: Any) -> list:
         L, S = self.lengths
-        tables = launcher.backward_tables(block_mask, self.spec, L, S, self.device)
+        tables = backward_tables(block_mask, self.spec, L, S, self.device)
         launcher.check_query_blocks(tables, L, self.spec.q_block_size)
         return tables
 
@@ -175,7 +177,7 @@ class BackwardLaunch:
         score_mod, mask_mod = mods if mods is not None else (self.score_mod, self.mask_mod)
         device, acc = self.device, self.acc
         if self.nothing:
-            dq, dk, dv, summed, grads = launcher.backward_outputs(self.spec, query, key, value, score_mod)
+            dq, dk, dv, summed, grads = backward_outputs(self.spec, query, key, value, score_mod)
             return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
                     [g.to(score_mod.buffers[s].dtype) for g, s in zip(grads, self.spec.grad_slots)])
         tables = self.tables(block_mask, same_tables)
@@ -184,8 +186,8 @@ class BackwardLaunch:
             # everything from the outputs on: a retry starts over (the row pass adds into its inputs)
             mine = spec is self.spec
             if mine and self.makers is None:
-                self.makers = launcher.backward_output_makers(query, key, value)
-            dq, dk, dv, summed, grads = launcher.backward_outputs(spec, query, key, value, score_mod,
+                self.makers = backward_output_makers(query, key, value)
+            dq, dk, dv, summed, grads = backward_outputs(spec, query, key, value, score_mod,
                                                                   self.makers if mine else None)
             first = self.first if mine else rows_spec(spec) if spec.precise else prologue_spec(spec)
             first_key, key_of_spec = self.keys if mine else (None, None)
@@ -199,20 +201,20 @@ class BackwardLaunch:
                 row_stats = stats.unbind(0)
                 delta, lse2 = launch_prologue(first, out, row_stats, grad_out, grad_lse, acc, first_kernel,
                                               self.prologue if mine else None, self.rows)
-            guard = launcher.guards_nonfinite_inputs(spec, query, key)
+            guard = guards_nonfinite_inputs(spec, query, key)
             tail = constants = None
             if mine:
                 tail, constants = self.tails.get(grad_out.stride()), self.constants.get(guard)
                 if tail is None:
-                    tail = self.tails[grad_out.stride()] = launcher.backward_argument_tail(
+                    tail = self.tails[grad_out.stride()] = backward_argument_tail(
                         query, key, value, grad_out, delta, dq, dk, dv, tables, self.scale)
-            args, constants = launcher.backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2,
+            args, constants = backward_arguments(spec, kernel.generated, query, key, value, grad_out, lse2,
                                                           delta, row_stats, dq, dk, dv, tables, grads, score_mod,
                                                           mask_mod, self.scale, guard, dropout, tail, constants)
             if mine:
                 self.constants[guard] = constants
-            rows_grid, grid = (self.grids if mine else (launcher.backward_rows_grid(spec, query, key),
-                                                        launcher.backward_grid(spec, query, key)))
+            rows_grid, grid = (self.grids if mine else (backward_rows_grid(spec, query, key),
+                                                        backward_grid(spec, query, key)))
             fixed = len(tail) if mine else 0  # (the kept tail: the same at every launch with these strides)
             if spec.precise:
                 gpu.launch(first_kernel.fn, rows_grid, spec, device, args, constants, fixed)
@@ -354,6 +356,158 @@ def prepare_training(query, key, value, score_mod: TracedMod | None, mask_mod: T
 
 registry.register_training(registry.TRITON, forward_for_training, triton_backward, prepare=prepare_training)
 
-__all__ = ["BackwardLaunch", "BackwardPlan", "backward_launch", "backward_source", "prepare_training", "forward_for_training", "launch_prologue",
-           "launches_nothing", "make_backward_spec", "plan_backward", "precise_gradients", "prologue_spec",
-           "spec_for_call", "triton_backward"]
+
+# ---- the backward's kernels' arguments, constexprs and grids (prologue, row pass, backward) --
+
+
+def backward_tables(block_mask: Any, spec: BackwardSpec, L: int, S: int, device: torch.device) -> list[torch.Tensor]:
+    """Key-direction then query-direction tables (partial, then full when kept apart), int32."""
+    if block_mask is None:
+        nq, nkv = max(1, cdiv(L, spec.q_block_size)), max(1, cdiv(S, spec.kv_block_size))
+        i32 = dict(dtype=torch.int32, device=device)
+        return [torch.zeros((1, 1, nq), **i32), torch.zeros((1, 1, nq, nkv), **i32),
+                torch.full((1, 1, nq), nkv, **i32), torch.arange(nkv, **i32).expand(1, 1, nq, nkv).contiguous(),
+                torch.zeros((1, 1, nkv), **i32), torch.zeros((1, 1, nkv, nq), **i32),
+                torch.full((1, 1, nkv), nq, **i32), torch.arange(nq, **i32).expand(1, 1, nkv, nq).contiguous()]
+    kv = launcher.kv_tables(block_mask, spec, S, device)
+    if getattr(block_mask, "q_num_blocks", None) is not None and getattr(block_mask, "q_indices", None) is not None \
+            and (not spec.has_full_blocks or getattr(block_mask, "full_q_num_blocks", None) is not None):
+        names = ["q_num_blocks", "q_indices"] + (["full_q_num_blocks", "full_q_indices"] if spec.has_full_blocks else [])
+        q = [getattr(block_mask, n).to(device=device, dtype=torch.int32).contiguous() for n in names]
+    else:  # derive the query-direction tables from the key-direction ones, as torch does
+        q = list(transpose_ordered(kv[0], kv[1]))
+        if spec.has_full_blocks:
+            q += list(transpose_ordered(kv[2], kv[3]))
+        q = [t.to(device=device, dtype=torch.int32).contiguous() for t in q]
+    if spec.has_full_blocks:
+        return [kv[0], kv[1], kv[2], kv[3], q[0], q[1], q[2], q[3]]
+    return [kv[0], kv[1], q[0], q[1]]
+
+
+def backward_outputs(spec: BackwardSpec, query, key, value, score_mod, makers: tuple | None = None) -> tuple:
+    """``(dq, dk, dv, summed, grads)``: dk/dv per query batch, summed afterwards when ``Bkv == 1 < B``;
+    ``makers``: :func:`backward_output_makers` of a call of the same signature, when the caller keeps them."""
+    make_dq, make_dk, make_dv, summed = makers if makers is not None else backward_output_makers(query, key, value)
+    grads = [torch.zeros(score_mod.buffers[s].shape, dtype=spec.grad_dtype(s), device=query.device)
+             for s in spec.grad_slots] if spec.grad_slots else []
+    return make_dq(query), make_dk(key), make_dv(value), summed, grads
+
+
+def backward_output_makers(query, key, value) -> tuple:
+    """``(make_dq, make_dk, make_dv, summed)`` for the calls of one signature
+    (:func:`flexc.backends.layout.output_maker`): each gradient laid out like its input, as the caller
+    returns it; dk and dv row-major in the work dtype when they are summed over the batch afterwards."""
+    B, Hkv, S, E, Ev = query.shape[0], key.shape[1], key.shape[2], key.shape[3], value.shape[3]
+    summed = key.shape[0] == 1 and B > 1
+    if summed:
+        acc = work_dtype(query.dtype)
+        dk, dv = EmptyMaker((B, Hkv, S, E), acc, query.device), EmptyMaker((B, Hkv, S, Ev), acc, query.device)
+        return output_maker(query), lambda _key: dk(), lambda _value: dv(), summed
+    return output_maker(query), output_maker(key), output_maker(value), summed
+
+
+def backward_arguments(spec: BackwardSpec, generated, query, key, value, grad_out, lse2, delta, stats, dq, dk, dv, tables,
+                       grads, score_mod, mask_mod, scale: float, guard_inputs: bool | None = None,
+                       dropout: Dropout | None = None, tail: list | None = None, constants: dict | None = None
+                       ) -> tuple[list, dict]:
+    """The backward kernel's positional arguments and constexprs for one launch (``guard_inputs``:
+    compile the NaN/inf input guard in; by default the launcher's choice for these tensors; ``dropout``:
+    the forward's, for a spec with dropout; ``tail`` and ``constants``: the :func:`backward_argument_tail`
+    and :func:`backward_constexprs` of an earlier call of the same signature, ``grad_out`` strides
+    and guard, when the caller keeps them)."""
+    device = query.device
+    buffers = launcher.mod_arguments(generated, score_mod, mask_mod, device)
+    if generated.grad_params:
+        by_slot = dict(zip(spec.grad_slots, grads))
+        for p in generated.grad_params:
+            g = by_slot[p.slot]
+            buffers.append(g if p.what == "ptr" else g.stride(p.dim) if p.what == "stride" else g.shape[p.dim])
+    launcher.check_dropout(spec, dropout)
+    if dropout is not None:
+        buffers += launcher.dropout_arguments(dropout, device)
+    if tail is None:
+        tail = backward_argument_tail(query, key, value, grad_out, delta, dq, dk, dv, tables, scale)
+    # stats [2, B, Hq, L] (the forward's), or its two planes: both contiguous, strided as lse2 and delta
+    args = [query, key, value, grad_out, lse2, delta, stats[0], stats[1], dq, dk, dv, *tables, *buffers, *tail]
+    if constants is not None:
+        return args, constants
+    if guard_inputs is None:
+        guard_inputs = guards_nonfinite_inputs(spec, query, key)
+    return args, backward_constexprs(spec, query, value, grad_out, guard_inputs)
+
+
+def guards_nonfinite_inputs(spec: BackwardSpec, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the backward compiles in the guard zeroing masked NaN/inf query and key entries: only
+    where it can matter (CPU calls with such entries; on CUDA as torch's kernels, see
+    :func:`guards_nonfinite_values`)."""
+    return spec.mask_mod is not None and gpu.is_plain_cpu(query.device) and not all_finite(query, key)
+
+
+def backward_argument_tail(query, key, value, grad_out, delta, dq, dk, dv, tables, scale: float) -> list:
+    """The backward kernel's :func:`kernel_argument_tail`: the same for every call of one signature
+    whose ``grad_out`` has the same strides (the other tensors' strides follow from the shapes)."""
+    L, S = query.shape[2], value.shape[2]
+    return launcher.kernel_argument_tail(query, key, value, tables, [float(scale), L, S, query.shape[1] // value.shape[1]],
+                                [*grad_out.stride(), delta.stride(0), delta.stride(1), *dq.stride(), *dk.stride(),
+                                 *dv.stride()])
+
+
+def backward_constexprs(spec: BackwardSpec, query, value, grad_out, guard_inputs: bool) -> dict:
+    """The backward kernel's compile-time arguments for one call's shapes and its input guard."""
+    L, E = query.shape[2], query.shape[3]
+    S, Ev = value.shape[2], value.shape[3]
+    return dict(BLOCK_M1=spec.block_m1, BLOCK_N1=spec.block_n1, BLOCK_M2=spec.block_m2, BLOCK_N2=spec.block_n2,
+                Q_BLOCK_SIZE=spec.q_block_size, KV_BLOCK_SIZE=spec.kv_block_size,
+                # lengths that are multiples of the blocks (so of every tile: blocks are multiples
+                # of the tiles) need no bounds checks (a second variant). Tiles alone do not do:
+                # the loops walk every tile of a listed block, past the end of a last, shorter one
+                DIVISIBLE=L % spec.q_block_size == 0 and S % spec.kv_block_size == 0,
+                GUARD_NONFINITE_INPUTS=guard_inputs, HEAD_DIM=E,
+                HEAD_DIM_PAD=padded_head_dim(E), V_HEAD_DIM=Ev, V_HEAD_DIM_PAD=padded_head_dim(Ev),
+                # the dK/dV programs' head offsets into query and grad_out in int64
+                INT64_OFFSETS=max(query.numel(), grad_out.numel()) >= launcher.INT32_OFFSET_LIMIT)
+
+
+def backward_grid(spec: BackwardSpec, query: torch.Tensor, key: torch.Tensor) -> tuple[int, int, int]:
+    """Per key head and batch: the dK/dV programs (one per ``BLOCK_N1`` keys), then the dQ programs
+    (one per ``BLOCK_M2`` queries of each query head in the group)."""
+    B, Hq, L, _ = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    return cdiv(S, spec.block_n1) + (Hq // Hkv) * cdiv(L, spec.block_m2), Hkv, B
+
+
+def backward_rows_grid(spec: BackwardSpec, query: torch.Tensor, key: torch.Tensor) -> tuple[int, int, int]:
+    """The backward's row pass (:mod:`flexc.codegen.backward_rows`): the dQ programs' part of
+    :func:`backward_grid`, one program per ``BLOCK_M2`` queries of each query head in the group."""
+    B, Hq, L, _ = query.shape
+    return (Hq // key.shape[1]) * cdiv(L, spec.block_m2), key.shape[1], B
+
+
+PROLOGUE_TENSORS = 7  # the prologue's tensor arguments, first in its signature (prologue_arguments)
+
+
+def prologue_arguments(spec: PrologueSpec, out: torch.Tensor, grad_out: torch.Tensor, stats: torch.Tensor,
+                       grad_lse: torch.Tensor | None, delta: torch.Tensor, lse2: torch.Tensor,
+                       tail: tuple[list, dict] | None = None) -> tuple[list, dict]:
+    """The backward prologue's positional and constexpr arguments: ``out``, ``grad_out`` ``[B, Hq, L, Ev]``,
+    the forward's statistics ``stats`` ``[2, B, Hq, L]`` (or its two planes) and ``grad_lse`` (None: no gradient) ``[B, Hq, L]``
+    into ``delta`` and ``lse2`` (contiguous). ``tail``: an earlier call's arguments after the first
+    :data:`PROLOGUE_TENSORS` and its constexprs, for a call of the same signature and the same
+    ``grad_out`` and ``grad_lse`` strides, when the caller keeps them."""
+    has_grad_lse = grad_lse is not None
+    grad_lse = grad_lse if has_grad_lse else delta  # an unread stand-in
+    tensors = [out, grad_out, stats[0], stats[1], grad_lse, delta, lse2]
+    if tail is not None:
+        return tensors + tail[0], tail[1]
+    return ([*tensors, out.shape[2], out.shape[3], *out.stride(), *grad_out.stride(), *stats[0].stride(),
+             *grad_lse.stride(), delta.stride(0), delta.stride(1)],
+            dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad, HAS_GRAD_LSE=has_grad_lse))
+
+
+def prologue_grid(spec: PrologueSpec, out: torch.Tensor) -> tuple[int, int, int]:
+    """One program per ``block_rows`` query rows, query head and batch."""
+    B, Hq, L, _ = out.shape
+    return cdiv(L, spec.block_rows), Hq, B
+
+
+__all__ = ["backward_argument_tail", "backward_arguments", "backward_constexprs", "backward_grid", "backward_launch", "backward_output_makers", "backward_outputs", "backward_rows_grid", "backward_source", "backward_tables", "BackwardLaunch", "BackwardPlan", "forward_for_training", "guards_nonfinite_inputs", "launch_prologue", "launches_nothing", "make_backward_spec", "plan_backward", "precise_gradients", "prepare_training", "prologue_arguments", "prologue_grid", "prologue_spec", "PROLOGUE_TENSORS", "spec_for_call", "triton_backward"]

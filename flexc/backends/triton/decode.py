@@ -8,14 +8,15 @@ Triton backend's one LRU kernel cache with the forward and backward kernels (cou
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ... import device as gpu
+from ...analysis.tiles import cdiv
 from ...constants import DECODE_MAX_ROWS as MAX_ROWS
-from ...dtypes import work_dtype_name
-from ...codegen.decode import DecodeSpec
+from ...dtypes import work_dtype, work_dtype_name
+from ...codegen.decode import TABLE_OFFSETS, DecodeSpec
 from ...codegen.merge import MergeSpec
 from ...codegen.scalars import lift_for_call
 from ...codegen.spec import padded_head_dim
@@ -82,8 +83,8 @@ def merge_splits(out_split: torch.Tensor, lse_split: torch.Tensor, query: torch.
     out = empty_like_reference((B, Hq, L, Ev), query)
     lse = torch.empty((B, Hq, L), dtype=lse_split.dtype, device=query.device)
     kernel = cache.get_kernel(spec, query.device, kernel_key)
-    args, constants = launcher.merge_arguments(spec, out_split, lse_split, out, lse, L, Hq, sinks)
-    gpu.launch(kernel.fn, launcher.merge_grid(spec, out_split, L, Hq), spec, query.device, args, constants)
+    args, constants = merge_arguments(spec, out_split, lse_split, out, lse, L, Hq, sinks)
+    gpu.launch(kernel.fn, merge_grid(spec, out_split, L, Hq), spec, query.device, args, constants)
     return out, lse
 
 
@@ -134,7 +135,7 @@ class DecodeLaunch:
             constants = warm.row_constants.get(widths)
             if constants is None:
                 constants = warm.row_constants[widths] = dict(warm.constants,
-                                                              **launcher.decode_table_offsets(spec, widths))
+                                                              **decode_table_offsets(spec, widths))
             tables = (gathered.row,) * self.n_tables
         else:
             constants, tables = warm.constants, self.tables(block_mask, same_tables)
@@ -184,10 +185,10 @@ class DecodeLaunch:
         def attempt(spec: DecodeSpec) -> tuple[torch.Tensor, torch.Tensor]:
             kernel = cache.get_kernel(spec, self.device, self.kernel_key if spec is self.spec else None)
             generated[:] = [kernel.generated]
-            args, constants, splits = launcher.decode_arguments(
+            args, constants, splits = decode_arguments(
                 spec, kernel.generated, query, key, value, score_mod, mask_mod, None, self.scale, self.splits,
                 dropout=dropout, tables=tables)
-            gpu.launch(kernel.fn, launcher.decode_grid(splits[0]), spec, self.device, args, constants)
+            gpu.launch(kernel.fn, decode_grid(splits[0]), spec, self.device, args, constants)
             return splits
 
         if self.worked:
@@ -227,7 +228,7 @@ class WarmDecode:
     def __init__(self, launch: DecodeLaunch, generated: Any, query, key, value, tables, score_mod, mask_mod, dropout,
                  sinks, out_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
         spec, device = launch.spec, launch.device
-        args, self.constants, _ = launcher.decode_arguments(
+        args, self.constants, _ = decode_arguments(
             spec, generated, query, key, value, score_mod, mask_mod, None, launch.scale, launch.splits,
             dropout=dropout, tables=tables)
         heads = 5 + len(tables) + len(launcher.mod_arguments(generated, score_mod, mask_mod, device)) \
@@ -235,7 +236,7 @@ class WarmDecode:
         self.tail = args[heads:]
         # the CPU's non-finite guard depends on the values (:func:`launcher.guards_nonfinite_values`)
         self.guard_per_call = spec.mask_mod is not None and gpu.is_plain_cpu(device)
-        self.grid = launcher.decode_grid(out_split)
+        self.grid = decode_grid(out_split)
         self.direct = False  # whether a gathered row's tables are passed as they are (set by the launch)
         # the constexprs of a gathered row passed as every table, by the widths of its tables
         self.row_constants: dict = {}
@@ -257,11 +258,11 @@ class WarmDecode:
         # stream (flexc.call.signature keys it), so a call's kernels write it after the previous call's merge
         # read it (no allocation a step); another thread's calls could queue theirs in between: they make their own
         self.scratch, self.thread = scratch, threading.get_ident()
-        merge_args, merge_constants = launcher.merge_arguments(launch.merge, out_split, lse_split, out, lse,
+        merge_args, merge_constants = merge_arguments(launch.merge, out_split, lse_split, out, lse,
                                                                query.shape[2], query.shape[1], sinks)
         self.merge_constants = dict(merge_constants, LSE_SPLIT_AT=lse_split_at, LSE_AT=0 if self.keeps_lse else lse_at)
         self.merge_tail = merge_args[4:len(merge_args) - len(launcher.sink_arguments(sinks, lse_split.dtype))]
-        self.merge_grid = launcher.merge_grid(launch.merge, out_split, query.shape[2], query.shape[1])
+        self.merge_grid = merge_grid(launch.merge, out_split, query.shape[2], query.shape[1])
 
 
 def launch(spec: DecodeSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -290,4 +291,79 @@ def triton_decode(query, key, value, score_mod, mask_mod, block_mask, scale, ker
     return out, (lse if need_lse else None)
 
 
-__all__ = ["MAX_PACKED", "MAX_ROWS", "DecodeLaunch", "applies", "launch", "make_spec", "merge_spec", "merge_splits", "triton_decode"]
+# ---- the decode and merge kernels' arguments, constexprs and grids ---------------------------
+
+
+def decode_arguments(spec: DecodeSpec, generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     score_mod: TracedMod | None, mask_mod: TracedMod | None, block_mask: Any, scale: float,
+                     splits: int | None, guard_values: bool | None = None, dropout: Dropout | None = None,
+                     tables: list[torch.Tensor] | None = None):
+    """The decode kernel's positional and constexpr arguments for one call, and the per-split outputs
+    ``(out_split, lse_split)`` it writes. ``splits``: per (batch, key head), None for
+    :func:`flexc.backends.triton.config.default_splits`; ``guard_values`` defaults to the launcher's choice;
+    ``dropout`` for a kernel with dropout; ``tables``: :func:`kv_tables` of ``block_mask``, when the
+    caller has them."""
+    B, Hq, L, _ = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    device = query.device
+    if tables is None:
+        tables = launcher.kv_tables(block_mask, spec, S, device)
+    splits = splits or config.default_splits(query, key, tables[1].shape[-1])
+    work = work_dtype(query.dtype)
+    out_split = torch.empty(B, Hkv, splits, spec.block_m, Ev, dtype=work, device=device)
+    lse_split = torch.empty(B, Hkv, splits, spec.block_m, dtype=work, device=device)
+    args = launcher.kernel_arguments(query, key, value, [out_split, lse_split], tables,
+                            launcher.mod_arguments(generated, score_mod, mask_mod, device) + launcher.dropout_arguments(dropout, device),
+                            [float(scale), L, S, Hq // Hkv, Hkv, splits], [])
+    if guard_values is None:
+        guard_values = launcher.guards_nonfinite_values(spec, value)
+    constants = dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, KV_BLOCK_SIZE=spec.kv_block_size,
+                     HEAD_DIM=spec.head_dim, HEAD_DIM_PAD=padded_head_dim(spec.head_dim),
+                     V_HEAD_DIM=spec.v_head_dim, V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim),
+                     # whole key blocks only (so whole tiles: the blocks are multiples of BLOCK_N): a
+                     # variant without bounds checks, as the forward's KV_LEN_DIVISIBLE
+                     KV_LEN_DIVISIBLE=S % spec.kv_block_size == 0,
+                     # one query row per head: q_idx is the constant 0 (a second variant)
+                     SINGLE_ROW=L == 1, GUARD_NONFINITE_VALUES=guard_values, LSE_SPLIT_AT=0,
+                     **decode_table_offsets(spec))
+    return args, constants, (out_split, lse_split)
+
+
+def decode_table_offsets(spec: DecodeSpec, widths: Sequence[int] | None = None) -> dict:
+    """The decode kernel's :data:`flexc.codegen.decode.TABLE_OFFSETS` constexprs: 0 for tables passed each
+    at its own pointer, or, for one row passed as every table (a gathered row, each table ``widths[i]``
+    entries in order), where each starts in it."""
+    names = TABLE_OFFSETS[:3 if spec.has_full_blocks else 1]
+    if widths is None:
+        return dict.fromkeys(names, 0)
+    starts = [sum(widths[:i]) for i in range(1, 4)]
+    return dict(zip(names, starts))
+
+
+def decode_grid(out_split: torch.Tensor) -> tuple[int, int, int]:
+    """One program per split, key head and batch."""
+    B, Hkv, splits = out_split.shape[:3]
+    return splits, Hkv, B
+
+
+def merge_arguments(spec: MergeSpec, out_split: torch.Tensor, lse_split: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, L: int, Hq: int, sinks: torch.Tensor | None = None) -> tuple[list, dict]:
+    """The merge kernel's positional and constexpr arguments: ``[B, Hkv, splits, M, Ev]`` partial
+    outputs and their logsumexps into ``out [B, Hq, L, Ev]`` and ``lse [B, Hq, L]``; ``sinks`` for a
+    merge with sinks."""
+    B, Hkv, splits, M, Ev = out_split.shape
+    rows = Hq // Hkv * L
+    launcher.check_sinks(spec, sinks)
+    return ([out_split, lse_split, out, lse, splits, rows, L, Hq // Hkv, Ev, *out_split.stride()[:4],
+             *lse_split.stride()[:3], *out.stride(), lse.stride(0), lse.stride(1),
+             *launcher.sink_arguments(sinks, lse_split.dtype)],
+            dict(BLOCK_ROWS=spec.block_rows, V_HEAD_DIM_PAD=spec.v_head_dim_pad, LSE_SPLIT_AT=0, LSE_AT=0))
+
+
+def merge_grid(spec: MergeSpec, out_split: torch.Tensor, L: int, Hq: int) -> tuple[int, int, int]:
+    """One program per ``block_rows`` packed query rows, key head and batch."""
+    B, Hkv = out_split.shape[:2]
+    return cdiv(Hq // Hkv * L, spec.block_rows), Hkv, B
+
+
+__all__ = ["applies", "decode_arguments", "decode_grid", "decode_table_offsets", "DecodeLaunch", "launch", "make_spec", "MAX_PACKED", "MAX_ROWS", "merge_arguments", "merge_grid", "merge_spec", "merge_splits", "triton_decode"]

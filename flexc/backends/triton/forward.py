@@ -8,16 +8,19 @@ run the compiled kernel; CPU tensors run the same source through Triton's interp
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from ... import device as gpu
+from ...analysis.tiles import cdiv
 from ...constants import LOG2E
 from ...dtypes import work_dtype
 from ...codegen.decode import DecodeSpec
 from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
 from ...codegen.scalars import lift_for_call
+from ...codegen.spec import padded_head_dim
 from ...mods.traced_mod import TracedMod
 from .. import registry
 from ..dropout import Dropout
@@ -142,10 +145,10 @@ class ForwardLaunch:
                 raise ValueError(f"flexc: batch {B} and query heads {Hq} must each be at most 65535 (CUDA grid "
                                  f"limit). Fix: split the batch into chunks.")
             launcher.check_query_blocks(self.tables(block_mask), L, spec.q_block_size)
-        self.grid = launcher.forward_grid(spec, query)
+        self.grid = forward_grid(spec, query)
         self.worked = False  # launched once with this spec, nothing replaced it: no retry needed
         self.kernel_key = cache.kernel_key(spec, self.device)
-        self.tail: list | None = None  # the kernel's arguments after its tensors (launcher.forward_argument_tail)
+        self.tail: list | None = None  # the kernel's arguments after its tensors (forward_argument_tail)
         # the outputs' allocations (the output laid out like the query, launcher.empty_output)
         self.new_out = output_maker(query, (B, Hq, L, self.v_head_dim))
         self.new_lse = EmptyMaker((B, Hq, L), lse_dtype, self.device) if spec.output_lse else None
@@ -179,19 +182,19 @@ class ForwardLaunch:
             # see every use, and an evicted kernel's module is freed even while a plan lives)
             kernel = cache.get_kernel(spec, self.device, self.kernel_key if mine else None)
             if mine and self.tail is None:
-                self.tail = launcher.forward_argument_tail(kernel.generated, query, key, value, out, lse, tables,
+                self.tail = forward_argument_tail(kernel.generated, query, key, value, out, lse, tables,
                                                            self.scale)
-            args = launcher.forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod,
+            args = forward_arguments(kernel.generated, query, key, value, out, lse, tables, score_mod,
                                               mask_mod, self.scale, stats, dropout, sinks,
                                               self.tail if mine else None)
             constants = self.constants.get(guard_values) if spec is self.spec else None
             if constants is None:
-                constants = launcher.forward_constexprs(spec, *self.lengths, args, guard_values, self.scale)
+                constants = forward_constexprs(spec, *self.lengths, args, guard_values, self.scale)
                 if spec is self.spec:
                     self.constants[guard_values] = constants
             if spec.tma and not gpu.runs_interpreted(self.device):  # the descriptors' scratch memory
                 tma.ensure_allocator()
-            gpu.launch(kernel.fn, self.grid if spec is self.spec else launcher.forward_grid(spec, query), spec,
+            gpu.launch(kernel.fn, self.grid if spec is self.spec else forward_grid(spec, query), spec,
                        self.device, args, constants, len(self.tail) if mine else 0)
 
         if self.worked:
@@ -324,5 +327,89 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 registry.register(registry.TRITON, triton_forward, prepare=prepare_forward)
 
-__all__ = ["ForwardLaunch", "ForwardPlan", "launch", "launch_plan", "plan_launches", "prepare_forward", "launches_nothing", "make_spec", "plan_forward", "spec_for_call",
-           "triton_forward"]
+
+# ---- the forward kernel's arguments, constexprs and grid ------------------------------------
+
+
+def forward_arguments(generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor],
+                      score_mod: TracedMod | None, mask_mod: TracedMod | None, scale: float,
+                      stats: torch.Tensor | None = None, dropout: Dropout | None = None,
+                      sinks: torch.Tensor | None = None, tail: list | None = None) -> list:
+    """The forward kernel's positional arguments, in the order of its signature (constexprs excluded);
+    ``stats`` ``[2, B, Hq, L]``: the training forward's backward statistics (laid out as ``lse``);
+    ``dropout`` for a kernel with dropout, ``sinks`` for one with sinks; ``tail``: the
+    :func:`kernel_argument_tail` of an earlier call of the same signature, when the caller keeps it
+    (the same kernel, shapes, strides and scale)."""
+    if generated.needs_positive_scale and not scale > 0:
+        # the kernel multiplies raw q.k by scale * log2(e) after taking the row max, so the scale
+        # must be positive: q.k * scale == (-q).k * |scale|, and with scale 0 every score is 0
+        query = -query if scale < 0 else torch.zeros_like(query)
+    outputs = [out]
+    if lse is not None:
+        outputs.append(lse)
+    if stats is not None:  # both contiguous [B, Hq, L] planes, as lse: they share its strides
+        outputs += [stats[0], stats[1]]
+    buffers = launcher.mod_arguments(generated, score_mod, mask_mod, query.device)
+    if dropout is not None:
+        buffers += launcher.dropout_arguments(dropout, query.device)
+    if sinks is not None:
+        buffers += launcher.sink_arguments(sinks, work_dtype(query.dtype))
+    if tail is None:
+        tail = forward_argument_tail(generated, query, key, value, out, lse, tables, scale)
+    return [query, key, value, *outputs, *tables, *buffers, *tail]
+
+
+def forward_argument_tail(generated: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor | None, tables: list[torch.Tensor], scale: float) -> list:
+    """The forward kernel's :func:`kernel_argument_tail`: its scale, lengths, group size and strides
+    (a kernel that needs a positive scale gets ``|scale|``, or 1 for 0: :func:`forward_arguments`
+    negates or zeroes the query)."""
+    if generated.needs_positive_scale and not scale > 0:
+        scale = abs(scale) or 1.0
+    output_strides = [*out.stride()] + ([lse.stride(0), lse.stride(1)] if lse is not None else [])
+    return launcher.kernel_argument_tail(query, key, value, tables,
+                                [float(scale), query.shape[2], value.shape[2], query.shape[1] // value.shape[1]],
+                                output_strides)
+
+
+def exact_in_query(spec: ForwardSpec, scale: float | None) -> bool:
+    """Whether the forward kernel may fold ``scale`` into q (POW2_SCALE): where a score_mod needs the
+    scaled score (without one, the scale joins the exponent anyway), and the scale is a power of
+    two from 2**-20 to 1 (the default 1/sqrt(D) for D = 1, 4, 16, 64, 256...) and the inputs have
+    float32's exponent range (not float16's): then q * scale and q.k * scale are exact (short of
+    inputs below ~1e-32), and q.(scale * k) == (q.k) * scale."""
+    if scale is None or spec.score_mod is None or spec.prescale_qk or spec.dtype == torch.float16:
+        return False
+    mantissa, exponent = math.frexp(float(scale))
+    return mantissa == 0.5 and -19 <= exponent <= 1
+
+
+def forward_constexprs(spec: ForwardSpec, L: int, S: int, tensors: list, guard_values: bool = False,
+                       scale: float | None = None) -> dict[str, int]:
+    """The forward kernel's compile-time arguments for ``spec`` and one call's lengths, tensors and scale.
+
+    Whole tiles (lengths multiples of BLOCK_M, and of the key block, so of BLOCK_N), int64 offsets, the non-finite values
+    guard and a power-of-two scale (:func:`exact_in_query`) select variants that Triton compiles once each; other
+    lengths reuse them.
+    """
+    largest = max((t.numel() for t in tensors if isinstance(t, torch.Tensor)), default=0)
+    return dict(BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, Q_BLOCK_SIZE=spec.q_block_size,
+                KV_BLOCK_SIZE=spec.kv_block_size, HEAD_DIM=spec.head_dim,
+                HEAD_DIM_PAD=padded_head_dim(spec.head_dim), V_HEAD_DIM=spec.v_head_dim,
+                V_HEAD_DIM_PAD=padded_head_dim(spec.v_head_dim), ROWS_GUARANTEED_SAFE=spec.rows_guaranteed_safe,
+                BLOCKS_ARE_CONTIGUOUS=spec.blocks_are_contiguous, Q_LEN_DIVISIBLE=L % spec.block_m == 0,
+                # the key loop walks every tile of a listed block: a last block reaching past KV_LEN
+                # has whole tiles past it even when BLOCK_N divides KV_LEN (kv_block_size is a multiple
+                # of BLOCK_N, so this implies it)
+                KV_LEN_DIVISIBLE=S % spec.kv_block_size == 0, INT64_OFFSETS=largest >= launcher.INT32_OFFSET_LIMIT,
+                GUARD_NONFINITE_VALUES=guard_values, POW2_SCALE=exact_in_query(spec, scale))
+
+
+def forward_grid(spec: ForwardSpec, query: torch.Tensor) -> tuple[int, int, int]:
+    """One program per query tile, query head and batch."""
+    B, Hq, L, _ = query.shape
+    return cdiv(L, spec.block_m), Hq, B
+
+
+__all__ = ["exact_in_query", "forward_argument_tail", "forward_arguments", "forward_constexprs", "forward_grid", "ForwardLaunch", "ForwardPlan", "launch", "launch_plan", "launches_nothing", "make_spec", "plan_forward", "plan_launches", "prepare_forward", "spec_for_call", "triton_forward"]

@@ -18,7 +18,7 @@ from ...codegen.decode import DecodeSpec
 from ...codegen.forward import NO_BLOCK_MASK, ForwardSpec
 from ...dtypes import work_dtype
 from ..dropout import Dropout
-from . import cache, launcher
+from . import backward, cache, decode, forward, launcher
 
 # a dropout kernel's stand-in seed and probability (their values do not shape the compiled kernel)
 _STAND_IN_DROPOUT = Dropout(0.1, 0)
@@ -80,25 +80,25 @@ def _forward_arguments(spec: ForwardSpec, generated, query, key, value, block_ma
     lse = torch.empty(query.shape[:3], dtype=torch.float32) if spec.output_lse else None
     stats = torch.empty((2, *query.shape[:3]), dtype=torch.float32) if spec.output_stats else None
     tables = launcher.kv_tables(block_mask, spec, S, query.device)
-    args = launcher.forward_arguments(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
+    args = forward.forward_arguments(generated, query, key, value, out, lse, tables, spec.score_mod, spec.mask_mod,
                                       scale, stats, drop)
-    return args, launcher.forward_constexprs(spec, L, S, args, guard_values, scale)
+    return args, forward.forward_constexprs(spec, L, S, args, guard_values, scale)
 
 
 def _backward_arguments(spec: BackwardSpec, generated, query, key, value, block_mask, scale, drop, num_splits,
                         guard_values) -> tuple[list, dict]:
-    dq, dk, dv, _, grads = launcher.backward_outputs(spec, query, key, value, spec.score_mod)
+    dq, dk, dv, _, grads = backward.backward_outputs(spec, query, key, value, spec.score_mod)
     rows = torch.empty(query.shape[:3], dtype=work_dtype(query.dtype))
-    tables = launcher.backward_tables(block_mask, spec, query.shape[2], key.shape[2], query.device)
+    tables = backward.backward_tables(block_mask, spec, query.shape[2], key.shape[2], query.device)
     stats = rows.new_empty((2, *rows.shape))
-    return launcher.backward_arguments(spec, generated, query, key, value, torch.empty_like(query), rows, rows,
+    return backward.backward_arguments(spec, generated, query, key, value, torch.empty_like(query), rows, rows,
                                        stats, dq, dk, dv, tables, grads, spec.score_mod, spec.mask_mod, scale,
                                        guard_inputs=guard_values, dropout=drop)
 
 
 def _decode_arguments(spec: DecodeSpec, generated, query, key, value, block_mask, scale, drop, num_splits,
                       guard_values) -> tuple[list, dict]:
-    args, constants, _ = launcher.decode_arguments(spec, generated, query, key, value, spec.score_mod, spec.mask_mod,
+    args, constants, _ = decode.decode_arguments(spec, generated, query, key, value, spec.score_mod, spec.mask_mod,
                                                    block_mask, scale, num_splits, guard_values, dropout=drop)
     return args, constants
 

@@ -110,10 +110,10 @@ def test_power_of_two_scale_rides_in_q(scale):
 def test_power_of_two_scale_is_folded_only_where_exact():
     spec = triton_forward.make_spec(flexc.trace(soft_cap), None, torch.bfloat16, 64, 64, None, None,
                                      "interpreter", False)
-    assert triton_launcher.exact_in_query(spec, 0.125) and triton_launcher.exact_in_query(spec, 1.0)
-    assert not triton_launcher.exact_in_query(spec, 0.088) and not triton_launcher.exact_in_query(spec, 2.0 ** -30)
-    assert not triton_launcher.exact_in_query(dataclasses.replace(spec, dtype=torch.float16), 0.125)  # narrow exponent
-    assert not triton_launcher.exact_in_query(dataclasses.replace(spec, score_mod=None), 0.125)  # scale in the exponent
+    assert triton_forward.exact_in_query(spec, 0.125) and triton_forward.exact_in_query(spec, 1.0)
+    assert not triton_forward.exact_in_query(spec, 0.088) and not triton_forward.exact_in_query(spec, 2.0 ** -30)
+    assert not triton_forward.exact_in_query(dataclasses.replace(spec, dtype=torch.float16), 0.125)  # narrow exponent
+    assert not triton_forward.exact_in_query(dataclasses.replace(spec, score_mod=None), 0.125)  # scale in the exponent
 
 
 def test_prescale_and_rows_guaranteed_safe():
