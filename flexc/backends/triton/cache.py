@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import itertools
+import linecache
 import os
 import sys
 import tempfile
@@ -113,6 +114,7 @@ def _release(kernel: Kernel) -> None:
     name = os.path.splitext(os.path.basename(kernel.path))[0]
     if getattr(sys.modules.get(name), "__file__", None) == kernel.path:
         del sys.modules[name]
+    linecache.cache.pop(kernel.path, None)
     try:
         os.remove(kernel.path)
     except OSError:  # already gone (another process cleared it): nothing to free
@@ -174,6 +176,11 @@ def import_source(source: str, target: str) -> tuple[Any, str]:
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    # Triton reads a @triton.jit function's source when it compiles or interprets it, maybe long after
+    # the import, through linecache. Another process sharing the directory may delete the file by then
+    # (its cache_clear): the lines are kept here, with no modification time, so linecache serves them
+    # rather than look for the file
+    linecache.cache[path] = (len(source), None, source.splitlines(True), path)
     try:
         module = _exec_module(name, path, target)
     except FileNotFoundError:  # another process's cache_clear removed the file just now

@@ -2,7 +2,10 @@
 options, so new captured values, sequence lengths and batch sizes reuse one compiled kernel."""
 from __future__ import annotations
 
+import inspect
+import os
 import threading
+import uuid
 
 import pytest
 import torch
@@ -99,6 +102,24 @@ def test_kernel_source_is_the_cached_file_that_runs():
     assert "#   score_mod alibi: score + slopes[h] * (kv_idx - q_idx)" in source
     assert "#   mask_mod  same_document: (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)" in source
     assert "slopes_ptr, slopes_stride_0" in source and "document_ptr, document_stride_0" in source
+
+
+def test_a_kernel_runs_after_another_process_deleted_its_source_file(tmp_path, monkeypatch):
+    """Processes sharing the cache directory each delete the files of the kernels they drop
+    (cache_clear): a kernel another process imported from that file keeps its source, which Triton
+    reads at the first launch, and runs."""
+    monkeypatch.setenv("FLEXC_CACHE_DIR", str(tmp_path))
+    source = (f"# {uuid.uuid4().hex}\nimport triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+              "def plus_one(x):\n    return x + 1\n\n\n@triton.jit\ndef kernel(X):\n"
+              "    tl.store(X, plus_one(tl.load(X)))\n")
+    module, path = kernel_cache.import_source(source, "interpreter")
+    os.remove(path)  # (the other process's cache_clear)
+    # what Triton reads at the first launch (its interpreter rewrites each jit function from its source;
+    # one it cannot read runs unrewritten, or raises if the file goes between its two reads)
+    assert inspect.getsourcelines(module.plus_one.fn)[0][1].startswith("def plus_one")
+    x = torch.zeros(1)
+    module.kernel[(1,)](x)
+    assert x.item() == 1
 
 
 def test_cache_directory_follows_the_environment(tmp_path, monkeypatch):
