@@ -179,14 +179,14 @@ class _Snapshot:
 
     def tensor(self, x: torch.Tensor) -> tuple:
         self.tensors.add(id(x))
-        where = _memory(x)
-        if where is not None:
+        where = _tensor_key(x)
+        if where[0] == "memory":
             # the same memory: a view made anew each call reads what the kept one reads, while
             # the kept one still views it (:func:`still_located`)
             self.keep.append(x)
             self.located.append((x, where))
             return where
-        return (*self.ident("tensor", x), x.dtype, x.shape, x.device)
+        return (*self.ident("tensor", x), *where)
 
     def lifted(self, x: Any) -> tuple:
         """A lifted cell's kind for the key; its value's snapshot goes to ``values``."""
@@ -256,6 +256,13 @@ def _memory(x: torch.Tensor) -> tuple | None:
         if address:
             return ("memory", address, x.shape, x.stride(), x.dtype, _CPU if x.is_cpu else x.device)
     return None
+
+
+def _tensor_key(x: torch.Tensor) -> tuple:
+    """What a snapshot keys a tensor by besides its identity: :func:`_memory`, or for a tensor keyed by
+    identity alone its dtype, shape and device."""
+    where = _memory(x)
+    return where if where is not None else (x.dtype, x.shape, x.device)
 
 
 def _memory_kind(where: tuple) -> tuple:
@@ -392,7 +399,7 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
         if entry is not None and (kind is None or entry[0].kind == kind) and still_located(entry[2]):
             if len(store) > 1:  # (a decoding loop's closure has one entry: no second hashing of its key)
                 store.move_to_end(key)
-            _guard_hits(store, fn, cells, key, entry)
+            _guard_hits(store, fn, (), key, entry)  # (no cell lifted: the key holds every cell's value)
             return entry[0], None
         return None, _Token(store, key, keep, located)
     # lifted cells: the template for these kinds gives the trace for these values
@@ -425,11 +432,14 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
 # the globals its code names, recursively, and the values met there. Where every value met is
 # immutable (numbers, strings, dtypes, ...) or compared by identity anyway (torch's and C functions,
 # library modules), or a function or a user module read the same way, a guard that finds each of
-# those objects to be the very one the snapshot read says the snapshot is unchanged without building it: a hit's guard
-# is kept, and the next lookup of the code object checks it first. The top function itself may be a
+# those objects to be the very one the snapshot read says the snapshot is unchanged without building
+# it: a hit's guard is kept, and the next lookup of the code object checks it first. The top function itself may be a
 # new closure (gpt-fast's mod each decoding step): its lifted cells are read as the snapshot reads
-# them, the rest by identity. Anything else met (tensors outside lifted cells, objects, containers,
-# defaults, recursion) gives no guard, and the code object's lookups take the snapshot every time.
+# them, the rest by identity. A tensor is checked by identity and by what the snapshot keys it by
+# (its memory, or its dtype, shape and device); with lifted cells, only where none of the key's
+# tensors is keyed by memory (the template's own are checked by the snapshot). Anything else met
+# (objects, containers, defaults, recursion) gives no guard, and the code object's lookups take the
+# snapshot every time.
 
 _UNGUARDED = ("unguarded",)  # a store whose snapshots the fast path cannot check
 _MISSED = ("missed",)
@@ -496,6 +506,10 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
     if t is types.FunctionType:
         code = x.__code__  # (torch's functions: by identity, while their code is torch's)
         return (code,) if _code_facts(code)[2] else _guard(x, set(), depth, active)
+    if t is torch.Tensor or isinstance(x, torch.Tensor):
+        # (the object itself is checked by identity by its holder) as the snapshot keys it: the memory
+        # it views, or, keyed by identity (it requires grad), its dtype, shape and device
+        return ("tensor", _tensor_key(x))
     if t is types.ModuleType:
         if _is_library_module(x):
             return None
@@ -504,7 +518,8 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
         # a user module (a helper called as ``masks.causal(...)``): the attributes the reading code
         # names, as _Snapshot.attributes reads them
         attributes = [(name, _attribute(x, name)) for name in sorted(names)]
-        return ("module", tuple([(name, value, None if value is _MISSING else _value_guard(value, depth + 1, active, names))
+        return ("module", tuple([(name, value,
+                                  None if value is _MISSING else _value_guard(value, depth + 1, active, names))
                                  for name, value in attributes]))
     if isinstance(x, _C_KINDS):
         return None
@@ -524,8 +539,10 @@ def _holds(guard: tuple, fn: Any) -> bool:
     objects ``guard`` names."""
     if len(guard) == 1:  # a library function, snapshotted by identity
         return fn.__code__ is guard[0]
-    if len(guard) == 2:  # a user module: the attributes its reader names
-        for name, x, inner in guard[1]:
+    if len(guard) == 2:
+        if guard[0] == "tensor":  # a tensor: still as the snapshot keyed it
+            return _tensor_key(fn) == guard[1]
+        for name, x, inner in guard[1]:  # a user module: the attributes its reader names
             if _attribute(fn, name) is not x or inner is not None and not _holds(inner, x):
                 return False
         return True

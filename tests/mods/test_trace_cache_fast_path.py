@@ -33,6 +33,13 @@ USER_MASKS = types.ModuleType("user_masks")
 USER_MASKS.rule = causal
 
 
+slopes = torch.rand(8)
+
+
+def alibi(score, b, h, q_idx, kv_idx):  # (reads a module global tensor)
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
 def through_module(b, h, q_idx, kv_idx):
     return USER_MASKS.rule(b, h, q_idx, kv_idx)
 
@@ -109,6 +116,34 @@ def test_helpers_called_through_a_user_module_take_the_fast_path_and_their_rebin
         monkeypatch.setattr(sys.modules[__name__], "LIMIT", 9)  # a global of the helper, two reads down
         assert "9" in str(assert_current(shifted(mod, input_pos[0])))
         monkeypatch.setattr(sys.modules[__name__], "LIMIT", 40)
+
+
+def test_mods_reading_captured_tensors_take_the_fast_path_and_see_them_move(snapshots):
+    """A mod indexing a captured tensor (ALiBi's slopes, a document mask's ids: a global or a cell, or
+    a learned table that requires grad) is guarded by the tensor itself and what the snapshot keys it
+    by: repeated lookups take no snapshot, and a ``.data`` swap (the same object viewing other memory,
+    or of another shape) gives the fresh trace over the tensor as it is then."""
+    doc = torch.arange(64) // 16
+    table = torch.randn(8, requires_grad=True)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    def learned(score, b, h, q_idx, kv_idx):
+        return score + table[h]
+
+    for mod, captured, swapped in ((alibi, slopes, torch.rand(8)), (document, doc, torch.arange(64) // 8),
+                                   (learned, table, torch.randn(16))):
+        first = assert_current(mod)
+        assert_current(mod)  # (a hit by snapshot: keeps the guard)
+        taken = snapshots[0]
+        for _ in range(3):
+            assert trace(mod) is first
+        assert snapshots[0] == taken, mod.__name__
+        with torch.no_grad():
+            captured.data = swapped
+        moved = assert_current(mod)
+        assert moved.buffers[0].data_ptr() == swapped.data_ptr(), mod.__name__
 
 
 def test_every_change_a_snapshot_sees_is_seen(monkeypatch):
