@@ -437,9 +437,9 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
 # new closure (gpt-fast's mod each decoding step): its lifted cells are read as the snapshot reads
 # them, the rest by identity. A tensor is checked by identity and by what the snapshot keys it by
 # (its memory, or its dtype, shape and device); with lifted cells, only where none of the key's
-# tensors is keyed by memory (the template's own are checked by the snapshot). Anything else met
-# (objects, containers, defaults, recursion) gives no guard, and the code object's lookups take the
-# snapshot every time.
+# tensors is keyed by memory (the template's own are checked by the snapshot). A tuple or list, by
+# its length and items. Anything else met (objects, dicts, sets, defaults, recursion) gives no
+# guard, and the code object's lookups take the snapshot every time.
 
 _UNGUARDED = ("unguarded",)  # a store whose snapshots the fast path cannot check
 _MISSED = ("missed",)
@@ -510,6 +510,12 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
         # (the object itself is checked by identity by its holder) as the snapshot keys it: the memory
         # it views, or, keyed by identity (it requires grad), its dtype, shape and device
         return ("tensor", _tensor_key(x))
+    if t is tuple or t is list:
+        if depth > _MAX_DEPTH or len(x) > _MAX_ITEMS:
+            raise _Unknown
+        # (the container itself is checked by identity by its holder) its length and each item by
+        # identity, as the snapshot reads them: a list may have been edited in place since
+        return ("items", (len(x), tuple([(i, v, _value_guard(v, depth + 1, active, names)) for i, v in enumerate(x)])))
     if t is types.ModuleType:
         if _is_library_module(x):
             return None
@@ -540,8 +546,17 @@ def _holds(guard: tuple, fn: Any) -> bool:
     if len(guard) == 1:  # a library function, snapshotted by identity
         return fn.__code__ is guard[0]
     if len(guard) == 2:
-        if guard[0] == "tensor":  # a tensor: still as the snapshot keyed it
+        tag = guard[0]
+        if tag == "tensor":  # a tensor: still as the snapshot keyed it
             return _tensor_key(fn) == guard[1]
+        if tag == "items":  # a tuple or list: the same items
+            length, items = guard[1]
+            if len(fn) != length:
+                return False
+            for i, x, inner in items:
+                if fn[i] is not x or inner is not None and not _holds(inner, x):
+                    return False
+            return True
         for name, x, inner in guard[1]:  # a user module: the attributes its reader names
             if _attribute(fn, name) is not x or inner is not None and not _holds(inner, x):
                 return False

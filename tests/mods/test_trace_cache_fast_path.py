@@ -146,6 +146,39 @@ def test_mods_reading_captured_tensors_take_the_fast_path_and_see_them_move(snap
         assert moved.buffers[0].data_ptr() == swapped.data_ptr(), mod.__name__
 
 
+def test_mods_reading_tuples_and_lists_take_the_fast_path_and_see_their_edits(snapshots, monkeypatch):
+    """A combinator written as transformers writes its and_masks (a closure over a tuple of mods) and a
+    mod reading a list are guarded by their items: repeated lookups take no snapshot, and a global an
+    inner mod reads rebound, or the list edited in place, gives the fresh trace."""
+    def and_all(*mods):
+        def combined(b, h, q_idx, kv_idx):
+            result = mods[0](b, h, q_idx, kv_idx)
+            for mod in mods[1:]:
+                result = result & mod(b, h, q_idx, kv_idx)
+            return result
+        return combined
+
+    windows = [4, 8]
+
+    def listed(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= windows[1]) & (q_idx >= kv_idx)
+
+    combined = and_all(causal, lambda b, h, q_idx, kv_idx: kv_idx >= 2)
+    for mod in (combined, listed):
+        first = assert_current(mod)
+        assert_current(mod)  # (a hit by snapshot: keeps the guard)
+        taken = snapshots[0]
+        for _ in range(3):
+            assert trace(mod) is first
+        assert snapshots[0] == taken, mod.__name__
+    monkeypatch.setattr(sys.modules[__name__], "LIMIT", 9)  # read by causal's helper, inside the tuple
+    assert "9" in str(assert_current(combined))
+    windows[1] = 12
+    assert "12" in str(assert_current(listed))
+    windows.append(3)  # (another length: the same items read, a new snapshot)
+    assert "12" in str(assert_current(listed))
+
+
 def test_every_change_a_snapshot_sees_is_seen(monkeypatch):
     """Rebinding a global a nested function reads, a missing global defined, a nested function's name,
     defaults and code changed, and the captured mod swapped: each gives the fresh trace."""
