@@ -438,8 +438,9 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
 # them, the rest by identity. A tensor is checked by identity and by what the snapshot keys it by
 # (its memory, or its dtype, shape and device); with lifted cells, only where none of the key's
 # tensors is keyed by memory (the template's own are checked by the snapshot). A tuple or list, by
-# its length and items. Anything else met (objects, dicts, sets, defaults, recursion) gives no
-# guard, and the code object's lookups take the snapshot every time.
+# its length and items; a user object, class or module by its class, __call__ and the attributes
+# its reader names. Anything else met (dicts, sets, defaults, recursion) gives no guard, and the
+# code object's lookups take the snapshot every time.
 
 _UNGUARDED = ("unguarded",)  # a store whose snapshots the fast path cannot check
 _MISSED = ("missed",)
@@ -519,17 +520,39 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
     if t is types.ModuleType:
         if _is_library_module(x):
             return None
-        if depth > _MAX_DEPTH:
-            raise _Unknown
         # a user module (a helper called as ``masks.causal(...)``): the attributes the reading code
         # names, as _Snapshot.attributes reads them
-        attributes = [(name, _attribute(x, name)) for name in sorted(names)]
-        return ("module", tuple([(name, value,
-                                  None if value is _MISSING else _value_guard(value, depth + 1, active, names))
-                                 for name, value in attributes]))
-    if isinstance(x, _C_KINDS):
-        return None
+        return ("module", _attribute_guards(x, names, depth, active))
+    if isinstance(x, _C_KINDS) or t.__module__.split(".")[0] == "torch" and not hasattr(x, "__dict__"):
+        return None  # (C functions and torch's own objects, by identity as the snapshot keys them)
+    if isinstance(x, type):
+        if x.__module__.split(".")[0] in _LIBRARY_MODULES:
+            return None
+        return ("module", _attribute_guards(x, names, depth, active))  # (a user class: as a user module)
+    if hasattr(x, "__dict__") and id(x) not in active:
+        # a user object (a callable one, or a model holding a mod's settings): its class, its __call__ and
+        # the attributes the reading code names, with those its __call__ names, as _Snapshot.value reads them
+        call = type(x).__call__ if callable(x) else None
+        code = getattr(call, "__code__", None)
+        if code is not None and not code.co_filename.startswith(_TORCH_DIR):
+            names = names | _names_of(code)
+        active.add(id(x))
+        try:
+            return ("object", (type(x), call, None if call is None else _value_guard(call, depth + 1, active, names),
+                               _attribute_guards(x, names, depth, active)))
+        finally:
+            active.discard(id(x))
     raise _Unknown
+
+
+def _attribute_guards(x: Any, names: frozenset, depth: int, active: set) -> tuple:
+    """``((name, value, its guard), ...)`` of the attributes of ``x`` that ``names`` names (a module's,
+    a class's or an object's), as :meth:`_Snapshot.attributes` reads them."""
+    if depth > _MAX_DEPTH:
+        raise _Unknown
+    attributes = [(name, _attribute(x, name)) for name in sorted(names)]
+    return tuple([(name, value, None if value is _MISSING else _value_guard(value, depth + 1, active, names))
+                  for name, value in attributes])
 
 
 def _attribute(obj: Any, name: str) -> Any:
@@ -557,7 +580,13 @@ def _holds(guard: tuple, fn: Any) -> bool:
                 if fn[i] is not x or inner is not None and not _holds(inner, x):
                     return False
             return True
-        for name, x, inner in guard[1]:  # a user module: the attributes its reader names
+        attributes = guard[1]
+        if tag == "object":  # a user object: its class and __call__, then its attributes as a module's
+            cls, call, call_guard, attributes = attributes
+            if type(fn) is not cls or call is not None and (type(fn).__call__ is not call
+                                                            or call_guard is not None and not _holds(call_guard, call)):
+                return False
+        for name, x, inner in attributes:  # a user module or class: the attributes its reader names
             if _attribute(fn, name) is not x or inner is not None and not _holds(inner, x):
                 return False
         return True

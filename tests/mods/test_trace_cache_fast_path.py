@@ -179,6 +179,51 @@ def test_mods_reading_tuples_and_lists_take_the_fast_path_and_see_their_edits(sn
     assert "12" in str(assert_current(listed))
 
 
+def test_mods_reading_objects_and_classes_take_the_fast_path_and_see_their_attributes_change(snapshots):
+    """A mod reading its settings from an object (a model holding a window) or a class, or calling a
+    callable object, is guarded by the object's class, its __call__ and the attributes the code names
+    (its __call__'s included): repeated lookups take no snapshot, and an attribute rebound gives the
+    fresh trace."""
+    class Settings:
+        limit = 6
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.window = 4
+
+    class Shifted:
+        def __init__(self, shift):
+            self.shift = shift
+
+        def __call__(self, b, h, q_idx, kv_idx):
+            return q_idx + self.shift >= kv_idx
+
+    model = Model()
+
+    def windowed(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= model.window) & (kv_idx < q_idx + Settings.limit)
+
+    helper = Shifted(3)
+
+    def through_object(b, h, q_idx, kv_idx):
+        return helper(b, h, q_idx, kv_idx) & (q_idx >= kv_idx)
+
+    for mod in (windowed, through_object):
+        first = assert_current(mod)
+        assert_current(mod)  # (a hit by snapshot: keeps the guard)
+        taken = snapshots[0]
+        for _ in range(3):
+            assert trace(mod) is first
+        assert snapshots[0] == taken, mod.__name__
+    model.window = 11
+    assert "11" in str(assert_current(windowed))
+    Settings.limit = 13
+    assert "13" in str(assert_current(windowed))
+    helper.shift = 5
+    assert "5" in str(assert_current(through_object))
+
+
 def test_every_change_a_snapshot_sees_is_seen(monkeypatch):
     """Rebinding a global a nested function reads, a missing global defined, a nested function's name,
     defaults and code changed, and the captured mod swapped: each gives the fresh trace."""
