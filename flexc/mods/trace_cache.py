@@ -131,19 +131,21 @@ class _Snapshot:
             return (float, x.hex())  # keeps -0.0 apart from 0.0
         if isinstance(x, np.generic):
             return (t, x.tobytes())
-        if t in (tuple, list):
+        # containers by their items, subclasses too (an OrderedDict, a namedtuple, a user's dict type),
+        # with a subclass's own attributes the reading code names
+        if isinstance(x, (tuple, list)):
             if len(x) > _MAX_ITEMS:
                 raise _Unknown
-            return (t, tuple(self.value(v, names, depth + 1) for v in x))
-        if t is dict:
+            return (t, tuple(self.value(v, names, depth + 1) for v in x), *self.own_attributes(x, names, depth))
+        if isinstance(x, dict):
             if len(x) > _MAX_ITEMS:
                 raise _Unknown
-            return (dict, tuple((self.value(k, names, depth + 1), self.value(v, names, depth + 1))
-                                for k, v in x.items()))
-        if t in (set, frozenset):
+            return (t, tuple((self.value(k, names, depth + 1), self.value(v, names, depth + 1))
+                             for k, v in x.items()), *self.own_attributes(x, names, depth))
+        if isinstance(x, (set, frozenset)):
             if len(x) > _MAX_ITEMS:
                 raise _Unknown
-            return (t, frozenset(self.value(v, names, depth + 1) for v in x))
+            return (t, frozenset(self.value(v, names, depth + 1) for v in x), *self.own_attributes(x, names, depth))
         if t is functools.partial:
             return ("partial", self.value(x.func, names, depth + 1), self.value(x.args, names, depth + 1),
                     self.value(x.keywords, names, depth + 1))
@@ -203,6 +205,13 @@ class _Snapshot:
             return ("lifted tensor", x.dtype, x.shape, _CPU if x.is_cpu else x.device, x.requires_grad)
         self.values.append(self.value(x, frozenset(), 0))
         return ("lifted", type(x))
+
+    def own_attributes(self, x: Any, names: frozenset, depth: int) -> tuple:
+        """``(attributes,)`` of a container of a subclass with a ``__dict__``, else ``()``."""
+        t = type(x)
+        if t in (tuple, list, dict, set, frozenset) or not hasattr(x, "__dict__"):
+            return ()
+        return (self.attributes(x, names, depth),)
 
     def attributes(self, obj: Any, names: frozenset, depth: int) -> tuple:
         out = []
@@ -511,9 +520,9 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
         # (the object itself is checked by identity by its holder) as the snapshot keys it: the memory
         # it views, or, keyed by identity (it requires grad), its dtype, shape and device
         return ("tensor", _tensor_key(x))
-    if t is tuple or t is list:
-        if depth > _MAX_DEPTH or len(x) > _MAX_ITEMS:
-            raise _Unknown
+    if isinstance(x, (tuple, list)):
+        if depth > _MAX_DEPTH or len(x) > _MAX_ITEMS or t is not tuple and t is not list and hasattr(x, "__dict__"):
+            raise _Unknown  # (a subclass with attributes of its own: no guard)
         # (the container itself is checked by identity by its holder) its length and each item by
         # identity, as the snapshot reads them: a list may have been edited in place since
         return ("items", (len(x), tuple([(i, v, _value_guard(v, depth + 1, active, names)) for i, v in enumerate(x)])))
@@ -523,6 +532,12 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
         # a user module (a helper called as ``masks.causal(...)``): the attributes the reading code
         # names, as _Snapshot.attributes reads them
         return ("module", _attribute_guards(x, names, depth, active))
+    if isinstance(x, (dict, set, frozenset)):
+        raise _Unknown  # (no guard for their items: snapshotted on every lookup)
+    if t is functools.partial or t is types.MethodType:
+        # (both have a __dict__, but the snapshot reads their function and arguments or bound object,
+        # which no attribute named by the reader reaches: they are not objects to guard)
+        raise _Unknown
     if isinstance(x, _C_KINDS) or t.__module__.split(".")[0] == "torch" and not hasattr(x, "__dict__"):
         return None  # (C functions and torch's own objects, by identity as the snapshot keys them)
     if isinstance(x, type):

@@ -192,6 +192,41 @@ def test_list_and_dict_contents():
     assert "3" in str(assert_current(mod))
 
 
+def test_container_subclass_contents():
+    """An OrderedDict, a user's dict or list type (with an attribute of its own) and a namedtuple are
+    read by their items, as dicts and lists are: an item changed gives the fresh trace."""
+    import collections
+
+    class Windows(list):
+        pass
+
+    class Options(dict):
+        pass
+
+    Pair = collections.namedtuple("Pair", "lo hi")
+    ordered, options, windows = collections.OrderedDict(lo=1), Options(hi=30), Windows([4])
+    windows.scale = 1
+    pair = Pair(2, 40)
+
+    def mod(b, h, q_idx, kv_idx):
+        return ((kv_idx >= ordered["lo"]) & (q_idx - kv_idx <= windows[0] * windows.scale)
+                & (kv_idx < options["hi"]))
+
+    def by_pair(b, h, q_idx, kv_idx):
+        return kv_idx < pair.hi + pair.lo
+
+    assert_current(mod)
+    for edit, shown in ((lambda: ordered.__setitem__("lo", 3), "3"), (lambda: options.__setitem__("hi", 31), "31"),
+                        (lambda: windows.__setitem__(0, 6), "6"), (lambda: setattr(windows, "scale", 7), "42")):
+        edit()
+        assert shown in str(assert_current(mod))
+        assert_current(mod)
+    assert "42" in str(assert_current(by_pair))
+    assert assert_current(by_pair) is assert_current(by_pair)  # (a namedtuple's trace is kept)
+    pair = Pair(2, 50)  # (a new tuple: rebinding the name)
+    assert "52" in str(assert_current(by_pair))
+
+
 def test_a_trace_that_read_a_tensor_value_is_never_reused(runs):
     table = torch.randn(8, 8)
     row = torch.tensor(2)

@@ -224,6 +224,40 @@ def test_mods_reading_objects_and_classes_take_the_fast_path_and_see_their_attri
     assert "5" in str(assert_current(through_object))
 
 
+def test_a_stored_bound_method_or_partial_is_read_through_each_call():
+    """A bound method or a functools.partial kept in a cell (its object or arguments outside the mod's
+    own names) is snapshotted on each lookup: its object's attribute rebound, or a list it binds edited,
+    gives the fresh trace."""
+    import functools
+
+    class Limit:
+        def __init__(self):
+            self.limit = 4
+
+        def allowed(self, q_idx, kv_idx):
+            return q_idx - kv_idx <= self.limit
+
+    def within(windows, q_idx, kv_idx):
+        return q_idx - kv_idx <= windows[0]
+
+    limit, windows = Limit(), [5]
+    allowed, bound = limit.allowed, functools.partial(within, windows)
+
+    def via_method(b, h, q_idx, kv_idx):
+        return allowed(q_idx, kv_idx) & (q_idx >= kv_idx)
+
+    def via_partial(b, h, q_idx, kv_idx):
+        return bound(q_idx, kv_idx) & (q_idx >= kv_idx)
+
+    for _ in range(2):
+        assert_current(via_method)
+        assert_current(via_partial)
+    limit.limit = 9
+    assert "9" in str(assert_current(via_method))
+    windows[0] = 11
+    assert "11" in str(assert_current(via_partial))
+
+
 def test_every_change_a_snapshot_sees_is_seen(monkeypatch):
     """Rebinding a global a nested function reads, a missing global defined, a nested function's name,
     defaults and code changed, and the captured mod swapped: each gives the fresh trace."""
