@@ -15,6 +15,7 @@ import torch
 import flexc
 from flexc.mods import trace_cache
 from flexc.mods.trace import Tracer, mod_kind, trace
+from catalogue import and_masks
 from reference import dense_attention, random_qkv
 
 LIMIT = 40
@@ -85,6 +86,17 @@ def assert_steps_take_no_snapshot(mod, input_pos, snapshots, steps=3):
     assert snapshots[0] == taken, getattr(mod, "__name__", mod)
 
 
+def assert_lookups_take_no_snapshot(mod, snapshots, lookups=3):
+    """After a first trace and a hit by snapshot (which keeps the guard), each lookup of ``mod`` finds that
+    trace, and none takes a snapshot."""
+    first = assert_current(mod)
+    assert_current(mod)
+    taken = snapshots[0]
+    for _ in range(lookups):
+        assert trace(mod) is first
+    assert snapshots[0] == taken, getattr(mod, "__name__", mod)
+
+
 def test_new_closures_over_the_same_objects_take_no_snapshot(snapshots, runs):
     input_pos = torch.tensor([5])
     assert_steps_take_no_snapshot(causal, input_pos, snapshots)
@@ -134,12 +146,7 @@ def test_mods_reading_captured_tensors_take_the_fast_path_and_see_them_move(snap
 
     for mod, captured, swapped in ((alibi, slopes, torch.rand(8)), (document, doc, torch.arange(64) // 8),
                                    (learned, table, torch.randn(16))):
-        first = assert_current(mod)
-        assert_current(mod)  # (a hit by snapshot: keeps the guard)
-        taken = snapshots[0]
-        for _ in range(3):
-            assert trace(mod) is first
-        assert snapshots[0] == taken, mod.__name__
+        assert_lookups_take_no_snapshot(mod, snapshots)
         with torch.no_grad():
             captured.data = swapped
         moved = assert_current(mod)
@@ -150,27 +157,14 @@ def test_mods_reading_tuples_and_lists_take_the_fast_path_and_see_their_edits(sn
     """A combinator written as transformers writes its and_masks (a closure over a tuple of mods) and a
     mod reading a list are guarded by their items: repeated lookups take no snapshot, and a global an
     inner mod reads rebound, or the list edited in place, gives the fresh trace."""
-    def and_all(*mods):
-        def combined(b, h, q_idx, kv_idx):
-            result = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                result = result & mod(b, h, q_idx, kv_idx)
-            return result
-        return combined
-
     windows = [4, 8]
 
     def listed(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx <= windows[1]) & (q_idx >= kv_idx)
 
-    combined = and_all(causal, lambda b, h, q_idx, kv_idx: kv_idx >= 2)
+    combined = and_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx >= 2)  # (the tests' own: a user's closure)
     for mod in (combined, listed):
-        first = assert_current(mod)
-        assert_current(mod)  # (a hit by snapshot: keeps the guard)
-        taken = snapshots[0]
-        for _ in range(3):
-            assert trace(mod) is first
-        assert snapshots[0] == taken, mod.__name__
+        assert_lookups_take_no_snapshot(mod, snapshots)
     monkeypatch.setattr(sys.modules[__name__], "LIMIT", 9)  # read by causal's helper, inside the tuple
     assert "9" in str(assert_current(combined))
     windows[1] = 12
@@ -210,12 +204,7 @@ def test_mods_reading_objects_and_classes_take_the_fast_path_and_see_their_attri
         return helper(b, h, q_idx, kv_idx) & (q_idx >= kv_idx)
 
     for mod in (windowed, through_object):
-        first = assert_current(mod)
-        assert_current(mod)  # (a hit by snapshot: keeps the guard)
-        taken = snapshots[0]
-        for _ in range(3):
-            assert trace(mod) is first
-        assert snapshots[0] == taken, mod.__name__
+        assert_lookups_take_no_snapshot(mod, snapshots)
     model.window = 11
     assert "11" in str(assert_current(windowed))
     Settings.limit = 13
