@@ -446,9 +446,9 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
 # new closure (gpt-fast's mod each decoding step): its lifted cells are read as the snapshot reads
 # them, the rest by identity. A tensor is checked by identity and by what the snapshot keys it by
 # (its memory, or its dtype, shape and device); with lifted cells, only where none of the key's
-# tensors is keyed by memory (the template's own are checked by the snapshot). A tuple or list, by
-# its length and items; a user object, class or module by its class, __call__ and the attributes
-# its reader names. Anything else met (dicts, sets, defaults, recursion) gives no guard, and the
+# tensors is keyed by memory (the template's own are checked by the snapshot). A tuple, list or
+# dict, by its length and items; a user object, class or module by its class, __call__ and the
+# attributes its reader names. Anything else met (sets, defaults, recursion) gives no guard, and the
 # code object's lookups take the snapshot every time.
 
 _UNGUARDED = ("unguarded",)  # a store whose snapshots the fast path cannot check
@@ -532,7 +532,17 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
         # a user module (a helper called as ``masks.causal(...)``): the attributes the reading code
         # names, as _Snapshot.attributes reads them
         return ("module", _attribute_guards(x, names, depth, active))
-    if isinstance(x, (dict, set, frozenset)):
+    if isinstance(x, dict):
+        if depth > _MAX_DEPTH or len(x) > _MAX_ITEMS or t is not dict and hasattr(x, "__dict__"):
+            raise _Unknown  # (a subclass with attributes of its own: no guard)
+        # its items in order, each key by identity (immutable values only) and each value as any value
+        items = []
+        for k, v in x.items():
+            if _value_guard(k, depth + 1, active, names) is not None:
+                raise _Unknown
+            items.append((k, v, _value_guard(v, depth + 1, active, names)))
+        return ("mapping", (len(x), tuple(items)))
+    if isinstance(x, (set, frozenset)):
         raise _Unknown  # (no guard for their items: snapshotted on every lookup)
     if t is functools.partial or t is types.MethodType:
         # (both have a __dict__, but the snapshot reads their function and arguments or bound object,
@@ -593,6 +603,14 @@ def _holds(guard: tuple, fn: Any) -> bool:
                 return False
             for i, x, inner in items:
                 if fn[i] is not x or inner is not None and not _holds(inner, x):
+                    return False
+            return True
+        if tag == "mapping":  # a dict: the same items, in the same order
+            length, items = guard[1]
+            if len(fn) != length:
+                return False
+            for (k, v), (key, x, inner) in zip(fn.items(), items):
+                if k is not key or v is not x or inner is not None and not _holds(inner, x):
                     return False
             return True
         attributes = guard[1]

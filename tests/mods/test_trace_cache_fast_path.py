@@ -153,14 +153,14 @@ def test_mods_reading_captured_tensors_take_the_fast_path_and_see_them_move(snap
         assert moved.buffers[0].data_ptr() == swapped.data_ptr(), mod.__name__
 
 
-def test_mods_reading_tuples_and_lists_take_the_fast_path_and_see_their_edits(snapshots, monkeypatch):
+def test_mods_reading_tuples_lists_and_dicts_take_the_fast_path_and_see_their_edits(snapshots, monkeypatch):
     """A combinator written as transformers writes its and_masks (a closure over a tuple of mods) and a
-    mod reading a list are guarded by their items: repeated lookups take no snapshot, and a global an
-    inner mod reads rebound, or the list edited in place, gives the fresh trace."""
-    windows = [4, 8]
+    mod reading a list and a dict are guarded by their items: repeated lookups take no snapshot, and a
+    global an inner mod reads rebound, or the list or dict edited in place, gives the fresh trace."""
+    windows, limits = [4, 8], {"lo": 2}
 
     def listed(b, h, q_idx, kv_idx):
-        return (q_idx - kv_idx <= windows[1]) & (q_idx >= kv_idx)
+        return (q_idx - kv_idx <= windows[1]) & (kv_idx >= limits["lo"])
 
     combined = and_masks(causal, lambda b, h, q_idx, kv_idx: kv_idx >= 2)  # (the tests' own: a user's closure)
     for mod in (combined, listed):
@@ -171,6 +171,11 @@ def test_mods_reading_tuples_and_lists_take_the_fast_path_and_see_their_edits(sn
     assert "12" in str(assert_current(listed))
     windows.append(3)  # (another length: the same items read, a new snapshot)
     assert "12" in str(assert_current(listed))
+    limits["lo"] = 5
+    assert ">= 5" in str(assert_current(listed))
+    assert_lookups_take_no_snapshot(listed, snapshots)
+    limits["hi"] = 9  # (an item added)
+    assert ">= 5" in str(assert_current(listed))
 
 
 def test_mods_reading_objects_and_classes_take_the_fast_path_and_see_their_attributes_change(snapshots):
