@@ -157,6 +157,7 @@ def test_mods_reading_tuples_lists_and_dicts_take_the_fast_path_and_see_their_ed
     """A combinator written as transformers writes its and_masks (a closure over a tuple of mods) and a
     mod reading a list and a dict are guarded by their items: repeated lookups take no snapshot, and a
     global an inner mod reads rebound, or the list or dict edited in place, gives the fresh trace."""
+    trace_cache.clear()  # (the catalogue's and_masks code object may have given up its guard in earlier tests)
     windows, limits = [4, 8], {"lo": 2}
 
     def listed(b, h, q_idx, kv_idx):
