@@ -99,6 +99,30 @@ def _is_library_module(module: types.ModuleType) -> bool:
     return module.__name__.split(".")[0] in _LIBRARY_MODULES or module.__name__ in sys.builtin_module_names
 
 
+def _is_library_class(cls: type) -> bool:
+    return cls.__module__.split(".")[0] in _LIBRARY_MODULES
+
+
+def _unchanging(x: Any) -> bool:
+    """C functions and torch's own objects without a ``__dict__``: read by identity alone."""
+    return isinstance(x, _C_KINDS) or type(x).__module__.split(".")[0] == "torch" and not hasattr(x, "__dict__")
+
+
+def _has_own_attributes(container: Any) -> bool:
+    """Whether a tuple, list, dict or set is of a subclass with a ``__dict__`` (attributes of its own)."""
+    return type(container) not in (tuple, list, dict, set, frozenset) and hasattr(container, "__dict__")
+
+
+def _call_and_names(x: Any, names: frozenset) -> tuple[Any, frozenset]:
+    """``(type(x).__call__ or None, names)`` of a user object, ``names`` with those its ``__call__``
+    names (unless torch's): what reading the object reads."""
+    call = type(x).__call__ if callable(x) else None
+    code = getattr(call, "__code__", None)
+    if code is not None and not code.co_filename.startswith(_TORCH_DIR):
+        names = names | _names_of(code)
+    return call, names
+
+
 class _Snapshot:
     """Builds the hashable snapshot of one mod; ``keep`` holds every object whose id it contains."""
 
@@ -157,10 +181,10 @@ class _Snapshot:
             if _is_library_module(x):
                 return self.ident("module", x)
             return (*self.ident("module", x), self.attributes(x, names, depth))
-        if isinstance(x, _C_KINDS) or t.__module__.split(".")[0] == "torch" and not hasattr(x, "__dict__"):
+        if _unchanging(x):
             return self.ident("c", x)  # C functions and torch's own objects do not change
         if isinstance(x, type):
-            if x.__module__.split(".")[0] in _LIBRARY_MODULES:
+            if _is_library_class(x):
                 return self.ident("type", x)
             return (*self.ident("type", x), self.attributes(x, names, depth))
         if hasattr(x, "__dict__"):
@@ -168,10 +192,7 @@ class _Snapshot:
             # can name, plus those its own __call__ reads
             if id(x) in self.active:
                 return self.ident("recursive", x)
-            call = type(x).__call__ if callable(x) else None
-            code = getattr(call, "__code__", None)
-            if code is not None and not code.co_filename.startswith(_TORCH_DIR):
-                names = names | _names_of(code)
+            call, names = _call_and_names(x, names)
             self.active.add(id(x))
             out = (*self.ident("object", x), self.value(call, names, depth + 1) if call is not None else None,
                    self.attributes(x, names, depth))
@@ -208,10 +229,7 @@ class _Snapshot:
 
     def own_attributes(self, x: Any, names: frozenset, depth: int) -> tuple:
         """``(attributes,)`` of a container of a subclass with a ``__dict__``, else ``()``."""
-        t = type(x)
-        if t in (tuple, list, dict, set, frozenset) or not hasattr(x, "__dict__"):
-            return ()
-        return (self.attributes(x, names, depth),)
+        return (self.attributes(x, names, depth),) if _has_own_attributes(x) else ()
 
     def attributes(self, obj: Any, names: frozenset, depth: int) -> tuple:
         out = []
@@ -442,8 +460,8 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
 # immutable (numbers, strings, dtypes, ...) or compared by identity anyway (torch's and C functions,
 # library modules), or a function or a user module read the same way, a guard that finds each of
 # those objects to be the very one the snapshot read says the snapshot is unchanged without building
-# it: a hit's guard is kept, and the next lookup of the code object checks it first. The top function itself may be a
-# new closure (gpt-fast's mod each decoding step): its lifted cells are read as the snapshot reads
+# it: a hit's guard is kept, and the next lookup of the code object checks it first. The top function
+# itself may be a new closure (gpt-fast's mod each decoding step): its lifted cells are read as the snapshot reads
 # them, the rest by identity. A tensor is checked by identity and by what the snapshot keys it by
 # (its memory, or its dtype, shape and device); with lifted cells, only where none of the key's
 # tensors is keyed by memory (the template's own are checked by the snapshot). A tuple, list or
@@ -507,9 +525,11 @@ def _guard(fn: Any, lifted: set, depth: int, active: set) -> tuple:
 
 
 def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | None:
-    """The guard of a value met by a snapshot (None: its identity says its snapshot; ``(code,)`` for torch's
-    functions, whose identity does while their code is that one; ``("module", attributes)`` for a user
-    module), as :meth:`_Snapshot.value` sees it; ``names``: those the code reading ``x`` names."""
+    """The guard of a value met by a snapshot, as :meth:`_Snapshot.value` sees it (``names``: those the code
+    reading ``x`` names): None where its identity says its snapshot; ``(code,)`` for torch's functions,
+    whose identity does while their code is that one; a user function's :func:`_guard`; else ``(tag,
+    body)``: ``"tensor"``, ``"items"`` (tuple, list), ``"mapping"`` (dict), ``"module"`` (user module or
+    class) or ``"object"``. Raises :class:`_Unknown` for what no guard can check."""
     t = type(x)
     if t in _GUARD_EXACT or x is _MISSING:
         return None
@@ -521,7 +541,7 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
         # it views, or, keyed by identity (it requires grad), its dtype, shape and device
         return ("tensor", _tensor_key(x))
     if isinstance(x, (tuple, list)):
-        if depth > _MAX_DEPTH or len(x) > _MAX_ITEMS or t is not tuple and t is not list and hasattr(x, "__dict__"):
+        if depth > _MAX_DEPTH or len(x) > _MAX_ITEMS or _has_own_attributes(x):
             raise _Unknown  # (a subclass with attributes of its own: no guard)
         # (the container itself is checked by identity by its holder) its length and each item by
         # identity, as the snapshot reads them: a list may have been edited in place since
@@ -533,7 +553,7 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
         # names, as _Snapshot.attributes reads them
         return ("module", _attribute_guards(x, names, depth, active))
     if isinstance(x, dict):
-        if depth > _MAX_DEPTH or len(x) > _MAX_ITEMS or t is not dict and hasattr(x, "__dict__"):
+        if depth > _MAX_DEPTH or len(x) > _MAX_ITEMS or _has_own_attributes(x):
             raise _Unknown  # (a subclass with attributes of its own: no guard)
         # its items in order, each key by identity (immutable values only) and each value as any value
         items = []
@@ -548,19 +568,16 @@ def _value_guard(x: Any, depth: int, active: set, names: frozenset) -> tuple | N
         # (both have a __dict__, but the snapshot reads their function and arguments or bound object,
         # which no attribute named by the reader reaches: they are not objects to guard)
         raise _Unknown
-    if isinstance(x, _C_KINDS) or t.__module__.split(".")[0] == "torch" and not hasattr(x, "__dict__"):
+    if _unchanging(x):
         return None  # (C functions and torch's own objects, by identity as the snapshot keys them)
     if isinstance(x, type):
-        if x.__module__.split(".")[0] in _LIBRARY_MODULES:
+        if _is_library_class(x):
             return None
         return ("module", _attribute_guards(x, names, depth, active))  # (a user class: as a user module)
     if hasattr(x, "__dict__") and id(x) not in active:
         # a user object (a callable one, or a model holding a mod's settings): its class, its __call__ and
         # the attributes the reading code names, with those its __call__ names, as _Snapshot.value reads them
-        call = type(x).__call__ if callable(x) else None
-        code = getattr(call, "__code__", None)
-        if code is not None and not code.co_filename.startswith(_TORCH_DIR):
-            names = names | _names_of(code)
+        call, names = _call_and_names(x, names)
         active.add(id(x))
         try:
             return ("object", (type(x), call, None if call is None else _value_guard(call, depth + 1, active, names),
@@ -589,8 +606,8 @@ def _attribute(obj: Any, name: str) -> Any:
 
 
 def _holds(guard: tuple, fn: Any) -> bool:
-    """Whether ``fn`` (a function of ``guard``'s code, or the module of a module's guard) reads now the very
-    objects ``guard`` names."""
+    """Whether ``fn`` (a function of ``guard``'s code, or the value a ``(tag, body)`` guard was made of)
+    reads now the very objects ``guard`` names."""
     if len(guard) == 1:  # a library function, snapshotted by identity
         return fn.__code__ is guard[0]
     if len(guard) == 2:
