@@ -226,13 +226,17 @@ def device_key(spec: AnySpec, device: torch.device | None) -> tuple:
 def kernel_key(spec: AnySpec, device: torch.device | None = None) -> int:
     """The cache key of ``spec``'s kernel launched for tensors on ``device`` (:func:`get_kernel`): the
     number standing for its spec key and :func:`device_key`."""
-    part = device_key(spec, device)
-    full = (spec.key(), *part) if part else spec.key()
+    full = _full_key(spec, device_key(spec, device))
     number = _numbers.get(full)
     if number is None:
         with _cache_lock:
             number = _numbers.setdefault(full, next(_next_number))
     return number
+
+
+def _full_key(spec: AnySpec, part: tuple) -> tuple:
+    """``spec``'s key with a :func:`device_key` part (the spec's own key where the part is empty)."""
+    return (spec.key(), *part) if part else spec.key()
 
 
 def get_kernel(spec: AnySpec, device: torch.device | None = None, key: tuple | None = None) -> Kernel:
@@ -300,7 +304,7 @@ def generated_for(spec: AnySpec, device: torch.device | None = None) -> Any:
     spec = resolve_fallback(spec, device)
     part = device_key(spec, device)[:1]  # the compiled kernel's entry, never the interpreted variant's
     with _cache_lock:
-        number = _numbers.get((spec.key(), *part) if part else spec.key())
+        number = _numbers.get(_full_key(spec, part))
         kernel = _cache.get(number) if number is not None else None
     return kernel.generated if kernel is not None else generate(spec)
 
