@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from .cpu.prepared_forward import prepare_forward
 from .cpu.torch_cpu import torch_forward
 
 # The names, spelled here only: every other module reads them from this one (tests/test_house.py checks).
@@ -38,7 +39,8 @@ BACKENDS: dict[str, Callable] = {TORCH: torch_forward}
 # (of the planned layout; the callable keeps no table, so a dropped mask is freed), and compiled calls
 # with their mods too (``mods``: whose captured tensors to read); ``same_tables``: the caller vouches
 # the mask holds the tables of the earlier calls. Backends without one run their forward each call
-PREPARE: dict[str, Callable] = {}
+# (TORCH's: flexc.backends.cpu.prepared_forward)
+PREPARE: dict[str, Callable] = {TORCH: prepare_forward}
 TRAINING: dict[str, tuple[Callable, Callable]] = {}
 # a backend's training forward and backward decided once per call signature (optional):
 # ``prepare(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, grad_slots,

@@ -24,6 +24,7 @@ made under inference mode have no version counter, and their calls keep the bloc
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -330,9 +331,7 @@ def recorder(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
     if fold and not chunked and mask is None:
         # (the fold's sizes worked out here, once: a warm call's Python costs several times its own
         # time inside a training step, its data evicted by the kernel's)
-        B, H, L, _ = query.shape
-        q_size, k_size, v_size = ((B * H, 1, *t.shape[2:]) for t in (query, key, value))
-        out_size = (B, H, L, value.shape[3])
+        q_size, k_size, v_size, out_size, _ = _fold_sizes(query, key, value)
 
         def record_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             out, _ = fused_cpu.FLASH(query.view(q_size), key.view(k_size), value.view(v_size), is_causal=causal,
@@ -350,6 +349,44 @@ def recorder(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
             out, _ = fused_cpu.FLASH(q, k, v, is_causal=causal, scale=scale)
         return _unfolded(out, query, fold)
     return record
+
+
+def prepared_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, starts: Starts
+                     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`forward` for the calls of one plan's signature (shapes, strides and ``starts`` as
+    here): plain causal attention on inputs that fold, while it takes one worker, is
+    :func:`forward_folded` with the fold's sizes worked out once (:func:`forward` decides its fold,
+    calls and workers at every call: ~10 us of a warm CPU forward's ~55 us of Python); anything
+    else is :func:`forward`."""
+    if starts != ONE_SEQUENCE or not foldable(query, key, value):
+        return lambda query, key, value: forward(query, key, value, scale, starts)
+    sizes = _fold_sizes(query, key, value)
+    one_worker = workers_for(query, key, threads=sys.maxsize) == 1  # (whatever the thread count: small calls)
+
+    def folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not one_worker and workers_for(query, key) > 1:
+            return forward(query, key, value, scale, starts)
+        return forward_folded(query, key, value, scale, sizes)
+    return folded
+
+
+def forward_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, sizes: tuple
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` of plain causal attention (:data:`ONE_SEQUENCE`) in one worker, for
+    :func:`foldable` inputs: one causal call on the inputs folded to ``sizes`` (:func:`_fold_sizes`)."""
+    q_size, k_size, v_size, out_size, lse_size = sizes
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        with torch.no_grad():  # (as forward: outputs that need no grad, whoever calls)
+            return forward_folded(query, key, value, scale, sizes)
+    out, lse = causal_chunks.forward(query.view(q_size), key.view(k_size), value.view(v_size), scale)
+    return out.view(out_size), lse.view(lse_size).contiguous()
+
+
+def _fold_sizes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
+    """``(query, key, value sizes folded, output size, logsumexp size)`` of :func:`foldable` inputs:
+    batch and heads folded into the kernel's batch of one head, and the outputs' sizes unfolded."""
+    B, H, L, _ = query.shape
+    return (*((B * H, 1, *t.shape[2:]) for t in (query, key, value)), (B, H, L, value.shape[3]), (B, H, L))
 
 
 @torch.no_grad()

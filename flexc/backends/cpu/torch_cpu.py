@@ -69,7 +69,7 @@ def causal_starts(query, key, value, score_mod, mask_mod, block_mask, dropout) -
     return starts if starts is not None and all_finite(query, key, value) else None
 
 
-def _unmasked(block_mask: Any, L: int, S: int) -> bool:
+def unmasked(block_mask: Any, L: int, S: int) -> bool:
     """No block mask, or one whose blocks are all full (:func:`block_plan.all_full`): plain attention."""
     if block_mask is None:
         return True
@@ -100,7 +100,7 @@ def prepare_recorded(query, key, value, score_mod, mask_mod, block_mask, scale) 
     all per call cost ~50 us of that step, the checks left ~25 us."""
     if not causal_call.recordable(query, key, value) or not causal_call.kernel_takes(query, value):
         return None
-    if score_mod is None and _unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
+    if score_mod is None and unmasked(block_mask, L=query.shape[2], S=key.shape[2]):
         return _finite_only(causal_call.recorder(query, key, value, scale, causal=False))
     # (made on first need: a causal mask's plan has no use for it)
     dense = functools.cache(lambda: _dense_recorded(query, key, value, score_mod, mask_mod, block_mask, scale))
@@ -174,7 +174,7 @@ def forward_with_max(query, key, value, score_mod, mask_mod, block_mask, scale, 
                                   need_lse, sinks)
     if (dropout is None and score_mod is None and query.numel() and key.shape[2]
             and fused_cpu.supported(query, value, None, need_max)
-            and _unmasked(block_mask, query.shape[2], key.shape[2])):  # plain attention: torch's fused kernel
+            and unmasked(block_mask, query.shape[2], key.shape[2])):  # plain attention: torch's fused kernel
         out, lse = decode_cpu.flash(query, key, value, [], scale)
         if sinks is not None:  # the kernel's softmax has no state to start from: the sink joins after it
             out, lse = fused_cpu.fold_sink(out, lse, sinks)

@@ -1,0 +1,98 @@
+"""The TORCH backend's forward decided once per call signature (:data:`flexc.backends.registry.PREPARE`).
+
+:func:`flexc.backends.cpu.torch_cpu.forward_with_max` decides at every call which path computes it:
+the decode path for short queries, one fused-kernel call for attention with nothing masked, the
+kernel's causal mode for causal sequences, else the block path. Those decisions read the inputs'
+shapes, strides and dtypes, the mods and the BlockMask's tables, which a plan's signature fixes
+(:mod:`flexc.call.signature`), so for the calls of one signature they are taken here, once. A warm
+call checks only what a signature leaves open: the inputs' finiteness and the mask_mod's captured
+tensors' values (the causal path's), and the thread count (:func:`causal_call.prepared_forward`).
+A warm CPU forward (B=2, H=4, L=256, D=32, causal, one thread) spent ~57 us of Python deciding it
+again; see :func:`prepare_forward` for what is left.
+
+The decisions hold only for the tables they were taken on: a call whose caller does not vouch for
+them (``same_tables`` false: a slice, whose row differs between calls of its signature), or that
+passes its own mods (a compiled call's), runs :func:`torch_forward` as every call did before.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ...mods.trace import TracedMod
+from ..nonfinite import all_finite
+from . import causal_call, decode_cpu, fused_cpu
+from .torch_cpu import torch_forward, unmasked
+
+# what forward_with_max returns its logsumexp in when torch_forward calls it (the plan converts it)
+_LSE_DTYPE = torch.float32
+
+
+def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                    mask_mod: TracedMod | None, block_mask: Any, scale: float, kernel_options: dict | None,
+                    need_lse: bool, dropout: bool, sinks: bool) -> Callable:
+    """:data:`flexc.backends.registry.PREPARE`'s callable for TORCH: ``(query, key, value, block_mask,
+    dropout, sinks, mods=None, same_tables=False) -> (out, lse or None)``, what :func:`torch_forward`
+    returns for the calls of this signature. Decided here: attention with nothing masked (no
+    score_mod, every listed block full) is one fused-kernel call; plain causal attention and causal
+    sequences (no score_mod) are the kernel's causal calls, after a per-call check of the inputs'
+    finiteness (and of the causal starts, when the mask_mod captures tensors); everything else
+    (decoding's short queries, the block path) runs :func:`torch_forward`."""
+    def general(query, key, value, block_mask, dropout, sinks, score_mod=score_mod, mask_mod=mask_mod):
+        return torch_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse,
+                             dropout=dropout, sinks=sinks)
+    decided = None if dropout else _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse,
+                                            general)
+    if decided is None:
+        def run(query, key, value, block_mask, dropout, sinks, mods=None, same_tables=False):
+            return general(query, key, value, block_mask, dropout, sinks, *(mods or ()))
+        return run
+
+    def run(query, key, value, block_mask, dropout, sinks, mods=None, same_tables=False):
+        if mods is not None or not same_tables or dropout is not None:
+            return general(query, key, value, block_mask, dropout, sinks, *(mods or ()))
+        return decided(query, key, value, block_mask, sinks)
+    return run
+
+
+def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
+    """``(query, key, value, block_mask, sinks) -> (out, lse or None)`` of the path
+    :func:`flexc.backends.cpu.torch_cpu.forward_with_max` takes for this signature, where it is one
+    of the fused kernel's; None where it is another (decided per call there)."""
+    L, S = query.shape[2], key.shape[2]
+    if score_mod is not None or decode_cpu.applies(query, key) or not query.numel() or not S:
+        return None
+    if fused_cpu.supported(query, value, None, False) and unmasked(block_mask, L, S):
+        def plain(query, key, value, block_mask, sinks):
+            out, lse = decode_cpu.flash(query, key, value, [], scale)
+            return _finished(out, lse, sinks, need_lse)
+        return plain
+    starts = causal_call.applies(query, key, value, mask_mod, block_mask)
+    if starts is None:
+        return None
+    B, Hq = query.shape[:2]
+    forward = causal_call.prepared_forward(query, key, value, scale, starts)
+    if mask_mod.buffers:  # their values may change the sequences: read again each call (a memo lookup)
+        def sequences(query, key, value, block_mask, sinks):
+            now = causal_call.sequence_starts(block_mask, mask_mod, B, Hq, L, S)
+            if now is None or not all_finite(query, key, value):
+                return general(query, key, value, block_mask, None, sinks)
+            run = forward if now == starts else (lambda q, k, v: causal_call.forward(q, k, v, scale, now))
+            return _finished(*run(query, key, value), sinks, need_lse)
+        return sequences
+
+    def causal(query, key, value, block_mask, sinks):
+        if not all_finite(query, key, value):  # (the kernel's masking keeps a NaN value row's NaN)
+            return general(query, key, value, block_mask, None, sinks)
+        return _finished(*forward(query, key, value), sinks, need_lse)
+    return causal
+
+
+def _finished(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, need_lse: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, lse or None)`` as :func:`torch_forward` returns a fused-kernel path's: the sinks
+    joined (:func:`fused_cpu.fold_sink`), the logsumexp in float32 where it is wanted."""
+    if sinks is not None:
+        out, lse = fused_cpu.fold_sink(out, lse, sinks)
+    return out, (lse.to(_LSE_DTYPE) if need_lse else None)

@@ -1,0 +1,105 @@
+"""The TORCH backend's forward decided once per call signature (flexc/backends/cpu/prepared_forward.py):
+warm calls of a plan run the fused kernel's path it decided without deciding again, and every call
+equals a float64 dense reference, across in-place edits of the inputs, of a mask_mod's captured
+tensor and non-finite values."""
+import pytest
+import torch
+
+import flexc
+from flexc.backends.cpu import causal_call, torch_cpu
+from reference import dense_attention, random_qkv
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _everything(b, h, q, kv):
+    return kv >= 0
+
+
+@pytest.fixture
+def decided_again(monkeypatch):
+    """How many calls decided their path again (ran forward_with_max)."""
+    count = [0]
+    real = torch_cpu.forward_with_max
+
+    def spy(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch_cpu, "forward_with_max", spy)
+    return count
+
+
+def _reference(q, k, v, mask_mod, sinks=None):
+    return dense_attention(q, k, v, None, mask_mod, sinks=sinks)[:2]
+
+
+@pytest.mark.parametrize("case", ["no mask", "every block full", "causal", "causal, sinks", "causal, [B, L, H, E] memory",
+                                  "documents"])
+def test_warm_calls_take_the_decided_path_and_match_float64_dense(decided_again, case):
+    B, H, L, D = 2, 2, 160, 16
+    # (float32: a float64 call that returns its logsumexp takes the row path, which keeps it in float64)
+    q, k, v = random_qkv(B, H, H, L, L, D, dtype=torch.float32, seed=3)
+    if case == "causal, [B, L, H, E] memory":  # (not foldable: the kernel's own layout)
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    doc = torch.zeros(L, dtype=torch.long)
+    doc[70:] = 1
+
+    def documents(b, h, qi, kv):
+        return (doc[qi] == doc[kv]) & (qi >= kv)
+    mask_mod = {"no mask": None, "every block full": _everything, "documents": documents}.get(case, _causal)
+    bm = None if mask_mod is None else flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu",
+                                                               BLOCK_SIZE=32)
+    sinks = torch.tensor([0.5, -1.0]) if "sinks" in case else None
+    g = torch.Generator().manual_seed(0)
+    for call in range(3):
+        if call:  # new values in the same tensors: the same signature
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+        before = decided_again[0]
+        out, lse = flexc.flex_attention(q, k, v, block_mask=bm, sinks=sinks, return_lse=True)
+        if call:
+            assert decided_again[0] == before, "a warm call decided its path again"
+        ref_out, ref_lse = _reference(q, k, v, mask_mod, sinks)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0)
+        assert out.stride() == q.stride()
+
+
+def test_sequences_a_captured_tensor_moves_are_found_again(decided_again):
+    # the tables hold for both splits (the boundary stays inside one query and key block): the
+    # second call's documents are the new ones, found by the warm plan without a new decision
+    L = 192
+    doc = torch.zeros(L, dtype=torch.long)
+    doc[70:] = 1
+
+    def documents(b, h, qi, kv):
+        return (doc[qi] == doc[kv]) & (qi >= kv)
+    q, k, v = random_qkv(1, 2, 2, L, L, 16, dtype=torch.float64, seed=5)
+    bm = flexc.create_block_mask(documents, None, None, L, L, device="cpu", BLOCK_SIZE=64)
+    flexc.flex_attention(q, k, v, block_mask=bm)
+    doc.zero_()
+    doc[80:] = 1
+    before = decided_again[0]
+    out = flexc.flex_attention(q, k, v, block_mask=bm)
+    assert decided_again[0] == before
+    assert causal_call.sequence_starts(bm, flexc.trace(documents), 1, 2, L, L) == ((0, 80),)
+    torch.testing.assert_close(out, _reference(q, k, v, documents)[0], atol=1e-12, rtol=0)
+
+
+def test_a_non_finite_value_on_a_warm_causal_plan_takes_the_block_path(decided_again):
+    # the kernel's causal tiles multiply masked probabilities (0) by value rows: a NaN past the
+    # diagonal would reach earlier rows. The warm plan checks finiteness at every call
+    q, k, v = random_qkv(1, 1, 1, 128, 128, 8, dtype=torch.float64, seed=4)
+    bm = flexc.create_block_mask(_causal, None, None, 128, 128, device="cpu", BLOCK_SIZE=32)
+    flexc.flex_attention(q, k, v, block_mask=bm)
+    v[0, 0, 40] = float("nan")
+    before = decided_again[0]
+    out = flexc.flex_attention(q, k, v, block_mask=bm)
+    assert decided_again[0] == before + 1
+    assert torch.isfinite(out[0, 0, :40]).all() and torch.isnan(out[0, 0, 40:]).all()
+    v[0, 0, 40] = 0.25
+    out = flexc.flex_attention(q, k, v, block_mask=bm)
+    assert decided_again[0] == before + 1
+    torch.testing.assert_close(out, _reference(q, k, v, _causal)[0], atol=1e-12, rtol=0)
