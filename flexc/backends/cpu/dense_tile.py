@@ -150,10 +150,15 @@ def applies(query, key, value, score_mod, dropout, sinks) -> bool:
     """Whether a forward, or its backward, runs as one dense tile (:func:`forward`): a small
     call (:func:`fits`) the fused kernel takes, with no score_mod or a ``score +/- X``
     one, no dropout or sinks, and finite inputs (the mask's -inf would turn NaN or inf into NaN)."""
+    return dropout is None and sinks is None and takes(query, key, value, score_mod) and all_finite(query, key, value)
+
+
+def takes(query, key, value, score_mod) -> bool:
+    """:func:`applies` but for what a call signature leaves open (dropout, sinks, finiteness): a
+    small call the fused kernel takes, with no score_mod or a ``score +/- X`` one."""
     B, Hq, L, _ = query.shape
-    return (dropout is None and sinks is None and fits(B, Hq, L, key.shape[2])
-            and fused_cpu.supported(query, value, None, False)
-            and (score_mod is None or score_bias(score_mod)[0] is not None) and all_finite(query, key, value))
+    return (fits(B, Hq, L, key.shape[2]) and fused_cpu.supported(query, value, None, False)
+            and (score_mod is None or score_bias(score_mod)[0] is not None))
 
 
 def _shapes(query, key, value):
@@ -177,6 +182,22 @@ def forward(query, key, value, out, lse, score_mod, mask_mod, block_mask, scale)
     l = l.reshape(B, Hq, L)
     # a +inf score (a +inf bias) gives the kernel's logsumexp +inf: NaN, as the other paths' (fused_cpu.forward_rows)
     lse.copy_(l.masked_fill(l.isposinf(), float("nan")))
+
+
+def forward_folded(query, key, value, mask: torch.Tensor, scale: float, bias: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward`'s ``(out, lse)`` for row-major inputs whose batch and heads fold into the
+    kernel's batch (:func:`flexc.backends.cpu.causal_call.foldable`), with ``mask`` laid out for
+    them (:func:`call_mask`'s ``"folded"``): the kernel's outputs are then row-major and returned
+    as views, not copied into outputs made beforehand. ``bias``: the mask holds a score_mod's bias."""
+    B, H, L, _ = query.shape
+    o, l = fused_cpu.FLASH(*(t.view(B * H, 1, *t.shape[2:]) for t in (query, key, value)), attn_mask=mask,
+                           scale=scale)
+    fused_cpu.fix_dead_rows(l, mask)
+    l = l.view(B, H, L)
+    if bias:  # (as forward: a +inf score gives the kernel's logsumexp +inf, NaN on the other paths)
+        l = l.masked_fill(l.isposinf(), float("nan"))
+    return o.view(B, H, L, o.shape[-1]), l
 
 
 def backward(query, key, value, out, lse_bw, grad_out, dq, dk, dv, score_mod, mask_mod, block_mask,

@@ -2,13 +2,14 @@
 
 :func:`flexc.backends.cpu.torch_cpu.forward_with_max` decides at every call which path computes it:
 the decode path for short queries, one fused-kernel call for attention with nothing masked, the
-kernel's causal mode for causal sequences, else the block path. Those decisions read the inputs'
+kernel's causal mode for causal sequences, one call over a small call's dense tile, else the block
+path. Those decisions read the inputs'
 shapes, strides and dtypes, the mods and the BlockMask's tables, which a plan's signature fixes
 (:mod:`flexc.call.signature`), so for the calls of one signature they are taken here, once. A warm
-call checks only what a signature leaves open: the inputs' finiteness and the mask_mod's captured
-tensors' values (the causal path's), and the thread count (:func:`causal_call.prepared_forward`).
-A warm CPU forward (B=2, H=4, L=256, D=32, causal, one thread) spent ~57 us of Python deciding it
-again; see :func:`prepare_forward` for what is left.
+call checks only what a signature leaves open: the inputs' finiteness, the mods' captured tensors'
+values (the causal starts, the dense tile's mask: memo lookups) and the thread count
+(:func:`causal_call.prepared_forward`). Warm CPU forwards, B=2, H=4, L=256, D=32, one thread, host
+time besides the kernel: causal 88 -> 35 us, a sliding window (one dense tile) 162 -> 76 us.
 
 The decisions hold only for the tables they were taken on: a call whose caller does not vouch for
 them (``same_tables`` false: a slice, whose row differs between calls of its signature), or that
@@ -22,7 +23,7 @@ import torch
 
 from ...mods.trace import TracedMod
 from ..nonfinite import all_finite
-from . import causal_call, decode_cpu, fused_cpu
+from . import causal_call, decode_cpu, dense_tile, fused_cpu
 from .torch_cpu import torch_forward, unmasked
 
 # what forward_with_max returns its logsumexp in when torch_forward calls it (the plan converts it)
@@ -37,8 +38,10 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     returns for the calls of this signature. Decided here: attention with nothing masked (no
     score_mod, every listed block full) is one fused-kernel call; plain causal attention and causal
     sequences (no score_mod) are the kernel's causal calls, after a per-call check of the inputs'
-    finiteness (and of the causal starts, when the mask_mod captures tensors); everything else
-    (decoding's short queries, the block path) runs :func:`torch_forward`."""
+    finiteness (and of the causal starts, when the mask_mod captures tensors); a small call with a
+    mask the same for every batch and head (no score_mod or a bias) is one call over its dense tile
+    (:func:`_dense_tile`); everything else (decoding's short queries, per-head dense tiles, the
+    block path) runs :func:`torch_forward`."""
     def general(query, key, value, block_mask, dropout, sinks, score_mod=score_mod, mask_mod=mask_mod):
         return torch_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse,
                              dropout=dropout, sinks=sinks)
@@ -61,8 +64,10 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
     :func:`flexc.backends.cpu.torch_cpu.forward_with_max` takes for this signature, where it is one
     of the fused kernel's; None where it is another (decided per call there)."""
     L, S = query.shape[2], key.shape[2]
-    if score_mod is not None or decode_cpu.applies(query, key) or not query.numel() or not S:
+    if decode_cpu.applies(query, key) or not query.numel() or not S:
         return None
+    if score_mod is not None:  # (a score_mod leaves the dense tile, for a bias)
+        return _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general)
     if fused_cpu.supported(query, value, None, False) and unmasked(block_mask, L, S):
         def plain(query, key, value, block_mask, sinks):
             out, lse = decode_cpu.flash(query, key, value, [], scale)
@@ -70,7 +75,7 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
         return plain
     starts = causal_call.applies(query, key, value, mask_mod, block_mask)
     if starts is None:
-        return None
+        return _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general)
     B, Hq = query.shape[:2]
     forward = causal_call.prepared_forward(query, key, value, scale, starts)
     if mask_mod.buffers:  # their values may change the sequences: read again each call (a memo lookup)
@@ -87,6 +92,27 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
             return general(query, key, value, block_mask, None, sinks)
         return _finished(*forward(query, key, value), sinks, need_lse)
     return causal
+
+
+def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
+    """:func:`_decided`'s small calls (:func:`dense_tile.takes`) on inputs whose batch and heads
+    fold, with a mask the same for every batch and head: one kernel call whose row-major outputs are
+    returned as they are (forward_with_max copies its dense tile's into outputs it made first);
+    None for others. Finite inputs only, checked per call (the mask's -inf would turn NaN or inf
+    into NaN)."""
+    B, H, L, _ = query.shape
+    if not (dense_tile.takes(query, key, value, score_mod) and causal_call.foldable(query, key, value)):
+        return None
+    if dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded").shape[0] != 1:
+        return None  # (a mask by batch or head, copied for every one: the kernel reads B * H tiles, slower)
+    bias = score_mod is not None
+
+    def tile(query, key, value, block_mask, sinks):
+        if sinks is not None or not all_finite(query, key, value):
+            return general(query, key, value, block_mask, None, sinks)
+        mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded")
+        return _finished(*dense_tile.forward_folded(query, key, value, mask, scale, bias), None, need_lse)
+    return tile
 
 
 def _finished(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, need_lse: bool

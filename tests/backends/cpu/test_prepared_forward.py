@@ -1,7 +1,7 @@
 """The TORCH backend's forward decided once per call signature (flexc/backends/cpu/prepared_forward.py):
-warm calls of a plan run the fused kernel's path it decided without deciding again, and every call
-equals a float64 dense reference, across in-place edits of the inputs, of a mask_mod's captured
-tensor and non-finite values."""
+warm calls of a plan run the fused kernel's path it decided (unmasked, causal, one dense tile)
+without deciding again, and every call equals a float64 dense reference, across in-place edits of
+the inputs, of a mask_mod's captured tensor and non-finite values."""
 import pytest
 import torch
 
@@ -31,12 +31,20 @@ def decided_again(monkeypatch):
     return count
 
 
-def _reference(q, k, v, mask_mod, sinks=None):
-    return dense_attention(q, k, v, None, mask_mod, sinks=sinks)[:2]
+def _window(b, h, q, kv):
+    return (q >= kv) & (q - kv < 48)
+
+
+def _distance_bias(score, b, h, q, kv):  # (the same for every head: one mask for the folded call)
+    return score - 0.02 * (q - kv)
+
+
+def _reference(q, k, v, mask_mod, sinks=None, score_mod=None):
+    return dense_attention(q, k, v, score_mod, mask_mod, sinks=sinks)[:2]
 
 
 @pytest.mark.parametrize("case", ["no mask", "every block full", "causal", "causal, sinks", "causal, [B, L, H, E] memory",
-                                  "documents"])
+                                  "documents", "window (one dense tile)", "window, a bias score_mod"])
 def test_warm_calls_take_the_decided_path_and_match_float64_dense(decided_again, case):
     B, H, L, D = 2, 2, 160, 16
     # (float32: a float64 call that returns its logsumexp takes the row path, which keeps it in float64)
@@ -48,7 +56,9 @@ def test_warm_calls_take_the_decided_path_and_match_float64_dense(decided_again,
 
     def documents(b, h, qi, kv):
         return (doc[qi] == doc[kv]) & (qi >= kv)
-    mask_mod = {"no mask": None, "every block full": _everything, "documents": documents}.get(case, _causal)
+    mask_mod = {"no mask": None, "every block full": _everything, "documents": documents}.get(
+        case, _window if "window" in case else _causal)
+    score_mod = _distance_bias if "bias" in case else None
     bm = None if mask_mod is None else flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu",
                                                                BLOCK_SIZE=32)
     sinks = torch.tensor([0.5, -1.0]) if "sinks" in case else None
@@ -58,10 +68,10 @@ def test_warm_calls_take_the_decided_path_and_match_float64_dense(decided_again,
             for t in (q, k, v):
                 t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
         before = decided_again[0]
-        out, lse = flexc.flex_attention(q, k, v, block_mask=bm, sinks=sinks, return_lse=True)
+        out, lse = flexc.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, sinks=sinks, return_lse=True)
         if call:
             assert decided_again[0] == before, "a warm call decided its path again"
-        ref_out, ref_lse = _reference(q, k, v, mask_mod, sinks)
+        ref_out, ref_lse = _reference(q, k, v, mask_mod, sinks, score_mod)
         torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
         torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0)
         assert out.stride() == q.stride()
@@ -103,3 +113,24 @@ def test_a_non_finite_value_on_a_warm_causal_plan_takes_the_block_path(decided_a
     out = flexc.flex_attention(q, k, v, block_mask=bm)
     assert decided_again[0] == before + 1
     torch.testing.assert_close(out, _reference(q, k, v, _causal)[0], atol=1e-12, rtol=0)
+
+
+def test_a_dense_tiles_captured_tensor_edited_in_place_is_read_again(decided_again):
+    # every listed block is partial (a window narrower than a block): the mask_mod decides every
+    # pair, so the edited documents are the whole answer
+    L = 192
+    doc = torch.zeros(L, dtype=torch.long)
+    doc[70:] = 1
+
+    def documents_in_a_window(b, h, qi, kv):
+        return (doc[qi] == doc[kv]) & (qi >= kv) & (qi - kv < 48)
+    q, k, v = random_qkv(1, 2, 2, L, L, 16, dtype=torch.float64, seed=6)
+    bm = flexc.create_block_mask(documents_in_a_window, None, None, L, L, device="cpu", BLOCK_SIZE=64)
+    first = flexc.flex_attention(q, k, v, block_mask=bm)
+    doc.zero_()
+    doc[80:] = 1
+    before = decided_again[0]
+    out = flexc.flex_attention(q, k, v, block_mask=bm)
+    assert decided_again[0] == before
+    assert not torch.allclose(out, first)
+    torch.testing.assert_close(out, _reference(q, k, v, documents_in_a_window)[0], atol=1e-12, rtol=0)
