@@ -736,9 +736,12 @@ def _fast_hit(fast: _Fast, fn: Any, kind: str | None) -> Any:
         else:
             return _MISSED
     values = tuple(values)
-    found = _instance_of(template, values)
+    latest = template.latest  # (the latest instance first, inline: gpt-fast's every decoding step)
+    if latest and latest[0][0] == values and still_located(latest[0][3]):
+        return latest[0][1]  # (equal values have the kinds of the template's key)
+    found = _instance_of(template, values) if latest else None  # (an earlier value: alternating windows)
     if found is not None:
-        return found  # (equal values have the kinds of the template's key)
+        return found
     if tuple([_memory_kind(v) if v[0] == "memory" else ("lifted", v[0]) for v in values]) != fast.kinds:
         return _MISSED
     return instance(template, fn, values, keep, tuple(located))
