@@ -165,7 +165,7 @@ def test_a_cell_holding_a_new_object_each_call_gives_up_the_fast_path_keeping_fe
         del view
         for mod, traced in zip(mods, traces):
             assert trace(mod) is traced
-        gc.collect()
+        gc.collect(1)  # (a fresh trace's cycles are young)
         assert sum(ref() is not None for ref in alive) <= 5  # (the kept guards', the first entry's)
     taken = snapshots[0]
     for mod, traced in zip(mods, traces):
@@ -187,13 +187,13 @@ def test_alternating_masks_in_flex_attention_equal_dense_as_they_change(snapshot
 
     window = sliding(32)
     layers = (flexc.and_masks(causal, window, padding), flexc.and_masks(causal, padding))
-    for step in range(12):
+    for step in range(9):
         if step == 2:
             taken = snapshots[0]
-        if step == 5:
+        if step == 4:
             assert snapshots[0] == taken
             lengths.fill_(70)
-        if step == 8:
+        if step == 6:
             window.__closure__[0].cell_contents = 9
         for layer, mask_mod in enumerate(layers):
             block_mask = flexc.create_block_mask(mask_mod, B, H, L, L, BLOCK_SIZE=32)
