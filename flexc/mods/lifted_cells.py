@@ -135,7 +135,7 @@ class Template:
     # the nodes that read a placeholder, operands first: (node, its operands' places), a place
     # being ("scalar", index), ("node", position in this list) or ("same", node)
     recipe: tuple = ()
-    latest: Any = None  # (values, trace, kept objects, located tensors) of the last instantiation
+    latest: Any = None  # ((values, trace, kept objects, located tensors), ...) of the latest instantiations
 
 
 def _recipe(root: ir.Node) -> tuple:

@@ -33,12 +33,18 @@ A closure's cells that its code uses only as operator operands (``q_idx + offset
 (:mod:`flexc.mods.lifted_cells`): the key holds their kind (a Python int or float, or a tensor's dtype,
 shape, device and grad flag) instead of their value, and a template traced once per key gives each
 new value its trace by substitution, so gpt-fast's new ``offset`` each decoding step traces once.
+A template keeps the traces of its latest few values (:data:`_MAX_INSTANCES`): two windows of one
+factory used in alternate layers are substituted once each.
 
 A hit also keeps a *guard* of its function (:func:`_guard`): the objects its snapshot read, where
-each is immutable or compared by identity anyway. The next lookup of that code object checks that
-it finds the very same objects (a few identity checks) and, lifted cells aside, skips the snapshot;
-a mod reaching anything else (a tensor outside a lifted cell, an object, a container, defaults) is
-snapshotted every call, as before.
+each is immutable or compared by identity anyway (or, for a tensor or a container, checked as the
+snapshot keys it). The next lookup of that code object checks that it finds the very same objects
+(a few identity checks) and, lifted cells aside, skips the snapshot. A code object keeps the guards
+of its latest few hits (:data:`_MAX_GUARDS`), the most recently hit tried first, so closures of one
+code object called in turn (a model's sliding-window and full attention layers through one
+``and_masks``) each keep theirs. It gives up guards for good where one cannot be made (defaults, a
+set, a bound method) or where as many as it keeps were dropped in a row without a hit (a cell holding
+a new object each call): its lookups take the snapshot, as before guards.
 """
 from __future__ import annotations
 
@@ -342,13 +348,15 @@ def _lift_cells(fn: Callable) -> tuple[int, ...]:
 
 
 class _Store(OrderedDict):
-    """One code object's traces: ``snapshot key -> (trace, kept objects, located)``, and ``fast``, the
-    :class:`_Fast` path of its last hit (None before one, :data:`_UNGUARDED` where it cannot be had)."""
+    """One code object's traces: ``snapshot key -> (trace, kept objects, located)``; ``fast``, the
+    :class:`_Fast` path of its latest hit (None before one, :data:`_UNGUARDED` where it cannot be had),
+    and ``older``, the fast paths of earlier hits, most recent first (:data:`_MAX_GUARDS` in all)."""
 
     def __init__(self):
         super().__init__()
         self.fast: Any = None
-        self.misses = 0  # the fast path's misses in a row (see _MAX_FAST_MISSES)
+        self.older: tuple = ()
+        self.unused = 0  # fast paths dropped in a row without a hit (see _MAX_UNUSED)
 
 
 # id(code) -> (code, its _Store); the code object is kept so that its id is never reused while the entry lives
@@ -412,10 +420,13 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
     if fast is not None and fast is not _UNGUARDED:
         found = _fast_hit(fast, fn, kind) if _holds(fast.guard, fn) else _MISSED
         if found is not _MISSED:
-            if store.misses:
-                store.misses = 0
+            if not fast.hit:
+                fast.hit = True
             return found, None
-        store.misses += 1
+        if store.older:  # (alternating closures of one code object: sliding and full attention layers)
+            found = _older_hit(store, fn, kind)
+            if found is not _MISSED:
+                return found, None
     cells = _lift_cells(fn)
     snap = snapshot(fn, cells)
     if snap is None:
@@ -447,9 +458,9 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
         return None, _Token(store, (key, values), keep, located)  # (the tracer raises the kind's error)
     if not key_located:  # (the fast path checks no memory outside the lifted cells)
         _guard_hits(store, fn, cells, key, generic)
-    latest = template.latest
-    if latest is not None and latest[0] == values and still_located(latest[3]):
-        return latest[1], None  # the same values again (a tensor advanced in place)
+    found = _instance_of(template, values)
+    if found is not None:
+        return found, None  # values met lately (a tensor advanced in place, alternating windows)
     return instance(template, fn, values, keep, located), None
 
 
@@ -460,49 +471,87 @@ def lookup(fn: Callable, kind: str | None) -> tuple[Any, Any]:
 # immutable (numbers, strings, dtypes, ...) or compared by identity anyway (torch's and C functions,
 # library modules), or a function or a user module read the same way, a guard that finds each of
 # those objects to be the very one the snapshot read says the snapshot is unchanged without building
-# it: a hit's guard is kept, and the next lookup of the code object checks it first. The top function
+# it: a hit's guard is kept, and the next lookups of the code object check it first, then the guards
+# of earlier hits (_MAX_GUARDS in all: each is a whole check of its own snapshot, so whichever holds
+# serves its own trace). The top function
 # itself may be a new closure (gpt-fast's mod each decoding step): its lifted cells are read as the snapshot reads
 # them, the rest by identity. A tensor is checked by identity and by what the snapshot keys it by
 # (its memory, or its dtype, shape and device); with lifted cells, only where none of the key's
 # tensors is keyed by memory (the template's own are checked by the snapshot). A tuple, list or
 # dict, by its length and items; a user object, class or module by its class, __call__ and the
 # attributes its reader names. Anything else met (sets, defaults, recursion) gives no guard, and the
-# code object's lookups take the snapshot every time.
+# code object's lookups take the snapshot every time; so they do after _MAX_UNUSED guards were dropped
+# unhit in a row (each lookup then builds a guard that the next one misses).
 
 _UNGUARDED = ("unguarded",)  # a store whose snapshots the fast path cannot check
 _MISSED = ("missed",)
-_MAX_FAST_MISSES = 8  # guards failing in a row (a cell holding a new object each call): stop making them
+# fast paths kept per code object: closures of one code object that alternate (a model's sliding and full
+# attention layers through one and_masks, two windows made by one factory) each keep theirs
+_MAX_GUARDS = 4
+_MAX_UNUSED = _MAX_GUARDS  # fast paths dropped unhit in a row (a cell holding a new object each call): give up
+_MAX_INSTANCES = 4  # per template: the traces of the latest lifted values (alternating windows)
 _GUARD_EXACT = frozenset(_VALUE_TYPES | {float})  # immutable values, checked by identity
 
 
-class _Fast(NamedTuple):
-    """A store's fast path: ``guard`` (:func:`_guard`) of its last hit's function, the lifted ``cells``
-    then, and what the hit found: the trace entry (no lifted cells), or the template and the lifted
-    cells' kinds in its key."""
+class _Fast:
+    """A fast path: ``guard`` (:func:`_guard`) of a hit's function, the lifted ``cells`` then, and what the
+    hit found: the trace entry (no lifted cells), or the template and the lifted cells' kinds in its key;
+    ``hit``: whether a lookup has taken it since (one dropped unhit counts towards :data:`_MAX_UNUSED`)."""
 
-    guard: tuple
-    cells: tuple
-    entry: Any = None
-    template: Any = None
-    kinds: tuple = ()
+    __slots__ = ("guard", "cells", "entry", "template", "kinds", "hit")
+
+    def __init__(self, guard: tuple, cells: tuple, entry: Any = None, template: Any = None, kinds: tuple = ()):
+        self.guard, self.cells, self.entry, self.template, self.kinds = guard, cells, entry, template, kinds
+        self.hit = False
 
 
 def _guard_hits(store: _Store, fn: Callable, cells: tuple, key: Any, entry: tuple) -> None:
-    """After a hit found by a snapshot: keep the fast path to it, if ``fn``'s snapshot can be guarded."""
-    if store.fast is _UNGUARDED:
-        return
-    if store.misses >= _MAX_FAST_MISSES:
-        store.fast = _UNGUARDED
+    """After a hit found by a snapshot: keep the fast path to it first, if ``fn``'s snapshot can be
+    guarded, the least recent beyond :data:`_MAX_GUARDS` dropped; the code object's lookups give up the
+    fast path for good where it cannot, or where :data:`_MAX_UNUSED` were dropped unhit in a row."""
+    latest = store.fast
+    if latest is _UNGUARDED:
         return
     try:
         guard = _guard(fn, set(cells), 0, set())
     except (_Unknown, ValueError, AttributeError):
-        store.fast = _UNGUARDED
+        _unguard(store)
         return
     if cells:
-        store.fast = _Fast(guard, cells, template=entry[0], kinds=tuple([key[5][i] for i in cells]))
+        fast = _Fast(guard, cells, template=entry[0], kinds=tuple([key[5][i] for i in cells]))
     else:
-        store.fast = _Fast(guard, cells, entry=entry)
+        fast = _Fast(guard, cells, entry=entry)
+    if latest is not None:
+        older = (latest,) + store.older
+        if len(older) >= _MAX_GUARDS:
+            store.unused = 0 if older[-1].hit else store.unused + 1
+            if store.unused >= _MAX_UNUSED:
+                _unguard(store)
+                return
+            older = older[:_MAX_GUARDS - 1]
+        store.older = older
+    store.fast = fast
+
+
+def _unguard(store: _Store) -> None:
+    """Give up the fast path of ``store``'s code object: its lookups take the snapshot from now on."""
+    store.fast, store.older = _UNGUARDED, ()
+
+
+def _older_hit(store: _Store, fn: Any, kind: str | None) -> Any:
+    """The trace an earlier hit's fast path finds for ``fn``, that path then tried first, or :data:`_MISSED`."""
+    older = store.older
+    for i, fast in enumerate(older):
+        if _holds(fast.guard, fn):
+            found = _fast_hit(fast, fn, kind)
+            if found is not _MISSED:
+                fast.hit = True
+                latest = store.fast
+                if latest is not _UNGUARDED:  # (another thread may have given up meanwhile)
+                    store.older = (latest,) + older[:i] + older[i + 1:]
+                    store.fast = fast
+                return found
+    return _MISSED
 
 
 def _guard(fn: Any, lifted: set, depth: int, active: set) -> tuple:
@@ -687,9 +736,12 @@ def _fast_hit(fast: _Fast, fn: Any, kind: str | None) -> Any:
         else:
             return _MISSED
     values = tuple(values)
-    latest = template.latest
-    if latest is not None and latest[0] == values and still_located(latest[3]):
-        return latest[1]  # (equal values have the kinds of the template's key)
+    latest = template.latest  # (the latest instance first, inline: gpt-fast's every decoding step)
+    if latest and latest[0][0] == values and still_located(latest[0][3]):
+        return latest[0][1]  # (equal values have the kinds of the template's key)
+    found = _instance_of(template, values) if latest else None  # (an earlier value: alternating windows)
+    if found is not None:
+        return found
     if tuple([_memory_kind(v) if v[0] == "memory" else ("lifted", v[0]) for v in values]) != fast.kinds:
         return _MISSED
     return instance(template, fn, values, keep, tuple(located))
@@ -717,8 +769,21 @@ def instance(template: Any, fn: Callable, values: tuple, keep: list, located: tu
     the snapshot's tensors keyed by memory)."""
     traced = lifted_cells.instantiate(template, fn)  # (a template has no derived buffers)
     if traced is not None:
-        template.latest = (values, traced, keep, located)
+        template.latest = ((values, traced, keep, located),) + (template.latest or ())[:_MAX_INSTANCES - 1]
     return traced
+
+
+def _instance_of(template: Any, values: tuple) -> Any:
+    """The instance of ``template`` for ``values`` among its latest (:func:`instance`), or None; a hit
+    becomes the most recent."""
+    latest = template.latest
+    if latest:
+        for i, entry in enumerate(latest):
+            if entry[0] == values and still_located(entry[3]):
+                if i:
+                    template.latest = (entry,) + latest[:i] + latest[i + 1:]
+                return entry[1]
+    return None
 
 
 def remember(token: Any, traced: Any) -> None:

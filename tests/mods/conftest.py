@@ -1,6 +1,7 @@
 """Fixtures the tracer's tests share."""
 import pytest
 
+from flexc.mods import trace_cache
 from flexc.mods.tracing.tracer import Tracer
 
 
@@ -15,4 +16,18 @@ def runs(monkeypatch):
         return original(self)
 
     monkeypatch.setattr(Tracer, "run", counting)
+    return count
+
+
+@pytest.fixture
+def snapshots(monkeypatch):
+    """How many snapshots the trace cache's lookups took (a lookup its fast path serves takes none)."""
+    count = [0]
+    original = trace_cache.snapshot
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trace_cache, "snapshot", counting)
     return count

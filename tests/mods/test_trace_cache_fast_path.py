@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 import types
 
-import pytest
 import torch
 
 import flexc
@@ -58,20 +57,6 @@ def assert_current(fn):
     assert [(t.data_ptr(), t.shape, t.dtype) for t in cached.buffers] == \
         [(t.data_ptr(), t.shape, t.dtype) for t in fresh.buffers]
     return cached
-
-
-@pytest.fixture
-def snapshots(monkeypatch):
-    """How many snapshots lookups took."""
-    count = [0]
-    original = trace_cache.snapshot
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(trace_cache, "snapshot", counting)
-    return count
 
 
 def assert_steps_take_no_snapshot(mod, input_pos, snapshots, steps=3):
