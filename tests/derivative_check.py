@@ -64,8 +64,11 @@ def check_derivative(fn, seed=0):
     w = torch.randn(B, H, L, S, generator=gen, dtype=torch.float64)
     want = autograd_gradients(fn, score, w, leaves)
     d_score, d_buffers = ir_gradients(fn, score, w)
-    for got, ref in zip([d_score, *d_buffers], want):
+    for i, (got, ref) in enumerate(zip([d_score, *d_buffers], want)):
         assert got.shape == ref.shape
         # (float32 captured tables and float32 index arithmetic round differently along the two
-        # evaluation orders: a few float32 ulps; a wrong derivative is off by far more)
-        torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-5, atol=1e-7)
+        # evaluation orders: a few float32 ulps of each term, so a captured tensor's gradient, a sum
+        # over the grid whose terms may cancel, is compared at the scale of its largest element; a
+        # wrong derivative is off by far more)
+        atol = 1e-7 if i == 0 else max(1e-7, 2e-5 * float(ref.abs().max()))
+        torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-5, atol=atol)
