@@ -21,7 +21,9 @@ a call does on the host up to the launch, and nothing of the kernel or of Triton
 - CPU training step against SDPA: the small training row (B=2, H=4, L=256, D=32, fp32, causal,
   forward and backward) on the CPU for real (no simulation, nothing stubbed), flexc with a causal
   BlockMask against ``torch.nn.functional.scaled_dot_product_attention`` with the dense boolean mask
-  (bench/cpu_training.py's "small" row): where kernels are this short, host time shows.
+  (bench/cpu_training.py's "small" row): where kernels are this short, host time shows;
+- CPU forward against SDPA: the same row's forward without autograd (inference), causal and a
+  sliding window of 64 (one dense tile on flexc's side).
 - launch binding, per kernel kind: what a GPU launch costs before Triton's launcher runs, which the
   stub leaves out: ``JITFunction.run``'s argument binding, specialization and cache key (Triton's
   binder for an sm_90 target, built without a GPU) against :mod:`flexc.compiled_launch`'s key and
@@ -243,24 +245,54 @@ CPU_ROW = (2, 4, 256, 32)  # B, H, L, D of the CPU training row
 def measure_cpu_training(repeats: int = 7, calls: int = 20, clock: Callable[[], float] = time.perf_counter
                          ) -> dict[str, float]:
     """``{"flexc": µs, "sdpa": µs}`` per CPU training step (forward and backward, causal), one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        g = torch.Generator().manual_seed(1)
-        q, k, v, grad_out = (torch.randn(*CPU_ROW, generator=g) for _ in range(4))
-        leaves = tuple(t.requires_grad_() for t in (q, k, v))
-        L = CPU_ROW[2]
-        block_mask = flexc.create_block_mask(causal, None, None, L, L, device="cpu")
-        dense = torch.ones(L, L, dtype=torch.bool).tril()
-        steps = {
+    def steps(leaves, grad_out, block_mask, dense):
+        return {
             "flexc": lambda: torch.autograd.grad(flexc.flex_attention(*leaves, block_mask=block_mask), leaves,
                                                  grad_out),
             "sdpa": lambda: torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(
                 *leaves, attn_mask=dense), leaves, grad_out),
         }
-        for step in steps.values():
+    return _cpu_rows(steps, causal, True, repeats, calls, clock)
+
+
+def sliding_window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < CPU_WINDOW)
+
+
+CPU_WINDOW = 64
+
+
+def measure_cpu_forward(repeats: int = 7, calls: int = 20, clock: Callable[[], float] = time.perf_counter
+                        ) -> dict[str, float]:
+    """``{"flexc causal": µs, "sdpa causal": µs, "flexc window": µs, "sdpa window": µs}`` per CPU forward
+    without autograd (inference) of the small row, one thread; SDPA with the dense boolean mask."""
+    rows = {}
+    for name, mask_mod in (("causal", causal), ("window", sliding_window)):
+        def steps(leaves, grad_out, block_mask, dense):
+            return {f"flexc {name}": lambda: flexc.flex_attention(*leaves, block_mask=block_mask),
+                    f"sdpa {name}": lambda: torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=dense)}
+        rows.update(_cpu_rows(steps, mask_mod, False, repeats, calls, clock))
+    return rows
+
+
+def _cpu_rows(steps: Callable, mask_mod: Callable, grad: bool, repeats: int, calls: int,
+              clock: Callable[[], float]) -> dict[str, float]:
+    """Medians of ``steps(leaves, grad_out, block_mask, dense_mask)``'s rows on the CPU row's inputs
+    (leaves requiring grad where ``grad``) under ``mask_mod``, one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(1)
+        q, k, v, grad_out = (torch.randn(*CPU_ROW, generator=g) for _ in range(4))
+        leaves = tuple(t.requires_grad_(grad) for t in (q, k, v))
+        L = CPU_ROW[2]
+        block_mask = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu")
+        positions = torch.arange(L)
+        dense = mask_mod(0, 0, positions.view(-1, 1), positions.view(1, -1))
+        rows = steps(leaves, grad_out, block_mask, dense)
+        for step in rows.values():
             step()  # warm
-        return interleaved_medians(steps, repeats, calls, clock)
+        return interleaved_medians(rows, repeats, calls, clock)
     finally:
         torch.set_num_threads(threads)
 
@@ -291,6 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     B2, H2, L2, D2 = CPU_ROW
     print(f"CPU training step, B={B2} H={H2} L={L2} D={D2} fp32, causal: flexc {cpu['flexc']:.1f} µs, "
           f"SDPA {cpu['sdpa']:.1f} µs")
+    forward = measure_cpu_forward(args.repeats, max(1, args.calls // 10), clock)
+    for name in ("causal", "window"):
+        print(f"CPU forward (no autograd), same row, {name}{' ' + str(CPU_WINDOW) if name == 'window' else ''}: "
+              f"flexc {forward['flexc ' + name]:.1f} µs, SDPA {forward['sdpa ' + name]:.1f} µs "
+              f"({forward['flexc ' + name] / forward['sdpa ' + name]:.2f}x)")
     for kind, us in measure_binding(measure.seen, args.repeats).items():
         print(f"{kind} launch on a GPU, before the launcher: JITFunction.run's binding {us['triton']:.1f} µs, "
               f"flexc.compiled_launch {us['flexc']:.1f} µs")

@@ -30,3 +30,6 @@ def test_every_row_reaches_the_stubbed_launcher_and_the_summary_names_each():
     cpu = bench.measure_cpu_training(repeats=1, calls=1)
     assert cpu["flexc"] > 0 and cpu["sdpa"] > 0
     assert "x SDPA's" in bench.summary(results, cpu)
+    forward = bench.measure_cpu_forward(repeats=1, calls=1)
+    assert set(forward) == {"flexc causal", "sdpa causal", "flexc window", "sdpa window"}
+    assert all(us > 0 for us in forward.values())
