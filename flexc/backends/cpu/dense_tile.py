@@ -184,20 +184,28 @@ def forward(query, key, value, out, lse, score_mod, mask_mod, block_mask, scale)
     lse.copy_(l.masked_fill(l.isposinf(), float("nan")))
 
 
-def forward_folded(query, key, value, mask: torch.Tensor, scale: float, bias: bool
+def forward_folded(query, key, value, mask: torch.Tensor, scale: float, bias: bool, dead_rows: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward`'s ``(out, lse)`` for row-major inputs whose batch and heads fold into the
     kernel's batch (:func:`flexc.backends.cpu.causal_call.foldable`), with ``mask`` laid out for
     them (:func:`call_mask`'s ``"folded"``): the kernel's outputs are then row-major and returned
-    as views, not copied into outputs made beforehand. ``bias``: the mask holds a score_mod's bias."""
+    as views, not copied into outputs made beforehand. ``bias``: the mask holds a score_mod's bias;
+    ``dead_rows``: False when the caller knows no row of ``mask`` is all -inf (:func:`has_dead_rows`)."""
     B, H, L, _ = query.shape
     o, l = fused_cpu.FLASH(*(t.view(B * H, 1, *t.shape[2:]) for t in (query, key, value)), attn_mask=mask,
                            scale=scale)
-    fused_cpu.fix_dead_rows(l, mask)
+    if dead_rows:
+        fused_cpu.fix_dead_rows(l, mask)
     l = l.view(B, H, L)
     if bias:  # (as forward: a +inf score gives the kernel's logsumexp +inf, NaN on the other paths)
         l = l.masked_fill(l.isposinf(), float("nan"))
     return o.view(B, H, L, o.shape[-1]), l
+
+
+def has_dead_rows(mask: torch.Tensor) -> bool:
+    """Whether some row of an additive ``mask`` allows no key (all -inf): the kernel then reports
+    logsumexp 0 for it (:func:`flexc.backends.cpu.fused_cpu.fix_dead_rows`)."""
+    return bool(torch.isneginf(mask).all(-1).any())
 
 
 def backward(query, key, value, out, lse_bw, grad_out, dq, dk, dv, score_mod, mask_mod, block_mask,

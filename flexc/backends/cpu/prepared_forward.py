@@ -99,20 +99,29 @@ def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_
     fold, with a mask the same for every batch and head: one kernel call whose row-major outputs are
     returned as they are (forward_with_max copies its dense tile's into outputs it made first);
     None for others. Finite inputs only, checked per call (the mask's -inf would turn NaN or inf
-    into NaN)."""
-    B, H, L, _ = query.shape
+    into NaN). With mods that capture no tensor the mask is the signature's own (its tables and
+    mods): kept here, with whether it leaves a row dead, instead of looked up per call."""
     if not (dense_tile.takes(query, key, value, score_mod) and causal_call.foldable(query, key, value)):
         return None
-    if dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded").shape[0] != 1:
+    mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded")
+    if mask.shape[0] != 1:
         return None  # (a mask by batch or head, copied for every one: the kernel reads B * H tiles, slower)
     bias = score_mod is not None
+    if any(mod is not None and mod.buffers for mod in (score_mod, mask_mod)):
+        def tile(query, key, value, block_mask, sinks):
+            if sinks is not None or not all_finite(query, key, value):
+                return general(query, key, value, block_mask, None, sinks)
+            mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded")
+            return _finished(*dense_tile.forward_folded(query, key, value, mask, scale, bias), None, need_lse)
+        return tile
+    dead_rows = dense_tile.has_dead_rows(mask)
 
-    def tile(query, key, value, block_mask, sinks):
+    def kept_tile(query, key, value, block_mask, sinks):
         if sinks is not None or not all_finite(query, key, value):
             return general(query, key, value, block_mask, None, sinks)
-        mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded")
-        return _finished(*dense_tile.forward_folded(query, key, value, mask, scale, bias), None, need_lse)
-    return tile
+        return _finished(*dense_tile.forward_folded(query, key, value, mask, scale, bias, dead_rows), None,
+                         need_lse)
+    return kept_tile
 
 
 def _finished(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, need_lse: bool

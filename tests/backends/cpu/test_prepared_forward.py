@@ -35,6 +35,10 @@ def _window(b, h, q, kv):
     return (q >= kv) & (q - kv < 48)
 
 
+def _window_and_dead_rows(b, h, q, kv):  # every 50th row from row 7 allows no key
+    return _window(b, h, q, kv) & (q % 50 != 7)
+
+
 def _distance_bias(score, b, h, q, kv):  # (the same for every head: one mask for the folded call)
     return score - 0.02 * (q - kv)
 
@@ -44,7 +48,8 @@ def _reference(q, k, v, mask_mod, sinks=None, score_mod=None):
 
 
 @pytest.mark.parametrize("case", ["no mask", "every block full", "causal", "causal, sinks", "causal, [B, L, H, E] memory",
-                                  "documents", "window (one dense tile)", "window, a bias score_mod"])
+                                  "documents", "window (one dense tile)", "window, a bias score_mod",
+                                  "window, rows that allow nothing"])
 def test_warm_calls_take_the_decided_path_and_match_float64_dense(decided_again, case):
     B, H, L, D = 2, 2, 160, 16
     # (float32: a float64 call that returns its logsumexp takes the row path, which keeps it in float64)
@@ -57,7 +62,7 @@ def test_warm_calls_take_the_decided_path_and_match_float64_dense(decided_again,
     def documents(b, h, qi, kv):
         return (doc[qi] == doc[kv]) & (qi >= kv)
     mask_mod = {"no mask": None, "every block full": _everything, "documents": documents}.get(
-        case, _window if "window" in case else _causal)
+        case, (_window_and_dead_rows if "nothing" in case else _window) if "window" in case else _causal)
     score_mod = _distance_bias if "bias" in case else None
     bm = None if mask_mod is None else flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu",
                                                                BLOCK_SIZE=32)
