@@ -174,32 +174,30 @@ def _shapes(query, key, value):
 def forward(query, key, value, out, lse, score_mod, mask_mod, block_mask, scale) -> None:
     """:func:`flexc.backends.cpu.torch_cpu.forward_with_max`'s small calls (:func:`fits`): one kernel call over the
     whole tile with its dense mask, into ``out`` and ``lse``."""
-    B, Hq, L, _ = query.shape
     mask = call_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
-    o, l = fused_cpu.FLASH(*_shapes(query, key, value), attn_mask=mask, scale=scale)
-    fused_cpu.fix_dead_rows(l, mask)
-    out.copy_(o.reshape(B, Hq, L, o.shape[-1]))
-    l = l.reshape(B, Hq, L)
-    # a +inf score (a +inf bias) gives the kernel's logsumexp +inf: NaN, as the other paths' (fused_cpu.forward_rows)
-    lse.copy_(l.masked_fill(l.isposinf(), float("nan")))
+    o, l = forward_tile(query, key, value, mask, scale, score_mod is not None)
+    out.copy_(o)
+    lse.copy_(l)
 
 
-def forward_folded(query, key, value, mask: torch.Tensor, scale: float, bias: bool, dead_rows: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`forward`'s ``(out, lse)`` for row-major inputs whose batch and heads fold into the
-    kernel's batch (:func:`flexc.backends.cpu.causal_call.foldable`), with ``mask`` laid out for
-    them (:func:`call_mask`'s ``"folded"``): the kernel's outputs are then row-major and returned
-    as views, not copied into outputs made beforehand. ``bias``: the mask holds a score_mod's bias;
-    ``dead_rows``: False when the caller knows no row of ``mask`` is all -inf (:func:`has_dead_rows`)."""
-    B, H, L, _ = query.shape
-    o, l = fused_cpu.FLASH(*(t.view(B * H, 1, *t.shape[2:]) for t in (query, key, value)), attn_mask=mask,
-                           scale=scale)
+def forward_tile(query, key, value, mask: torch.Tensor, scale: float, bias: bool, dead_rows: bool = True,
+                 folded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of one kernel call over the whole tile with ``mask`` laid out for the
+    kernel's inputs (:func:`call_mask`): ``"stacked"`` (:func:`_shapes`: the outputs come back
+    ``[B, L, H, E]``-strided, views where they can be), or ``folded`` for row-major inputs whose
+    batch and heads fold into the kernel's batch (:func:`flexc.backends.cpu.causal_call.foldable`:
+    the outputs are row-major). ``bias``: the mask holds a score_mod's bias; ``dead_rows``: False
+    when the caller knows no row of ``mask`` is all -inf (:func:`has_dead_rows`)."""
+    B, Hq, L, _ = query.shape
+    inputs = tuple(t.view(B * Hq, 1, *t.shape[2:]) for t in (query, key, value)) if folded else _shapes(query, key,
+                                                                                                      value)
+    o, l = fused_cpu.FLASH(*inputs, attn_mask=mask, scale=scale)
     if dead_rows:
         fused_cpu.fix_dead_rows(l, mask)
-    l = l.view(B, H, L)
-    if bias:  # (as forward: a +inf score gives the kernel's logsumexp +inf, NaN on the other paths)
+    l = l.reshape(B, Hq, L)
+    if bias:  # a +inf score (a +inf bias) gives the kernel's logsumexp +inf: NaN, as the other paths' (fused_cpu.forward_rows)
         l = l.masked_fill(l.isposinf(), float("nan"))
-    return o.view(B, H, L, o.shape[-1]), l
+    return o.reshape(B, Hq, L, o.shape[-1]), l
 
 
 def has_dead_rows(mask: torch.Tensor) -> bool:

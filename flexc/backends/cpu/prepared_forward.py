@@ -17,6 +17,7 @@ passes its own mods (a compiled call's), runs :func:`torch_forward` as every cal
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -95,33 +96,42 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
 
 
 def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
-    """:func:`_decided`'s small calls (:func:`dense_tile.takes`) on inputs whose batch and heads
-    fold, with a mask the same for every batch and head: one kernel call whose row-major outputs are
-    returned as they are (forward_with_max copies its dense tile's into outputs it made first);
-    None for others. Finite inputs only, checked per call (the mask's -inf would turn NaN or inf
-    into NaN). With mods that capture no tensor the mask is the signature's own (its tables and
-    mods): kept here, with whether it leaves a row dead, instead of looked up per call."""
-    if not (dense_tile.takes(query, key, value, score_mod) and causal_call.foldable(query, key, value)):
+    """:func:`_decided`'s small calls (:func:`dense_tile.takes`): one kernel call over the whole
+    tile, its outputs returned as the kernel gives them (forward_with_max copies its dense tile's
+    into outputs it made first): row-major where batch and heads fold and the mask is the same
+    for every batch and head, else the kernel's ``[B, L, H, E]`` layout, which the plan lays out
+    (a mask by head folded would be copied for every batch and head, and the kernel reads B * H
+    tiles: slower). None for other calls. Finite inputs only, checked per call (the mask's -inf
+    would turn NaN or inf into NaN). Whether the mask leaves a row dead is worked out once per
+    mask: the kernel's logsumexp check costs ~30 us after its call. With mods that capture no
+    tensor the mask is the signature's own (its tables and mods) and kept here; else the memo
+    gives it per call (:func:`dense_tile.call_mask`)."""
+    if not dense_tile.takes(query, key, value, score_mod):
         return None
-    mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded")
-    if mask.shape[0] != 1:
-        return None  # (a mask by batch or head, copied for every one: the kernel reads B * H tiles, slower)
+    folded = (causal_call.foldable(query, key, value)
+              and dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded").shape[0] == 1)
+    layout = "folded" if folded else "stacked"
     bias = score_mod is not None
     if any(mod is not None and mod.buffers for mod in (score_mod, mask_mod)):
-        def tile(query, key, value, block_mask, sinks):
-            if sinks is not None or not all_finite(query, key, value):
-                return general(query, key, value, block_mask, None, sinks)
-            mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded")
-            return _finished(*dense_tile.forward_folded(query, key, value, mask, scale, bias), None, need_lse)
-        return tile
-    dead_rows = dense_tile.has_dead_rows(mask)
+        verdict: list = [lambda: None, True]  # (the last mask, weakly, and whether it leaves a row dead)
 
-    def kept_tile(query, key, value, block_mask, sinks):
+        def mask_now(query, key, block_mask) -> tuple[torch.Tensor, bool]:
+            mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, layout)
+            if verdict[0]() is not mask:  # (the memo made it again: the captured tensors changed)
+                verdict[:] = [weakref.ref(mask), dense_tile.has_dead_rows(mask)]
+            return mask, verdict[1]
+    else:
+        kept = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, layout)
+        kept_verdict = (kept, dense_tile.has_dead_rows(kept))
+        mask_now = lambda query, key, block_mask: kept_verdict  # noqa: E731
+
+    def tile(query, key, value, block_mask, sinks):
         if sinks is not None or not all_finite(query, key, value):
             return general(query, key, value, block_mask, None, sinks)
-        return _finished(*dense_tile.forward_folded(query, key, value, mask, scale, bias, dead_rows), None,
-                         need_lse)
-    return kept_tile
+        mask, dead_rows = mask_now(query, key, block_mask)
+        out, lse = dense_tile.forward_tile(query, key, value, mask, scale, bias, dead_rows, folded)
+        return _finished(out, lse.contiguous(), None, need_lse)
+    return tile
 
 
 def _finished(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, need_lse: bool

@@ -139,3 +139,50 @@ def test_a_dense_tiles_captured_tensor_edited_in_place_is_read_again(decided_aga
     assert decided_again[0] == before
     assert not torch.allclose(out, first)
     torch.testing.assert_close(out, _reference(q, k, v, documents_in_a_window)[0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("Hkv", [4, 2])
+def test_a_per_head_bias_takes_the_kernels_layout_and_follows_its_captured_tensor(decided_again, Hkv):
+    # ALiBi's bias differs by head: one call in the kernel's [B, L, H, E] layout (GQA's query heads
+    # stacked as rows), laid out by the plan; the slopes edited in place are read again
+    B, Hq, L, D = 2, 4, 160, 16
+    q, k, v = random_qkv(B, Hq, Hkv, L, L, D, dtype=torch.float32, seed=8)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+    def alibi(score, b, h, qi, kv):
+        return score + slopes[h] * (kv - qi)
+    bm = flexc.create_block_mask(_window, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    for call in range(3):
+        if call == 2:
+            slopes.mul_(-3.0)
+        before = decided_again[0]
+        out, lse = flexc.flex_attention(q, k, v, score_mod=alibi, block_mask=bm, return_lse=True,
+                                        enable_gqa=Hkv != Hq)
+        if call:
+            assert decided_again[0] == before, "a warm call decided its path again"
+        ref_out, ref_lse = _reference(q, k, v, _window, score_mod=alibi)
+        # (float32 biases up to ~70 in size: a few ulps of them)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=0)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+        assert out.stride() == q.stride() and lse.is_contiguous()
+
+
+def test_a_row_a_captured_tensor_kills_later_gets_the_dead_rows_logsumexp(decided_again):
+    # no dead row at the first call; the edited tensor blocks all of row 20's keys: its logsumexp
+    # must be -inf (the kernel reports 0), so the plan's verdict on dead rows follows the mask
+    L = 160
+    cut = torch.tensor([-1])
+
+    def window_but_a_row(b, h, qi, kv):
+        return _window(b, h, qi, kv) & (qi != cut[0])
+    q, k, v = random_qkv(1, 2, 2, L, L, 16, dtype=torch.float32, seed=9)
+    bm = flexc.create_block_mask(window_but_a_row, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    flexc.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    cut.fill_(20)
+    before = decided_again[0]
+    out, lse = flexc.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert decided_again[0] == before
+    assert torch.isneginf(lse[:, :, 20]).all() and (out[:, :, 20] == 0).all()
+    ref_out, ref_lse = _reference(q, k, v, window_but_a_row)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0)
