@@ -17,9 +17,10 @@ import torch
 
 import flexc
 from flexc.mods import trace_cache
-from flexc.mods.trace import Tracer, mod_kind, trace
+from flexc.mods.trace import trace
 from catalogue import and_masks as closure_and_masks, or_masks as closure_or_masks
 from reference import dense_attention, random_qkv
+from trace_checks import assert_current
 
 LIMIT_A, LIMIT_B = 50, 60
 
@@ -59,14 +60,6 @@ def documents(ids, bounds, near):
     def mask(b, h, q_idx, kv_idx):
         return (ids[q_idx] == ids[kv_idx]) & (q_idx - kv_idx < bounds[1]) & near(q_idx, kv_idx)
     return mask
-
-
-def assert_current(fn):
-    cached, fresh = trace(fn), Tracer(fn, mod_kind(fn)).run()
-    assert cached.root is fresh.root, (str(cached), str(fresh))
-    assert [(t.data_ptr(), t.shape, t.dtype) for t in cached.buffers] == \
-        [(t.data_ptr(), t.shape, t.dtype) for t in fresh.buffers]
-    return cached
 
 
 def warmed(mods):

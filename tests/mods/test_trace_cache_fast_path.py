@@ -13,9 +13,10 @@ import torch
 
 import flexc
 from flexc.mods import trace_cache
-from flexc.mods.trace import Tracer, mod_kind, trace
+from flexc.mods.trace import trace
 from catalogue import and_masks
 from reference import dense_attention, random_qkv
+from trace_checks import assert_current
 
 LIMIT = 40
 
@@ -49,14 +50,6 @@ def shifted(mask_mod, offset):
     def mask(b, h, q_idx, kv_idx):
         return mask_mod(b, h, q_idx + offset, kv_idx)
     return mask
-
-
-def assert_current(fn):
-    cached, fresh = trace(fn), Tracer(fn, mod_kind(fn)).run()
-    assert cached.root is fresh.root, (str(cached), str(fresh))
-    assert [(t.data_ptr(), t.shape, t.dtype) for t in cached.buffers] == \
-        [(t.data_ptr(), t.shape, t.dtype) for t in fresh.buffers]
-    return cached
 
 
 def assert_steps_take_no_snapshot(mod, input_pos, snapshots, steps=3):
