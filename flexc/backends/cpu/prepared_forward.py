@@ -39,10 +39,9 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     returns for the calls of this signature. Decided here: attention with nothing masked (no
     score_mod, every listed block full) is one fused-kernel call; plain causal attention and causal
     sequences (no score_mod) are the kernel's causal calls, after a per-call check of the inputs'
-    finiteness (and of the causal starts, when the mask_mod captures tensors); a small call with a
-    mask the same for every batch and head (no score_mod or a bias) is one call over its dense tile
-    (:func:`_dense_tile`); everything else (decoding's short queries, per-head dense tiles, the
-    block path) runs :func:`torch_forward`."""
+    finiteness (and of the causal starts, when the mask_mod captures tensors); a small call (no
+    score_mod or a bias) is one call over its dense tile (:func:`_dense_tile`); everything else
+    (decoding's short queries, the block path) runs :func:`torch_forward`."""
     def general(query, key, value, block_mask, dropout, sinks, score_mod=score_mod, mask_mod=mask_mod):
         return torch_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse,
                              dropout=dropout, sinks=sinks)
@@ -113,13 +112,16 @@ def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_
     layout = "folded" if folded else "stacked"
     bias = score_mod is not None
     if any(mod is not None and mod.buffers for mod in (score_mod, mask_mod)):
-        verdict: list = [lambda: None, True]  # (the last mask, weakly, and whether it leaves a row dead)
+        # the last mask (weakly) and whether it leaves a row dead, as one tuple: read and replaced whole,
+        # so a thread never pairs one mask with another's verdict
+        last: list = [(lambda: None, True)]
 
         def mask_now(query, key, block_mask) -> tuple[torch.Tensor, bool]:
             mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, layout)
-            if verdict[0]() is not mask:  # (the memo made it again: the captured tensors changed)
-                verdict[:] = [weakref.ref(mask), dense_tile.has_dead_rows(mask)]
-            return mask, verdict[1]
+            seen = last[0]
+            if seen[0]() is not mask:  # (the memo made it again: the captured tensors changed)
+                seen = last[0] = (weakref.ref(mask), dense_tile.has_dead_rows(mask))
+            return mask, seen[1]
     else:
         kept = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, layout)
         kept_verdict = (kept, dense_tile.has_dead_rows(kept))
