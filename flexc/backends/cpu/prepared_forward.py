@@ -111,6 +111,8 @@ def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_
               and dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded").shape[0] == 1)
     layout = "folded" if folded else "stacked"
     bias = score_mod is not None
+    # the kernel misreads a last dimension with another stride (channels_last, permuted, sliced): copied
+    unit_stride = not any(t.stride()[-1] != 1 and t.shape[-1] > 1 for t in (query, key, value))
     if any(mod is not None and mod.buffers for mod in (score_mod, mask_mod)):
         # the last mask (weakly) and whether it leaves a row dead, as one tuple: read and replaced whole,
         # so a thread never pairs one mask with another's verdict
@@ -131,6 +133,8 @@ def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_
         if sinks is not None or not all_finite(query, key, value):
             return general(query, key, value, block_mask, None, sinks)
         mask, dead_rows = mask_now(query, key, block_mask)
+        if not unit_stride:
+            query, key, value = (fused_cpu.unit_last_stride(t) for t in (query, key, value))
         out, lse = dense_tile.forward_tile(query, key, value, mask, scale, bias, dead_rows, folded)
         return _finished(out, lse.contiguous(), None, need_lse)
     return tile
