@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -445,6 +445,82 @@ def two_products(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, 
         lse = torch.logsumexp(s, -1).view(B, Hq, L).nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)
     out = torch.bmm(s.softmax(-1), v_sel.reshape(B * Hkv, n, Ev)).view(B, Hq, L, Ev)
     return out, lse
+
+
+# allowed intervals -> _Columns, per prepared step: a decoding row's 128 positions give 128 keys
+_MAX_COLUMNS = 512
+
+
+class _Columns(NamedTuple):
+    """What a one-row step reads for one set of allowed ``kv_idx`` intervals: the masked spans
+    (:func:`_masked_by_intervals`), the key slice ``[start, start + n)`` (``start`` None: the
+    positions ``read``, gathered), and the computation (:func:`flash` or :func:`two_products`; None
+    when nothing is allowed). Never written to."""
+
+    masked: list
+    start: int | None
+    n: int
+    read: torch.Tensor | None
+    run: Callable | None
+
+
+def prepare_one_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                    mask_mod: TracedMod | None, block_mask: Any, scale: float) -> Callable | None:
+    """For the decoding calls of one signature whose BlockMask has one table row (a decoding step's
+    slice; the caller vouches that every call brings that row: a signature keys its lists or its
+    tables' states), the function ``(query, key, value, need_lse) -> (out, lse) or None`` of
+    :func:`forward`'s fused-kernel path, decided once: the row's key range (:func:`_one_row_plan`)
+    and whether the kernel serves the call. A call then reads only what
+    its values decide: the mask_mod's allowed keys for this call's captured values (one query row
+    of affine comparisons, :func:`flexc.analysis.row_intervals.allowed_intervals`), the slice and
+    spans they give (remembered by those intervals: a pure function of them), and the finiteness
+    of the masked columns. None (the step) where that call leaves the path (values the intervals do
+    not describe, a non-finite masked column): the caller runs :func:`forward`. None (this
+    function) for signatures the path does not serve."""
+    B, Hq, L, E = query.shape
+    S, Ev = value.shape[2], value.shape[3]
+    if (score_mod is not None or block_mask is None or fused_cpu.FLASH is None or not is_plain_cpu(query.device) or query.dtype not in (torch.float32, torch.float64) or E != Ev):
+        return None
+    plan = _one_row_plan(block_mask, L, S, query.device)
+    if plan is None or plan.positions is None:
+        return None
+    spans = plan.spans if not is_true(mask_mod) else ()
+    if spans and not (L == 1 and plan.span_starts is not None and _reads_only_row_inputs(structure(mask_mod)[0])):
+        return None  # (verdicts evaluated per element: forward's general steps)
+    columns: dict = {}
+
+    def found(intervals: tuple) -> _Columns:
+        listed = plan.positions.numel()
+        masked, lo, hi = _masked_by_intervals(intervals, plan, listed) if spans else ([], 0, listed)
+        if lo >= hi:
+            return _Columns([], None, 0, None, None)
+        start = plan.start + lo if plan.start is not None else None
+        read = plan.positions[lo:hi] if start is None else None
+        k_sel = key.narrow(2, start, hi - lo) if start is not None else key.index_select(2, read)
+        return _Columns(masked, start, hi - lo, read, two_products if _products_pay(query, k_sel, masked) else flash)
+
+    def step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, need_lse: bool):
+        intervals = allowed_intervals(mask_mod, 0, S) if spans else ()
+        if intervals is None:
+            return None
+        chosen = columns.get(intervals)
+        if chosen is None:
+            if len(columns) >= _MAX_COLUMNS:
+                columns.clear()
+            chosen = columns[intervals] = found(intervals)
+        if chosen.run is None:
+            return _nothing_allowed(query, Ev, False, torch.float32)[:2]
+        if chosen.start is None:
+            k_sel, v_sel = key.index_select(2, chosen.read), value.index_select(2, chosen.read)
+        elif chosen.n == S:
+            k_sel, v_sel = key, value
+        else:
+            k_sel, v_sel = key.narrow(2, chosen.start, chosen.n), value.narrow(2, chosen.start, chosen.n)
+        masked = chosen.masked
+        if masked and not (all_finite(query) and _finite_columns(masked, k_sel, v_sel)):
+            return None  # (an additive -inf mask turns a masked NaN into NaN: forward's NaN-safe steps)
+        return chosen.run(query, k_sel, v_sel, masked, scale, need_lse)
+    return step
 
 
 def _nothing_allowed(query: torch.Tensor, Ev: int, need_max: bool, lse_dtype: torch.dtype):

@@ -64,7 +64,9 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
     :func:`flexc.backends.cpu.torch_cpu.forward_with_max` takes for this signature, where it is one
     of the fused kernel's; None where it is another (decided per call there)."""
     L, S = query.shape[2], key.shape[2]
-    if decode_cpu.applies(query, key) or not query.numel() or not S:
+    if decode_cpu.applies(query, key):
+        return _decode(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general)
+    if not query.numel() or not S:
         return None
     if score_mod is not None:  # (a score_mod leaves the dense tile, for a bias)
         return _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general)
@@ -92,6 +94,21 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
             return general(query, key, value, block_mask, None, sinks)
         return _finished(*forward(query, key, value), sinks, need_lse)
     return causal
+
+
+def _decode(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
+    """:func:`_decided`'s decoding step on a one-row slice (:func:`decode_cpu.prepare_one_row`: the
+    row's key range decided once, the allowed keys per call); None for other short queries."""
+    step = decode_cpu.prepare_one_row(query, key, value, score_mod, mask_mod, block_mask, scale)
+    if step is None:
+        return None
+
+    def decode(query, key, value, block_mask, sinks):
+        found = step(query, key, value, need_lse or sinks is not None)
+        if found is None:
+            return general(query, key, value, block_mask, None, sinks)
+        return _finished(*found, sinks, need_lse)
+    return decode
 
 
 def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
