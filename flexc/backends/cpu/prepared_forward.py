@@ -99,16 +99,8 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
 def _decode(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
     """:func:`_decided`'s decoding step on a one-row slice (:func:`decode_cpu.prepare_one_row`: the
     row's key range decided once, the allowed keys per call); None for other short queries."""
-    step = decode_cpu.prepare_one_row(query, key, value, score_mod, mask_mod, block_mask, scale)
-    if step is None:
-        return None
-
-    def decode(query, key, value, block_mask, sinks):
-        found = step(query, key, value, need_lse or sinks is not None)
-        if found is None:
-            return general(query, key, value, block_mask, None, sinks)
-        return _finished(*found, sinks, need_lse)
-    return decode
+    return decode_cpu.prepare_one_row(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general,
+                                      _finished)
 
 
 def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
