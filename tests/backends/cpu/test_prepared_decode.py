@@ -121,3 +121,20 @@ def test_the_parents_tables_edited_in_place_are_read_again():
     out = flexc.flex_attention(q, k, v, block_mask=decoding_slice(parent, position, 100, _causal, S))
     expected = dense_attention(q, k, v, mask_mod=lambda b, h, qi, kv: kv < 192)[0]
     torch.testing.assert_close(out, expected.float(), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra", ["return_lse", "sinks"])
+def test_grouped_heads_with_a_logsumexp_or_sinks_take_the_kernel_path_and_match_float64_dense(calls, extra):
+    q, _, _ = random_qkv(1, 2 * H, H, 1, S, D, seed=5)  # (two query heads per key head)
+    _, k, v = random_qkv(1, H, H, 1, S, D, seed=6)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]) if extra == "sinks" else None
+    parent = flexc.create_block_mask(_causal_but_five_back, None, None, S, S, device="cpu", BLOCK_SIZE=BLOCK)
+    position = torch.tensor([0])
+    for pos in (70, 71, 70):
+        sliced = decoding_slice(parent, position, pos, _causal_but_five_back, S)
+        out, lse = flexc.flex_attention(q, k, v, block_mask=sliced, enable_gqa=True, return_lse=True, sinks=sinks)
+        expected, expected_lse, _ = dense_attention(
+            q, k, v, mask_mod=lambda b, h, qi, kv: _causal_but_five_back(b, h, qi + pos, kv), sinks=sinks)
+        torch.testing.assert_close(out, expected.float(), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(lse, expected_lse.float(), atol=2e-6, rtol=1e-5)
+    assert calls["decided again"] == 0
