@@ -531,7 +531,8 @@ def prepare_one_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             k_sel, v_sel = key.narrow(2, chosen.start, n), value.narrow(2, chosen.start, n)
         run = chosen.run
         if run is None and sinks is None:  # (the usual step: nothing masked, no logsumexp)
-            return fused_cpu.FLASH(query, k_sel, v_sel, attn_mask=None, scale=scale)[0].contiguous(), None
+            out = fused_cpu.FLASH(query, k_sel, v_sel, attn_mask=None, scale=scale)[0]
+            return (out if L == 1 else out.contiguous()), None  # (one row: contiguous as it comes)
         masked = chosen.masked
         if masked and not (all_finite(query) and _finite_columns(masked, k_sel, v_sel)):
             # (an additive -inf mask turns a masked NaN into NaN: forward's NaN-safe steps)

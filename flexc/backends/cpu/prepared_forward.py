@@ -11,6 +11,11 @@ values (the causal starts, the dense tile's mask: memo lookups) and the thread c
 (:func:`causal_call.prepared_forward`). Warm CPU forwards, B=2, H=4, L=256, D=32, one thread, host
 time besides the kernel: causal 88 -> 35 us, a sliding window (one dense tile) 162 -> 76 us.
 
+Decoding's short queries on a one-row slice (gpt-fast's ``block_mask[:, :, pos // 128]`` every
+step) keep the row's key range and the kernel's call, and per call read the mask_mod's allowed keys
+for its captured values (:func:`decode_cpu.prepare_one_row`): gpt-fast's CPU step (B=1, H=8, 1024
+keys, D=64, fp32, one thread) 1.28x -> 1.1x SDPA's with the boolean mask row (bench/host.py).
+
 The decisions hold only for the tables they were taken on: a call whose caller does not vouch for
 them (``same_tables`` false: a slice, whose row differs between calls of its signature), or that
 passes its own mods (a compiled call's), runs :func:`torch_forward` as every call did before.
@@ -40,8 +45,9 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     sequences (no score_mod) are the kernel's causal calls, after a per-call check of the inputs'
     finiteness (and of the causal starts, when the mask_mod captures tensors); a small call with a
     mask the same for every batch and head (no score_mod or a bias) is one call over its dense tile
-    (:func:`_dense_tile`); everything else (decoding's short queries, per-head dense tiles, the
-    block path) runs :func:`torch_forward`."""
+    (:func:`_dense_tile`); decoding's short queries on one table row run the decode path's kernel call
+    (:func:`_decode`); everything else (other short queries, per-head dense tiles, the block path)
+    runs :func:`torch_forward`."""
     def general(query, key, value, block_mask, dropout, sinks, score_mod=score_mod, mask_mod=mask_mod):
         return torch_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse,
                              dropout=dropout, sinks=sinks)
