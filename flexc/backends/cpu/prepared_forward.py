@@ -14,7 +14,7 @@ time besides the kernel: causal 88 -> 35 us, a sliding window (one dense tile) 1
 Decoding's short queries on a one-row slice (gpt-fast's ``block_mask[:, :, pos // 128]`` every
 step) keep the row's key range and the kernel's call, and per call read the mask_mod's allowed keys
 for its captured values (:func:`decode_cpu.prepare_one_row`): gpt-fast's CPU step (B=1, H=8, 1024
-keys, D=64, fp32, one thread) 1.28x -> 1.1x SDPA's with the boolean mask row (bench/host.py).
+keys, D=64, fp32, one thread) 1.26x -> 1.15x SDPA's with the boolean mask row (bench/host.py).
 
 The decisions hold only for the tables they were taken on: a call whose caller does not vouch for
 them (``same_tables`` false: a slice, whose row differs between calls of its signature), or that
