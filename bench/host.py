@@ -24,6 +24,8 @@ a call does on the host up to the launch, and nothing of the kernel or of Triton
   (bench/cpu_training.py's "small" row): where kernels are this short, host time shows;
 - CPU forward against SDPA: the same row's forward without autograd (inference), causal and a
   sliding window of 64 (one dense tile on flexc's side).
+- CPU decode step against SDPA: the decode step row in fp32 on the CPU for real, against SDPA
+  reading the position's row of a dense causal boolean mask.
 - launch binding, per kernel kind: what a GPU launch costs before Triton's launcher runs, which the
   stub leaves out: ``JITFunction.run``'s argument binding, specialization and cache key (Triton's
   binder for an sm_90 target, built without a GPU) against :mod:`flexc.compiled_launch`'s key and
@@ -275,6 +277,44 @@ def measure_cpu_forward(repeats: int = 7, calls: int = 20, clock: Callable[[], f
     return rows
 
 
+def measure_cpu_decode(repeats: int = 7, calls: int = 20, clock: Callable[[], float] = time.perf_counter
+                       ) -> dict[str, float]:
+    """``{"flexc": µs, "sdpa": µs}`` per CPU decoding step, one thread: gpt-fast's idiom (the decode
+    step row's, B=1 H=8, a 1024-key cache, D=64) in fp32 on the CPU, against the same step with SDPA
+    reading the row ``input_pos`` of a dense causal boolean mask (gpt-fast's path without flex)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(B, H, 1, D, generator=g)
+        k, v = (torch.randn(B, H, CACHE, D, generator=g) for _ in range(2))
+        parent = flexc.create_block_mask(causal, None, None, CACHE, CACHE, device="cpu", BLOCK_SIZE=BLOCK)
+        dense = torch.ones(CACHE, CACHE, dtype=torch.bool).tril()
+        input_pos = torch.tensor([CACHE // 2])
+        positions = iter(range(10 ** 9))
+
+        def flexc_step():
+            input_pos.fill_(CACHE // 2 + next(positions) % (CACHE // 2))
+            offset = input_pos[0]
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return causal(b, h, q_idx + offset, kv_idx)
+            mask = parent[:, :, input_pos // BLOCK]
+            mask.mask_mod, mask.seq_lengths = mask_mod, (1, CACHE)
+            return flexc.flex_attention(q, k, v, block_mask=mask)
+
+        def sdpa_step():
+            input_pos.fill_(CACHE // 2 + next(positions) % (CACHE // 2))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None, input_pos])
+        rows = {"flexc": flexc_step, "sdpa": sdpa_step}
+        for _ in range(CACHE // 2):  # warm: every row's plan made
+            flexc_step()
+        sdpa_step()
+        return interleaved_medians(rows, repeats, calls, clock)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _cpu_rows(steps: Callable, mask_mod: Callable, grad: bool, repeats: int, calls: int,
               clock: Callable[[], float]) -> dict[str, float]:
     """Medians of ``steps(leaves, grad_out, block_mask, dense_mask)``'s rows on the CPU row's inputs
@@ -328,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"CPU forward (no autograd), same row, {name}{' ' + str(CPU_WINDOW) if name == 'window' else ''}: "
               f"flexc {forward['flexc ' + name]:.1f} µs, SDPA {forward['sdpa ' + name]:.1f} µs "
               f"({forward['flexc ' + name] / forward['sdpa ' + name]:.2f}x)")
+    decode = measure_cpu_decode(args.repeats, args.calls, clock)
+    print(f"CPU decode step (gpt-fast), B={B} H={H} cache {CACHE} D={D} fp32: flexc {decode['flexc']:.1f} µs, "
+          f"SDPA with the boolean mask row {decode['sdpa']:.1f} µs ({decode['flexc'] / decode['sdpa']:.2f}x)")
     for kind, us in measure_binding(measure.seen, args.repeats).items():
         print(f"{kind} launch on a GPU, before the launcher: JITFunction.run's binding {us['triton']:.1f} µs, "
               f"flexc.compiled_launch {us['flexc']:.1f} µs")

@@ -33,3 +33,5 @@ def test_every_row_reaches_the_stubbed_launcher_and_the_summary_names_each():
     forward = bench.measure_cpu_forward(repeats=1, calls=1)
     assert set(forward) == {"flexc causal", "sdpa causal", "flexc window", "sdpa window"}
     assert all(us > 0 for us in forward.values())
+    decode = bench.measure_cpu_decode(repeats=1, calls=1)
+    assert decode["flexc"] > 0 and decode["sdpa"] > 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -445,6 +445,101 @@ def two_products(query: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, 
         lse = torch.logsumexp(s, -1).view(B, Hq, L).nan_to_num_(nan=_NAN, posinf=_NAN, neginf=_NEG_INF)
     out = torch.bmm(s.softmax(-1), v_sel.reshape(B * Hkv, n, Ev)).view(B, Hq, L, Ev)
     return out, lse
+
+
+# allowed intervals kept per prepared step (a decoding row's 128 positions: 128 of them)
+_MAX_COLUMNS = 512
+
+
+class _Columns(NamedTuple):
+    """What a one-row step reads for one set of allowed ``kv_idx`` intervals: the masked spans
+    (:func:`_masked_by_intervals`), the key slice ``[start, start + n)`` (``start`` None: the
+    positions ``read``, gathered; ``n`` 0: nothing allowed), and the computation (:func:`flash`
+    or :func:`two_products`; None for the fused kernel called straight). Never written to."""
+
+    masked: list
+    start: int | None
+    n: int
+    read: torch.Tensor | None
+    run: Callable | None
+
+
+def prepare_one_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: TracedMod | None,
+                    mask_mod: TracedMod | None, block_mask: Any, scale: float, need_lse: bool, general: Callable,
+                    finish: Callable) -> Callable | None:
+    """For the decoding calls of one signature whose BlockMask has one table row (a decoding step's
+    slice; the caller vouches that every call brings that row: a signature keys its lists or its
+    tables' states), the function ``(query, key, value, block_mask, sinks) -> (out, lse or None)``
+    of :func:`forward`'s fused-kernel path, decided once: the row's key range
+    (:func:`_one_row_plan`), whether the kernel serves the call, and how it is called. A call then
+    reads only what its values decide: the mask_mod's allowed keys for its captured values (one
+    query row of affine comparisons, :func:`flexc.analysis.row_intervals.allowed_intervals`), the
+    slice and spans they give (remembered by those intervals: a pure function of them), and the
+    finiteness of the masked columns. A call that leaves the path (values the intervals do not
+    describe, a non-finite masked column) runs ``general`` (the same arguments and dropout None);
+    the path's ``(out, lse, sinks, need_lse)`` go through ``finish`` unless nothing is left to do.
+    None for signatures the path does not serve."""
+    B, Hq, L, E = query.shape
+    Bkv, Hkv, S, Ev = value.shape
+    if (score_mod is not None or block_mask is None or fused_cpu.FLASH is None or not is_plain_cpu(query.device)
+            or query.dtype not in (torch.float32, torch.float64) or E != Ev):
+        return None
+    plan = _one_row_plan(block_mask, L, S, query.device)
+    if plan is None or plan.positions is None:
+        return None
+    spans = plan.spans if not is_true(mask_mod) else ()
+    if spans and not (L == 1 and plan.span_starts is not None and _reads_only_row_inputs(structure(mask_mod)[0])):
+        return None  # (verdicts evaluated per element: forward's general steps)
+    # no logsumexp, one query head per key head, layouts the kernel reads as they are: the output is
+    # the kernel's first result (what flash does then, without its checks)
+    plain = (not need_lse and Hq == Hkv and B == Bkv
+             and query.stride(3) == key.stride(3) == value.stride(3) == 1)
+    columns: dict = {}  # allowed intervals -> _Columns
+    # the inputs' layouts, which the signature fixes (no tensor of a call kept alive by its plan)
+    query, key = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (query, key))
+
+    def found(intervals: tuple) -> _Columns:
+        listed = plan.positions.numel()
+        masked, lo, hi = _masked_by_intervals(intervals, plan, listed) if spans else ([], 0, listed)
+        if lo >= hi:
+            return _Columns([], None, 0, None, None)
+        start = plan.start + lo if plan.start is not None else None
+        read = plan.positions[lo:hi] if start is None else None
+        k_sel = (key.narrow(2, start, hi - lo) if start is not None  # (index_select's gather: contiguous)
+                 else key.new_empty((*key.shape[:2], hi - lo, key.shape[3])))
+        run = two_products if _products_pay(query, k_sel, masked) else flash
+        return _Columns(masked, start, hi - lo, read, None if plain and not masked and run is flash else run)
+
+    def step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+             sinks: torch.Tensor | None):
+        intervals = allowed_intervals(mask_mod, 0, S) if spans else ()
+        if intervals is None:
+            return general(query, key, value, block_mask, None, sinks)
+        chosen = columns.get(intervals)
+        if chosen is None:
+            if len(columns) >= _MAX_COLUMNS:
+                columns.clear()
+            chosen = columns[intervals] = found(intervals)
+        n = chosen.n
+        if not n:
+            return finish(*_nothing_allowed(query, Ev, False, torch.float32)[:2], sinks, need_lse)
+        if chosen.start is None:
+            k_sel, v_sel = key.index_select(2, chosen.read), value.index_select(2, chosen.read)
+        elif n == S:
+            k_sel, v_sel = key, value
+        else:
+            k_sel, v_sel = key.narrow(2, chosen.start, n), value.narrow(2, chosen.start, n)
+        run = chosen.run
+        if run is None and sinks is None:  # (the usual step: nothing masked, no logsumexp)
+            out = fused_cpu.FLASH(query, k_sel, v_sel, attn_mask=None, scale=scale)[0]
+            return (out if L == 1 else out.contiguous()), None  # (one row: contiguous as it comes)
+        masked = chosen.masked
+        if masked and not (all_finite(query) and _finite_columns(masked, k_sel, v_sel)):
+            # (an additive -inf mask turns a masked NaN into NaN: forward's NaN-safe steps)
+            return general(query, key, value, block_mask, None, sinks)
+        return finish(*(run or flash)(query, k_sel, v_sel, masked, scale, need_lse or sinks is not None),
+                      sinks, need_lse)
+    return step
 
 
 def _nothing_allowed(query: torch.Tensor, Ev: int, need_max: bool, lse_dtype: torch.dtype):

@@ -3,13 +3,19 @@
 :func:`flexc.backends.cpu.torch_cpu.forward_with_max` decides at every call which path computes it:
 the decode path for short queries, one fused-kernel call for attention with nothing masked, the
 kernel's causal mode for causal sequences, one call over a small call's dense tile, else the block
-path. Those decisions read the inputs'
-shapes, strides and dtypes, the mods and the BlockMask's tables, which a plan's signature fixes
-(:mod:`flexc.call.signature`), so for the calls of one signature they are taken here, once. A warm
-call checks only what a signature leaves open: the inputs' finiteness, the mods' captured tensors'
-values (the causal starts, the dense tile's mask: memo lookups) and the thread count
-(:func:`causal_call.prepared_forward`). Warm CPU forwards, B=2, H=4, L=256, D=32, one thread, host
-time besides the kernel: causal 88 -> 35 us, a sliding window (one dense tile) 162 -> 76 us.
+path. Those decisions read the inputs' shapes, strides and dtypes, the mods and the BlockMask's
+tables, which a plan's signature fixes (:mod:`flexc.call.signature`), so for the calls of one
+signature they are taken here, once. A warm call checks only what a signature leaves open: the
+inputs' finiteness, the mods' captured tensors' values (the causal starts, the dense tile's mask:
+memo lookups) and the thread count (:func:`causal_call.prepared_forward`). Warm CPU forwards, B=2,
+H=4, L=256, D=32, one thread, host time besides the kernel: causal 88 -> 35 us, a sliding window
+(one dense tile) 162 -> 47 us, causal ALiBi 210 -> 125 us. (Host code right after a kernel's call
+runs several times slower than warm, its caches evicted: every step saved there counts more.)
+
+Decoding's short queries on a one-row slice (gpt-fast's ``block_mask[:, :, pos // 128]`` every
+step) keep the row's key range and the kernel's call, and per call read the mask_mod's allowed keys
+for its captured values (:func:`decode_cpu.prepare_one_row`): gpt-fast's CPU step (B=1, H=8, 1024
+keys, D=64, fp32, one thread) 1.26x -> 1.15x SDPA's with the boolean mask row (bench/host.py).
 
 The decisions hold only for the tables they were taken on: a call whose caller does not vouch for
 them (``same_tables`` false: a slice, whose row differs between calls of its signature), or that
@@ -40,8 +46,9 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     score_mod, every listed block full) is one fused-kernel call; plain causal attention and causal
     sequences (no score_mod) are the kernel's causal calls, after a per-call check of the inputs'
     finiteness (and of the causal starts, when the mask_mod captures tensors); a small call (no
-    score_mod or a bias) is one call over its dense tile (:func:`_dense_tile`); everything else
-    (decoding's short queries, the block path) runs :func:`torch_forward`."""
+    score_mod or a bias) is one call over its dense tile (:func:`_dense_tile`); decoding's short
+    queries on one table row run the decode path's kernel call (:func:`_decode`); everything else
+    (other short queries, the block path) runs :func:`torch_forward`."""
     def general(query, key, value, block_mask, dropout, sinks, score_mod=score_mod, mask_mod=mask_mod):
         return torch_forward(query, key, value, score_mod, mask_mod, block_mask, scale, kernel_options, need_lse,
                              dropout=dropout, sinks=sinks)
@@ -64,7 +71,9 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
     :func:`flexc.backends.cpu.torch_cpu.forward_with_max` takes for this signature, where it is one
     of the fused kernel's; None where it is another (decided per call there)."""
     L, S = query.shape[2], key.shape[2]
-    if decode_cpu.applies(query, key) or not query.numel() or not S:
+    if decode_cpu.applies(query, key):
+        return _decode(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general)
+    if not query.numel() or not S:
         return None
     if score_mod is not None:  # (a score_mod leaves the dense tile, for a bias)
         return _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general)
@@ -92,6 +101,13 @@ def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse
             return general(query, key, value, block_mask, None, sinks)
         return _finished(*forward(query, key, value), sinks, need_lse)
     return causal
+
+
+def _decode(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
+    """:func:`_decided`'s decoding step on a one-row slice (:func:`decode_cpu.prepare_one_row`: the
+    row's key range decided once, the allowed keys per call); None for other short queries."""
+    return decode_cpu.prepare_one_row(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general,
+                                      _finished)
 
 
 def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
