@@ -382,6 +382,15 @@ def forward_folded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return out.view(out_size), lse.view(lse_size).contiguous()
 
 
+def fills_past_the_diagonal(starts: Starts, L: int, S: int) -> bool:
+    """Whether every kernel call of these sequences masks in the kernel's causal mode, which fills
+    the scores past the diagonal with -inf (none is split by :func:`causal_chunks.split`, whose
+    chunks add a -inf mask): a non-finite query or key then stays in the rows that see it, and only
+    a non-finite value row (times its 0 probabilities) reaches earlier rows."""
+    return not any(causal_chunks.split(qs.stop - qs.start, ks.stop - ks.start)
+                   for _, qs, ks in _calls(starts, 1, L, S, False))
+
+
 def _fold_sizes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple:
     """``(query, key, value sizes folded, output size, logsumexp size)`` of :func:`foldable` inputs:
     batch and heads folded into the kernel's batch of one head, and the outputs' sizes unfolded."""

@@ -186,3 +186,21 @@ def test_a_row_a_captured_tensor_kills_later_gets_the_dead_rows_logsumexp(decide
     ref_out, ref_lse = _reference(q, k, v, window_but_a_row)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("L", [128, 512])  # (512: a call split along the diagonal, whose chunks add a -inf mask)
+@pytest.mark.parametrize("tensor", ["query", "key"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_query_or_key_on_a_warm_causal_plan_stays_in_the_rows_that_see_it(decided_again, tensor, bad,
+                                                                                       L):
+    # where the kernel's causal mode fills the scores past the diagonal the warm plan checks only the
+    # values; either way a bad key row (or query row) must leave the rows before it as float64 dense has them
+    q, k, v = random_qkv(1, 2, 2, L, L, 8, dtype=torch.float64, seed=11)
+    bm = flexc.create_block_mask(_causal, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    flexc.flex_attention(q, k, v, block_mask=bm)
+    row = L - 88  # (in the last of the split call's chunks)
+    {"query": q, "key": k}[tensor][0, :, row] = bad
+    out = flexc.flex_attention(q, k, v, block_mask=bm)
+    ref = _reference(q, k, v, _causal)[0]
+    torch.testing.assert_close(out[:, :, :row], ref[:, :, :row], atol=1e-12, rtol=0)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0, equal_nan=True)
