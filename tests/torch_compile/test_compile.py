@@ -470,7 +470,8 @@ def test_a_score_mod_returning_the_score_unchanged_compiles_as_the_call_without_
     # dropped there as in eager calls (the causal mode's kernel runs), with the same gradients
     from flexc.backends.cpu import causal_call
     seen = []
-    monkeypatch.setattr(causal_call, "forward", lambda *a, _real=causal_call.forward: seen.append(1) or _real(*a))
+    for name in ("forward", "forward_folded"):  # (forward_folded: a plan's prepared call of plain causal attention)
+        monkeypatch.setattr(causal_call, name, lambda *a, _real=getattr(causal_call, name): seen.append(1) or _real(*a))
     q, k, v = (torch.randn(1, 2, 64, 8, generator=torch.Generator().manual_seed(13), requires_grad=True)
                for _ in range(3))
     bm = flexc.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 64, 64, BLOCK_SIZE=32)

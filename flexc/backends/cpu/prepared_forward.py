@@ -17,9 +17,10 @@ step) keep the row's key range and the kernel's call, and per call read the mask
 for its captured values (:func:`decode_cpu.prepare_one_row`): gpt-fast's CPU step (B=1, H=8, 1024
 keys, D=64, fp32, one thread) 1.26x -> 1.15x SDPA's with the boolean mask row (bench/host.py).
 
-The decisions hold only for the tables they were taken on: a call whose caller does not vouch for
-them (``same_tables`` false: a slice, whose row differs between calls of its signature), or that
-passes its own mods (a compiled call's), runs :func:`torch_forward` as every call did before.
+The decisions hold only for the tables and mods they were taken on: a call whose caller does not
+vouch for the tables (``same_tables`` false: a slice, whose row differs between calls of its
+signature), or a compiled call whose own mods capture tensors (or a decoding step's, whose path
+reads them per call), runs :func:`torch_forward` as every call did before.
 """
 from __future__ import annotations
 
@@ -59,11 +60,22 @@ def prepare_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             return general(query, key, value, block_mask, dropout, sinks, *(mods or ()))
         return run
 
+    # a compiled call passes its own mods, rebuilt per call: where neither they nor the plan's capture a
+    # tensor and the path reads no mod per call (not decoding's), its signature
+    # (flexc.torch_compile.op_plans: the mods' structures, the tables' states) makes them the plan's
+    compiled_too = not decode_cpu.applies(query, key) and not _captures(score_mod, mask_mod)
+
     def run(query, key, value, block_mask, dropout, sinks, mods=None, same_tables=False):
-        if mods is not None or not same_tables or dropout is not None:
+        if (not same_tables or dropout is not None
+                or (mods is not None and not (compiled_too and not _captures(*mods)))):
             return general(query, key, value, block_mask, dropout, sinks, *(mods or ()))
         return decided(query, key, value, block_mask, sinks)
     return run
+
+
+def _captures(*mods: TracedMod | None) -> bool:
+    """Whether a mod among ``mods`` captures a tensor."""
+    return any(mod is not None and mod.buffers for mod in mods)
 
 
 def _decided(query, key, value, score_mod, mask_mod, block_mask, scale, need_lse, general) -> Callable | None:
@@ -133,7 +145,7 @@ def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_
     bias = score_mod is not None
     # the kernel misreads a last dimension with another stride (channels_last, permuted, sliced): copied
     unit_stride = not any(t.stride()[-1] != 1 and t.shape[-1] > 1 for t in (query, key, value))
-    if any(mod is not None and mod.buffers for mod in (score_mod, mask_mod)):
+    if _captures(score_mod, mask_mod):
         # the last mask (weakly) and whether it leaves a row dead, as one tuple: read and replaced whole,
         # so a thread never pairs one mask with another's verdict
         last: list = [(lambda: None, True)]

@@ -204,3 +204,25 @@ def test_a_non_finite_query_or_key_on_a_warm_causal_plan_stays_in_the_rows_that_
     ref = _reference(q, k, v, _causal)[0]
     torch.testing.assert_close(out[:, :, :row], ref[:, :, :row], atol=1e-12, rtol=0)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("mask_mod", [_causal, _window], ids=["causal", "window"])
+def test_compiled_calls_whose_mods_capture_nothing_take_the_decided_path(decided_again, mask_mod):
+    # a compiled call's op rebuilds its mods per call; capturing no tensor, they are the plan's
+    # (the op's signature holds their structure), so warm calls run the path decided once
+    L = 128
+    q, k, v = random_qkv(2, 2, 2, L, L, 16, dtype=torch.float32, seed=12)
+    bm = flexc.create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    attend = torch.compile(lambda q, k, v: flexc.flex_attention(q, k, v, block_mask=bm), backend="aot_eager",
+                           fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for call in range(3):
+        if call:
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, generator=g))
+        before = decided_again[0]
+        with torch.no_grad():
+            out = attend(q, k, v)
+        if call:
+            assert decided_again[0] == before, "a warm compiled call decided its path again"
+        torch.testing.assert_close(out.double(), _reference(q, k, v, mask_mod)[0], atol=2e-6, rtol=0)
