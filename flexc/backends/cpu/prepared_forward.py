@@ -139,9 +139,10 @@ def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_
     gives it per call (:func:`dense_tile.call_mask`)."""
     if not dense_tile.takes(query, key, value, score_mod):
         return None
+    # (the kernel's mask as forward_with_max's dense tile lays it out, one memo entry for both; with one
+    # query head per key head a mask the same for every batch and head is also the folded call's)
     folded = (causal_call.foldable(query, key, value)
-              and dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "folded").shape[0] == 1)
-    layout = "folded" if folded else "stacked"
+              and dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "stacked").shape[:2] == (1, 1))
     bias = score_mod is not None
     # the kernel misreads a last dimension with another stride (channels_last, permuted, sliced): copied
     unit_stride = not any(t.stride()[-1] != 1 and t.shape[-1] > 1 for t in (query, key, value))
@@ -151,13 +152,13 @@ def _dense_tile(query, key, value, score_mod, mask_mod, block_mask, scale, need_
         last: list = [(lambda: None, True)]
 
         def mask_now(query, key, block_mask) -> tuple[torch.Tensor, bool]:
-            mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, layout)
+            mask = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
             seen = last[0]
             if seen[0]() is not mask:  # (the memo made it again: the captured tensors changed)
                 seen = last[0] = (weakref.ref(mask), dense_tile.has_dead_rows(mask))
             return mask, seen[1]
     else:
-        kept = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, layout)
+        kept = dense_tile.call_mask(query, key, score_mod, mask_mod, block_mask, "stacked")
         kept_verdict = (kept, dense_tile.has_dead_rows(kept))
         mask_now = lambda query, key, block_mask: kept_verdict  # noqa: E731
 
