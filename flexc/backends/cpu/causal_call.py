@@ -477,9 +477,7 @@ def foldable(*tensors: torch.Tensor) -> bool:
 
 
 def _folded(t: torch.Tensor, fold: bool) -> torch.Tensor:
-    if fold:
-        return t.view(t.shape[0] * t.shape[1], 1, *t.shape[2:])
-    return fused_cpu.unit_last_stride(t)
+    return fused_cpu.heads_folded(t) if fold else fused_cpu.unit_last_stride(t)
 
 
 def _unfolded(t: torch.Tensor, like: torch.Tensor, fold: bool) -> torch.Tensor:

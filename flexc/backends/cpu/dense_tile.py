@@ -189,8 +189,7 @@ def forward_tile(query, key, value, mask: torch.Tensor, scale: float, bias: bool
     the outputs are row-major). ``bias``: the mask holds a score_mod's bias; ``dead_rows``: False
     when the caller knows no row of ``mask`` is all -inf (:func:`has_dead_rows`)."""
     B, Hq, L, _ = query.shape
-    inputs = tuple(t.view(B * Hq, 1, *t.shape[2:]) for t in (query, key, value)) if folded else _shapes(query, key,
-                                                                                                      value)
+    inputs = tuple(map(fused_cpu.heads_folded, (query, key, value))) if folded else _shapes(query, key, value)
     o, l = fused_cpu.FLASH(*inputs, attn_mask=mask, scale=scale)
     if dead_rows:
         fused_cpu.fix_dead_rows(l, mask)

@@ -59,6 +59,12 @@ def supported(query: torch.Tensor, value: torch.Tensor, mods, need_max: bool) ->
             and (mods is None or mods.score_mod is None or mods.bias_node is not None))
 
 
+def heads_folded(t: torch.Tensor) -> torch.Tensor:
+    """A row-major ``[B, H, n, E]`` tensor as the kernel's batch of one head, ``[B * H, 1, n, E]`` (a
+    view): the kernel's outputs and gradients then come back row-major."""
+    return t.view(t.shape[0] * t.shape[1], 1, *t.shape[2:])
+
+
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` with stride 1 along its last dimension (a copy only when needed): the fused kernel
     misreads any other last-dim stride (channels_last, ``v[..., ::2]``, permuted views)."""
